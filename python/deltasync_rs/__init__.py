@@ -1,0 +1,35 @@
+"""deltasync-rs: bit-exact sparse deltas of model weights, stored as valid safetensors files.
+
+    import deltasync_rs as ds
+    delta = ds.diff(prev_state, curr_state)
+    delta.save("step_000042.safetensors")
+    ds.load("step_000042.safetensors").apply_(state)
+"""
+
+# torch stays out of this module: `deltasync_rs.torch` is our submodule (see docs/format.md and ARCHITECTURE).
+from ._core import (
+    FORMAT_VERSION,
+    BaseMismatchError,
+    DeltaFormatError,
+    DeltaSyncError,
+    __version__,
+    get_num_threads,
+    set_num_threads,
+)
+from .delta import DEFAULT_NAME, Delta, TensorInfo, anchor, diff, load
+
+__all__ = [
+    "DEFAULT_NAME",
+    "FORMAT_VERSION",
+    "BaseMismatchError",
+    "Delta",
+    "DeltaFormatError",
+    "DeltaSyncError",
+    "TensorInfo",
+    "__version__",
+    "anchor",
+    "diff",
+    "get_num_threads",
+    "load",
+    "set_num_threads",
+]

@@ -1,0 +1,159 @@
+"""Adapters between torch tensors / numpy arrays and the raw little-endian bytes the Rust core reads and writes."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from ._core import BaseMismatchError, DeltaSyncError
+
+# numpy dtypes by safetensors name; bf16 and fp8 come from ml_dtypes and are matched by name.
+_NUMPY_NAMES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float64": "F64",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+_TORCH_NAMES = {
+    "torch.bool": "BOOL",
+    "torch.uint8": "U8",
+    "torch.int8": "I8",
+    "torch.int16": "I16",
+    "torch.uint16": "U16",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.int32": "I32",
+    "torch.uint32": "U32",
+    "torch.float32": "F32",
+    "torch.int64": "I64",
+    "torch.uint64": "U64",
+    "torch.float64": "F64",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.float8_e5m2": "F8_E5M2",
+}
+
+WIDTHS = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+def is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_array(x: Any) -> bool:
+    return is_torch(x) or isinstance(x, np.ndarray)
+
+
+def describe(x: Any, name: str) -> tuple[str, tuple[int, ...]]:
+    """The safetensors dtype name and the shape of a tensor or array."""
+    if is_torch(x):
+        dtype = _TORCH_NAMES.get(str(x.dtype))
+        shape = tuple(x.shape)
+    elif isinstance(x, np.ndarray):
+        if x.dtype.byteorder == ">" or (x.dtype.byteorder == "=" and sys.byteorder == "big"):
+            raise DeltaSyncError(f"tensor {name!r}: big-endian arrays are not supported; use .astype('<...')")
+        dtype = _NUMPY_NAMES.get(x.dtype.name)
+        shape = x.shape
+    else:
+        raise DeltaSyncError(f"tensor {name!r}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    if dtype is None:
+        raise DeltaSyncError(f"tensor {name!r}: dtype {x.dtype} is not supported")
+    return dtype, tuple(int(d) for d in shape)
+
+
+def host_bytes(x: Any) -> tuple[np.ndarray, int]:
+    """A C-contiguous uint8 view of the tensor's row-major bytes on the host, and how many bytes were copied
+    to make it (0 when the tensor's own memory is used)."""
+    if is_torch(x):
+        t = x.detach()
+        copied = 0
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.to("cpu").contiguous()
+            copied = t.numel() * t.element_size()
+        return t.reshape(-1).view(_torch().uint8).numpy(), copied
+    flat = np.ascontiguousarray(x)
+    copied = 0 if flat is x or np.shares_memory(flat, x) else flat.nbytes
+    return flat.reshape(-1).view(np.uint8), copied
+
+
+def writable_bytes(x: Any) -> np.ndarray | None:
+    """A uint8 view the Rust core may write into, or None when the target needs the tensor path."""
+    if is_torch(x):
+        t = x.detach()
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            return None
+        return t.reshape(-1).view(_torch().uint8).numpy()
+    if not x.flags.c_contiguous:
+        return None
+    if not x.flags.writeable:
+        raise DeltaSyncError("target array is read-only")
+    return x.reshape(-1).view(np.uint8)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def storage_key(x: Any) -> tuple[int, int]:
+    """(address, bytes) of the tensor's memory, to find targets that alias each other."""
+    if is_torch(x):
+        return int(x.data_ptr()), int(x.numel() * x.element_size())
+    return int(x.__array_interface__["data"][0]), int(x.nbytes)
+
+
+def check_same_kind(prev: Any, curr: Any, name: str) -> tuple[str, tuple[int, ...]]:
+    prev_dtype, prev_shape = describe(prev, name)
+    curr_dtype, curr_shape = describe(curr, name)
+    if (prev_dtype, prev_shape) != (curr_dtype, curr_shape):
+        raise BaseMismatchError(
+            f"tensor {name!r}: previous is {prev_dtype}{list(prev_shape)} but current is {curr_dtype}{list(curr_shape)}"
+        )
+    return curr_dtype, curr_shape
+
+
+_NUMPY_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def stage_numpy_write(raw: Any, index: int, target: np.ndarray, *, width: int, changed: int, values: str,
+                      dense: bool):
+    """The numpy path for arrays the core cannot write directly (strided): decode, compute, return the write."""
+    if not target.flags.writeable:
+        raise DeltaSyncError(f"target of tensor {raw.tensors()[index][0]!r} is read-only")
+    if changed == 0:
+        return None
+    decoded = np.frombuffer(raw.decode(index), dtype=np.uint8)
+    view = target.view(_NUMPY_UINT[width])
+    if dense:
+        new = decoded.view(f"<u{width}").reshape(target.shape)
+        return lambda: np.copyto(view, new)
+    positions = decoded[: changed * 8].view("<i8")
+    new_values = decoded[changed * 8:].view(f"<u{width}").astype(_NUMPY_UINT[width])
+    coordinates = np.unravel_index(positions, target.shape)
+    if values == "diff":
+        new_values = view[coordinates] + new_values  # unsigned array arithmetic wraps modulo 2**bits
+
+    def write() -> None:
+        view[coordinates] = new_values
+
+    return write

@@ -1,0 +1,282 @@
+"""The Delta object and the calls that make one: diff, anchor, load; plus all-or-nothing apply_."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Union
+
+import numpy as np
+
+from . import _arrays
+from ._core import BaseMismatchError, DeltaSyncError, RawDelta
+
+#: Name under which a single tensor (not a mapping) is stored.
+DEFAULT_NAME = "tensor"
+#: Host bytes staged from devices before each batch is handed to the core.
+_STAGING_BYTES = 512 << 20
+
+Tensor = Any  # torch.Tensor | numpy.ndarray
+State = Union[Tensor, Mapping[str, Tensor]]
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+
+
+class TensorInfo(NamedTuple):
+    """What a delta holds for one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] | None
+    changed: int
+    positions: str
+    values: str
+    nbytes: int
+
+    @property
+    def density(self) -> float | None:
+        """Changed elements over all elements, or None when the shape is unknown (TRL imports)."""
+        if self.shape is None:
+            return None
+        numel = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return self.changed / numel if numel else 0.0
+
+
+class Delta:
+    """Bit-exact changes to a set of tensors, stored as encoded position and value streams.
+
+    Make one with :func:`diff`, :func:`anchor` or :func:`load`; write it with :meth:`save` or :meth:`to_bytes`;
+    apply it in place with :meth:`apply_`.
+    """
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: RawDelta) -> None:
+        self._raw = raw
+
+    @property
+    def names(self) -> list[str]:
+        return [t[0] for t in self._raw.tensors()]
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return [TensorInfo(n, d, tuple(s) if s is not None else None, c, p, v, b) for n, d, s, c, p, v, b in self._raw.tensors()]
+
+    @property
+    def num_changed(self) -> int:
+        """Changed elements over all tensors (every element of a tensor stored whole)."""
+        return self._raw.num_changed
+
+    @property
+    def num_elements(self) -> int:
+        """Elements covered by the delta, over tensors whose shape is known."""
+        return self._raw.num_elements
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of encoded streams (the file adds a small header)."""
+        return self._raw.nbytes
+
+    @property
+    def is_anchor(self) -> bool:
+        """True when every tensor is stored whole, so the delta applies to any base."""
+        return self._raw.is_anchor
+
+    @property
+    def step(self) -> int | None:
+        return self._raw.step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._raw.step = value
+
+    @property
+    def base_step(self) -> int | None:
+        return self._raw.base_step
+
+    @base_step.setter
+    def base_step(self, value: int | None) -> None:
+        self._raw.base_step = value
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """Caller metadata stored in the file header (a copy; assign to change it)."""
+        return dict(self._raw.metadata)
+
+    @metadata.setter
+    def metadata(self, value: Mapping[str, str]) -> None:
+        self._raw.metadata = dict(value)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __repr__(self) -> str:
+        kind = "anchor" if self.is_anchor else "delta"
+        return (
+            f"<deltasync {kind}: {len(self)} tensors, {self.num_changed} of {self.num_elements} elements changed, "
+            f"{self.nbytes} bytes, step={self.step}, base_step={self.base_step}>"
+        )
+
+    def to_bytes(self, format: str = "deltasync") -> bytes:
+        """The file's bytes. ``format="trl"`` writes TRL's v1 layout, which needs ``values="abs"``."""
+        return self._raw.to_bytes(format)
+
+    def save(self, path: str | os.PathLike[str], format: str = "deltasync") -> None:
+        """Writes the file atomically: a temporary file in the same folder, then a rename."""
+        self._raw.save(os.fspath(path), format)
+
+    def apply_(self, state: State) -> State:
+        """Applies the delta in place to a tensor, an array, or a mapping of them; returns ``state``.
+
+        Every name, dtype and shape is checked, and everything that can fail is done, before the first write:
+        on an error the target is untouched. CPU tensors and arrays are written by the Rust core; tensors on
+        other devices get their changes decoded on the CPU, moved over once and written with ``index_copy_``.
+        """
+        targets = self._resolve_targets(state)
+        raw = self._raw
+        infos = self.tensors
+        for index, target in targets:
+            dtype, shape = _arrays.describe(target, infos[index].name)
+            raw.check_target(index, dtype, list(shape))
+        targets = self._drop_aliases(targets)
+
+        in_core, staged = [], []
+        for index, target in targets:
+            view = _arrays.writable_bytes(target)
+            if view is not None:
+                in_core.append((index, view))
+            else:
+                staged.append(self._stage(index, target, infos[index]))
+        raw.apply(in_core)
+        for write in staged:
+            if write is not None:
+                write()
+        return state
+
+    def _resolve_targets(self, state: State) -> list[tuple[int, Tensor]]:
+        names = self.names
+        if _arrays.is_array(state):
+            if len(names) != 1:
+                raise BaseMismatchError(f"a single tensor was given, but the delta holds {len(names)} tensors")
+            return [(0, state)]
+        if not isinstance(state, Mapping):
+            raise DeltaSyncError(f"apply_ takes a tensor, an array or a mapping of them, not {type(state).__name__}")
+        missing = [name for name in names if name not in state]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise BaseMismatchError(f"{len(missing)} tensors of the delta are not in the target: {shown}")
+        return [(index, state[name]) for index, name in enumerate(names)]
+
+    def _drop_aliases(self, targets: list[tuple[int, Tensor]]) -> list[tuple[int, Tensor]]:
+        """Tied weights appear under several names with one memory; apply their (identical) changes once."""
+        first_by_memory: dict[tuple[int, int], int] = {}
+        kept = []
+        names = self.names
+        for index, target in targets:
+            key = _arrays.storage_key(target)
+            if key[1] == 0:
+                kept.append((index, target))
+                continue
+            first = first_by_memory.setdefault(key, index)
+            if first == index:
+                kept.append((index, target))
+            elif not self._raw.same_changes(first, index):
+                raise DeltaSyncError(
+                    f"tensors {names[first]!r} and {names[index]!r} share memory in the target but the delta "
+                    "changes them differently"
+                )
+        return kept
+
+    def _stage(self, index: int, target: Tensor, info: TensorInfo):
+        width = _arrays.WIDTHS[info.dtype]
+        dense = info.positions == "all" and info.values == "abs"
+        if _arrays.is_torch(target):
+            from . import torch as _ds_torch
+
+            return _ds_torch.stage_write(
+                self._raw, index, target, width=width, changed=info.changed, values=info.values, dense=dense
+            )
+        return _arrays.stage_numpy_write(self._raw, index, target, width=width, changed=info.changed,
+                                         values=info.values, dense=dense)
+
+
+def _as_mapping(x: State, role: str) -> Mapping[str, Tensor]:
+    if _arrays.is_array(x):
+        return {DEFAULT_NAME: x}
+    if isinstance(x, Mapping):
+        return x
+    raise DeltaSyncError(f"{role} must be a tensor, an array or a mapping of them, not {type(x).__name__}")
+
+
+def diff(prev: State, curr: State, *, values: str = "diff", step: int | None = None,
+         base_step: int | None = None, metadata: Mapping[str, str] | None = None) -> Delta:
+    """The bit-exact changes from ``prev`` to ``curr``.
+
+    ``prev`` and ``curr`` are each a tensor/array or a mapping (a state_dict) with the same names, dtypes and
+    shapes. ``values="diff"`` (the default) stores bit-pattern differences, one byte for most changes;
+    ``values="abs"`` stores the new values, which apply to any base and convert to TRL files.
+    """
+    if values not in ("diff", "abs"):
+        raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+    prev_map, curr_map = _as_mapping(prev, "prev"), _as_mapping(curr, "curr")
+    only_prev = [n for n in prev_map if n not in curr_map]
+    only_curr = [n for n in curr_map if n not in prev_map]
+    if only_prev or only_curr:
+        raise BaseMismatchError(
+            f"prev and curr hold different tensors: only in prev {only_prev[:5]}, only in curr {only_curr[:5]}"
+        )
+    raw = RawDelta()
+    batch, staged_bytes = [], 0
+    for name, new in curr_map.items():
+        dtype, shape = _arrays.check_same_kind(prev_map[name], new, name)
+        old_bytes, old_copied = _arrays.host_bytes(prev_map[name])
+        new_bytes, new_copied = _arrays.host_bytes(new)
+        batch.append((name, dtype, list(shape), old_bytes, new_bytes))
+        staged_bytes += old_copied + new_copied
+        if staged_bytes >= _STAGING_BYTES:
+            raw.add_diff(batch, values)
+            batch, staged_bytes = [], 0
+    if batch:
+        raw.add_diff(batch, values)
+    return _finish(raw, step, base_step, metadata)
+
+
+def anchor(state: State, *, step: int | None = None, metadata: Mapping[str, str] | None = None) -> Delta:
+    """A full snapshot: every tensor stored whole. It applies to any base, and the file is also a plain
+    safetensors checkpoint of ``state``."""
+    raw = RawDelta()
+    batch, staged_bytes = [], 0
+    for name, tensor in _as_mapping(state, "state").items():
+        dtype, shape = _arrays.describe(tensor, name)
+        data, copied = _arrays.host_bytes(tensor)
+        batch.append((name, dtype, list(shape), data))
+        staged_bytes += copied
+        if staged_bytes >= _STAGING_BYTES:
+            raw.add_full(batch)
+            batch, staged_bytes = [], 0
+    if batch:
+        raw.add_full(batch)
+    return _finish(raw, step, None, metadata)
+
+
+def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Mapping[str, str] | None) -> Delta:
+    raw.step = step
+    raw.base_step = base_step
+    if metadata:
+        raw.metadata = dict(metadata)
+    return Delta(raw)
+
+
+def load(source: Source) -> Delta:
+    """Reads a delta from a path or from bytes: a deltasync file or a TRL v1/v3 weight patch.
+    Everything is validated up front; a bad file raises :class:`DeltaFormatError`."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return Delta(RawDelta.from_bytes(source))
+    if isinstance(source, (str, os.PathLike)):
+        return Delta(RawDelta.load(os.fspath(source)))
+    raise DeltaSyncError(f"load takes a path or bytes, not {type(source).__name__}")
+
+
+__all__ = ["DEFAULT_NAME", "Delta", "TensorInfo", "anchor", "diff", "load"]

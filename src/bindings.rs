@@ -1,0 +1,400 @@
+//! PyO3 bindings for `deltasync_rs._core`: convert, call the core with the GIL released, map errors.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes};
+
+use crate::core::codec::ValueCodec;
+use crate::core::diff::{DiffInput, FullInput};
+use crate::core::{apply, diff, dtype, files, format, pool, trl, Delta, Error};
+
+create_exception!(deltasync_rs._core, DeltaSyncError, PyException, "Base class of every deltasync error.");
+create_exception!(deltasync_rs._core, DeltaFormatError, DeltaSyncError, "A delta file is corrupt, truncated or malformed.");
+create_exception!(
+    deltasync_rs._core,
+    BaseMismatchError,
+    DeltaSyncError,
+    "The target does not match the delta: names, shapes or dtypes."
+);
+
+fn to_py(error: Error) -> PyErr {
+    let message = error.to_string();
+    match error {
+        Error::Format { .. } => DeltaFormatError::new_err(message),
+        Error::BaseMismatch { .. } => BaseMismatchError::new_err(message),
+        Error::InvalidInput { .. } | Error::Io { .. } => DeltaSyncError::new_err(message),
+    }
+}
+
+/// A raw pointer into a Python buffer, kept alive by the `PyBuffer` held beside it.
+#[derive(Clone, Copy)]
+struct RawSlice {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory belongs to a Python buffer that the caller keeps exported for the whole call.
+unsafe impl Send for RawSlice {}
+unsafe impl Sync for RawSlice {}
+
+impl RawSlice {
+    /// SAFETY: the exporting `PyBuffer` must outlive the slice.
+    unsafe fn get<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+    /// SAFETY: as `get`, and nothing else may read or write the memory meanwhile.
+    unsafe fn get_mut<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+}
+
+fn export(obj: &Bound<'_, PyAny>, what: &str, writable: bool) -> PyResult<(PyBuffer<u8>, RawSlice)> {
+    let buffer = PyBuffer::<u8>::get(obj)
+        .map_err(|e| DeltaSyncError::new_err(format!("{what}: not a byte buffer ({e})")))?;
+    if !buffer.is_c_contiguous() {
+        return Err(DeltaSyncError::new_err(format!("{what}: buffer is not contiguous")));
+    }
+    if writable && buffer.readonly() {
+        return Err(DeltaSyncError::new_err(format!("{what}: buffer is read-only")));
+    }
+    let slice = RawSlice { ptr: buffer.buf_ptr().cast::<u8>(), len: buffer.len_bytes() };
+    Ok((buffer, slice))
+}
+
+fn parse_dtype(name: &str, tensor: &str) -> PyResult<dtype::Dtype> {
+    dtype::parse(name).map_err(|e| DeltaSyncError::new_err(format!("tensor {tensor:?}: {e}")))
+}
+
+fn parse_codec(values: &str) -> PyResult<ValueCodec> {
+    ValueCodec::parse(values)
+        .ok_or_else(|| DeltaSyncError::new_err(format!("values must be \"diff\" or \"abs\", not {values:?}")))
+}
+
+/// A delta held by the core: tensors with their encoded streams, and file metadata.
+#[pyclass(module = "deltasync_rs._core")]
+pub struct RawDelta {
+    delta: Delta,
+}
+
+impl RawDelta {
+    fn extend(&mut self, tensors: Vec<crate::core::TensorDelta>) -> PyResult<()> {
+        for tensor in &tensors {
+            if self.delta.position_of(&tensor.name).is_some() {
+                return Err(DeltaSyncError::new_err(format!("tensor {:?} is already in this delta", tensor.name)));
+            }
+        }
+        self.delta.tensors.extend(tensors);
+        Ok(())
+    }
+
+    fn tensor(&self, index: usize) -> PyResult<&crate::core::TensorDelta> {
+        self.delta
+            .tensors
+            .get(index)
+            .ok_or_else(|| DeltaSyncError::new_err(format!("no tensor number {index} in this delta")))
+    }
+}
+
+type DiffEntry<'py> = (String, String, Vec<u64>, Bound<'py, PyAny>, Bound<'py, PyAny>);
+type FullEntry<'py> = (String, String, Vec<u64>, Bound<'py, PyAny>);
+
+#[pymethods]
+impl RawDelta {
+    #[new]
+    fn new() -> Self {
+        RawDelta { delta: Delta::default() }
+    }
+
+    /// Diffs tensors given as (name, dtype, shape, old bytes, new bytes) and appends them.
+    fn add_diff(&mut self, py: Python<'_>, entries: Vec<DiffEntry<'_>>, values: &str) -> PyResult<()> {
+        let codec = parse_codec(values)?;
+        let mut held = Vec::with_capacity(entries.len() * 2);
+        let mut specs = Vec::with_capacity(entries.len());
+        for (name, dtype_name, shape, old, new) in &entries {
+            let dtype = parse_dtype(dtype_name, name)?;
+            let (old_buffer, old_slice) = export(old, &format!("tensor {name:?} (previous)"), false)?;
+            let (new_buffer, new_slice) = export(new, &format!("tensor {name:?} (current)"), false)?;
+            held.push(old_buffer);
+            held.push(new_buffer);
+            specs.push((name.clone(), dtype, shape.clone(), old_slice, new_slice));
+        }
+        let tensors = py
+            .detach(|| {
+                let inputs: Vec<DiffInput<'_>> = specs
+                    .iter()
+                    .map(|(name, dtype, shape, old, new)| DiffInput {
+                        name: name.clone(),
+                        dtype: *dtype,
+                        shape: shape.clone(),
+                        // SAFETY: `held` keeps every buffer exported until after this call.
+                        old: unsafe { old.get() },
+                        new: unsafe { new.get() },
+                    })
+                    .collect();
+                diff::diff(&inputs, codec)
+            })
+            .map_err(to_py)?;
+        drop(held);
+        self.extend(tensors)
+    }
+
+    /// Stores tensors given as (name, dtype, shape, bytes) whole, as in an anchor.
+    fn add_full(&mut self, py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<()> {
+        let mut held = Vec::with_capacity(entries.len());
+        let mut specs = Vec::with_capacity(entries.len());
+        for (name, dtype_name, shape, data) in &entries {
+            let dtype = parse_dtype(dtype_name, name)?;
+            let (buffer, slice) = export(data, &format!("tensor {name:?}"), false)?;
+            held.push(buffer);
+            specs.push((name.clone(), dtype, shape.clone(), slice));
+        }
+        let tensors = py
+            .detach(|| {
+                let inputs: Vec<FullInput<'_>> = specs
+                    .iter()
+                    // SAFETY: `held` keeps every buffer exported until after this call.
+                    .map(|(name, dtype, shape, data)| FullInput { name: name.clone(), dtype: *dtype, shape: shape.clone(), data: unsafe { data.get() } })
+                    .collect();
+                diff::full(&inputs)
+            })
+            .map_err(to_py)?;
+        drop(held);
+        self.extend(tensors)
+    }
+
+    #[getter]
+    fn step(&self) -> Option<u64> {
+        self.delta.step
+    }
+    #[setter]
+    fn set_step(&mut self, step: Option<u64>) {
+        self.delta.step = step;
+    }
+    #[getter]
+    fn base_step(&self) -> Option<u64> {
+        self.delta.base_step
+    }
+    #[setter]
+    fn set_base_step(&mut self, step: Option<u64>) {
+        self.delta.base_step = step;
+    }
+    #[getter]
+    fn metadata(&self) -> BTreeMap<String, String> {
+        self.delta.metadata.clone()
+    }
+    #[setter]
+    fn set_metadata(&mut self, metadata: BTreeMap<String, String>) -> PyResult<()> {
+        if let Some(key) = metadata.keys().find(|k| format::RESERVED_KEYS.contains(&k.as_str())) {
+            return Err(DeltaSyncError::new_err(format!("metadata key {key:?} is reserved by the format")));
+        }
+        self.delta.metadata = metadata;
+        Ok(())
+    }
+    #[getter]
+    fn num_changed(&self) -> u64 {
+        self.delta.num_changed()
+    }
+    #[getter]
+    fn num_elements(&self) -> u64 {
+        self.delta.num_elements()
+    }
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.delta.nbytes()
+    }
+    #[getter]
+    fn is_anchor(&self) -> bool {
+        self.delta.is_anchor()
+    }
+
+    /// Per tensor: (name, dtype, shape or None, changed, positions codec, values codec, stream bytes).
+    #[allow(clippy::type_complexity)]
+    fn tensors(&self) -> Vec<(String, String, Option<Vec<u64>>, u64, &'static str, &'static str, u64)> {
+        self.delta
+            .tensors
+            .iter()
+            .map(|t| {
+                (t.name.clone(), dtype::name_of(t.dtype), t.shape.clone(), t.changed, t.positions_codec.name(), t.values_codec.name(), t.nbytes())
+            })
+            .collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.delta.tensors.len()
+    }
+
+    /// The file as bytes: `format` is "deltasync" or "trl" (TRL's v1 layout).
+    #[pyo3(signature = (format = "deltasync"))]
+    fn to_bytes<'py>(&self, py: Python<'py>, format: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let encoded = match format {
+            "deltasync" => format::encode(&self.delta),
+            "trl" => trl::encode_v1(&self.delta),
+            other => return Err(DeltaSyncError::new_err(format!("format must be \"deltasync\" or \"trl\", not {other:?}"))),
+        }
+        .map_err(to_py)?;
+        PyBytes::new_with(py, encoded.len(), |out| {
+            py.detach(|| encoded.fill(out));
+            Ok(())
+        })
+    }
+
+    /// Writes the file atomically (temporary file, then rename).
+    #[pyo3(signature = (path, format = "deltasync"))]
+    fn save(&self, py: Python<'_>, path: PathBuf, format: &str) -> PyResult<()> {
+        let delta = &self.delta;
+        let result = match format {
+            "deltasync" => py.detach(|| format::encode(delta)?.save(&path)),
+            "trl" => py.detach(|| trl::encode_v1(delta)?.save(&path)),
+            other => return Err(DeltaSyncError::new_err(format!("format must be \"deltasync\" or \"trl\", not {other:?}"))),
+        };
+        result.map_err(to_py)
+    }
+
+    /// Parses and fully validates a delta (deltasync or TRL) from a bytes-like object.
+    #[staticmethod]
+    #[pyo3(signature = (data, source_name = "<bytes>"))]
+    fn from_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, source_name: &str) -> PyResult<RawDelta> {
+        let (buffer, slice) = export(data, source_name, false)?;
+        // SAFETY: `buffer` is alive for the copy.
+        let bytes = py.detach(|| unsafe { slice.get() }.to_vec());
+        drop(buffer);
+        let delta = py.detach(|| format::from_bytes(bytes, source_name)).map_err(to_py)?;
+        Ok(RawDelta { delta })
+    }
+
+    /// Reads and fully validates a delta file (deltasync or TRL).
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf) -> PyResult<RawDelta> {
+        let delta = py.detach(|| format::load(&path)).map_err(to_py)?;
+        Ok(RawDelta { delta })
+    }
+
+    /// Raises BaseMismatchError unless tensor `index` can be applied to a target of this dtype and shape.
+    fn check_target(&self, index: usize, dtype_name: &str, shape: Vec<u64>) -> PyResult<()> {
+        let tensor = self.tensor(index)?;
+        let dtype = dtype::parse(dtype_name).map_err(|e| BaseMismatchError::new_err(format!("tensor {:?}: {e}", tensor.name)))?;
+        let len = dtype::numel(&shape)
+            .and_then(|n| n.checked_mul(dtype::width_of(dtype).ok()? as u64))
+            .ok_or_else(|| BaseMismatchError::new_err(format!("tensor {:?}: target shape overflows", tensor.name)))?;
+        apply::check_target(tensor, dtype, Some(&shape), len as usize).map_err(to_py)
+    }
+
+    /// Applies tensors to writable contiguous byte buffers, given as (index, buffer); all are checked first.
+    fn apply(&self, py: Python<'_>, targets: Vec<(usize, Bound<'_, PyAny>)>) -> PyResult<()> {
+        let mut held = Vec::with_capacity(targets.len());
+        let mut slices = Vec::with_capacity(targets.len());
+        for (index, target) in &targets {
+            let tensor = self.tensor(*index)?;
+            let (buffer, slice) = export(target, &format!("target of tensor {:?}", tensor.name), true)?;
+            if slices.iter().any(|(_, other): &(usize, RawSlice)| {
+                let (a, b) = (other.ptr as usize, slice.ptr as usize);
+                a < b + slice.len && b < a + other.len
+            }) {
+                return Err(DeltaSyncError::new_err(format!("target of tensor {:?} overlaps another target", tensor.name)));
+            }
+            held.push(buffer);
+            slices.push((*index, slice));
+        }
+        let delta = &self.delta;
+        py.detach(|| {
+            // SAFETY: buffers are held, writable and pairwise disjoint (checked above).
+            let targets = slices.iter().map(|(index, slice)| (*index, unsafe { slice.get_mut() })).collect();
+            apply::apply(delta, targets)
+        })
+        .map_err(to_py)?;
+        drop(held);
+        Ok(())
+    }
+
+    /// Decodes tensor `index` into one little-endian bytearray: `changed` int64 positions, then
+    /// `changed` values of the element width (the new bits for "abs", the wrapping bit-pattern
+    /// difference for "diff"). A dense tensor has no positions: the bytearray is its data.
+    fn decode<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyByteArray>> {
+        let tensor = self.tensor(index)?;
+        let count = usize::try_from(tensor.changed).map_err(|_| DeltaSyncError::new_err("too many changes"))?;
+        let positions_len = if tensor.is_dense() { 0 } else { count * 8 };
+        let out = PyByteArray::new_with(py, positions_len + count * tensor.width(), |_| Ok(()))?;
+        // SAFETY: the bytearray is fresh and private to this call, and is not resized while borrowed.
+        let bytes = unsafe { out.as_bytes_mut() };
+        let slice = RawSlice { ptr: bytes.as_mut_ptr(), len: bytes.len() };
+        py.detach(|| {
+            // SAFETY: as above; no Python code runs while the GIL is released here.
+            let (positions, values) = unsafe { slice.get_mut() }.split_at_mut(positions_len);
+            if tensor.is_dense() {
+                values.copy_from_slice(&tensor.values);
+                Ok(())
+            } else {
+                apply::decode_into(tensor, positions, values)
+            }
+        })
+        .map_err(to_py)?;
+        Ok(out)
+    }
+
+    /// True when tensors `a` and `b` carry the same changes (as tied weights do).
+    fn same_changes(&self, a: usize, b: usize) -> PyResult<bool> {
+        let (x, y) = (self.tensor(a)?, self.tensor(b)?);
+        Ok(x.dtype == y.dtype
+            && x.shape == y.shape
+            && x.changed == y.changed
+            && x.positions_codec == y.positions_codec
+            && x.values_codec == y.values_codec
+            && x.positions[..] == y.positions[..]
+            && x.values[..] == y.values[..])
+    }
+}
+
+/// Diffs two safetensors checkpoints on disk, memory-mapped, tensor by tensor.
+#[pyfunction]
+#[pyo3(signature = (prev, curr, values = "diff"))]
+fn diff_files(py: Python<'_>, prev: PathBuf, curr: PathBuf, values: &str) -> PyResult<RawDelta> {
+    let codec = parse_codec(values)?;
+    let delta = py.detach(|| files::diff_files(&prev, &curr, codec)).map_err(to_py)?;
+    Ok(RawDelta { delta })
+}
+
+/// Writes `base` with `delta` applied to `out`, atomically; checks everything before writing.
+#[pyfunction]
+fn apply_file(py: Python<'_>, base: PathBuf, delta: PyRef<'_, RawDelta>, out: PathBuf) -> PyResult<()> {
+    let delta = &delta.delta;
+    py.detach(|| files::apply_file(&base, delta, &out)).map_err(to_py)
+}
+
+/// Sets the number of threads for later calls (0 restores DELTASYNC_NUM_THREADS or the CPU count).
+#[pyfunction]
+fn set_num_threads(n: usize) {
+    pool::set_num_threads(n);
+}
+
+/// The number of threads the next call will use.
+#[pyfunction]
+fn get_num_threads() -> usize {
+    pool::num_threads()
+}
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", format::FORMAT_VERSION)?;
+    m.add("DeltaSyncError", py.get_type::<DeltaSyncError>())?;
+    m.add("DeltaFormatError", py.get_type::<DeltaFormatError>())?;
+    m.add("BaseMismatchError", py.get_type::<BaseMismatchError>())?;
+    m.add_class::<RawDelta>()?;
+    m.add_function(wrap_pyfunction!(diff_files, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_file, m)?)?;
+    m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
+    Ok(())
+}

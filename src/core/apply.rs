@@ -1,0 +1,137 @@
+//! Decode and scatter: writes a delta's changes into caller-owned buffers, all-or-nothing.
+
+use rayon::prelude::*;
+
+use crate::core::codec::values;
+use crate::core::delta::{Delta, TensorDelta};
+use crate::core::dtype;
+use crate::core::error::{Error, Result};
+
+/// Checks that a target of `len` bytes, `dtype` and `shape` can take this tensor's changes.
+pub fn check_target(tensor: &TensorDelta, dtype: dtype::Dtype, shape: Option<&[u64]>, len: usize) -> Result<()> {
+    let name = &tensor.name;
+    if dtype != tensor.dtype {
+        return Err(Error::mismatch(format!(
+            "tensor {name:?}: delta is {} but the target is {}",
+            dtype::name_of(tensor.dtype),
+            dtype::name_of(dtype)
+        )));
+    }
+    if let (Some(expected), Some(actual)) = (tensor.shape.as_deref(), shape) {
+        if expected != actual {
+            return Err(Error::mismatch(format!(
+                "tensor {name:?}: delta has shape {expected:?} but the target has {actual:?}"
+            )));
+        }
+    }
+    let width = tensor.width();
+    let elements = (len / width) as u64;
+    if len % width != 0 || tensor.numel().is_some_and(|numel| numel != elements) {
+        return Err(Error::mismatch(format!("tensor {name:?}: target holds {len} bytes, which does not fit the delta")));
+    }
+    if let Some(last) = tensor.last_position {
+        if last >= elements {
+            return Err(Error::mismatch(format!(
+                "tensor {name:?}: delta changes position {last} but the target has {elements} elements"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Writes one tensor's changes into `target`, which `check_target` has accepted.
+pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
+    if tensor.is_dense() {
+        target.copy_from_slice(&tensor.values);
+        return Ok(());
+    }
+    let width = tensor.width();
+    let codec = tensor.values_codec;
+    tensor
+        .for_each_change(|position, value| {
+            let at = position as usize * width;
+            values::apply(&mut target[at..at + width], codec, value, width);
+        })
+        .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+}
+
+/// Applies the tensors named by index to their targets, in parallel, after checking every target.
+pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+    let mut seen = vec![false; delta.tensors.len()];
+    for (index, target) in &targets {
+        let tensor = delta
+            .tensors
+            .get(*index)
+            .ok_or_else(|| Error::invalid(format!("no tensor number {index} in this delta")))?;
+        if std::mem::replace(&mut seen[*index], true) {
+            return Err(Error::invalid(format!("tensor {:?} given twice", tensor.name)));
+        }
+        check_target(tensor, tensor.dtype, None, target.len())?;
+    }
+    crate::core::pool::install(|| {
+        targets
+            .into_par_iter()
+            .try_for_each(|(index, target)| apply_tensor(&delta.tensors[index], target))
+    })
+}
+
+/// Decodes one tensor into flat int64 positions and `width`-byte values (new bits for `abs`, the
+/// wrapping difference for `diff`), both little-endian, into buffers of exactly the right size.
+/// Dense tensors walk every position; callers usually copy their values whole instead.
+pub fn decode_into(tensor: &TensorDelta, positions_out: &mut [u8], values_out: &mut [u8]) -> Result<()> {
+    let width = tensor.width();
+    let count = tensor.changed as usize;
+    if positions_out.len() != count * 8 || values_out.len() != count * width {
+        return Err(Error::invalid(format!("tensor {:?}: decode buffers have the wrong size", tensor.name)));
+    }
+    let mut k = 0usize;
+    tensor
+        .for_each_change(|position, value| {
+            positions_out[k * 8..k * 8 + 8].copy_from_slice(&(position as i64).to_le_bytes());
+            values::store(&mut values_out[k * width..], value, width);
+            k += 1;
+        })
+        .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::codec::ValueCodec;
+    use crate::core::diff::{diff, DiffInput};
+    use crate::core::dtype::Dtype;
+
+    #[test]
+    fn diff_then_apply_restores_new() {
+        let old: Vec<u8> = (0..4000u32).flat_map(|i| (i.wrapping_mul(2654435761)).to_le_bytes()).collect();
+        let mut new = old.clone();
+        for i in (0..new.len()).step_by(37) {
+            new[i] ^= 0x5a;
+        }
+        for codec in [ValueCodec::Abs, ValueCodec::Diff] {
+            let tensors = diff(
+                &[DiffInput { name: "w".into(), dtype: Dtype::F32, shape: vec![40, 100], old: &old, new: &new }],
+                codec,
+            )
+            .unwrap();
+            let delta = Delta { tensors, ..Default::default() };
+            let mut target = old.clone();
+            apply(&delta, vec![(0, &mut target[..])]).unwrap();
+            assert_eq!(target, new, "{codec:?}");
+        }
+    }
+
+    #[test]
+    fn rejects_wrong_size_target_untouched() {
+        let old = vec![0u8; 8];
+        let mut new = old.clone();
+        new[2] = 9;
+        let tensors =
+            diff(&[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![4], old: &old, new: &new }], ValueCodec::Diff)
+                .unwrap();
+        let delta = Delta { tensors, ..Default::default() };
+        let mut small = vec![0u8; 6];
+        assert!(matches!(apply(&delta, vec![(0, &mut small[..])]), Err(Error::BaseMismatch { .. })));
+        assert_eq!(small, vec![0u8; 6]);
+    }
+}

@@ -1,0 +1,164 @@
+//! The in-memory delta: per tensor, its encoded position and value streams plus what is needed to check them.
+
+use std::collections::BTreeMap;
+
+use rayon::prelude::*;
+
+use crate::core::codec::values::ValueReader;
+use crate::core::codec::varint::PositionReader;
+use crate::core::codec::{PositionCodec, ValueCodec};
+use crate::core::dtype::{self, Dtype};
+use crate::core::error::{Error, Result};
+use crate::core::stream::Stream;
+
+/// The changes to one tensor.
+#[derive(Debug, Clone)]
+pub struct TensorDelta {
+    pub name: String,
+    pub dtype: Dtype,
+    /// None only for deltas imported from TRL files, which do not record shapes.
+    pub shape: Option<Vec<u64>>,
+    pub changed: u64,
+    pub positions_codec: PositionCodec,
+    pub values_codec: ValueCodec,
+    /// Empty when `positions_codec` is `All` or nothing changed.
+    pub positions: Stream,
+    pub values: Stream,
+    /// The largest changed position, known once the streams have been checked.
+    pub last_position: Option<u64>,
+}
+
+impl TensorDelta {
+    pub fn width(&self) -> usize {
+        dtype::width_of(self.dtype).expect("dtype checked on construction")
+    }
+
+    pub fn numel(&self) -> Option<u64> {
+        self.shape.as_deref().and_then(dtype::numel)
+    }
+
+    /// Bytes of encoded streams.
+    pub fn nbytes(&self) -> u64 {
+        (self.positions.len() + self.values.len()) as u64
+    }
+
+    /// True when the tensor is stored whole: every element, new raw values.
+    pub fn is_dense(&self) -> bool {
+        self.positions_codec == PositionCodec::All && self.values_codec == ValueCodec::Abs
+    }
+
+    /// Walks every change in order, calling `visit(position, value)`; checks the streams fully.
+    /// `value` is the raw new bits for `abs` and the wrapping difference for `diff`.
+    pub fn for_each_change(&self, mut visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {
+        let width = self.width();
+        let numel = self.numel().unwrap_or(u64::MAX);
+        let mut values = ValueReader::new(&self.values, self.values_codec, width);
+        match self.positions_codec {
+            PositionCodec::All => {
+                if self.shape.is_none() {
+                    return Err("positions 'all' need a known shape".to_owned());
+                }
+                if self.changed != numel {
+                    return Err(format!("positions 'all' but changed={} for {numel} elements", self.changed));
+                }
+                if !self.positions.is_empty() {
+                    return Err("positions 'all' with a position stream".to_owned());
+                }
+                for position in 0..numel {
+                    visit(position, values.next_value()?);
+                }
+            }
+            PositionCodec::Varint => {
+                if self.changed > numel {
+                    return Err(format!("changed={} exceeds the {numel} elements", self.changed));
+                }
+                if self.values_codec == ValueCodec::Abs
+                    && Some(self.values.len() as u64) != self.changed.checked_mul(width as u64)
+                {
+                    return Err(format!(
+                        "value stream has {} bytes, expected {} x {width}",
+                        self.values.len(),
+                        self.changed
+                    ));
+                }
+                let mut positions = PositionReader::new(&self.positions, numel);
+                for _ in 0..self.changed {
+                    visit(positions.next_position()?, values.next_value()?);
+                }
+                if !positions.is_exhausted() {
+                    return Err("position stream has bytes after the last change".to_owned());
+                }
+            }
+        }
+        if !values.is_exhausted() {
+            return Err("value stream has bytes after the last change".to_owned());
+        }
+        Ok(())
+    }
+
+    /// Checks the streams end to end and records the last position.
+    pub fn validate(&mut self, source_name: &str) -> Result<()> {
+        let fail = |message: String| Error::format(source_name, format!("tensor {:?}: {message}", self.name));
+        if self.is_dense() {
+            // A whole tensor: its only invariant is the byte count, so skip the walk.
+            let numel = self.numel().ok_or_else(|| fail("a dense tensor needs a known shape".to_owned()))?;
+            let expected = numel.checked_mul(self.width() as u64);
+            if self.changed != numel || !self.positions.is_empty() || expected != Some(self.values.len() as u64) {
+                return Err(fail(format!("dense tensor of {numel} elements holds {} bytes", self.values.len())));
+            }
+            self.last_position = numel.checked_sub(1);
+            return Ok(());
+        }
+        let mut last = None;
+        self.for_each_change(|position, _| last = Some(position)).map_err(fail)?;
+        self.last_position = last;
+        Ok(())
+    }
+}
+
+/// A set of tensor deltas plus file-level metadata.
+#[derive(Debug, Clone, Default)]
+pub struct Delta {
+    pub tensors: Vec<TensorDelta>,
+    pub step: Option<u64>,
+    pub base_step: Option<u64>,
+    /// Caller-supplied string metadata, stored in the file header beside the reserved keys.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Delta {
+    /// An anchor holds every tensor whole, so it applies to any base.
+    pub fn is_anchor(&self) -> bool {
+        !self.tensors.is_empty() && self.tensors.iter().all(TensorDelta::is_dense)
+    }
+
+    pub fn num_changed(&self) -> u64 {
+        self.tensors.iter().map(|t| t.changed).sum()
+    }
+
+    /// Elements covered, counting only tensors whose shape is known.
+    pub fn num_elements(&self) -> u64 {
+        self.tensors.iter().filter_map(TensorDelta::numel).sum()
+    }
+
+    pub fn nbytes(&self) -> u64 {
+        self.tensors.iter().map(TensorDelta::nbytes).sum()
+    }
+
+    /// Checks every tensor's streams, in parallel, and rejects duplicate names.
+    pub fn validate(&mut self, source_name: &str) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        for tensor in &self.tensors {
+            if !seen.insert(tensor.name.as_str()) {
+                return Err(Error::format(source_name, format!("tensor {:?} appears twice", tensor.name)));
+            }
+        }
+        crate::core::pool::install(|| {
+            self.tensors.par_iter_mut().try_for_each(|tensor| tensor.validate(source_name))
+        })
+    }
+
+    pub fn position_of(&self, name: &str) -> Option<usize> {
+        self.tensors.iter().position(|t| t.name == name)
+    }
+}

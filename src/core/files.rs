@@ -1,0 +1,105 @@
+//! Whole-file operations for the CLI: diff two safetensors checkpoints and apply a delta to one,
+//! memory-mapping the inputs and working in bounded batches of tensors.
+
+use std::path::Path;
+
+use memmap2::{Mmap, MmapMut};
+
+use crate::core::apply::{apply_tensor, check_target};
+use crate::core::codec::ValueCodec;
+use crate::core::delta::Delta;
+use crate::core::diff::{diff, DiffInput};
+use crate::core::error::{Error, Result};
+use crate::core::format::{read_header, write_atomically, Header};
+
+/// Bytes of input compared per batch before the mapped pages are released.
+const BATCH_BYTES: usize = 1 << 30;
+
+fn map(path: &Path) -> Result<Mmap> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the mapping is read-only; a concurrent writer truncating the file would be a caller error
+    // and is the same hazard every safetensors mmap reader accepts.
+    unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
+}
+
+fn release(map: &Mmap, range: std::ops::Range<usize>) {
+    // SAFETY: the mapping is private and read-only, so dropping its pages only means re-reading the file.
+    let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
+}
+
+/// Tensor names of a checkpoint in file order.
+fn names_in_order(header: &Header) -> Vec<String> {
+    let mut names: Vec<String> = header.tensors.keys().cloned().collect();
+    names.sort_by_key(|name| header.tensors[name].2.start);
+    names
+}
+
+/// Diffs two safetensors checkpoints tensor by tensor; every tensor of each must match the other.
+pub fn diff_files(prev: &Path, curr: &Path, codec: ValueCodec) -> Result<Delta> {
+    let (prev_map, curr_map) = (map(prev)?, map(curr)?);
+    let prev_header = read_header(&prev_map, &prev.display().to_string())?;
+    let curr_header = read_header(&curr_map, &curr.display().to_string())?;
+    let names = names_in_order(&curr_header);
+    if let Some(missing) = prev_header.tensors.keys().find(|k| !curr_header.tensors.contains_key(*k)) {
+        return Err(Error::mismatch(format!("tensor {missing:?} is in {} but not in {}", prev.display(), curr.display())));
+    }
+    let mut tensors = Vec::with_capacity(names.len());
+    let mut batch: Vec<DiffInput<'_>> = Vec::new();
+    let mut batch_bytes = 0usize;
+    let mut ranges = Vec::new();
+    let flush = |batch: &mut Vec<DiffInput<'_>>, ranges: &mut Vec<_>, tensors: &mut Vec<_>| -> Result<()> {
+        tensors.extend(diff(batch, codec)?);
+        batch.clear();
+        for (prev_range, curr_range) in ranges.drain(..) {
+            release(&prev_map, prev_range);
+            release(&curr_map, curr_range);
+        }
+        Ok(())
+    };
+    for name in &names {
+        let (dtype, shape, curr_range) = curr_header.tensors[name].clone();
+        let (prev_dtype, prev_shape, prev_range) = prev_header
+            .tensors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::mismatch(format!("tensor {name:?} is in {} but not in {}", curr.display(), prev.display())))?;
+        if prev_dtype != dtype || prev_shape != shape {
+            return Err(Error::mismatch(format!("tensor {name:?}: {prev_dtype:?}{prev_shape:?} before, {dtype:?}{shape:?} after")));
+        }
+        batch_bytes += curr_range.len();
+        batch.push(DiffInput { name: name.clone(), dtype, shape, old: &prev_map[prev_range.clone()], new: &curr_map[curr_range.clone()] });
+        ranges.push((prev_range, curr_range));
+        if batch_bytes >= BATCH_BYTES {
+            flush(&mut batch, &mut ranges, &mut tensors)?;
+            batch_bytes = 0;
+        }
+    }
+    flush(&mut batch, &mut ranges, &mut tensors)?;
+    Ok(Delta { tensors, ..Default::default() })
+}
+
+/// Writes `base` with `delta` applied to `out`, atomically. Everything is checked before a byte is written.
+pub fn apply_file(base: &Path, delta: &Delta, out: &Path) -> Result<()> {
+    let base_map = map(base)?;
+    let header = read_header(&base_map, &base.display().to_string())?;
+    let mut targets = Vec::with_capacity(delta.tensors.len());
+    for tensor in &delta.tensors {
+        let (dtype, shape, range) = header
+            .tensors
+            .get(&tensor.name)
+            .cloned()
+            .ok_or_else(|| Error::mismatch(format!("tensor {:?} is in the delta but not in {}", tensor.name, base.display())))?;
+        check_target(tensor, dtype, Some(&shape), range.len())?;
+        targets.push((tensor, range));
+    }
+    write_atomically(out, |file| {
+        file.set_len(base_map.len() as u64)?;
+        // SAFETY: the temporary file is ours alone until it is renamed into place.
+        let mut out_map = unsafe { MmapMut::map_mut(&*file) }?;
+        out_map.copy_from_slice(&base_map);
+        for (tensor, range) in &targets {
+            apply_tensor(tensor, &mut out_map[range.clone()]).map_err(std::io::Error::other)?;
+        }
+        out_map.flush()
+    })
+}

@@ -1,0 +1,416 @@
+//! The on-disk container: a valid safetensors file of U8 streams plus JSON metadata (docs/format.md).
+//!
+//! Writing is zero-copy: the header is built, then each stream is copied once, straight from the delta
+//! into the output. Reading validates the safetensors header with the safetensors crate, then every
+//! per-tensor record, then every stream, before a `Delta` is handed out.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::core::codec::{PositionCodec, ValueCodec};
+use crate::core::delta::{Delta, TensorDelta};
+use crate::core::dtype::{self, Dtype};
+use crate::core::error::{Error, Result};
+use crate::core::stream::{Backing, Stream};
+
+pub const FORMAT_NAME: &str = "deltasync";
+pub const FORMAT_VERSION: &str = "1";
+pub const POSITIONS_SUFFIX: &str = ":pos";
+pub const VALUES_SUFFIX: &str = ":val";
+/// Header keys the format owns; caller metadata may not use them.
+pub const RESERVED_KEYS: [&str; 6] = ["format", "format_version", "kind", "tensors", "step", "base_step"];
+
+/// One entry of the `tensors` metadata list.
+#[derive(Serialize, Deserialize)]
+struct TensorRecord {
+    name: String,
+    dtype: String,
+    shape: Option<Vec<u64>>,
+    changed: u64,
+    positions: PositionCodec,
+    values: ValueCodec,
+}
+
+/// One safetensors entry of the output, usually borrowing its bytes from the delta.
+pub struct Entry<'a> {
+    pub key: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub data: Cow<'a, [u8]>,
+}
+
+/// A file laid out for writing: the padded header, then the data pieces in order.
+pub struct Encoded<'a> {
+    header: Vec<u8>,
+    pieces: Vec<Cow<'a, [u8]>>,
+}
+
+impl Encoded<'_> {
+    /// Total file size.
+    pub fn len(&self) -> usize {
+        8 + self.header.len() + self.pieces.iter().map(|p| p.len()).sum::<usize>()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Fills `out`, which must be exactly `len()` bytes.
+    pub fn fill(&self, out: &mut [u8]) {
+        out[..8].copy_from_slice(&(self.header.len() as u64).to_le_bytes());
+        let mut at = 8 + self.header.len();
+        out[8..at].copy_from_slice(&self.header);
+        for piece in &self.pieces {
+            out[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+        }
+    }
+
+    pub fn write_to(&self, writer: &mut impl Write) -> std::io::Result<()> {
+        writer.write_all(&(self.header.len() as u64).to_le_bytes())?;
+        writer.write_all(&self.header)?;
+        for piece in &self.pieces {
+            writer.write_all(piece)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the file to `path` atomically.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        write_atomically(path, |file| {
+            let mut writer = std::io::BufWriter::with_capacity(1 << 20, file);
+            self.write_to(&mut writer)?;
+            writer.flush()
+        })
+    }
+
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.len()];
+        self.fill(&mut out);
+        out
+    }
+}
+
+fn entries(delta: &Delta) -> Vec<Entry<'_>> {
+    // Whole tensors first, widest dtype first, so each lands aligned to its element size.
+    let mut dense: Vec<&TensorDelta> = delta.tensors.iter().filter(|t| t.is_dense()).collect();
+    dense.sort_by_key(|t| std::cmp::Reverse(t.width()));
+    let mut out: Vec<Entry<'_>> = dense
+        .into_iter()
+        .map(|t| Entry {
+            key: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone().unwrap_or_default(),
+            data: Cow::Borrowed(&t.values[..]),
+        })
+        .collect();
+    for t in delta.tensors.iter().filter(|t| !t.is_dense() && t.changed > 0) {
+        for (suffix, stream) in [(POSITIONS_SUFFIX, &t.positions), (VALUES_SUFFIX, &t.values)] {
+            if !stream.is_empty() {
+                out.push(Entry {
+                    key: format!("{}{suffix}", t.name),
+                    dtype: Dtype::U8,
+                    shape: vec![stream.len() as u64],
+                    data: Cow::Borrowed(&stream[..]),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Builds the header for `delta` and lists the pieces that follow it.
+pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
+    let records: Vec<TensorRecord> = delta
+        .tensors
+        .iter()
+        .map(|t| TensorRecord {
+            name: t.name.clone(),
+            dtype: dtype::name_of(t.dtype),
+            shape: t.shape.clone(),
+            changed: t.changed,
+            positions: t.positions_codec,
+            values: t.values_codec,
+        })
+        .collect();
+    let mut metadata: BTreeMap<String, String> = BTreeMap::new();
+    for (key, value) in &delta.metadata {
+        if RESERVED_KEYS.contains(&key.as_str()) {
+            return Err(Error::invalid(format!("metadata key {key:?} is reserved by the format")));
+        }
+        metadata.insert(key.clone(), value.clone());
+    }
+    metadata.insert("format".into(), FORMAT_NAME.into());
+    metadata.insert("format_version".into(), FORMAT_VERSION.into());
+    metadata.insert("kind".into(), if delta.is_anchor() { "anchor" } else { "delta" }.into());
+    metadata.insert("tensors".into(), serde_json::to_string(&records).expect("records serialize"));
+    if let Some(step) = delta.step {
+        metadata.insert("step".into(), step.to_string());
+    }
+    if let Some(base) = delta.base_step {
+        metadata.insert("base_step".into(), base.to_string());
+    }
+
+    encode_entries(&metadata, entries(delta))
+}
+
+/// Lays out any safetensors file: string metadata plus entries in the given data order.
+pub fn encode_entries<'a>(metadata: &BTreeMap<String, String>, entries: Vec<Entry<'a>>) -> Result<Encoded<'a>> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::to_value(&metadata).expect("strings serialize"));
+    let mut offset = 0usize;
+    let mut keys = HashSet::new();
+    for entry in &entries {
+        if !keys.insert(entry.key.as_str()) {
+            return Err(Error::invalid(format!("two tensors would be stored under the key {:?}", entry.key)));
+        }
+        let end = offset + entry.data.len();
+        header.insert(
+            entry.key.clone(),
+            serde_json::json!({
+                "dtype": dtype::name_of(entry.dtype),
+                "shape": entry.shape,
+                "data_offsets": [offset, end],
+            }),
+        );
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&serde_json::Value::Object(header)).expect("header serializes");
+    // Pad with spaces so that data starts 8-byte aligned, as safetensors writers do.
+    header.resize(header.len().div_ceil(8) * 8, b' ');
+    Ok(Encoded { header, pieces: entries.into_iter().map(|e| e.data).collect() })
+}
+
+/// Serializes a delta to one byte vector.
+pub fn to_bytes(delta: &Delta) -> Result<Vec<u8>> {
+    Ok(encode(delta)?.to_vec())
+}
+
+/// Writes `write` to a temporary file beside `path`, then renames it into place, so readers never see
+/// half a file.
+pub fn write_atomically(path: &Path, write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>) -> Result<()> {
+    let dir = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let mut temp = tempfile::Builder::new()
+        .prefix(".deltasync-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(|e| Error::io(path, e))?;
+    write(temp.as_file_mut()).map_err(|e| Error::io(path, e))?;
+    temp.as_file().sync_all().map_err(|e| Error::io(path, e))?;
+    temp.persist(path).map_err(|e| Error::io(path, e.error))?;
+    Ok(())
+}
+
+/// Saves a delta to `path` atomically.
+pub fn save(delta: &Delta, path: &Path) -> Result<()> {
+    encode(delta)?.save(path)
+}
+
+/// A parsed safetensors header: metadata, and each tensor's dtype, shape and absolute byte range.
+pub struct Header {
+    pub metadata: HashMap<String, String>,
+    pub tensors: HashMap<String, (Dtype, Vec<u64>, std::ops::Range<usize>)>,
+}
+
+/// Parses and validates a safetensors header with the safetensors crate.
+pub fn read_header(bytes: &[u8], source_name: &str) -> Result<Header> {
+    let (header_len, parsed) = safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|e| Error::format(source_name, format!("not a valid safetensors file: {e}")))?;
+    let data_start = 8 + header_len;
+    let tensors = parsed
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| {
+            let range = data_start + info.data_offsets.0..data_start + info.data_offsets.1;
+            let shape = info.shape.iter().map(|&d| d as u64).collect();
+            (name, (info.dtype, shape, range))
+        })
+        .collect();
+    Ok(Header { metadata: parsed.metadata().clone().unwrap_or_default(), tensors })
+}
+
+fn parse_step(metadata: &HashMap<String, String>, key: &str, source_name: &str) -> Result<Option<u64>> {
+    metadata
+        .get(key)
+        .map(|value| {
+            value
+                .parse::<u64>()
+                .map_err(|_| Error::format(source_name, format!("metadata {key:?} is {value:?}, not a step number")))
+        })
+        .transpose()
+}
+
+/// Reads a delta from a whole file's bytes: a deltasync file, or a TRL weight patch.
+pub fn read(backing: Arc<Backing>, source_name: &str) -> Result<Delta> {
+    let header = read_header(&backing, source_name)?;
+    match header.metadata.get("format").map(String::as_str) {
+        Some(FORMAT_NAME) => read_deltasync(backing, header, source_name),
+        Some(crate::core::trl::FORMAT_NAME) => crate::core::trl::read(&backing, &header, source_name),
+        Some(other) => Err(Error::format(source_name, format!("unknown format {other:?} in the header metadata"))),
+        None => Err(Error::format(
+            source_name,
+            "no 'format' in the header metadata: not a deltasync delta or a TRL weight patch \
+             (a plain checkpoint is a base to apply to, not a delta)",
+        )),
+    }
+}
+
+fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) -> Result<Delta> {
+    let bad = |message: String| Error::format(source_name, message);
+    let metadata = &header.metadata;
+    match metadata.get("format_version").map(String::as_str) {
+        Some(FORMAT_VERSION) => {}
+        other => {
+            return Err(bad(format!(
+                "format_version {other:?} is not supported (this reader knows {FORMAT_VERSION:?})"
+            )))
+        }
+    }
+    let records_json = metadata.get("tensors").ok_or_else(|| bad("no 'tensors' list in the header metadata".into()))?;
+    let records: Vec<TensorRecord> =
+        serde_json::from_str(records_json).map_err(|e| bad(format!("the 'tensors' metadata is malformed: {e}")))?;
+    let take_stream = |tensors: &mut HashMap<String, (Dtype, Vec<u64>, std::ops::Range<usize>)>, key: String, name: &str, required: bool| -> Result<Stream> {
+        match tensors.remove(&key) {
+            Some((Dtype::U8, shape, range)) if shape.len() == 1 => {
+                Ok(Stream::Shared { backing: Arc::clone(&backing), range })
+            }
+            Some(_) => Err(bad(format!("tensor {name:?}: stream {key:?} must be a 1-D U8 tensor"))),
+            None if required => Err(bad(format!("tensor {name:?}: stream {key:?} is missing"))),
+            None => Ok(Stream::empty()),
+        }
+    };
+    let mut tensors = Vec::with_capacity(records.len());
+    for record in records {
+        let name = record.name;
+        let dtype = dtype::parse(&record.dtype).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
+        if let Some(shape) = &record.shape {
+            dtype::numel(shape).ok_or_else(|| bad(format!("tensor {name:?}: shape {shape:?} overflows")))?;
+        }
+        let mut tensor = TensorDelta {
+            name: name.clone(),
+            dtype,
+            shape: record.shape,
+            changed: record.changed,
+            positions_codec: record.positions,
+            values_codec: record.values,
+            positions: Stream::empty(),
+            values: Stream::empty(),
+            last_position: None,
+        };
+        if tensor.is_dense() {
+            let shape = tensor.shape.clone().ok_or_else(|| bad(format!("tensor {name:?}: a dense tensor needs a shape")))?;
+            match header.tensors.remove(&name) {
+                Some((stored, stored_shape, range)) if stored == dtype && stored_shape == shape => {
+                    tensor.values = Stream::Shared { backing: Arc::clone(&backing), range };
+                }
+                Some(_) => return Err(bad(format!("tensor {name:?}: stored dtype or shape disagrees with its record"))),
+                None => return Err(bad(format!("tensor {name:?}: its data is missing"))),
+            }
+        } else if tensor.changed > 0 {
+            let has_positions = tensor.positions_codec == PositionCodec::Varint;
+            tensor.positions = take_stream(&mut header.tensors, format!("{name}{POSITIONS_SUFFIX}"), &name, has_positions)?;
+            tensor.values = take_stream(&mut header.tensors, format!("{name}{VALUES_SUFFIX}"), &name, true)?;
+        }
+        tensors.push(tensor);
+    }
+    if let Some(extra) = header.tensors.keys().next() {
+        return Err(bad(format!("tensor {extra:?} is stored but not listed in the 'tensors' metadata")));
+    }
+    let metadata = header.metadata;
+    let mut delta = Delta {
+        tensors,
+        step: parse_step(&metadata, "step", source_name)?,
+        base_step: parse_step(&metadata, "base_step", source_name)?,
+        metadata: metadata.iter().filter(|(k, _)| !RESERVED_KEYS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect(),
+    };
+    delta.validate(source_name)?;
+    let kind = metadata.get("kind").map(String::as_str);
+    let expected = if delta.is_anchor() { "anchor" } else { "delta" };
+    if kind != Some(expected) {
+        return Err(bad(format!("metadata kind is {kind:?} but the tensors make it a {expected:?}")));
+    }
+    Ok(delta)
+}
+
+/// Reads a delta from bytes in memory.
+pub fn from_bytes(bytes: Vec<u8>, source_name: &str) -> Result<Delta> {
+    read(Arc::new(Backing::Owned(bytes)), source_name)
+}
+
+/// Reads a delta file fully into memory, so later changes to the file cannot affect it.
+pub fn load(path: &Path) -> Result<Delta> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    from_bytes(bytes, &path.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::diff::{diff, DiffInput};
+
+    fn sample() -> Delta {
+        let old: Vec<u8> = (0..200u8).collect();
+        let mut new = old.clone();
+        new[10] = 0;
+        new[101] = 7;
+        let tensors = diff(
+            &[
+                DiffInput { name: "a.weight".into(), dtype: Dtype::BF16, shape: vec![10, 10], old: &old, new: &new },
+                DiffInput { name: "b".into(), dtype: Dtype::U8, shape: vec![4], old: &[1, 2, 3, 4], new: &[5, 6, 7, 8] },
+                DiffInput { name: "c".into(), dtype: Dtype::F32, shape: vec![1], old: &[0; 4], new: &[0; 4] },
+            ],
+            ValueCodec::Diff,
+        )
+        .unwrap();
+        Delta { tensors, step: Some(7), base_step: Some(6), metadata: [("run".to_owned(), "x".to_owned())].into() }
+    }
+
+    #[test]
+    fn roundtrip_and_safetensors_valid() {
+        let delta = sample();
+        let bytes = to_bytes(&delta).unwrap();
+        safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let back = from_bytes(bytes.clone(), "mem").unwrap();
+        assert_eq!(back.step, Some(7));
+        assert_eq!(back.base_step, Some(6));
+        assert_eq!(back.metadata.get("run").map(String::as_str), Some("x"));
+        assert_eq!(back.tensors.len(), 3);
+        assert!(back.tensors[1].is_dense());
+        assert_eq!(to_bytes(&back).unwrap(), bytes);
+    }
+
+    #[test]
+    fn every_truncation_is_a_format_error() {
+        let bytes = to_bytes(&sample()).unwrap();
+        for cut in 0..bytes.len() {
+            let err = from_bytes(bytes[..cut].to_vec(), "cut").unwrap_err();
+            assert!(matches!(err, Error::Format { .. }), "cut at {cut}: {err}");
+        }
+    }
+
+    #[test]
+    fn every_flipped_data_byte_is_caught_or_harmless() {
+        let bytes = to_bytes(&sample()).unwrap();
+        for at in 0..bytes.len() {
+            let mut broken = bytes.clone();
+            broken[at] ^= 0xff;
+            // Must never panic; a flipped value byte may still decode to a valid delta.
+            let _ = from_bytes(broken, "flip");
+        }
+    }
+
+    #[test]
+    fn reserved_metadata_is_refused() {
+        let mut delta = sample();
+        delta.metadata.insert("kind".into(), "x".into());
+        assert!(matches!(to_bytes(&delta), Err(Error::InvalidInput { .. })));
+    }
+}

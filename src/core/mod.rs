@@ -1,0 +1,17 @@
+//! The plain-Rust core of deltasync-rs: bit-compare, codecs, the safetensors container and apply.
+//! Nothing under `core` knows about Python.
+
+pub mod apply;
+pub mod codec;
+pub mod delta;
+pub mod diff;
+pub mod dtype;
+pub mod error;
+pub mod files;
+pub mod format;
+pub mod pool;
+pub mod stream;
+pub mod trl;
+
+pub use delta::{Delta, TensorDelta};
+pub use error::{Error, Result};

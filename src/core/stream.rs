@@ -1,0 +1,55 @@
+//! Byte streams that are either owned or a window into a shared buffer (a loaded file or an mmap).
+
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
+/// The backing store of a loaded delta: bytes in memory or a read-only file mapping.
+pub enum Backing {
+    Owned(Vec<u8>),
+    Mapped(memmap2::Mmap),
+}
+
+impl Deref for Backing {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Backing::Owned(bytes) => bytes,
+            Backing::Mapped(map) => map,
+        }
+    }
+}
+
+/// An encoded stream: owned after a diff, or borrowed from the file it was read from.
+#[derive(Clone)]
+pub enum Stream {
+    Owned(Arc<Vec<u8>>),
+    Shared { backing: Arc<Backing>, range: Range<usize> },
+}
+
+impl Stream {
+    pub fn empty() -> Self {
+        Stream::Owned(Arc::new(Vec::new()))
+    }
+}
+
+impl From<Vec<u8>> for Stream {
+    fn from(bytes: Vec<u8>) -> Self {
+        Stream::Owned(Arc::new(bytes))
+    }
+}
+
+impl Deref for Stream {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Stream::Owned(bytes) => bytes,
+            Stream::Shared { backing, range } => &backing[range.clone()],
+        }
+    }
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream({} bytes)", self.len())
+    }
+}
