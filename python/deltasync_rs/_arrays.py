@@ -85,6 +85,8 @@ def host_bytes(x: Any) -> tuple[np.ndarray, int]:
     to make it (0 when the tensor's own memory is used)."""
     if is_torch(x):
         t = x.detach()
+        if t.numel() == 0:
+            return np.empty(0, dtype=np.uint8), 0
         copied = 0
         if t.device.type != "cpu" or not t.is_contiguous():
             t = t.to("cpu").contiguous()
@@ -101,6 +103,8 @@ def writable_bytes(x: Any) -> np.ndarray | None:
         t = x.detach()
         if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
             return None
+        if t.numel() == 0:
+            return np.empty(0, dtype=np.uint8)
         return t.reshape(-1).view(_torch().uint8).numpy()
     if not x.flags.c_contiguous:
         return None

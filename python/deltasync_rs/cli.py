@@ -1,0 +1,116 @@
+"""The `deltasync` command: diff two checkpoints, apply a delta to one, and inspect a delta file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from . import __version__
+from ._core import DeltaSyncError, RawDelta, apply_file, diff_files
+from .delta import Delta, load
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    raise AssertionError("unreachable")
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    delta = Delta(diff_files(args.prev, args.curr, args.values))
+    delta.step, delta.base_step = args.step, args.base_step
+    delta.save(args.output, format=args.format)
+    elapsed = time.perf_counter() - start
+    changed, total = delta.num_changed, delta.num_elements
+    print(
+        f"{args.output}: {len(delta)} tensors, {changed} of {total} elements changed "
+        f"({(changed / total if total else 0):.4%}), {_human(delta.nbytes)} of streams, {elapsed:.2f} s"
+    )
+    return 0
+
+
+def _cmd_apply(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    delta = load(args.delta)
+    apply_file(args.base, delta._raw, args.output)
+    print(f"{args.output}: applied {delta.num_changed} changes to {len(delta)} tensors in {time.perf_counter() - start:.2f} s")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    delta = load(args.delta)
+    raw: RawDelta = delta._raw
+    if args.json:
+        print(json.dumps({
+            "kind": "anchor" if delta.is_anchor else "delta",
+            "step": delta.step,
+            "base_step": delta.base_step,
+            "metadata": delta.metadata,
+            "num_changed": delta.num_changed,
+            "num_elements": delta.num_elements,
+            "nbytes": delta.nbytes,
+            "tensors": [t._asdict() | {"density": t.density} for t in delta.tensors],
+        }, indent=2))
+        return 0
+    print(f"{args.delta}: {'anchor' if raw.is_anchor else 'delta'}, step={delta.step}, base_step={delta.base_step}")
+    for key, value in sorted(delta.metadata.items()):
+        print(f"  {key} = {value}")
+    name_width = max([len(t.name) for t in delta.tensors] + [6])
+    print(f"{'tensor':<{name_width}}  {'dtype':<8} {'shape':<18} {'changed':>12} {'density':>9} {'bytes':>12}  codecs")
+    for t in delta.tensors:
+        density = "?" if t.density is None else f"{t.density:.4%}"
+        shape = "?" if t.shape is None else "x".join(map(str, t.shape)) or "scalar"
+        print(f"{t.name:<{name_width}}  {t.dtype:<8} {shape:<18} {t.changed:>12} {density:>9} {t.nbytes:>12}  "
+              f"{t.positions}/{t.values}")
+    per_change = delta.nbytes / delta.num_changed if delta.num_changed else 0.0
+    print(f"total: {delta.num_changed} of {delta.num_elements} elements changed, {_human(delta.nbytes)} of streams "
+          f"({per_change:.2f} bytes per changed element)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltasync", description="Bit-exact sparse deltas of safetensors checkpoints.")
+    parser.add_argument("--version", action="version", version=f"deltasync-rs {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("diff", help="write the delta between two checkpoints (memory-mapped, streamed)")
+    p.add_argument("prev", help="the older .safetensors checkpoint")
+    p.add_argument("curr", help="the newer .safetensors checkpoint")
+    p.add_argument("-o", "--output", required=True, help="the delta file to write")
+    p.add_argument("--values", choices=("diff", "abs"), default="diff",
+                   help="store bit-pattern differences (smallest) or new absolute values (TRL-compatible)")
+    p.add_argument("--format", choices=("deltasync", "trl"), default="deltasync", help="file layout to write")
+    p.add_argument("--step", type=int, default=None, help="step number to record")
+    p.add_argument("--base-step", type=int, default=None, help="base step number to record")
+    p.set_defaults(run=_cmd_diff)
+
+    p = commands.add_parser("apply", help="write BASE with DELTA applied")
+    p.add_argument("base", help="the checkpoint the delta was made against")
+    p.add_argument("delta", help="a deltasync or TRL delta file")
+    p.add_argument("-o", "--output", required=True, help="the checkpoint to write (may be BASE itself)")
+    p.set_defaults(run=_cmd_apply)
+
+    p = commands.add_parser("inspect", help="per-tensor counts, density, bytes and codecs of a delta file")
+    p.add_argument("delta", help="a deltasync or TRL delta file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except DeltaSyncError as error:
+        print(f"deltasync {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The Python API: inputs of every kind, all-or-nothing apply, clear errors, anchors, metadata and threads."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import deltasync_rs as ds
+from tests.helpers import assert_bits_equal, assert_states_equal, clone_state
+
+
+def _pair(seed=0, shape=(64, 48), dtype=torch.bfloat16, every=9):
+    g = torch.Generator().manual_seed(seed)
+    prev = torch.randn(shape, generator=g).to(dtype)
+    curr = prev.clone()
+    flat = curr.view(-1)
+    flat[::every] = (flat[::every].float() * 1.01 + 0.001).to(dtype)
+    return prev, curr
+
+
+@pytest.fixture
+def states():
+    names = ["model.embed.weight", "model.layers.0.weight", "model.norm.weight"]
+    shapes = [(50, 16), (16, 16), (16,)]
+    prev, curr = {}, {}
+    for i, (name, shape) in enumerate(zip(names, shapes)):
+        prev[name], curr[name] = _pair(i, shape)
+    return prev, curr
+
+
+def test_diff_mapping_and_apply(states):
+    prev, curr = states
+    delta = ds.diff(prev, curr, step=5, base_step=4, metadata={"run": "abc"})
+    assert delta.names == list(curr)
+    assert delta.step == 5 and delta.base_step == 4 and delta.metadata == {"run": "abc"}
+    assert delta.num_elements == sum(t.numel() for t in curr.values())
+    assert delta.num_changed == sum(int((prev[k] != curr[k]).sum()) for k in curr)
+    assert delta.nbytes == sum(t.nbytes for t in delta.tensors)
+    assert "model.norm.weight" in delta and "nope" not in delta
+    assert "3 tensors" in repr(delta)
+    loaded = ds.load(delta.to_bytes())
+    assert (loaded.step, loaded.base_step, loaded.metadata) == (5, 4, {"run": "abc"})
+    target = clone_state(prev)
+    assert loaded.apply_(target) is target
+    assert_states_equal(target, curr)
+
+
+def test_non_contiguous_inputs_and_targets():
+    prev, curr = _pair(shape=(40, 30), dtype=torch.float32, every=7)
+    delta = ds.diff(prev.t(), curr.t())  # transposed views: positions are row-major in the view's shape
+    target = prev.clone().t()
+    assert not target.is_contiguous()
+    delta.apply_(target)
+    assert_bits_equal(target, curr.t())
+    # numpy strided target
+    prev_np, curr_np = prev.numpy(), curr.numpy()
+    delta_np = ds.diff(prev_np[:, ::2], curr_np[:, ::2])
+    base = prev_np.copy()
+    delta_np.apply_(base[:, ::2])
+    assert np.array_equal(base[:, ::2].view(np.uint32), curr_np[:, ::2].view(np.uint32))
+    assert np.array_equal(base[:, 1::2], prev_np[:, 1::2])
+
+
+def test_mixed_torch_and_numpy():
+    prev, curr = _pair()
+    delta = ds.diff(prev.view(torch.int16).numpy(), curr.view(torch.int16))
+    target = prev.view(torch.int16).clone()
+    delta.apply_(target)
+    assert torch.equal(target, curr.view(torch.int16))
+
+
+def test_parameters_with_grad_are_updated_in_place():
+    prev, curr = _pair()
+    param = torch.nn.Parameter(prev.clone())
+    ds.diff(prev, curr).apply_({ds.DEFAULT_NAME: param})
+    assert_bits_equal(param.detach(), curr)
+    assert param.requires_grad
+
+
+def test_base_mismatch_leaves_target_untouched(states):
+    prev, curr = states
+    delta = ds.diff(prev, curr)
+    target = clone_state(prev)
+    target["model.norm.weight"] = torch.zeros(17, dtype=torch.bfloat16)
+    before = clone_state(target)
+    with pytest.raises(ds.BaseMismatchError, match="model.norm.weight"):
+        delta.apply_(target)
+    assert_states_equal(target, before)
+
+    target = clone_state(prev)
+    target["model.layers.0.weight"] = target["model.layers.0.weight"].float()
+    before = clone_state(target)
+    with pytest.raises(ds.BaseMismatchError, match="BF16.*F32|model.layers.0.weight"):
+        delta.apply_(target)
+    assert_states_equal(target, before)
+
+    target = clone_state(prev)
+    del target["model.embed.weight"]
+    before = clone_state(target)
+    with pytest.raises(ds.BaseMismatchError, match="model.embed.weight"):
+        delta.apply_(target)
+    assert_states_equal(target, before)
+
+
+def test_diff_rejects_mismatched_inputs(states):
+    prev, curr = states
+    with pytest.raises(ds.BaseMismatchError, match="only in curr"):
+        ds.diff({k: v for k, v in prev.items() if k != "model.norm.weight"}, curr)
+    bad = dict(prev)
+    bad["model.norm.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+    with pytest.raises(ds.BaseMismatchError, match="model.norm.weight"):
+        ds.diff(bad, curr)
+    with pytest.raises(ds.DeltaSyncError, match="values"):
+        ds.diff(prev, curr, values="nope")
+    with pytest.raises(ds.DeltaSyncError, match="not supported"):
+        ds.diff(torch.zeros(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ds.DeltaSyncError, match="list"):
+        ds.diff([1, 2], [1, 2])
+    with pytest.raises(ds.DeltaSyncError, match="reserved"):
+        ds.diff({"a:pos": torch.zeros(2)}, {"a:pos": torch.ones(2)})
+    with pytest.raises(ds.DeltaSyncError, match="big-endian"):
+        ds.diff(np.zeros(3, ">f4"), np.zeros(3, ">f4"))
+
+
+def test_read_only_numpy_target_is_refused():
+    prev, curr = np.zeros(10, np.float32), np.ones(10, np.float32)
+    target = prev.copy()
+    target.flags.writeable = False
+    with pytest.raises(ds.DeltaSyncError, match="read-only"):
+        ds.diff(prev, curr).apply_(target)
+
+
+def test_tied_weights_apply_once():
+    prev, curr = _pair()
+    delta = ds.diff({"embed": prev, "lm_head": prev}, {"embed": curr, "lm_head": curr})
+    shared = prev.clone()
+    delta.apply_({"embed": shared, "lm_head": shared})  # a diff applied twice would drift by two steps
+    assert_bits_equal(shared, curr)
+    other = curr.clone()
+    other.view(-1)[1] += 1
+    conflicting = ds.diff({"embed": prev, "lm_head": prev}, {"embed": curr, "lm_head": other})
+    target = prev.clone()
+    with pytest.raises(ds.DeltaSyncError, match="share memory"):
+        conflicting.apply_({"embed": target, "lm_head": target})
+    assert_bits_equal(target, prev)
+
+
+def test_overlapping_targets_are_refused():
+    prev, curr = _pair(shape=(100,), dtype=torch.float32, every=3)
+    delta = ds.diff({"a": prev[:60], "b": prev[40:]}, {"a": curr[:60], "b": curr[40:]})
+    base = prev.clone()
+    with pytest.raises(ds.DeltaSyncError, match="overlaps"):
+        delta.apply_({"a": base[:60], "b": base[40:]})
+    assert_bits_equal(base, prev)
+
+
+def test_single_tensor_delta_needs_single_target(states):
+    prev, curr = states
+    with pytest.raises(ds.BaseMismatchError, match="3 tensors"):
+        ds.diff(prev, curr).apply_(torch.zeros(3))
+    with pytest.raises(ds.DeltaSyncError, match="mapping"):
+        ds.diff(prev, curr).apply_([1])
+
+
+def test_anchor_is_a_plain_checkpoint(tmp_path, states):
+    _, curr = states
+    anchor = ds.anchor(curr, step=10)
+    assert anchor.is_anchor and anchor.step == 10 and anchor.num_changed == anchor.num_elements
+    path = tmp_path / "anchor.safetensors"
+    anchor.save(path)
+    assert_states_equal(load_file(path), curr)
+    target = {k: torch.zeros_like(v) for k, v in curr.items()}
+    ds.load(path).apply_(target)
+    assert_states_equal(target, curr)
+
+
+def test_dense_fallback_when_everything_changes():
+    prev = torch.zeros(1000, dtype=torch.uint8)
+    curr = torch.arange(1000).to(torch.uint8) + 1
+    delta = ds.diff(prev, curr)
+    assert delta.tensors[0].positions == "all" and delta.nbytes == 1000
+    target = prev.clone()
+    delta.apply_(target)
+    assert torch.equal(target, curr)
+
+
+def test_save_is_atomic_and_load_errors(tmp_path, states):
+    prev, curr = states
+    path = tmp_path / "d.safetensors"
+    ds.diff(prev, curr).save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["d.safetensors"]
+    with pytest.raises(ds.DeltaSyncError, match="missing.safetensors"):
+        ds.load(tmp_path / "missing.safetensors")
+    with pytest.raises(ds.DeltaSyncError, match="no-such-dir"):
+        ds.diff(prev, curr).save(tmp_path / "no-such-dir" / "d.safetensors")
+    with pytest.raises(ds.DeltaSyncError, match="path or bytes"):
+        ds.load(42)
+    plain = tmp_path / "plain.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(curr, plain)
+    with pytest.raises(ds.DeltaFormatError, match="plain checkpoint"):
+        ds.load(plain)
+
+
+def test_metadata_reserved_keys(states):
+    prev, curr = states
+    with pytest.raises(ds.DeltaSyncError, match="reserved"):
+        ds.diff(prev, curr, metadata={"format": "x"})
+
+
+def test_threads_setting_gives_same_bytes(states):
+    prev, curr = states
+    default = ds.get_num_threads()
+    try:
+        ds.set_num_threads(1)
+        assert ds.get_num_threads() == 1
+        one = ds.diff(prev, curr).to_bytes()
+        ds.set_num_threads(2)
+        two = ds.diff(prev, curr).to_bytes()
+    finally:
+        ds.set_num_threads(0)
+    assert ds.get_num_threads() == default
+    assert one == two
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fork is POSIX-only")
+def test_pool_works_after_fork():
+    prev, curr = _pair(shape=(600, 1000))
+    expected = ds.diff(prev, curr).num_changed  # also starts the pool in the parent
+    assert expected == int((prev != curr).sum())
+    pid = os.fork()
+    if pid == 0:
+        # Only our code runs in the child: torch's OpenMP pool is not fork-safe.
+        try:
+            ok = ds.diff(prev, curr).num_changed == expected
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_cuda_apply_matches_cpu(cuda, states):
+    prev, curr = states
+    delta = ds.diff(prev, curr)
+    target = {k: v.to(cuda) for k, v in prev.items()}
+    delta.apply_(target)
+    assert_states_equal({k: v.cpu() for k, v in target.items()}, curr)
