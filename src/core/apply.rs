@@ -45,18 +45,42 @@ pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
         target.copy_from_slice(&tensor.values);
         return Ok(());
     }
-    let width = tensor.width();
+    match tensor.width() {
+        1 => scatter::<1>(tensor, target),
+        2 => scatter::<2>(tensor, target),
+        4 => scatter::<4>(tensor, target),
+        _ => scatter::<8>(tensor, target),
+    }
+    .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+}
+
+/// Changes decoded before they are written: the decoder's dependent loads then overlap the writes'
+/// cache misses instead of waiting on each.
+const SCATTER_BATCH: usize = 64;
+
+fn scatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> std::result::Result<(), String> {
     let codec = tensor.values_codec;
-    tensor
-        .for_each_change(|position, value| {
-            let at = position as usize * width;
-            values::apply(&mut target[at..at + width], codec, value, width);
-        })
-        .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+    let mut batch = [(0usize, 0u64); SCATTER_BATCH];
+    let mut filled = 0;
+    let mut flush = |batch: &[(usize, u64)], target: &mut [u8]| {
+        for &(at, value) in batch {
+            values::apply::<W>(&mut target[at..at + W], codec, value);
+        }
+    };
+    tensor.for_each_change(|position, value| {
+        batch[filled] = (position as usize * W, value);
+        filled += 1;
+        if filled == SCATTER_BATCH {
+            flush(&batch, target);
+            filled = 0;
+        }
+    })?;
+    flush(&batch[..filled], target);
+    Ok(())
 }
 
 /// Applies the tensors named by index to their targets, in parallel, after checking every target.
-pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> {
     let mut seen = vec![false; delta.tensors.len()];
     for (index, target) in &targets {
         let tensor = delta
@@ -68,6 +92,8 @@ pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
         }
         check_target(tensor, tensor.dtype, None, target.len())?;
     }
+    // Largest first, so the biggest tensor does not start last and leave one thread working alone.
+    targets.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
     crate::core::pool::install(|| {
         targets
             .into_par_iter()

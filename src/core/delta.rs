@@ -49,10 +49,19 @@ impl TensorDelta {
 
     /// Walks every change in order, calling `visit(position, value)`; checks the streams fully.
     /// `value` is the raw new bits for `abs` and the wrapping difference for `diff`.
-    pub fn for_each_change(&self, mut visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {
-        let width = self.width();
+    pub fn for_each_change(&self, visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {
+        match self.width() {
+            1 => self.walk::<1>(visit),
+            2 => self.walk::<2>(visit),
+            4 => self.walk::<4>(visit),
+            _ => self.walk::<8>(visit),
+        }
+    }
+
+    fn walk<const W: usize>(&self, mut visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {
+        let width = W;
         let numel = self.numel().unwrap_or(u64::MAX);
-        let mut values = ValueReader::new(&self.values, self.values_codec, width);
+        let mut values = ValueReader::<W>::new(&self.values, self.values_codec);
         match self.positions_codec {
             PositionCodec::All => {
                 if self.shape.is_none() {

@@ -27,6 +27,24 @@ pub fn load(bytes: &[u8], width: usize) -> u64 {
     u64::from_le_bytes(buf)
 }
 
+/// Loads a little-endian element of a width known at compile time.
+#[inline(always)]
+pub fn load_const<const W: usize>(bytes: &[u8]) -> u64 {
+    let bytes: [u8; W] = bytes[..W].try_into().expect("W bytes");
+    match W {
+        1 => u64::from(bytes[0]),
+        2 => u64::from(u16::from_le_bytes(bytes[..2].try_into().expect("2 bytes"))),
+        4 => u64::from(u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"))),
+        _ => u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
+    }
+}
+
+/// Stores the low `W` bytes of `value`, little-endian.
+#[inline(always)]
+pub fn store_const<const W: usize>(out: &mut [u8], value: u64) {
+    out[..W].copy_from_slice(&value.to_le_bytes()[..W]);
+}
+
 /// Stores the low `width` bytes of `value`, little-endian.
 #[inline]
 pub fn store(out: &mut [u8], value: u64, width: usize) {
@@ -68,39 +86,41 @@ fn sign_extend(value: u64, width: usize) -> i64 {
 }
 
 /// Reads values one by one: the raw new bits (`abs`) or the wrapping difference (`diff`).
-pub struct ValueReader<'a> {
+pub struct ValueReader<'a, const W: usize> {
     bytes: &'a [u8],
     at: usize,
     codec: ValueCodec,
-    width: usize,
 }
 
-impl<'a> ValueReader<'a> {
-    pub fn new(bytes: &'a [u8], codec: ValueCodec, width: usize) -> Self {
-        ValueReader { bytes, at: 0, codec, width }
+impl<'a, const W: usize> ValueReader<'a, W> {
+    pub fn new(bytes: &'a [u8], codec: ValueCodec) -> Self {
+        ValueReader { bytes, at: 0, codec }
     }
 
-    /// The next value as `width` low bytes of a u64.
-    #[inline]
+    #[inline(always)]
+    fn take<const N: usize>(&mut self) -> Result<u64, String> {
+        match self.bytes.get(self.at..self.at + N) {
+            Some(raw) => {
+                self.at += N;
+                Ok(load_const::<N>(raw))
+            }
+            None => Err("value stream ends early".to_owned()),
+        }
+    }
+
+    /// The next value as `W` low bytes of a u64.
+    #[inline(always)]
     pub fn next_value(&mut self) -> Result<u64, String> {
-        let width = self.width;
-        let take = |at: &mut usize, n: usize| -> Result<u64, String> {
-            let end = at.checked_add(n).filter(|&end| end <= self.bytes.len());
-            let end = end.ok_or_else(|| "value stream ends early".to_owned())?;
-            let value = load(&self.bytes[*at..end], n);
-            *at = end;
-            Ok(value)
-        };
         match self.codec {
-            ValueCodec::Abs => take(&mut self.at, width),
+            ValueCodec::Abs => self.take::<W>(),
             ValueCodec::Diff => {
-                let first = take(&mut self.at, 1)? as u8;
-                if width == 1 {
+                let first = self.take::<1>()? as u8;
+                if W == 1 {
                     Ok(u64::from(first))
                 } else if first == ESCAPE {
-                    take(&mut self.at, width)
+                    self.take::<W>()
                 } else {
-                    Ok((i64::from(first as i8) as u64) & mask(width))
+                    Ok((i64::from(first as i8) as u64) & mask(W))
                 }
             }
         }
@@ -113,13 +133,13 @@ impl<'a> ValueReader<'a> {
 }
 
 /// Applies one decoded value to the element bytes `target`.
-#[inline]
-pub fn apply(target: &mut [u8], codec: ValueCodec, value: u64, width: usize) {
+#[inline(always)]
+pub fn apply<const W: usize>(target: &mut [u8], codec: ValueCodec, value: u64) {
     let new = match codec {
         ValueCodec::Abs => value,
-        ValueCodec::Diff => load(target, width).wrapping_add(value),
+        ValueCodec::Diff => load_const::<W>(target).wrapping_add(value),
     };
-    store(target, new, width);
+    store_const::<W>(target, new);
 }
 
 #[cfg(test)]
@@ -127,17 +147,27 @@ mod tests {
     use super::*;
 
     fn roundtrip(old: u64, new: u64, width: usize) {
+        match width {
+            1 => roundtrip_const::<1>(old, new),
+            2 => roundtrip_const::<2>(old, new),
+            4 => roundtrip_const::<4>(old, new),
+            _ => roundtrip_const::<8>(old, new),
+        }
+    }
+
+    fn roundtrip_const<const W: usize>(old: u64, new: u64) {
+        let width = W;
         let (mut o, mut n) = ([0u8; 8], [0u8; 8]);
         store(&mut o, old, width);
         store(&mut n, new, width);
         for codec in [ValueCodec::Abs, ValueCodec::Diff] {
             let mut out = Vec::new();
             write(&mut out, codec, &o, &n, width);
-            let mut reader = ValueReader::new(&out, codec, width);
+            let mut reader = ValueReader::<W>::new(&out, codec);
             let value = reader.next_value().unwrap();
             assert!(reader.is_exhausted());
             let mut target = o;
-            apply(&mut target, codec, value, width);
+            apply::<W>(&mut target, codec, value);
             assert_eq!(load(&target, width), new & mask(width), "{codec:?} {old} -> {new} width {width}");
         }
     }

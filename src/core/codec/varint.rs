@@ -65,12 +65,18 @@ impl<'a> PositionReader<'a> {
     }
 
     /// The next position, or a message saying why the stream is bad.
-    #[inline]
+    #[inline(always)]
     pub fn next_position(&mut self) -> Result<u64, String> {
-        let gap = read(self.bytes, &mut self.at).map_err(|e| match e {
-            ReadError::Truncated => "position stream ends early".to_owned(),
-            ReadError::Overflow => format!("position varint at byte {} overflows 64 bits", self.at),
-        })?;
+        let gap = match self.bytes.get(self.at) {
+            Some(&byte) if byte < 0x80 => {
+                self.at += 1;
+                u64::from(byte)
+            }
+            _ => read(self.bytes, &mut self.at).map_err(|e| match e {
+                ReadError::Truncated => "position stream ends early".to_owned(),
+                ReadError::Overflow => format!("position varint at byte {} overflows 64 bits", self.at),
+            })?,
+        };
         let position = self
             .next_allowed
             .checked_add(gap)
