@@ -62,7 +62,7 @@ fn scatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> std::resu
     let codec = tensor.values_codec;
     let mut batch = [(0usize, 0u64); SCATTER_BATCH];
     let mut filled = 0;
-    let mut flush = |batch: &[(usize, u64)], target: &mut [u8]| {
+    let flush = |batch: &[(usize, u64)], target: &mut [u8]| {
         for &(at, value) in batch {
             values::apply::<W>(&mut target[at..at + W], codec, value);
         }

@@ -113,7 +113,13 @@ impl TensorDelta {
             let numel = self.numel().ok_or_else(|| fail("a dense tensor needs a known shape".to_owned()))?;
             let expected = numel.checked_mul(self.width() as u64);
             if self.changed != numel || !self.positions.is_empty() || expected != Some(self.values.len() as u64) {
-                return Err(fail(format!("dense tensor of {numel} elements holds {} bytes", self.values.len())));
+                return Err(fail(format!(
+                    "a dense tensor of {numel} elements must record changed={numel} and hold {} bytes, \
+                     but records changed={} and holds {} bytes",
+                    expected.unwrap_or(u64::MAX),
+                    self.changed,
+                    self.values.len()
+                )));
             }
             self.last_position = numel.checked_sub(1);
             return Ok(());

@@ -268,11 +268,10 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
     let metadata = &header.metadata;
     match metadata.get("format_version").map(String::as_str) {
         Some(FORMAT_VERSION) => {}
-        other => {
-            return Err(bad(format!(
-                "format_version {other:?} is not supported (this reader knows {FORMAT_VERSION:?})"
-            )))
+        Some(other) => {
+            return Err(bad(format!("format_version {other:?} is not supported (this reader knows {FORMAT_VERSION:?})")))
         }
+        None => return Err(bad("no 'format_version' in the header metadata".into())),
     }
     let records_json = metadata.get("tensors").ok_or_else(|| bad("no 'tensors' list in the header metadata".into()))?;
     let records: Vec<TensorRecord> =
@@ -287,6 +286,10 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
             None => Ok(Stream::empty()),
         }
     };
+    let mut names = HashSet::with_capacity(records.len());
+    if let Some(twice) = records.iter().find(|r| !names.insert(r.name.as_str())) {
+        return Err(bad(format!("tensor {:?} is listed twice", twice.name)));
+    }
     let mut tensors = Vec::with_capacity(records.len());
     for record in records {
         let name = record.name;
@@ -332,9 +335,9 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
         metadata: metadata.iter().filter(|(k, _)| !RESERVED_KEYS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect(),
     };
     delta.validate(source_name)?;
-    let kind = metadata.get("kind").map(String::as_str);
+    let kind = metadata.get("kind").map_or("(missing)", String::as_str);
     let expected = if delta.is_anchor() { "anchor" } else { "delta" };
-    if kind != Some(expected) {
+    if kind != expected {
         return Err(bad(format!("metadata kind is {kind:?} but the tensors make it a {expected:?}")));
     }
     Ok(delta)

@@ -1,0 +1,166 @@
+"""Hostile and broken inputs: every one gives DeltaFormatError (never a crash), and no target is touched."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deltasync_rs as ds
+from tests.helpers import assert_bits_equal
+
+
+def craft(metadata: dict | None, tensors: dict[str, tuple[str, list[int], bytes]]) -> bytes:
+    """A safetensors file written by hand, so that its contents can be anything at all."""
+    header, data, offset = {}, b"", 0
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for name, (dtype, shape, payload) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(payload)]}
+        data += payload
+        offset += len(payload)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+def record(name="w", dtype="BF16", shape=(8,), changed=2, positions="varint", values="diff"):
+    return {"name": name, "dtype": dtype, "shape": list(shape) if shape is not None else None, "changed": changed,
+            "positions": positions, "values": values}
+
+
+def meta(*records, **extra):
+    base = {"format": "deltasync", "format_version": "1", "kind": "delta", "tensors": json.dumps(list(records))}
+    base.update(extra)
+    return base
+
+
+def u8(payload: bytes):
+    return ("U8", [len(payload)], payload)
+
+
+# A valid file: positions 1 and 4 (gaps 1, 2), differences +1 and -1.
+VALID = craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(bytes([1, 0xFF]))})
+
+
+def test_the_handmade_file_is_valid():
+    delta = ds.load(VALID)
+    target = torch.zeros(8, dtype=torch.bfloat16)
+    delta.apply_(target)
+    assert target.view(torch.int16).tolist() == [0, 1, 0, 0, -1, 0, 0, 0]
+
+
+CASES = {
+    "empty": b"",
+    "short prefix": b"\x08\x00\x00",
+    "huge header length": struct.pack("<Q", 1 << 40) + b"{}",
+    "header past the end": struct.pack("<Q", 100) + b"{}",
+    "header not json": struct.pack("<Q", 8) + b"not json",
+    "no metadata": craft(None, {"w:pos": u8(b"\x00")}),
+    "unknown format": craft({"format": "other"}, {}),
+    "future version": craft(meta(record(), format_version="2"), {}),
+    "no tensors list": craft({"format": "deltasync", "format_version": "1", "kind": "delta"}, {}),
+    "tensors not json": craft(meta(record(), tensors="[{"), {}),
+    "tensors wrong types": craft(meta(record(), tensors=json.dumps([{"name": 3}])), {}),
+    "unknown position codec": craft(meta(record(positions="zigzag")), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
+    "unknown value codec": craft(meta(record(values="xor")), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
+    "unknown dtype": craft(meta(record(dtype="F4")), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
+    "shape overflows": craft(meta(record(shape=(1 << 62, 1 << 10))), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
+    "position out of range": craft(meta(record()), {"w:pos": u8(bytes([1, 9])), "w:val": u8(b"\x01\x01")}),
+    "position stream truncated varint": craft(meta(record()), {"w:pos": u8(bytes([1, 0x80])), "w:val": u8(b"\x01\x01")}),
+    "position varint overflow": craft(meta(record(shape=(1 << 40,))), {"w:pos": u8(bytes([0xFF] * 11)), "w:val": u8(b"\x01\x01")}),
+    "too few positions": craft(meta(record(changed=3)), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01\x01")}),
+    "trailing position bytes": craft(meta(record()), {"w:pos": u8(bytes([1, 2, 0])), "w:val": u8(b"\x01\x01")}),
+    "too few values": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01")}),
+    "escape without payload": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x80\x01")}),
+    "trailing value bytes": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01\x01")}),
+    "abs values of the wrong length": craft(meta(record(values="abs")), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01\x01")}),
+    "more changes than elements": craft(meta(record(shape=(1,))), {"w:pos": u8(bytes([0, 0])), "w:val": u8(b"\x01\x01")}),
+    "stream of the wrong dtype": craft(meta(record()), {"w:pos": ("I8", [2], bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
+    "stream not 1-d": craft(meta(record()), {"w:pos": ("U8", [1, 2], bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
+    "missing value stream": craft(meta(record()), {"w:pos": u8(bytes([1, 2]))}),
+    "missing position stream": craft(meta(record()), {"w:val": u8(b"\x01\x01")}),
+    "unlisted tensor": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01"), "x": u8(b"\x00")}),
+    "duplicate names": craft(meta(record(), record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
+    "dense with wrong stored shape": craft(meta(record(changed=8, positions="all", values="abs"), kind="anchor"),
+                                           {"w": ("BF16", [4, 2], bytes(16))}),
+    "dense with wrong stored dtype": craft(meta(record(changed=8, positions="all", values="abs"), kind="anchor"),
+                                           {"w": ("F16", [8], bytes(16))}),
+    "dense with a wrong count": craft(meta(record(changed=7, positions="all", values="abs"), kind="anchor"),
+                                      {"w": ("BF16", [8], bytes(16))}),
+    "dense without shape": craft(meta(record(shape=None, changed=8, positions="all", values="abs"), kind="anchor"),
+                                 {"w": ("BF16", [8], bytes(16))}),
+    "all positions with a position stream": craft(meta(record(changed=8, positions="all")),
+                                                  {"w:pos": u8(b"\x00"), "w:val": u8(bytes(8))}),
+    "anchor kind on a sparse delta": craft(meta(record(), kind="anchor"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
+    "step not a number": craft(meta(record(), step="x"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
+    "offsets overlap": VALID[:8] + VALID[8:].replace(b'"data_offsets": [2, 4]', b'"data_offsets": [1, 3]'),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_malformed_file_is_a_format_error(name, tmp_path):
+    blob = CASES[name]
+    target = torch.arange(8, dtype=torch.int16).view(torch.bfloat16)
+    before = target.clone()
+    with pytest.raises(ds.DeltaFormatError):
+        ds.load(blob).apply_(target)
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(ds.DeltaFormatError, match="bad.safetensors"):
+        ds.load(path)
+    assert_bits_equal(target, before)
+
+
+def _small_delta() -> tuple[bytes, dict, dict]:
+    rng = np.random.default_rng(3)
+    prev = {"a": torch.from_numpy(rng.standard_normal((16, 8)).astype(np.float32)).bfloat16(),
+            "b": torch.from_numpy(rng.standard_normal(5).astype(np.float32)),
+            "c": torch.zeros(3, dtype=torch.uint8)}
+    curr = {k: v.clone() for k, v in prev.items()}
+    curr["a"].view(torch.int16).view(-1)[::5] += 1
+    curr["a"].view(torch.int16).view(-1)[7] += 300  # an escaped difference
+    curr["b"][2] = -0.0
+    curr["c"][:] = torch.tensor([1, 2, 3], dtype=torch.uint8)  # all change: stored whole
+    return ds.diff(prev, curr, step=2, base_step=1).to_bytes(), prev, curr
+
+
+def test_every_truncation_is_rejected_and_target_untouched():
+    blob, prev, curr = _small_delta()
+    target = {k: v.clone() for k, v in prev.items()}
+    for cut in range(len(blob)):
+        with pytest.raises(ds.DeltaFormatError):
+            ds.load(blob[:cut]).apply_(target)
+    for name in prev:
+        assert_bits_equal(target[name], prev[name], name)
+    ds.load(blob).apply_(target)
+    for name in prev:
+        assert_bits_equal(target[name], curr[name], name)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_corrupted_bytes_never_crash(data):
+    blob, prev, curr = _small_delta()
+    corrupted = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(blob) - 1))
+        corrupted[at] = data.draw(st.integers(0, 255))
+    target = {k: v.clone() for k, v in prev.items()}
+    try:
+        delta = ds.load(bytes(corrupted))
+    except ds.DeltaFormatError:
+        for name in prev:
+            assert_bits_equal(target[name], prev[name], name)
+        return
+    # A corrupted value byte can still decode; applying must stay in bounds or be refused cleanly.
+    try:
+        delta.apply_(target)
+    except ds.DeltaSyncError:
+        for name in prev:
+            assert_bits_equal(target[name], prev[name], name)

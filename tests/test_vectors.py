@@ -1,0 +1,59 @@
+"""The format's test vectors (tests/vectors, specified in docs/format.md): today's writer must produce exactly these
+bytes, and each file must decode to the expected tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import deltasync_rs as ds
+from tests.vectors import generate
+
+VECTORS = Path(__file__).resolve().parent / "vectors"
+INDEX = json.loads((VECTORS / "vectors.json").read_text())
+
+
+def _int_keys(spec: dict) -> dict:
+    """JSON turned the change positions into strings; turn them back."""
+    for t in spec["tensors"].values():
+        t["changes"] = {int(k): v for k, v in t["changes"].items()}
+    return spec
+
+
+@pytest.mark.parametrize("name", sorted(INDEX))
+def test_vector_bytes_are_pinned(name):
+    blob = (VECTORS / f"{name}.safetensors").read_bytes()
+    assert hashlib.sha256(blob).hexdigest() == INDEX[name]["sha256"]
+    delta, _, _ = generate.build(_int_keys(INDEX[name]["spec"]))
+    assert delta.to_bytes() == blob, "the writer no longer produces the pinned bytes: see docs/format.md"
+
+
+@pytest.mark.parametrize("name", sorted(INDEX))
+def test_vector_decodes_to_expected(name):
+    spec = _int_keys(INDEX[name]["spec"])
+    _, base, expected = generate.build(spec)
+    path = VECTORS / f"{name}.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["format"] == "deltasync"
+    delta = ds.load(path)
+    assert delta.step == spec["step"]
+    assert delta.is_anchor == bool(spec.get("anchor"))
+    delta.apply_(base)
+    for tensor in expected:
+        width = expected[tensor].dtype.itemsize
+        assert np.array_equal(base[tensor].view(f"u{width}"), expected[tensor].view(f"u{width}")), tensor
+
+
+def test_worked_example_in_format_doc():
+    """docs/format.md walks through bf16_diff byte by byte; keep the two in step."""
+    blob = (VECTORS / "bf16_diff.safetensors").read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    data = blob[8 + header_len:]
+    assert data.hex(" ") == "00 04 09 01 ff 80 2c 01"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    assert "00 04 09" in doc and "01 ff 80 2c 01" in doc

@@ -1,0 +1,96 @@
+"""Writes the format test vectors in this folder from the small inputs below.
+
+Run `python tests/vectors/generate.py` only when the format changes on purpose (and change docs/format.md in the
+same commit). tests/test_vectors.py checks that today's writer still produces these exact bytes and that the
+files decode to the expected tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+import deltasync_rs as ds
+
+HERE = Path(__file__).resolve().parent
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+DTYPES = {"BF16": ("bfloat16", 2), "F32": ("float32", 4), "U8": ("uint8", 1), "F8_E4M3": ("float8_e4m3fn", 1),
+          "I64": ("int64", 8), "F16": ("float16", 2)}
+
+
+def with_changes(base: list[int], changes: dict[int, int], width: int) -> list[int]:
+    """`base` with `changes` (position -> signed step of the bit pattern), wrapping at the element width."""
+    mask = (1 << (8 * width)) - 1
+    out = list(base)
+    for position, step in changes.items():
+        out[position] = (out[position] + step) & mask
+    return out
+
+
+def vectors() -> dict[str, dict]:
+    return {
+        "bf16_diff": {
+            "values": "diff", "step": 2, "base_step": 1, "metadata": {},
+            "tensors": {"w": {"dtype": "BF16", "shape": [4, 4], "base": [0x3F80 + i for i in range(16)],
+                              "changes": {0: 1, 5: -1, 15: 300}}},
+        },
+        "f32_abs": {
+            "values": "abs", "step": None, "base_step": None, "metadata": {},
+            "tensors": {"bias": {"dtype": "F32", "shape": [10], "base": [0x3F800000] * 10,
+                                 "changes": {3: 0x100, 9: -0x3F800000}}},
+        },
+        "mixed": {
+            "values": "diff", "step": 7, "base_step": 6, "metadata": {"run": "vectors"},
+            "tensors": {
+                "emb": {"dtype": "BF16", "shape": [300], "base": [0x3C00] * 300, "changes": {2: 1, 290: -2}},
+                "small": {"dtype": "U8", "shape": [4], "base": [1, 2, 3, 4], "changes": {0: 1, 1: 1, 2: 1, 3: 1}},
+                "scale": {"dtype": "F8_E4M3", "shape": [3], "base": [0x38, 0x40, 0x48], "changes": {}},
+                "count": {"dtype": "I64", "shape": [2], "base": [5, 1 << 40], "changes": {1: 1 << 33}},
+            },
+        },
+        "anchor": {
+            "anchor": True, "step": 10, "metadata": {},
+            "tensors": {
+                "a": {"dtype": "F16", "shape": [2, 2], "base": [0, 0, 0, 0], "changes": {0: 0x3C00, 3: 0x4000}},
+                "b": {"dtype": "U8", "shape": [3], "base": [0, 0, 0], "changes": {1: 9}},
+            },
+        },
+    }
+
+
+def to_array(bits: list[int], dtype: str, shape: list[int]):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
+
+    name, width = DTYPES[dtype]
+    return np.array(bits, dtype=UINT[width]).view(np.dtype(name)).reshape(shape)
+
+
+def build(spec: dict) -> tuple[ds.Delta, dict, dict]:
+    base, expected = {}, {}
+    for name, t in spec["tensors"].items():
+        width = DTYPES[t["dtype"]][1]
+        base[name] = to_array(t["base"], t["dtype"], t["shape"])
+        expected[name] = to_array(with_changes(t["base"], t["changes"], width), t["dtype"], t["shape"])
+    if spec.get("anchor"):
+        delta = ds.anchor(expected, step=spec["step"], metadata=spec["metadata"])
+    else:
+        delta = ds.diff(base, expected, values=spec["values"], step=spec["step"], base_step=spec["base_step"],
+                        metadata=spec["metadata"])
+    return delta, base, expected
+
+
+def main() -> None:
+    index = {}
+    for name, spec in vectors().items():
+        delta, _, _ = build(spec)
+        blob = delta.to_bytes()
+        (HERE / f"{name}.safetensors").write_bytes(blob)
+        index[name] = {"spec": spec, "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
+    (HERE / "vectors.json").write_text(json.dumps(index, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
