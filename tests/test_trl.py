@@ -369,6 +369,20 @@ def test_trl_output_with_a_wholly_changed_tensor(states):
     assert_states_equal(target, curr)
 
 
+def test_trl_output_with_no_changes_is_an_empty_patch(states):
+    prev, _ = states
+    data = ds.diff(prev, prev, values="abs", step=3).to_bytes(format="trl")
+    meta, params = read_trl(data)
+    assert params == {}
+    assert (meta["sparse"], meta["num_changed_params"], meta["total_changed_elements"]) == ("True", "0", "0")
+    assert json.loads(meta["changed_params"]) == []
+    delta = ds.load(data)
+    assert delta.num_changed == 0 and len(delta) == 0
+    target = clone_state(prev)
+    delta.apply_(target)
+    assert_states_equal(target, prev)
+
+
 def test_anchor_saved_as_trl_is_a_full_patch(states):
     _, curr = states
     data = ds.anchor(curr, step=20).to_bytes(format="trl")
@@ -406,39 +420,53 @@ def _v1_meta(**extra):
     return meta
 
 
+_I32 = torch.int32
+# case: (tensors, extra metadata, message pattern)
 MALFORMED = {
-    "non-increasing": ({"w.indices": torch.tensor([1, 3, 3], dtype=torch.int32),
-                        "w.values": torch.ones(3)}, {}),
-    "decreasing": ({"w.indices": torch.tensor([4, 2], dtype=torch.int32), "w.values": torch.ones(2)}, {}),
-    "negative": ({"w.indices": torch.tensor([-1, 2], dtype=torch.int32), "w.values": torch.ones(2)}, {}),
-    "length-mismatch": ({"w.indices": torch.tensor([0, 2, 5], dtype=torch.int32), "w.values": torch.ones(2)}, {}),
-    "indices-without-values": ({"w.indices": torch.tensor([0, 2], dtype=torch.int32),
-                                "v.values": torch.ones(2)}, {}),
-    "only-indices": ({"w.indices": torch.tensor([0, 2], dtype=torch.int32)}, {}),
-    "stray-tensor": ({"w.indices": torch.tensor([0, 2], dtype=torch.int32), "w.values": torch.ones(2),
-                      "extra": torch.zeros(3)}, {}),
-    "2-d-indices": ({"w.indices": torch.tensor([[0, 2]], dtype=torch.int32), "w.values": torch.ones(1, 2)}, {}),
-    "float-indices": ({"w.indices": torch.tensor([0.0, 2.0]), "w.values": torch.ones(2)}, {}),
-    "v3-gap-signed": ({"w.idx": torch.tensor([0, 2], dtype=torch.int32), "w.val": torch.ones(2)},
-                      {"version": "3", "encoding": "gap_delta"}),
-    "v3-unknown-encoding": ({"w.idx": torch.tensor([0, 2], dtype=torch.int32), "w.val": torch.ones(2)},
-                            {"version": "3", "encoding": "zstd"}),
-    "v3-raw-decreasing": ({"w.idx": torch.tensor([5, 1], dtype=torch.int32), "w.val": torch.ones(2)},
-                          {"version": "3", "encoding": "raw"}),
-    "bad-sparse-flag": ({"w.indices": torch.tensor([0, 2], dtype=torch.int32), "w.values": torch.ones(2)},
-                        {"sparse": "maybe"}),
+    "non-increasing": ({"w.indices": torch.tensor([1, 3, 3], dtype=_I32), "w.values": torch.ones(3)}, {},
+                       "not strictly increasing"),
+    "decreasing": ({"w.indices": torch.tensor([4, 2], dtype=_I32), "w.values": torch.ones(2)}, {},
+                   "not strictly increasing"),
+    "negative": ({"w.indices": torch.tensor([-1, 2], dtype=_I32), "w.values": torch.ones(2)}, {}, "negative"),
+    "length-mismatch": ({"w.indices": torch.tensor([0, 2, 5], dtype=_I32), "w.values": torch.ones(2)}, {},
+                        "one length"),
+    "indices-without-values": ({"w.indices": torch.tensor([0, 2], dtype=_I32), "v.values": torch.ones(2)}, {},
+                               '"w.indices" has no "w.values"'),
+    "only-indices": ({"w.indices": torch.tensor([0, 2], dtype=_I32)}, {}, '"w.indices" has no "w.values"'),
+    "stray-tensor": ({"w.indices": torch.tensor([0, 2], dtype=_I32), "w.values": torch.ones(2),
+                      "extra": torch.zeros(3)}, {}, '"extra"'),
+    "2-d-indices": ({"w.indices": torch.tensor([[0, 2]], dtype=_I32), "w.values": torch.ones(1, 2)}, {}, "1-D"),
+    "float-indices": ({"w.indices": torch.tensor([0.0, 2.0]), "w.values": torch.ones(2)}, {}, "I32"),
+    "v3-gap-signed": ({"w.idx": torch.tensor([0, 2], dtype=_I32), "w.val": torch.ones(2)},
+                      {"version": "3", "encoding": "gap_delta"}, "unsigned"),
+    "v3-unknown-encoding": ({"w.idx": torch.tensor([0, 2], dtype=_I32), "w.val": torch.ones(2)},
+                            {"version": "3", "encoding": "zstd"}, "zstd"),
+    "v3-raw-decreasing": ({"w.idx": torch.tensor([5, 1], dtype=_I32), "w.val": torch.ones(2)},
+                          {"version": "3", "encoding": "raw"}, "not strictly increasing"),
+    "bad-sparse-flag": ({"w.indices": torch.tensor([0, 2], dtype=_I32), "w.values": torch.ones(2)},
+                        {"sparse": "maybe"}, "sparse"),
+    # sparse="True" files whose only tensors are not index/value pairs
+    "sparse-values-only": ({"w.values": torch.ones(2)}, {}, '"w.values"'),
+    "sparse-stray-only": ({"extra": torch.zeros(3)}, {}, '"extra"'),
 }
+_SPARSE_FLAG_IGNORED = pytest.mark.xfail(
+    strict=True,
+    reason='BUG: trl::read ignores sparse="True" when no key ends in .indices/.idx and reads the file as a full '
+           "anchor of the stray tensors instead of raising DeltaFormatError",
+)
 
 
-@pytest.mark.parametrize("case", list(MALFORMED))
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=_SPARSE_FLAG_IGNORED) if c.startswith("sparse-") else c for c in MALFORMED
+])
 def test_malformed_trl_files_are_rejected(tmp_path, case):
-    tensors, extra = MALFORMED[case]
+    tensors, extra, message = MALFORMED[case]
     data = st_save(tensors, metadata=_v1_meta(**extra))
-    with pytest.raises(ds.DeltaFormatError):
+    with pytest.raises(ds.DeltaFormatError, match=message):
         ds.load(data)
     path = tmp_path / "bad.safetensors"
     path.write_bytes(data)
-    with pytest.raises(ds.DeltaFormatError):
+    with pytest.raises(ds.DeltaFormatError, match="bad.safetensors"):
         ds.load(path)
 
 

@@ -1,10 +1,22 @@
 """Type stubs for the Rust extension module `deltasync_rs._core`."""
 
 from os import PathLike
-from typing import Any
+from typing import Any, final
 
 from typing_extensions import Buffer
 
+__all__ = [
+    "BaseMismatchError",
+    "DeltaFormatError",
+    "DeltaSyncError",
+    "FORMAT_VERSION",
+    "RawDelta",
+    "__version__",
+    "apply_file",
+    "diff_files",
+    "get_num_threads",
+    "set_num_threads",
+]
 __version__: str
 FORMAT_VERSION: str
 
@@ -17,6 +29,7 @@ class DeltaFormatError(DeltaSyncError):
 class BaseMismatchError(DeltaSyncError):
     """The target does not match the delta: names, shapes or dtypes."""
 
+@final
 class RawDelta:
     """A delta held by the core: tensors with their encoded streams, and file metadata."""
 

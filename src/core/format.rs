@@ -162,7 +162,7 @@ pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
 /// Lays out any safetensors file: string metadata plus entries in the given data order.
 pub fn encode_entries<'a>(metadata: &BTreeMap<String, String>, entries: Vec<Entry<'a>>) -> Result<Encoded<'a>> {
     let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::to_value(&metadata).expect("strings serialize"));
+    header.insert("__metadata__".into(), serde_json::to_value(metadata).expect("strings serialize"));
     let mut offset = 0usize;
     let mut keys = HashSet::new();
     for entry in &entries {

@@ -1,0 +1,368 @@
+"""The `deltasync` command end to end on real safetensors checkpoints: diff, apply, inspect, and their errors,
+through `main([...])`, `python -m deltasync_rs.cli` and the installed console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import deltasync_rs as ds
+from deltasync_rs.cli import main
+from tests.helpers import assert_states_equal, bits, clone_state
+from tests.test_trl import TRL_FORMAT, read_trl, trl_apply
+
+NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.bias"]
+
+
+def _states():
+    g = torch.Generator().manual_seed(11)
+    prev = {
+        NAMES[0]: torch.randn(96, 32, generator=g).to(torch.bfloat16),
+        NAMES[1]: torch.randn(32, 64, generator=g),  # float32
+        NAMES[2]: torch.randn(32, generator=g).to(torch.bfloat16),  # left unchanged
+        NAMES[3]: torch.randn(17, generator=g).to(torch.float16),
+    }
+    curr = clone_state(prev)
+    flat = curr[NAMES[0]].view(-1)
+    flat[::6] = (flat[::6].float() * 1.03 + 0.002).to(torch.bfloat16)
+    curr[NAMES[1]].view(torch.int32).view(-1)[torch.randperm(32 * 64, generator=g)[:50]] += 1
+    curr[NAMES[3]].view(torch.int16)[[0, 16]] -= 1
+    return prev, curr
+
+
+def _num_changed(prev, curr):
+    return sum(int((bits(prev[n]) != bits(curr[n])).sum()) for n in curr)
+
+
+@pytest.fixture
+def ckpts(tmp_path):
+    prev, curr = _states()
+    prev_path, curr_path = tmp_path / "prev.safetensors", tmp_path / "curr.safetensors"
+    save_file(prev, prev_path)
+    save_file(curr, curr_path)
+    return prev, curr, prev_path, curr_path
+
+
+def _run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _console_script() -> str:
+    found = Path(sys.executable).parent / "deltasync"
+    if found.exists():
+        return str(found)
+    which = shutil.which("deltasync")
+    assert which, "the deltasync console script is not installed next to the interpreter or on PATH"
+    return which
+
+
+def _subprocess(args, cwd):
+    return subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def test_diff_then_apply_reproduces_curr_bit_exactly(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    delta_path, out_path = tmp_path / "delta.safetensors", tmp_path / "out.safetensors"
+
+    rc, out, err = _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)
+    assert (rc, err) == (0, "")
+    assert str(delta_path) in out and f"{len(NAMES)} tensors" in out
+    assert f"{_num_changed(prev, curr)} of {sum(t.numel() for t in curr.values())} elements changed" in out
+    delta = ds.load(delta_path)
+    assert sorted(delta.names) == sorted(NAMES)
+    assert delta.num_changed == _num_changed(prev, curr)
+    assert delta.step is None and delta.base_step is None
+
+    rc, out, err = _run(capsys, "apply", prev_path, delta_path, "-o", out_path)
+    assert (rc, err) == (0, "")
+    assert str(out_path) in out
+    applied = load_file(out_path)
+    assert sorted(applied) == sorted(curr)
+    assert_states_equal({n: applied[n] for n in curr}, curr)
+    # apply copies the base file and patches tensor bytes: with headers written alike, the files are identical
+    assert out_path.read_bytes() == curr_path.read_bytes()
+    assert prev_path.read_bytes() != curr_path.read_bytes()
+    base = load_file(prev_path)  # the base file is left as it was
+    assert_states_equal({n: base[n] for n in prev}, prev)
+
+
+def test_abs_trl_output_loads_everywhere(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    trl_path = tmp_path / "deltas" / "step_000007.safetensors"
+    trl_path.parent.mkdir()
+    rc, _, err = _run(capsys, "diff", prev_path, curr_path, "-o", trl_path, "--values", "abs", "--format", "trl",
+                      "--step", 7)
+    assert (rc, err) == (0, "")
+    data = trl_path.read_bytes()
+
+    meta, params = read_trl(data)
+    assert meta["format"] == TRL_FORMAT and meta["version"] == "1" and meta["sparse"] == "True"
+    assert meta["model_version"] == "7"
+    changed = [n for n in NAMES if n != "model.norm.weight"]
+    assert sorted(params) == sorted(changed)
+    assert sorted(json.loads(meta["changed_params"])) == sorted(changed)
+    assert meta["total_changed_elements"] == str(_num_changed(prev, curr))
+    target = clone_state(prev)
+    trl_apply(data, target)
+    assert_states_equal(target, curr)
+
+    delta = ds.load(trl_path)
+    assert delta.step == 7 and sorted(delta.names) == sorted(changed)
+    target = clone_state(prev)
+    delta.apply_(target)
+    assert_states_equal(target, curr)
+
+    # the CLI applies TRL files too
+    out_path = tmp_path / "out.safetensors"
+    rc, _, err = _run(capsys, "apply", prev_path, trl_path, "-o", out_path)
+    assert (rc, err) == (0, "")
+    assert out_path.read_bytes() == curr_path.read_bytes()
+
+
+def test_diff_values_to_trl_is_an_error(tmp_path, capsys, ckpts):
+    _, _, prev_path, curr_path = ckpts
+    out_path = tmp_path / "d.safetensors"
+    rc, out, err = _run(capsys, "diff", prev_path, curr_path, "-o", out_path, "--format", "trl")
+    assert rc == 1 and out == ""
+    assert err.startswith("deltasync diff: error:") and "abs" in err
+    assert not out_path.exists()
+
+
+def test_step_and_base_step_are_recorded(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    delta_path = tmp_path / "d.safetensors"
+    rc, _, _ = _run(capsys, "diff", prev_path, curr_path, "-o", delta_path, "--step", 9, "--base-step", 8)
+    assert rc == 0
+    delta = ds.load(delta_path)
+    assert (delta.step, delta.base_step) == (9, 8)
+    rc, out, _ = _run(capsys, "inspect", delta_path, "--json")
+    assert rc == 0
+    report = json.loads(out)
+    assert (report["step"], report["base_step"]) == (9, 8)
+
+
+def test_inspect_table_and_json(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    delta_path = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path, "--step", 3)[0] == 0
+
+    rc, out, err = _run(capsys, "inspect", delta_path)
+    assert (rc, err) == (0, "")
+    for name in NAMES:
+        assert name in out
+    lines = out.splitlines()
+    total_lines = [line for line in lines if line.startswith("total:")]
+    assert len(total_lines) == 1
+    expected = _num_changed(prev, curr)
+    assert f"total: {expected} of {sum(t.numel() for t in curr.values())} elements changed" in total_lines[0]
+    assert "step=3" in lines[0]
+
+    rc, out, err = _run(capsys, "inspect", delta_path, "--json")
+    assert (rc, err) == (0, "")
+    report = json.loads(out)
+    assert report["kind"] == "delta"
+    assert report["num_changed"] == expected
+    assert report["num_elements"] == sum(t.numel() for t in curr.values())
+    by_name = {t["name"]: t for t in report["tensors"]}
+    assert sorted(by_name) == sorted(NAMES)
+    for name in NAMES:
+        assert by_name[name]["changed"] == int((bits(prev[name]) != bits(curr[name])).sum())
+        assert by_name[name]["shape"] == list(curr[name].shape)
+    assert by_name["model.norm.weight"]["changed"] == 0
+
+
+def test_inspect_trl_file_has_unknown_shapes(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    trl_path = tmp_path / "t.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", trl_path, "--values", "abs", "--format", "trl")[0] == 0
+    rc, out, _ = _run(capsys, "inspect", trl_path, "--json")
+    assert rc == 0
+    report = json.loads(out)
+    assert report["num_changed"] == _num_changed(prev, curr)
+    assert all(t["shape"] is None and t["density"] is None for t in report["tensors"])
+    rc, out, _ = _run(capsys, "inspect", trl_path)
+    assert rc == 0 and "total:" in out and "lm_head.bias" in out
+
+
+def test_apply_to_mismatched_base_fails_cleanly(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    delta_path, out_path = tmp_path / "d.safetensors", tmp_path / "out.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)[0] == 0
+    bad = clone_state(prev)
+    bad["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 32)  # same numel, other shape
+    bad_path = tmp_path / "bad.safetensors"
+    save_file(bad, bad_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    rc, out, err = _run(capsys, "apply", bad_path, delta_path, "-o", out_path)
+    assert rc == 1 and out == ""
+    assert err.startswith("deltasync apply: error:")
+    assert "model.layers.0.mlp.down_proj.weight" in err
+    assert not out_path.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary left behind
+
+
+def test_apply_trl_index_beyond_base_fails_cleanly(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    trl_path, out_path = tmp_path / "t.safetensors", tmp_path / "out.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", trl_path, "--values", "abs", "--format", "trl")[0] == 0
+    small = clone_state(prev)
+    small["lm_head.bias"] = small["lm_head.bias"][:16].clone()  # the delta changes position 16
+    small_path = tmp_path / "small.safetensors"
+    save_file(small, small_path)
+    rc, _, err = _run(capsys, "apply", small_path, trl_path, "-o", out_path)
+    assert rc == 1 and "lm_head.bias" in err
+    assert not out_path.exists()
+
+
+def test_diff_of_different_names_fails(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, _ = ckpts
+    other = dict(curr)
+    other["model.extra.weight"] = other.pop("model.norm.weight")
+    other_path = tmp_path / "other.safetensors"
+    save_file(other, other_path)
+    out_path = tmp_path / "d.safetensors"
+    for a, b in ((prev_path, other_path), (other_path, prev_path)):
+        rc, out, err = _run(capsys, "diff", a, b, "-o", out_path)
+        assert rc == 1 and out == ""
+        assert err.startswith("deltasync diff: error:")
+        assert "model.norm.weight" in err or "model.extra.weight" in err
+        assert not out_path.exists()
+
+
+def test_diff_of_different_dtypes_fails(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, _ = ckpts
+    other = dict(curr)
+    other["model.norm.weight"] = other["model.norm.weight"].half()
+    other_path = tmp_path / "other.safetensors"
+    save_file(other, other_path)
+    rc, _, err = _run(capsys, "diff", prev_path, other_path, "-o", tmp_path / "d.safetensors")
+    assert rc == 1 and "model.norm.weight" in err
+
+
+def test_missing_files_fail_with_the_path(tmp_path, capsys, ckpts):
+    _, _, prev_path, curr_path = ckpts
+    missing = tmp_path / "no-such-checkpoint.safetensors"
+    delta_path = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)[0] == 0
+    cases = [
+        ("diff", ["diff", missing, curr_path, "-o", tmp_path / "x.safetensors"]),
+        ("diff", ["diff", prev_path, missing, "-o", tmp_path / "x.safetensors"]),
+        ("apply", ["apply", missing, delta_path, "-o", tmp_path / "x.safetensors"]),
+        ("apply", ["apply", prev_path, missing, "-o", tmp_path / "x.safetensors"]),
+        ("inspect", ["inspect", missing]),
+        ("inspect", ["inspect", missing, "--json"]),
+    ]
+    for command, argv in cases:
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 1, argv
+        assert out == "", argv
+        assert err.startswith(f"deltasync {command}: error:"), err
+        assert str(missing) in err, err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_apply_in_place_replaces_the_base(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    delta_path = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)[0] == 0
+    work = tmp_path / "work.safetensors"
+    shutil.copyfile(prev_path, work)
+    rc, _, err = _run(capsys, "apply", work, delta_path, "-o", work)
+    assert (rc, err) == (0, "")
+    assert work.read_bytes() == curr_path.read_bytes()
+    assert_states_equal({n: load_file(work)[n] for n in curr}, curr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["prev.safetensors", "curr.safetensors", "d.safetensors", "work.safetensors"])
+
+
+def test_python_dash_m_round_trip(tmp_path, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    py = [sys.executable, "-m", "deltasync_rs.cli"]
+    delta_path, out_path = tmp_path / "d.safetensors", tmp_path / "out.safetensors"
+    r = _subprocess(py + ["diff", prev_path, curr_path, "-o", delta_path, "--step", 2, "--base-step", 1], tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = _subprocess(py + ["apply", prev_path, delta_path, "-o", out_path], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert out_path.read_bytes() == curr_path.read_bytes()
+    r = _subprocess(py + ["inspect", delta_path, "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["num_changed"], report["step"], report["base_step"]) == (_num_changed(prev, curr), 2, 1)
+    # the process exit status carries errors
+    r = _subprocess(py + ["inspect", tmp_path / "missing.safetensors"], tmp_path)
+    assert r.returncode == 1
+    assert "deltasync inspect: error:" in r.stderr and "missing.safetensors" in r.stderr
+
+
+def test_console_script(tmp_path, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    exe = _console_script()
+    trl_path, out_path = tmp_path / "t.safetensors", tmp_path / "out.safetensors"
+    r = _subprocess([exe, "diff", prev_path, curr_path, "-o", trl_path, "--values", "abs", "--format", "trl"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    target = clone_state(prev)
+    trl_apply(trl_path.read_bytes(), target)
+    assert_states_equal(target, curr)
+    r = _subprocess([exe, "apply", prev_path, trl_path, "-o", out_path], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert out_path.read_bytes() == curr_path.read_bytes()
+    r = _subprocess([exe, "inspect", trl_path], tmp_path)
+    assert r.returncode == 0 and "total:" in r.stdout
+    r = _subprocess([exe, "apply", prev_path, tmp_path / "nope.safetensors", "-o", out_path], tmp_path)
+    assert r.returncode == 1 and "nope.safetensors" in r.stderr
+    r = _subprocess([exe, "--version"], tmp_path)
+    assert r.returncode == 0 and ds.__version__ in r.stdout
+    assert os.access(exe, os.X_OK)
+
+
+def test_bad_inputs_fail_with_a_message(tmp_path, capsys, ckpts):
+    _, _, prev_path, curr_path = ckpts
+    delta_path = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)[0] == 0
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"this is not a safetensors file at all")
+    cases = [
+        (["inspect", prev_path], "deltasync inspect: error:", "plain checkpoint"),  # a checkpoint is not a delta
+        (["apply", prev_path, curr_path, "-o", tmp_path / "x.safetensors"], "deltasync apply: error:", "curr.safetensors"),
+        (["apply", junk, delta_path, "-o", tmp_path / "x.safetensors"], "deltasync apply: error:", "junk.safetensors"),
+        (["inspect", junk], "deltasync inspect: error:", "junk.safetensors"),
+        (["diff", prev_path, curr_path, "-o", tmp_path / "no-such-dir" / "d.safetensors"], "deltasync diff: error:",
+         "no-such-dir"),
+    ]
+    for argv, prefix, detail in cases:
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 1 and out == "", argv
+        assert err.startswith(prefix) and detail in err, err
+    assert not (tmp_path / "x.safetensors").exists()
+    # argument errors are argparse's: exit status 2
+    with pytest.raises(SystemExit) as exc:
+        main(["diff", str(prev_path), str(curr_path), "-o", str(delta_path), "--values", "nope"])
+    assert exc.value.code == 2
+    capsys.readouterr()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: `deltasync diff --step -1` (or a step >= 2**64) raises an uncaught "
+                   "OverflowError from the Delta.step setter instead of a 'deltasync diff: error:' message")
+@pytest.mark.parametrize("flag", ["--step", "--base-step"])
+def test_negative_step_is_a_clean_error(tmp_path, capsys, ckpts, flag):
+    _, _, prev_path, curr_path = ckpts
+    out_path = tmp_path / "d.safetensors"
+    try:
+        rc = main(["diff", str(prev_path), str(curr_path), "-o", str(out_path), flag, "-1"])
+    except SystemExit as exit_:  # rejecting it while parsing arguments is fine too
+        rc = exit_.code
+    err = capsys.readouterr().err
+    assert rc in (1, 2)
+    assert "deltasync diff: error:" in err or "deltasync diff: error: argument" in err
+    assert not out_path.exists()
