@@ -355,13 +355,31 @@ impl RawDelta {
     }
 }
 
-/// Diffs two safetensors checkpoints on disk, memory-mapped, tensor by tensor.
+/// Diffs two safetensors checkpoints on disk, memory-mapped, in batches of tensors; `progress(done, total)`
+/// is called with bytes compared after each batch.
 #[pyfunction]
-#[pyo3(signature = (prev, curr, values = "diff"))]
-fn diff_files(py: Python<'_>, prev: PathBuf, curr: PathBuf, values: &str) -> PyResult<RawDelta> {
+#[pyo3(signature = (prev, curr, values = "diff", progress = None))]
+fn diff_files(py: Python<'_>, prev: PathBuf, curr: PathBuf, values: &str, progress: Option<Py<PyAny>>) -> PyResult<RawDelta> {
     let codec = parse_codec(values)?;
-    let delta = py.detach(|| files::diff_files(&prev, &curr, codec)).map_err(to_py)?;
-    Ok(RawDelta { delta })
+    let mut callback_error = None;
+    let result = py.detach(|| {
+        let mut report = |done: u64, total: u64| {
+            callback_error = Python::attach(|py| {
+                py.check_signals()?;
+                match &progress {
+                    Some(callback) => callback.call1(py, (done, total)).map(drop),
+                    None => Ok(()),
+                }
+            })
+            .err();
+            callback_error.is_none()
+        };
+        files::diff_files(&prev, &curr, codec, &mut report)
+    });
+    if let Some(error) = callback_error {
+        return Err(error);
+    }
+    Ok(RawDelta { delta: result.map_err(to_py)? })
 }
 
 /// Writes `base` with `delta` applied to `out`, atomically; checks everything before writing.

@@ -208,6 +208,19 @@ def test_save_is_atomic_and_load_errors(tmp_path, states):
         ds.load(plain)
 
 
+@pytest.mark.parametrize("step", [-1, 2**64, 1.5, True])
+def test_bad_step_numbers_are_refused(states, step):
+    prev, curr = states
+    with pytest.raises(ds.DeltaSyncError, match="step"):
+        ds.diff(prev, curr, step=step)
+    with pytest.raises(ds.DeltaSyncError, match="base_step"):
+        ds.diff(prev, curr, base_step=step)
+    delta = ds.diff(prev, curr, step=3)
+    with pytest.raises(ds.DeltaSyncError, match="step"):
+        delta.step = step
+    assert delta.step == 3
+
+
 def test_metadata_reserved_keys(states):
     prev, curr = states
     with pytest.raises(ds.DeltaSyncError, match="reserved"):

@@ -449,16 +449,7 @@ MALFORMED = {
     "sparse-values-only": ({"w.values": torch.ones(2)}, {}, '"w.values"'),
     "sparse-stray-only": ({"extra": torch.zeros(3)}, {}, '"extra"'),
 }
-_SPARSE_FLAG_IGNORED = pytest.mark.xfail(
-    strict=True,
-    reason='BUG: trl::read ignores sparse="True" when no key ends in .indices/.idx and reads the file as a full '
-           "anchor of the stray tensors instead of raising DeltaFormatError",
-)
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=_SPARSE_FLAG_IGNORED) if c.startswith("sparse-") else c for c in MALFORMED
-])
+@pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_trl_files_are_rejected(tmp_path, case):
     tensors, extra, message = MALFORMED[case]
     data = st_save(tensors, metadata=_v1_meta(**extra))

@@ -21,9 +21,31 @@ def _human(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _progress_bar(description: str):
+    """A tqdm bar over bytes on an interactive terminal, else None (quiet in logs and pipes)."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(desc=description, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+
 def _cmd_diff(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    delta = Delta(diff_files(args.prev, args.curr, args.values))
+    bar = _progress_bar("diff")
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        delta = Delta(diff_files(args.prev, args.curr, args.values, progress))
+    finally:
+        if bar is not None:
+            bar.close()
     delta.step, delta.base_step = args.step, args.base_step
     delta.save(args.output, format=args.format)
     elapsed = time.perf_counter() - start
@@ -74,6 +96,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{text} is not a step number (0 to 2**64-1)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltasync", description="Bit-exact sparse deltas of safetensors checkpoints.")
     parser.add_argument("--version", action="version", version=f"deltasync-rs {__version__}")
@@ -86,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--values", choices=("diff", "abs"), default="diff",
                    help="store bit-pattern differences (smallest) or new absolute values (TRL-compatible)")
     p.add_argument("--format", choices=("deltasync", "trl"), default="deltasync", help="file layout to write")
-    p.add_argument("--step", type=int, default=None, help="step number to record")
-    p.add_argument("--base-step", type=int, default=None, help="base step number to record")
+    p.add_argument("--step", type=_step_number, default=None, help="step number to record")
+    p.add_argument("--base-step", type=_step_number, default=None, help="base step number to record")
     p.set_defaults(run=_cmd_diff)
 
     p = commands.add_parser("apply", help="write BASE with DELTA applied")

@@ -87,7 +87,7 @@ class Delta:
 
     @step.setter
     def step(self, value: int | None) -> None:
-        self._raw.step = value
+        self._raw.step = _check_step(value, "step")
 
     @property
     def base_step(self) -> int | None:
@@ -95,7 +95,7 @@ class Delta:
 
     @base_step.setter
     def base_step(self, value: int | None) -> None:
-        self._raw.base_step = value
+        self._raw.base_step = _check_step(value, "base_step")
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -261,9 +261,17 @@ def anchor(state: State, *, step: int | None = None, metadata: Mapping[str, str]
     return _finish(raw, step, None, metadata)
 
 
+def _check_step(value: int | None, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+        raise DeltaSyncError(f"{what} must be None or an integer in [0, 2**64), not {value!r}")
+    return value
+
+
 def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Mapping[str, str] | None) -> Delta:
-    raw.step = step
-    raw.base_step = base_step
+    raw.step = _check_step(step, "step")
+    raw.base_step = _check_step(base_step, "base_step")
     if metadata:
         raw.metadata = dict(metadata)
     return Delta(raw)

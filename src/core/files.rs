@@ -9,11 +9,13 @@ use crate::core::apply::{apply_tensor, check_target};
 use crate::core::codec::ValueCodec;
 use crate::core::delta::Delta;
 use crate::core::diff::{diff, DiffInput};
+use crate::core::dtype;
 use crate::core::error::{Error, Result};
 use crate::core::format::{read_header, write_atomically, Header};
 
-/// Bytes of input compared per batch before the mapped pages are released.
-const BATCH_BYTES: usize = 1 << 30;
+/// Bytes of the newer checkpoint compared per batch before the mapped pages of both are released: keeps
+/// resident memory near 2 x this, whatever the checkpoints' size.
+const BATCH_BYTES: usize = 256 << 20;
 
 fn map(path: &Path) -> Result<Mmap> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
@@ -35,46 +37,66 @@ fn names_in_order(header: &Header) -> Vec<String> {
 }
 
 /// Diffs two safetensors checkpoints tensor by tensor; every tensor of each must match the other.
-pub fn diff_files(prev: &Path, curr: &Path, codec: ValueCodec) -> Result<Delta> {
+/// `progress(done, total)` is called with bytes of the newer checkpoint compared so far; returning false stops.
+pub fn diff_files(prev: &Path, curr: &Path, codec: ValueCodec, progress: &mut dyn FnMut(u64, u64) -> bool) -> Result<Delta> {
     let (prev_map, curr_map) = (map(prev)?, map(curr)?);
     let prev_header = read_header(&prev_map, &prev.display().to_string())?;
     let curr_header = read_header(&curr_map, &curr.display().to_string())?;
-    let names = names_in_order(&curr_header);
     if let Some(missing) = prev_header.tensors.keys().find(|k| !curr_header.tensors.contains_key(*k)) {
         return Err(Error::mismatch(format!("tensor {missing:?} is in {} but not in {}", prev.display(), curr.display())));
     }
-    let mut tensors = Vec::with_capacity(names.len());
-    let mut batch: Vec<DiffInput<'_>> = Vec::new();
-    let mut batch_bytes = 0usize;
-    let mut ranges = Vec::new();
-    let flush = |batch: &mut Vec<DiffInput<'_>>, ranges: &mut Vec<_>, tensors: &mut Vec<_>| -> Result<()> {
-        tensors.extend(diff(batch, codec)?);
-        batch.clear();
-        for (prev_range, curr_range) in ranges.drain(..) {
-            release(&prev_map, prev_range);
-            release(&curr_map, curr_range);
-        }
-        Ok(())
-    };
-    for name in &names {
-        let (dtype, shape, curr_range) = curr_header.tensors[name].clone();
+    // Check every pair before comparing any, so a mismatch fails fast.
+    let mut pairs = Vec::with_capacity(curr_header.tensors.len());
+    for name in names_in_order(&curr_header) {
+        let (dtype, shape, curr_range) = curr_header.tensors[&name].clone();
         let (prev_dtype, prev_shape, prev_range) = prev_header
             .tensors
-            .get(name)
+            .get(&name)
             .cloned()
             .ok_or_else(|| Error::mismatch(format!("tensor {name:?} is in {} but not in {}", curr.display(), prev.display())))?;
         if prev_dtype != dtype || prev_shape != shape {
-            return Err(Error::mismatch(format!("tensor {name:?}: {prev_dtype:?}{prev_shape:?} before, {dtype:?}{shape:?} after")));
+            return Err(Error::mismatch(format!(
+                "tensor {name:?}: {} {prev_shape:?} in {}, {} {shape:?} in {}",
+                dtype::name_of(prev_dtype),
+                prev.display(),
+                dtype::name_of(dtype),
+                curr.display()
+            )));
         }
-        batch_bytes += curr_range.len();
-        batch.push(DiffInput { name: name.clone(), dtype, shape, old: &prev_map[prev_range.clone()], new: &curr_map[curr_range.clone()] });
-        ranges.push((prev_range, curr_range));
-        if batch_bytes >= BATCH_BYTES {
-            flush(&mut batch, &mut ranges, &mut tensors)?;
-            batch_bytes = 0;
-        }
+        pairs.push((name, dtype, shape, prev_range, curr_range));
     }
-    flush(&mut batch, &mut ranges, &mut tensors)?;
+    let total: u64 = pairs.iter().map(|p| p.4.len() as u64).sum();
+    let mut done = 0u64;
+    let mut tensors = Vec::with_capacity(pairs.len());
+    let mut start = 0;
+    while start < pairs.len() {
+        let mut end = start;
+        let mut batch_bytes = 0;
+        while end < pairs.len() && (end == start || batch_bytes + pairs[end].4.len() <= BATCH_BYTES) {
+            batch_bytes += pairs[end].4.len();
+            end += 1;
+        }
+        let batch: Vec<DiffInput<'_>> = pairs[start..end]
+            .iter()
+            .map(|(name, dtype, shape, prev_range, curr_range)| DiffInput {
+                name: name.clone(),
+                dtype: *dtype,
+                shape: shape.clone(),
+                old: &prev_map[prev_range.clone()],
+                new: &curr_map[curr_range.clone()],
+            })
+            .collect();
+        tensors.extend(diff(&batch, codec)?);
+        for (_, _, _, prev_range, curr_range) in &pairs[start..end] {
+            release(&prev_map, prev_range.clone());
+            release(&curr_map, curr_range.clone());
+        }
+        done += batch_bytes as u64;
+        if !progress(done, total) {
+            return Err(Error::invalid("stopped by the progress callback"));
+        }
+        start = end;
+    }
     Ok(Delta { tensors, ..Default::default() })
 }
 

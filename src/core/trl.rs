@@ -69,7 +69,8 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
     let bad = |message: String| Error::format(source, message);
     let metadata = &header.metadata;
     let sparse = match metadata.get("sparse").map(String::as_str) {
-        Some("True" | "true") | None => !header.tensors.keys().all(|k| !LAYOUTS.iter().any(|(i, _)| k.ends_with(i))),
+        Some("True" | "true") => true,
+        None => header.tensors.keys().any(|k| LAYOUTS.iter().any(|(i, _)| k.ends_with(i))),
         Some("False" | "false") => false,
         Some(other) => return Err(bad(format!("metadata 'sparse' is {other:?}"))),
     };
@@ -156,7 +157,7 @@ pub fn encode_v1(delta: &Delta) -> Result<Encoded<'_>> {
     let anchor = delta.is_anchor();
     let mut entries = Vec::new();
     let mut changed_params = Vec::new();
-    for t in delta.tensors.iter().filter(|t| t.changed > 0) {
+    for t in delta.tensors.iter().filter(|t| anchor || t.changed > 0) {
         changed_params.push(t.name.clone());
         if anchor {
             entries.push(Entry { key: t.name.clone(), dtype: t.dtype, shape: t.shape.clone().unwrap_or_default(), data: Cow::Borrowed(&t.values[..]) });
