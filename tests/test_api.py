@@ -265,3 +265,29 @@ def test_cuda_apply_matches_cpu(cuda, states):
     target = {k: v.to(cuda) for k, v in prev.items()}
     delta.apply_(target)
     assert_states_equal({k: v.cpu() for k, v in target.items()}, curr)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float8_e5m2, torch.int64])
+@pytest.mark.parametrize("values", ["diff", "abs"])
+def test_device_path_runs_on_cpu(monkeypatch, dtype, values):
+    """The path CUDA targets take (decode, one transfer, index_select + wrapping add, index_copy_), forced on CPU."""
+    import deltasync_rs._arrays as arrays
+
+    monkeypatch.setattr(arrays, "writable_bytes", lambda target: None)
+    g = torch.Generator().manual_seed(1)
+    width = torch.empty((), dtype=dtype).element_size()
+    int_view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    prev = torch.randint(-(2**15), 2**15, (300,), generator=g).to(int_view).view(dtype)
+    curr = prev.clone()
+    bits = curr.view(int_view)
+    bits[::7] += 1
+    bits[3] -= 1000  # escaped difference, and a wrap for narrow types
+    bits[10] = torch.iinfo(int_view).min if int_view is not torch.uint8 else 0
+    everything = torch.randint(0, 255, (50,), generator=g).to(torch.uint8)
+    state = {"w": prev.clone(), "dense": torch.zeros(50, dtype=torch.uint8), "w_t": prev.clone().view(20, 15).t()}
+    target_curr = {"w": curr, "dense": everything, "w_t": curr.clone().view(20, 15).t()}
+    delta = ds.diff(state, target_curr, values=values)
+    assert delta.tensors[1].positions == "all"
+    delta.apply_(state)
+    for name in state:
+        assert_bits_equal(state[name], target_curr[name], name)

@@ -4,6 +4,8 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
+use rayon::prelude::*;
+
 use crate::core::codec::{varint, PositionCodec, ValueCodec};
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype::{self, Dtype};
@@ -101,6 +103,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
         }
     } else {
         let mut used = 0usize;
+        let mut jobs = Vec::new();
         for key in names {
             let Some((index_suffix, value_suffix)) = LAYOUTS.iter().find(|(i, _)| key.ends_with(i)) else {
                 continue;
@@ -116,33 +119,62 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                 return Err(bad(format!("tensor {name:?}: indices {index_shape:?} and values {value_shape:?} must be 1-D of one length")));
             }
             dtype::width_of(*value_dtype).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
-            let (positions, count, last) =
-                positions_to_varint(&bytes[index_range.clone()], *index_dtype, gap_coded && *index_suffix == ".idx", name, source)?;
-            tensors.push(TensorDelta {
-                name: name.to_owned(),
-                dtype: *value_dtype,
-                shape: None,
-                changed: count,
-                positions_codec: PositionCodec::Varint,
-                values_codec: ValueCodec::Abs,
-                positions: positions.into(),
-                values: bytes[value_range.clone()].to_vec().into(),
-                last_position: last,
-            });
+            jobs.push((name.to_owned(), *index_dtype, index_range.clone(), *value_dtype, value_range.clone(), gap_coded && *index_suffix == ".idx"));
             used += 2;
         }
         if used != header.tensors.len() {
             let stray = header
                 .tensors
                 .keys()
-                .find(|k| !tensors.iter().any(|t| LAYOUTS.iter().any(|(i, v)| **k == format!("{}{i}", t.name) || **k == format!("{}{v}", t.name))));
+                .find(|k| !jobs.iter().any(|job| LAYOUTS.iter().any(|(i, v)| **k == format!("{}{i}", job.0) || **k == format!("{}{v}", job.0))));
             return Err(bad(format!("tensor {:?} is not part of an index/value pair", stray.map_or("?", |s| s.as_str()))));
         }
+        tensors = crate::core::pool::install(|| {
+            jobs.par_iter()
+                .map(|(name, index_dtype, index_range, value_dtype, value_range, gap)| {
+                    let (positions, count, last) = positions_to_varint(&bytes[index_range.clone()], *index_dtype, *gap, name, source)?;
+                    Ok(TensorDelta {
+                        name: name.clone(),
+                        dtype: *value_dtype,
+                        shape: None,
+                        changed: count,
+                        positions_codec: PositionCodec::Varint,
+                        values_codec: ValueCodec::Abs,
+                        positions: positions.into(),
+                        values: bytes[value_range.clone()].to_vec().into(),
+                        last_position: last,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
     }
     let step = metadata.get("model_version").and_then(|v| v.parse::<u64>().ok());
     let mut delta = Delta { tensors, step, base_step: None, metadata: BTreeMap::new() };
     delta.validate(source)?;
     Ok(delta)
+}
+
+/// A tensor's positions as TRL's little-endian int32 indices.
+fn int32_positions(t: &TensorDelta) -> Result<Vec<u8>> {
+    let mut indices = Vec::with_capacity(t.changed as usize * 4);
+    let mut overflow = None;
+    let walk = if t.is_dense() {
+        (0..t.changed).for_each(|p| match i32::try_from(p) {
+            Ok(p) => indices.extend_from_slice(&p.to_le_bytes()),
+            Err(_) => overflow = Some(p),
+        });
+        Ok(())
+    } else {
+        t.for_each_change(|position, _| match i32::try_from(position) {
+            Ok(p) => indices.extend_from_slice(&p.to_le_bytes()),
+            Err(_) => overflow = Some(position),
+        })
+    };
+    walk.map_err(|m| Error::format("delta", format!("tensor {:?}: {m}", t.name)))?;
+    match overflow {
+        Some(position) => Err(Error::invalid(format!("tensor {:?}: position {position} does not fit TRL's int32 indices", t.name))),
+        None => Ok(indices),
+    }
 }
 
 /// Lays out a delta as a TRL v1 file. Needs absolute values.
@@ -155,27 +187,21 @@ pub fn encode_v1(delta: &Delta) -> Result<Encoded<'_>> {
         )));
     }
     let anchor = delta.is_anchor();
+    let included: Vec<&TensorDelta> = delta.tensors.iter().filter(|t| anchor || t.changed > 0).collect();
+    let changed_params: Vec<String> = included.iter().map(|t| t.name.clone()).collect();
     let mut entries = Vec::new();
-    let mut changed_params = Vec::new();
-    for t in delta.tensors.iter().filter(|t| anchor || t.changed > 0) {
-        changed_params.push(t.name.clone());
-        if anchor {
+    if anchor {
+        for t in &included {
             entries.push(Entry { key: t.name.clone(), dtype: t.dtype, shape: t.shape.clone().unwrap_or_default(), data: Cow::Borrowed(&t.values[..]) });
-            continue;
         }
-        let mut indices = Vec::with_capacity(t.changed as usize * 4);
-        let mut overflow = None;
-        t.for_each_change(|position, _| match i32::try_from(position) {
-            Ok(p) => indices.extend_from_slice(&p.to_le_bytes()),
-            Err(_) => overflow = Some(position),
-        })
-        .map_err(|m| Error::format("delta", format!("tensor {:?}: {m}", t.name)))?;
-        if let Some(position) = overflow {
-            return Err(Error::invalid(format!("tensor {:?}: position {position} does not fit TRL's int32 indices", t.name)));
+    } else {
+        let indices: Vec<Vec<u8>> = crate::core::pool::install(|| {
+            included.par_iter().map(|t| int32_positions(t)).collect::<Result<Vec<_>>>()
+        })?;
+        for (t, indices) in included.iter().zip(indices) {
+            entries.push(Entry { key: format!("{}.indices", t.name), dtype: Dtype::I32, shape: vec![t.changed], data: Cow::Owned(indices) });
+            entries.push(Entry { key: format!("{}.values", t.name), dtype: t.dtype, shape: vec![t.changed], data: Cow::Borrowed(&t.values[..]) });
         }
-        let values: Cow<'_, [u8]> = Cow::Borrowed(&t.values[..]);
-        entries.push(Entry { key: format!("{}.indices", t.name), dtype: Dtype::I32, shape: vec![t.changed], data: Cow::Owned(indices) });
-        entries.push(Entry { key: format!("{}.values", t.name), dtype: t.dtype, shape: vec![t.changed], data: values });
     }
     // Wider dtypes first keeps every tensor aligned to its element size.
     entries.sort_by_key(|e| std::cmp::Reverse(dtype::width_of(e.dtype).unwrap_or(1)));
