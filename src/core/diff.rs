@@ -14,7 +14,7 @@ use crate::core::stream::Stream;
 /// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads.
 const CHUNK_ELEMENTS: usize = 1 << 18;
 /// Bytes compared at once before looking at single elements.
-const BLOCK_BYTES: usize = 32;
+const BLOCK_BYTES: usize = 64;
 
 /// One tensor to compare: its raw little-endian bytes before and after.
 pub struct DiffInput<'a> {
@@ -69,16 +69,16 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-#[inline]
-fn block_differs(old: &[u8], new: &[u8]) -> bool {
-    let mut acc = 0u64;
-    for word in 0..BLOCK_BYTES / 8 {
-        let range = word * 8..word * 8 + 8;
-        let a = u64::from_ne_bytes(old[range.clone()].try_into().expect("8 bytes"));
-        let b = u64::from_ne_bytes(new[range].try_into().expect("8 bytes"));
-        acc |= a ^ b;
+/// XOR of one block's 8-byte little-endian words: byte `i` of word `k` is non-zero iff byte `8k + i` differs.
+#[inline(always)]
+fn block_xor(old: &[u8], new: &[u8]) -> [u64; BLOCK_BYTES / 8] {
+    let mut words = [0u64; BLOCK_BYTES / 8];
+    for (k, word) in words.iter_mut().enumerate() {
+        let a = u64::from_le_bytes(old[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+        let b = u64::from_le_bytes(new[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+        *word = a ^ b;
     }
-    acc != 0
+    words
 }
 
 fn scan_chunk<const W: usize>(old: &[u8], new: &[u8], first_element: u64, codec: ValueCodec) -> ChunkChanges {
@@ -94,15 +94,20 @@ fn scan_chunk<const W: usize>(old: &[u8], new: &[u8], first_element: u64, codec:
         next_expected = position + 1;
         out.last_position = position;
         out.count += 1;
-        values::write(&mut out.values, codec, &old[byte_offset..], &new[byte_offset..], W);
+        values::write_const::<W>(&mut out.values, codec, &old[byte_offset..], &new[byte_offset..]);
     };
+    let element_mask: u64 = if W == 8 { u64::MAX } else { (1u64 << (8 * W)) - 1 };
     let blocks_end = old.len() / BLOCK_BYTES * BLOCK_BYTES;
     let mut offset = 0;
     while offset < blocks_end {
-        if block_differs(&old[offset..offset + BLOCK_BYTES], &new[offset..offset + BLOCK_BYTES]) {
-            for element in (offset..offset + BLOCK_BYTES).step_by(W) {
-                if old[element..element + W] != new[element..element + W] {
-                    record(&mut out, element);
+        let words = block_xor(&old[offset..offset + BLOCK_BYTES], &new[offset..offset + BLOCK_BYTES]);
+        if words.iter().any(|&w| w != 0) {
+            for (k, mut word) in words.into_iter().enumerate() {
+                // Jump from one differing element to the next through the XOR's set bits.
+                while word != 0 {
+                    let element = (word.trailing_zeros() as usize / 8) / W;
+                    record(&mut out, offset + k * 8 + element * W);
+                    word &= !(element_mask << (8 * W * element));
                 }
             }
         }

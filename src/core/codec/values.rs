@@ -51,20 +51,20 @@ pub fn store(out: &mut [u8], value: u64, width: usize) {
     out[..width].copy_from_slice(&value.to_le_bytes()[..width]);
 }
 
-/// Appends the value of one changed element.
-#[inline]
-pub fn write(out: &mut Vec<u8>, codec: ValueCodec, old: &[u8], new: &[u8], width: usize) {
+/// Appends the value of one changed element of a width known at compile time.
+#[inline(always)]
+pub fn write_const<const W: usize>(out: &mut Vec<u8>, codec: ValueCodec, old: &[u8], new: &[u8]) {
     match codec {
-        ValueCodec::Abs => out.extend_from_slice(&new[..width]),
+        ValueCodec::Abs => out.extend_from_slice(&new[..W]),
         ValueCodec::Diff => {
-            let difference = load(new, width).wrapping_sub(load(old, width)) & mask(width);
-            write_difference(out, difference, width);
+            let difference = load_const::<W>(new).wrapping_sub(load_const::<W>(old)) & mask(W);
+            write_difference(out, difference, W);
         }
     }
 }
 
 /// Appends a wrapping difference in the `diff` codec.
-#[inline]
+#[inline(always)]
 pub fn write_difference(out: &mut Vec<u8>, difference: u64, width: usize) {
     if width == 1 {
         out.push(difference as u8);
@@ -162,7 +162,7 @@ mod tests {
         store(&mut n, new, width);
         for codec in [ValueCodec::Abs, ValueCodec::Diff] {
             let mut out = Vec::new();
-            write(&mut out, codec, &o, &n, width);
+            write_const::<W>(&mut out, codec, &o, &n);
             let mut reader = ValueReader::<W>::new(&out, codec);
             let value = reader.next_value().unwrap();
             assert!(reader.is_exhausted());
@@ -185,11 +185,11 @@ mod tests {
     #[test]
     fn small_differences_take_one_byte() {
         let mut out = Vec::new();
-        write(&mut out, ValueCodec::Diff, &[10, 0], &[9, 0], 2);
-        write(&mut out, ValueCodec::Diff, &[10, 0], &[137, 0], 2);
+        write_const::<2>(&mut out, ValueCodec::Diff, &[10, 0], &[9, 0]);
+        write_const::<2>(&mut out, ValueCodec::Diff, &[10, 0], &[137, 0]);
         assert_eq!(out, vec![0xff, 127]);
         out.clear();
-        write(&mut out, ValueCodec::Diff, &[0, 0], &[128, 0], 2);
+        write_const::<2>(&mut out, ValueCodec::Diff, &[0, 0], &[128, 0]);
         assert_eq!(out, vec![ESCAPE, 128, 0]);
     }
 }
