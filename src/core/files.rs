@@ -114,13 +114,18 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path) -> Result<()> {
         check_target(tensor, dtype, Some(&shape), range.len())?;
         targets.push((tensor, range));
     }
+    drop(base_map);
     write_atomically(out, |file| {
-        file.set_len(base_map.len() as u64)?;
+        // An in-kernel copy (copy_file_range where the filesystem has it), then patch the copy through a mapping,
+        // handing each tensor's pages back once written so resident memory stays small.
+        std::io::copy(&mut std::fs::File::open(base)?, file)?;
         // SAFETY: the temporary file is ours alone until it is renamed into place.
         let mut out_map = unsafe { MmapMut::map_mut(&*file) }?;
-        out_map.copy_from_slice(&base_map);
         for (tensor, range) in &targets {
             apply_tensor(tensor, &mut out_map[range.clone()]).map_err(std::io::Error::other)?;
+            // SAFETY: a shared file mapping keeps written pages in the page cache; dropping them from this
+            // process loses nothing.
+            let _ = unsafe { out_map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
         }
         out_map.flush()
     })
