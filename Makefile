@@ -4,13 +4,13 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: setup develop test test-rust test-python lint bench demo wheel clean
+.PHONY: setup develop test test-rust test-python lint bench demo soak wheel clean
 
 ## setup: one virtualenv with torch 2.14.0, vllm 0.33.0, the test tools and deltasync-rs built in release mode
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy
+	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 huggingface_hub tqdm
 	$(MAKE) develop
 
 ## develop: rebuild the Rust extension into the virtualenv after a Rust change
@@ -35,9 +35,13 @@ lint:
 bench:
 	$(PY) -m pytest benches --benchmark-only --benchmark-columns=median,min,max,rounds
 
-## demo: train a small model, publish an anchor and deltas to ./deltasync-store, replay them, check bit-exactness
+## demo: train a small model, publish every step to ./deltasync-store, pull with a subscriber, check bit-exactness
 demo:
 	$(PY) examples/quickstart.py --store deltasync-store
+
+## soak: 1000 publish/pull steps through a fault-injecting store (CI runs 300 in the tests)
+soak:
+	$(PY) -m tests.faults --steps 1000
 
 ## wheel: an abi3 wheel for CPython >= 3.11 in target/wheels/
 wheel:

@@ -11,6 +11,7 @@ use pyo3::types::{PyByteArray, PyBytes};
 
 use crate::core::codec::ValueCodec;
 use crate::core::diff::{DiffInput, FullInput};
+use crate::core::digest::{self, DigestInput};
 use crate::core::{apply, diff, dtype, files, format, pool, trl, Delta, Error};
 
 create_exception!(deltasync_rs._core, DeltaSyncError, PyException, "Base class of every deltasync error.");
@@ -389,6 +390,29 @@ fn apply_file(py: Python<'_>, base: PathBuf, delta: PyRef<'_, RawDelta>, out: Pa
     py.detach(|| files::apply_file(&base, delta, &out)).map_err(to_py)
 }
 
+/// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §11).
+#[pyfunction]
+fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
+    let mut held = Vec::with_capacity(entries.len());
+    let mut specs = Vec::with_capacity(entries.len());
+    for (name, dtype_name, shape, data) in &entries {
+        let dtype = parse_dtype(dtype_name, name)?;
+        let (buffer, slice) = export(data, &format!("tensor {name:?}"), false)?;
+        held.push(buffer);
+        specs.push((name.as_str(), dtype, shape.as_slice(), slice));
+    }
+    let digest = py.detach(|| {
+        let inputs: Vec<DigestInput<'_>> = specs
+            .iter()
+            // SAFETY: `held` keeps every buffer exported until after this call.
+            .map(|(name, dtype, shape, data)| DigestInput { name, dtype: *dtype, shape, data: unsafe { data.get() } })
+            .collect();
+        digest::state_digest(&inputs)
+    });
+    drop(held);
+    Ok(digest)
+}
+
 /// Sets the number of threads for later calls (0 restores DELTASYNC_NUM_THREADS or the CPU count).
 #[pyfunction]
 fn set_num_threads(n: usize) {
@@ -412,6 +436,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawDelta>()?;
     m.add_function(wrap_pyfunction!(diff_files, m)?)?;
     m.add_function(wrap_pyfunction!(apply_file, m)?)?;
+    m.add_function(wrap_pyfunction!(state_digest, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     Ok(())

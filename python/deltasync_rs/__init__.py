@@ -16,20 +16,37 @@ from ._core import (
     get_num_threads,
     set_num_threads,
 )
-from .delta import DEFAULT_NAME, Delta, TensorInfo, anchor, diff, load
+from .delta import DEFAULT_NAME, Delta, TensorInfo, anchor, diff, load, state_digest
+from .errors import ChainError, IntegrityError, MissingObjectError, StoreError
+from .mirror import Mirror
+from .store import FsspecStore, HFBucketStore, LocalStore, Store, open_store
+from .sync import Publisher, Subscriber
 
 __all__ = [
     "DEFAULT_NAME",
     "FORMAT_VERSION",
     "BaseMismatchError",
+    "ChainError",
     "Delta",
     "DeltaFormatError",
     "DeltaSyncError",
+    "FsspecStore",
+    "HFBucketStore",
+    "IntegrityError",
+    "LocalStore",
+    "Mirror",
+    "MissingObjectError",
+    "Publisher",
+    "Store",
+    "StoreError",
+    "Subscriber",
     "TensorInfo",
     "__version__",
     "anchor",
     "diff",
     "get_num_threads",
     "load",
+    "open_store",
     "set_num_threads",
+    "state_digest",
 ]

@@ -113,6 +113,14 @@ def writable_bytes(x: Any) -> np.ndarray | None:
     return x.reshape(-1).view(np.uint8)
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name."""
+    by_name = {v: k for k, v in _TORCH_NAMES.items()}
+    if name not in by_name:
+        raise DeltaSyncError(f"dtype {name} has no torch equivalent")
+    return getattr(_torch(), by_name[name].removeprefix("torch."))
+
+
 def _torch():
     import torch
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
-from . import __version__
+from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_file, diff_files
 from .delta import Delta, load
+from .sync import Publisher, Subscriber, log_entries, verify_store
 
 
 def _human(nbytes: float) -> str:
@@ -96,6 +99,86 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_checkpoint(path: str) -> dict:
+    """A safetensors checkpoint as CPU torch tensors (every dtype, bf16 and fp8 included)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise DeltaSyncError(f"{path}: no such file") from None
+    except Exception as error:  # safetensors raises its own error types for bad files
+        raise DeltaSyncError(f"{path}: cannot read this checkpoint: {error}") from error
+
+
+def _save_checkpoint(state: dict, path: str) -> None:
+    """Writes a checkpoint atomically: a temporary file beside it, then a rename."""
+    from safetensors.torch import save_file
+
+    fd, temp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".deltasync-", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(state, temp)
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    state = _load_checkpoint(args.checkpoint)
+    subscriber = Subscriber(args.store)
+    latest = subscriber.latest_step()
+    with Publisher(args.store, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors, values=args.values,
+                   background=False) as publisher:
+        if latest is not None and not args.anchor:
+            # Rebuild the last published state, so this step is a delta against it.
+            base = {name: tensor.clone() for name, tensor in state.items()}
+            subscriber.pull(base)
+            publisher.resume(base, step=subscriber.step)
+        publisher.publish(args.step, state)
+    entry = subscriber.entry(args.step)
+    files = [ref["key"] + f" ({_human(ref['size'])})" for ref in (entry.delta, entry.anchor) if ref]
+    print(f"{args.store}: published step {args.step}: {', '.join(files)}")
+    return 0
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    import torch
+
+    deltas = Subscriber(args.store).fetch(None, until=args.step)
+    state = {t.name: torch.empty(t.shape, dtype=_arrays.torch_dtype(t.dtype)) for t in deltas[0].tensors}
+    for delta in deltas:
+        delta.apply_(state)
+    _save_checkpoint(state, args.output)
+    print(f"{args.output}: step {deltas[-1].step} from {len(deltas)} files")
+    return 0
+
+
+def _cmd_log(args: argparse.Namespace) -> int:
+    entries = log_entries(args.store)
+    print(f"{'step':>10} {'base':>10}  {'kind':<14} {'bytes':>12} {'changed':>12}  created")
+    for entry in entries:
+        kind = " + ".join(k for k, ref in (("delta", entry.delta), ("anchor", entry.anchor)) if ref)
+        size = sum(ref["size"] for ref in (entry.delta, entry.anchor) if ref)
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.created))
+        base = "-" if entry.base_step is None else entry.base_step
+        print(f"{entry.step:>10} {base:>10}  {kind:<14} {size:>12} {entry.num_changed:>12}  {created}")
+    print(f"{len(entries)} steps")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    problems = verify_store(args.store)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{args.store}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    print(f"{args.store}: every entry, signature and file digest checks out")
+    return 0
+
+
 def _step_number(text: str) -> int:
     try:
         value = int(text)
@@ -127,6 +210,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("delta", help="a deltasync or TRL delta file")
     p.add_argument("-o", "--output", required=True, help="the checkpoint to write (may be BASE itself)")
     p.set_defaults(run=_cmd_apply)
+
+    p = commands.add_parser("publish", help="publish a checkpoint as a step: a delta against the last published step")
+    p.add_argument("checkpoint", help="a .safetensors checkpoint")
+    p.add_argument("--store", required=True, help="a folder, s3://..., gs://... or hf://buckets/ORG/NAME/PREFIX")
+    p.add_argument("--step", required=True, type=_step_number, help="the step number to publish it as")
+    p.add_argument("--anchor-every", type=int, default=10, help="write a full anchor every N publishes")
+    p.add_argument("--keep-anchors", type=int, default=2, help="anchors to keep (older files are deleted)")
+    p.add_argument("--values", choices=("diff", "abs"), default="diff")
+    p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
+    p.set_defaults(run=_cmd_publish)
+
+    p = commands.add_parser("pull", help="reconstruct the newest (or a given) step from a store into a checkpoint")
+    p.add_argument("--store", required=True)
+    p.add_argument("-o", "--output", required=True, help="the .safetensors checkpoint to write")
+    p.add_argument("--step", type=_step_number, default=None, help="stop at this step (default: the newest)")
+    p.set_defaults(run=_cmd_pull)
+
+    p = commands.add_parser("log", help="list a store's published steps: kinds, sizes, changes, times")
+    p.add_argument("--store", required=True)
+    p.set_defaults(run=_cmd_log)
+
+    p = commands.add_parser("verify", help="check every manifest entry, signature and file digest in a store")
+    p.add_argument("--store", required=True)
+    p.set_defaults(run=_cmd_verify)
 
     p = commands.add_parser("inspect", help="per-tensor counts, density, bytes and codecs of a delta file")
     p.add_argument("delta", help="a deltasync or TRL delta file")

@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _arrays
 from ._core import BaseMismatchError, DeltaSyncError, RawDelta
+from ._core import state_digest as _state_digest
 
 #: Name under which a single tensor (not a mapping) is stored.
 DEFAULT_NAME = "tensor"
@@ -261,6 +262,16 @@ def anchor(state: State, *, step: int | None = None, metadata: Mapping[str, str]
     return _finish(raw, step, None, metadata)
 
 
+def state_digest(state: State) -> str:
+    """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §11)."""
+    entries = []
+    for name, tensor in _as_mapping(state, "state").items():
+        dtype, shape = _arrays.describe(tensor, name)
+        data, _ = _arrays.host_bytes(tensor)
+        entries.append((name, dtype, list(shape), data))
+    return _state_digest(entries)
+
+
 def _check_step(value: int | None, what: str) -> int | None:
     if value is None:
         return None
@@ -287,4 +298,4 @@ def load(source: Source) -> Delta:
     raise DeltaSyncError(f"load takes a path or bytes, not {type(source).__name__}")
 
 
-__all__ = ["DEFAULT_NAME", "Delta", "TensorInfo", "anchor", "diff", "load"]
+__all__ = ["DEFAULT_NAME", "Delta", "TensorInfo", "anchor", "diff", "load", "state_digest"]

@@ -4,6 +4,7 @@
 pub mod apply;
 pub mod codec;
 pub mod delta;
+pub mod digest;
 pub mod diff;
 pub mod dtype;
 pub mod error;

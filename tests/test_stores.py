@@ -1,0 +1,103 @@
+"""One conformance suite for every Store backend: local folder, S3 over HTTP (moto), HF Buckets (stand-in)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import deltasync_rs as ds
+from deltasync_rs.store import HFBucketStore, LocalStore, check_key, open_store
+from tests.hub_standin import HubBucketsStandIn
+
+
+def test_put_get_roundtrip(store):
+    payload = bytes(range(256)) * 3
+    store.put("deltas/step_000000000001.safetensors", payload)
+    assert store.get("deltas/step_000000000001.safetensors") == payload
+    store.put("deltas/step_000000000001.safetensors", b"second")
+    assert store.get("deltas/step_000000000001.safetensors") == b"second"
+    assert store.exists("deltas/step_000000000001.safetensors")
+
+
+def test_missing_object(store):
+    with pytest.raises(ds.MissingObjectError):
+        store.get("manifest/nothing.json")
+    assert not store.exists("manifest/nothing.json")
+
+
+def test_list_and_delete(store):
+    for key in ["a/x.json", "a/y.json", "b/z.json", "latest.json"]:
+        store.put(key, key.encode())
+    assert store.list("a/") == ["a/x.json", "a/y.json"]
+    assert store.list() == ["a/x.json", "a/y.json", "b/z.json", "latest.json"]
+    assert store.list("empty/") == []
+    store.delete(["a/x.json", "b/z.json", "never/was.json"])
+    assert store.list() == ["a/y.json", "latest.json"]
+    store.delete([])
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "../up", "a/../b", "a//b", "a/./b", ".hidden", "a\\b", "x y", "a/"])
+def test_keys_never_become_paths(store, key):
+    with pytest.raises(ds.StoreError):
+        store.put(key, b"x")
+    with pytest.raises(ds.StoreError):
+        store.get(key)
+
+
+def test_check_key_accepts_layout_keys():
+    for key in ["latest.json", "manifest/step_000000000001.json", "anchors/step_000000000010.safetensors"]:
+        assert check_key(key) == key
+
+
+def test_local_writes_are_atomic_and_leave_no_temp_files(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    store.put("k/v.bin", b"1" * 1000)
+    assert [p.name for p in (tmp_path / "s" / "k").iterdir()] == ["v.bin"]
+
+
+def test_open_store_dispatch(tmp_path, s3_url):
+    assert isinstance(open_store(tmp_path / "x"), LocalStore)
+    assert isinstance(open_store(f"file://{tmp_path}/y"), LocalStore)
+    assert type(open_store(s3_url)).__name__ == "FsspecStore"
+    assert isinstance(open_store("hf://buckets/org/name/run", api=HubBucketsStandIn()), HFBucketStore)
+    with pytest.raises(ds.StoreError, match="hf://buckets"):
+        open_store("hf://models/org/name")
+    store = LocalStore(tmp_path / "z")
+    assert open_store(store) is store
+
+
+def test_standin_matches_the_real_huggingface_hub_signatures():
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    for name in ["batch_bucket_files", "download_bucket_files", "list_bucket_tree"]:
+        real = inspect.signature(getattr(huggingface_hub, name))
+        standin = inspect.signature(getattr(HubBucketsStandIn(), name))
+        real_params = {p.name: p.kind for p in real.parameters.values()}
+        for param in standin.parameters.values():
+            assert param.name in real_params, f"{name}: the stand-in takes {param.name}, the real one does not"
+            assert param.kind == real_params[param.name], f"{name}: {param.name} is passed differently"
+
+
+def test_hf_store_call_shapes():
+    hub = HubBucketsStandIn()
+    store = HFBucketStore("hf://buckets/org/bucket/run1", api=hub, token="hf_x")
+    store.put("latest.json", b"{}")
+    store.get("latest.json")
+    store.list("manifest/")
+    store.delete(["latest.json"])
+    names = [call[0] for call in hub.calls]
+    assert names == ["batch_bucket_files", "download_bucket_files", "list_bucket_tree", "batch_bucket_files"]
+    assert hub.calls[0][1]["add"] == [(b"{}", "run1/latest.json")] and hub.calls[0][1]["token"] == "hf_x"
+    assert hub.calls[1][1]["files"][0][0] == "run1/latest.json"
+    assert hub.calls[2][1]["prefix"] == "run1/manifest" and hub.calls[2][1]["recursive"] is True
+    assert hub.calls[3][1]["delete"] == ["run1/latest.json"]
+
+
+def test_hf_store_uploads_large_objects_from_a_path():
+    hub = HubBucketsStandIn()
+    store = HFBucketStore("hf://buckets/org/bucket", api=hub)
+    big = b"\x01" * ((64 << 20) + 1)
+    store.put("anchors/step_000000000000.safetensors", big)
+    source, remote = hub.calls[0][1]["add"][0]
+    assert isinstance(source, str) and remote == "anchors/step_000000000000.safetensors"
+    assert store.get("anchors/step_000000000000.safetensors") == big
