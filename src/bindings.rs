@@ -390,7 +390,7 @@ fn apply_file(py: Python<'_>, base: PathBuf, delta: PyRef<'_, RawDelta>, out: Pa
     py.detach(|| files::apply_file(&base, delta, &out)).map_err(to_py)
 }
 
-/// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §11).
+/// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).
 #[pyfunction]
 fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
     let mut held = Vec::with_capacity(entries.len());

@@ -263,7 +263,7 @@ def anchor(state: State, *, step: int | None = None, metadata: Mapping[str, str]
 
 
 def state_digest(state: State) -> str:
-    """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §11)."""
+    """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §10)."""
     entries = []
     for name, tensor in _as_mapping(state, "state").items():
         dtype, shape = _arrays.describe(tensor, name)

@@ -1,5 +1,5 @@
 """The sync protocol: a Publisher writes anchors, deltas and signed manifest entries to a store; any number of
-Subscribers pull, verify and replay them. Layout and manifest are specified in docs/format.md §11."""
+Subscribers pull, verify and replay them. Layout and manifest are specified in docs/format.md §10."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 //! State digests: a 128-bit XXH3 hash per tensor, in parallel, combined into one digest of a whole state.
-//! They detect corruption and divergence; authenticity comes from the manifest's HMAC (docs/format.md §11).
+//! They detect corruption and divergence; authenticity comes from the manifest's HMAC (docs/format.md §10).
 
 use rayon::prelude::*;
 use xxhash_rust::xxh3::Xxh3;
