@@ -107,6 +107,22 @@ impl RawDelta {
     }
 }
 
+/// Exports each (name, dtype, shape, buffer) entry's buffer; the buffers must be held while the slices are used.
+#[allow(clippy::type_complexity)]
+fn export_tensors<'a>(
+    entries: &'a [FullEntry<'_>],
+) -> PyResult<(Vec<PyBuffer<u8>>, Vec<(&'a str, dtype::Dtype, &'a [u64], RawSlice)>)> {
+    let mut held = Vec::with_capacity(entries.len());
+    let mut specs = Vec::with_capacity(entries.len());
+    for (name, dtype_name, shape, data) in entries {
+        let dtype = parse_dtype(dtype_name, name)?;
+        let (buffer, slice) = export(data, &format!("tensor {name:?}"), false)?;
+        held.push(buffer);
+        specs.push((name.as_str(), dtype, shape.as_slice(), slice));
+    }
+    Ok((held, specs))
+}
+
 type DiffEntry<'py> = (String, String, Vec<u64>, Bound<'py, PyAny>, Bound<'py, PyAny>);
 type FullEntry<'py> = (String, String, Vec<u64>, Bound<'py, PyAny>);
 
@@ -152,20 +168,13 @@ impl RawDelta {
 
     /// Stores tensors given as (name, dtype, shape, bytes) whole, as in an anchor.
     fn add_full(&mut self, py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<()> {
-        let mut held = Vec::with_capacity(entries.len());
-        let mut specs = Vec::with_capacity(entries.len());
-        for (name, dtype_name, shape, data) in &entries {
-            let dtype = parse_dtype(dtype_name, name)?;
-            let (buffer, slice) = export(data, &format!("tensor {name:?}"), false)?;
-            held.push(buffer);
-            specs.push((name.clone(), dtype, shape.clone(), slice));
-        }
+        let (held, specs) = export_tensors(&entries)?;
         let tensors = py
             .detach(|| {
                 let inputs: Vec<FullInput<'_>> = specs
                     .iter()
                     // SAFETY: `held` keeps every buffer exported until after this call.
-                    .map(|(name, dtype, shape, data)| FullInput { name: name.clone(), dtype: *dtype, shape: shape.clone(), data: unsafe { data.get() } })
+                    .map(|(name, dtype, shape, data)| FullInput { name: (*name).to_owned(), dtype: *dtype, shape: shape.to_vec(), data: unsafe { data.get() } })
                     .collect();
                 diff::full(&inputs)
             })
@@ -393,14 +402,7 @@ fn apply_file(py: Python<'_>, base: PathBuf, delta: PyRef<'_, RawDelta>, out: Pa
 /// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).
 #[pyfunction]
 fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
-    let mut held = Vec::with_capacity(entries.len());
-    let mut specs = Vec::with_capacity(entries.len());
-    for (name, dtype_name, shape, data) in &entries {
-        let dtype = parse_dtype(dtype_name, name)?;
-        let (buffer, slice) = export(data, &format!("tensor {name:?}"), false)?;
-        held.push(buffer);
-        specs.push((name.as_str(), dtype, shape.as_slice(), slice));
-    }
+    let (held, specs) = export_tensors(&entries)?;
     let digest = py.detach(|| {
         let inputs: Vec<DigestInput<'_>> = specs
             .iter()
