@@ -27,13 +27,17 @@ MODELS = {
 
 @dataclass
 class Prepared:
-    """One model's checkpoint folder and the files of three consecutive bf16 exports (steps 0, 1, 2)."""
+    """One model's config folder, and beside it the states of consecutive bf16 exports and the deltas between them.
+
+    The states stay out of the config folder: vLLM unties the word embeddings of a tied config whose folder holds
+    a checkpoint with an ``lm_head`` (ModelConfig.maybe_untie_word_embeddings)."""
 
     name: str
     folder: str
+    data: str
 
     def path(self, what: str) -> str:
-        return os.path.join(self.folder, what)
+        return os.path.join(self.data, what)
 
 
 def _hf_config(name: str):
@@ -57,7 +61,9 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
 
     import deltasync_rs as ds
 
+    data = folder.with_name(folder.name + "-data")
     folder.mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
     config = _hf_config(name)
     torch.manual_seed(seed)
     architecture = MODELS[name][2].rsplit(":", 1)[1]  # vLLM's class names are the HF architectures
@@ -75,12 +81,12 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
         optimizer.zero_grad()
         states.append(bf16_state(model))
     for step, state in enumerate(states):
-        save_file(state, str(folder / f"state_{step}.safetensors"))
+        save_file(state, str(data / f"state_{step}.safetensors"))
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
             ds.diff(states[step - 1], states[step], values=values, step=step, base_step=step - 1).save(
-                folder / f"delta_{step}_{values}.safetensors")
-    return Prepared(name, str(folder))
+                data / f"delta_{step}_{values}.safetensors")
+    return Prepared(name, str(folder), str(data))
 
 
 def build_vllm_model(prepared: Prepared):
@@ -212,10 +218,9 @@ def check_unknown_name_rejected(model, item: Prepared) -> None:
     prev, curr = _state(item, 0), _state(item, 1)
     prev["model.layers.0.mlp.bogus_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     curr["model.layers.0.mlp.bogus_proj.weight"] = torch.ones(4, 4, dtype=torch.bfloat16)
-    delta = ds.diff(prev, curr, step=1, base_step=0)
-    for path in ("mapped", "loader"):
-        kind = ds.BaseMismatchError if path == "mapped" else ds.DeltaSyncError
-        _expect_untouched(model, snapshot(model), kind,
+    for path, values in (("mapped", "diff"), ("mapped", "abs"), ("loader", "abs")):
+        delta = ds.diff(prev, curr, values=values, step=1, base_step=0)
+        _expect_untouched(model, snapshot(model), ds.BaseMismatchError,
                           lambda: apply_delta(model, delta, current_step=0, path=path), "bogus_proj")
 
 
@@ -306,3 +311,12 @@ CHECKS = [
     check_unmapped_architecture_falls_back,
     check_worker_extension_applies_files,
 ]
+
+
+def check_tying_is_as_configured(model, item: Prepared) -> None:
+    """The tied model really shares lm_head and embed_tokens in vLLM (else the tied checks would test nothing)."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == MODELS[item.name][1]["tie_word_embeddings"], f"lm_head tied: {tied}"
+
+
+CHECKS.insert(0, check_tying_is_as_configured)

@@ -296,10 +296,12 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
     dense, sparse, touched = [], [], {}
     for index, info in enumerate(delta.tensors):
         if info.values != "abs":
+            why = ("path='loader' was asked for" if is_mapped(model)
+                   else f"{type(model).__name__} is not mapped by deltasync_rs.vllm")
             raise DeltaSyncError(
-                f"tensor {info.name!r}: {type(model).__name__} is not mapped by deltasync_rs.vllm, so the delta goes "
-                "through vLLM's loader, which needs new values: publish it with values=\"abs\" (ds.diff(..., "
-                "values='abs') or Publisher(..., values='abs'))")
+                f"tensor {info.name!r} holds bit-pattern differences, but {why}, so the delta goes through vLLM's "
+                "loader, which needs new values: publish it with values=\"abs\" (ds.diff(..., values='abs') or "
+                "Publisher(..., values='abs')); nothing was written")
         if info.shape is None:
             raise DeltaSyncError(f"tensor {info.name!r}: the delta records no shape, which vLLM's loader needs")
         dtype = _TORCH_DTYPES.get(info.dtype)
