@@ -16,8 +16,9 @@ import tempfile
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'deltasync-rs[vllm]')")
+# vLLM picks its platform once per process, on first use: these CPU tests need the CPU one.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm", reason="vllm is not installed (pip install 'deltasync-rs[vllm]')")
 
 import deltasync_rs as ds  # noqa: E402
 

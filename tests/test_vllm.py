@@ -5,6 +5,7 @@ parameters, rejections that leave the model untouched, vLLM's loader as the fall
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tomllib
 import types
@@ -14,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+# vLLM picks its platform once per process, on first use: these CPU tests need the CPU one.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'deltasync-rs[vllm]')")
 
 import deltasync_rs as ds  # noqa: E402
@@ -205,6 +208,8 @@ def test_worker_extension_pulls_in_order(stand_in_store):
     assert StandInSubscriber.calls[-1] == ("mem://run", 2, None)
     assert _bits_equal(_params(model), states[3])
     assert worker.deltasync_pull("mem://run") == 3  # up to date: [] applies nothing
+    assert worker.deltasync_pull("mem://run", "3") == 3  # the dev-mode HTTP route passes strings
+    assert StandInSubscriber.calls[-1] == ("mem://run", 3, 3)
 
 
 def test_worker_extension_rejects_a_broken_chain_before_writing(tmp_path):

@@ -76,12 +76,6 @@ class ShardMap:
     def hf_cols(self) -> int:
         return self.hf_shape[1] if len(self.hf_shape) == 2 else 1
 
-    @property
-    def whole(self) -> bool:
-        """True when this rank holds the whole HF tensor at the start of the parameter (no position remapping)."""
-        return (self.row_start == 0 and self.row_count == self.hf_shape[0] and self.col_start == 0
-                and self.col_count == self.hf_cols and self.param_row_offset == 0)
-
     def region_key(self) -> tuple[int, int, int]:
         return (id(self.param), self.param_row_offset, self.row_start)
 
@@ -185,12 +179,16 @@ def _stage(delta: Delta, index: int, shard: ShardMap, values_kind: str) -> tuple
         target = param.view(int_dtype).view(-1, param.shape[1] if param.dim() == 2 else 1)
         target = target[shard.param_row_offset: shard.param_row_offset + shard.row_count]
         return (lambda: target.copy_(block)), block.numel()
-    if not shard.whole:
+    param_cols = param.shape[1] if param.dim() == 2 else 1
+    covers_all = (shard.row_start == 0 and shard.row_count == shard.hf_shape[0] and shard.col_start == 0
+                  and shard.col_count == shard.hf_cols)
+    if covers_all and shard.param_row_offset:  # a whole HF tensor inside a fused parameter: one shift
+        positions = positions + shard.param_row_offset * param_cols
+    elif not covers_all:
         rows = torch.div(positions, shard.hf_cols, rounding_mode="floor")
         cols = positions - rows * shard.hf_cols
         keep = ((rows >= shard.row_start) & (rows < shard.row_start + shard.row_count)
                 & (cols >= shard.col_start) & (cols < shard.col_start + shard.col_count))
-        param_cols = param.shape[1] if param.dim() == 2 else 1
         positions = ((rows[keep] - shard.row_start + shard.param_row_offset) * param_cols
                      + cols[keep] - shard.col_start)
         values = values[keep]
@@ -198,7 +196,6 @@ def _stage(delta: Delta, index: int, shard: ShardMap, values_kind: str) -> tuple
     if values_kind == "diff":
         values = _wrapping_add(flat.index_select(0, positions), values, width)
     return (lambda: flat.index_copy_(0, positions, values)), positions.numel()
-
 
 
 def _check_chain(delta: Delta, current_step: int | None) -> None:
@@ -400,7 +397,11 @@ class DeltaSyncWorkerExtension:
             return self._deltasync_tracker().apply(self._deltasync_model(), _load_all(sources))
 
     def deltasync_pull(self, store: Any, step: int | None = None, signing_key: Any = None) -> int | None:
-        """Fetches the verified chain from ``store`` up to ``step`` (latest by default) and applies it."""
+        """Fetches the verified chain from ``store`` up to ``step`` (latest by default) and applies it.
+
+        ``step`` may be a decimal string: vLLM's dev-mode ``/collective_rpc`` route passes only strings."""
+        if isinstance(step, str):
+            step = int(step) if step.strip() else None
         with torch.no_grad():
             return self._deltasync_tracker().pull(self._deltasync_model(), store, step, signing_key)
 
