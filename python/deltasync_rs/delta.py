@@ -156,6 +156,19 @@ class Delta:
                 write()
         return state
 
+    def decoded(self, index: int, device: Any = None) -> tuple[Any, Any]:
+        """The changes of tensor ``index`` as torch tensors on ``device``, decoded on the CPU and moved in one transfer.
+
+        Returns ``(positions, values)``: ``positions`` is int64, flat row-major (``None`` when the tensor is stored
+        whole and stored as new values); ``values`` has the integer type of the element width and holds bit patterns: the new bits for
+        ``values="abs"``, the wrapping bit-pattern difference for ``values="diff"`` (see docs/format.md).
+        """
+        from . import torch as _ds_torch
+
+        info = self.tensors[index]
+        return _ds_torch.decode_to(self._raw, index, width=_arrays.WIDTHS[info.dtype], changed=info.changed,
+                                   dense=info.positions == "all" and info.values == "abs", device=device)
+
     def _resolve_targets(self, state: State) -> list[tuple[int, Tensor]]:
         names = self.names
         if _arrays.is_array(state):

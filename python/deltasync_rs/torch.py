@@ -47,3 +47,21 @@ def stage_write(raw: RawDelta, index: int, target: torch.Tensor, *, width: int, 
     if values == "diff":
         new_values = _wrapping_add(view[coordinates], new_values, width)
     return lambda: view.index_put_(coordinates, new_values)
+
+
+def decode_to(raw: RawDelta, index: int, *, width: int, changed: int, dense: bool,
+              device: torch.device | str | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Decodes tensor `index` on the CPU and moves it to `device` in one transfer.
+
+    Returns ``(positions, values)``: positions as int64 flat row-major indices (None for a tensor stored whole),
+    values as the integer type of the element width, holding bit patterns."""
+    int_dtype = _INT_FOR_WIDTH[width]
+    if changed == 0:
+        empty = torch.empty(0, dtype=int_dtype, device=device)
+        return torch.empty(0, dtype=torch.int64, device=device), empty
+    staged = torch.frombuffer(raw.decode(index), dtype=torch.uint8)
+    if device is not None:
+        staged = staged.to(device)
+    if dense:
+        return None, staged.view(int_dtype)
+    return staged[: changed * 8].view(torch.int64), staged[changed * 8 :].view(int_dtype)

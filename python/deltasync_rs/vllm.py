@@ -1,0 +1,496 @@
+"""vLLM integration: map HF-coordinate deltas onto vLLM's fused, tensor-parallel parameters and apply them in place.
+
+``apply_delta(model, delta)`` writes only the changed elements of this rank's shard (``index_copy_`` on the
+parameter's own storage); models outside the Qwen2/Qwen3/Llama/Mistral family go through vLLM's own
+``load_checkpoint_weight_patches``. ``DeltaSyncWorkerExtension`` (``--worker-extension-cls``) and the ``deltasync``
+weight-transfer engine (``vllm.general_plugins`` entry point ``register``) run it inside every worker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+import vllm  # noqa: F401  (the real vllm package: absolute import, see ARCHITECTURE's pitfall)
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+from . import _arrays
+from ._core import BaseMismatchError, DeltaSyncError
+from .delta import Delta, load
+from .torch import _INT_FOR_WIDTH, _wrapping_add
+
+#: Architectures whose HF → vLLM layout ``apply_delta`` maps itself; any other model uses vLLM's loader.
+MAPPED_ARCHITECTURES = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"})
+#: HF sub-module names fused by vLLM: (HF part, vLLM part, shard id) as in the models' ``hf_to_vllm_mapper``.
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Delta]
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Where one HF tensor lands in this rank's vLLM parameter.
+
+    The HF tensor is viewed as ``[hf_rows, hf_cols]`` (a 1-D tensor as ``[n, 1]``). This rank holds HF rows
+    ``row_start .. row_start + row_count`` and columns ``col_start .. col_start + col_count``; HF row
+    ``row_start + i`` is parameter row ``param_row_offset + i`` and column ``col_start + j`` is parameter column ``j``.
+    """
+
+    hf_name: str
+    param_name: str
+    param: torch.Tensor
+    hf_shape: tuple[int, ...]
+    row_start: int
+    row_count: int
+    col_start: int
+    col_count: int
+    param_row_offset: int
+
+    @property
+    def hf_cols(self) -> int:
+        return self.hf_shape[1] if len(self.hf_shape) == 2 else 1
+
+    def region_key(self) -> tuple[int, int, int]:
+        return (id(self.param), self.param_row_offset, self.row_start)
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def is_mapped(model: torch.nn.Module) -> bool:
+    """True when ``apply_delta`` maps this model's layout itself: a known architecture without quantization."""
+    if type(model).__name__ not in MAPPED_ARCHITECTURES or getattr(model, "quant_config", None) is not None:
+        return False
+    return all(type(getattr(m, "quant_method", None)).__name__ in _UNQUANTIZED
+               for m in model.modules() if hasattr(m, "quant_method"))
+
+
+def shard_map(model: torch.nn.Module, hf_name: str, params: dict[str, torch.Tensor] | None = None) -> ShardMap:
+    """Maps HF parameter ``hf_name`` to this rank's slice of a vLLM parameter of a mapped-family model."""
+    params = _params(model) if params is None else params
+    vllm_name, shard_id = hf_name, None
+    for hf_part, vllm_part, sid in _STACKED:
+        if hf_part in hf_name:
+            vllm_name, shard_id = hf_name.replace(hf_part, vllm_part, 1), sid
+            break
+    param = params.get(vllm_name)
+    if param is None:
+        raise BaseMismatchError(f"tensor {hf_name!r}: no vLLM parameter {vllm_name!r} in {type(model).__name__}")
+    module_path, attr = vllm_name.rsplit(".", 1)
+    module = model.get_submodule(module_path)
+    if not param.is_contiguous():
+        raise DeltaSyncError(f"tensor {hf_name!r}: vLLM parameter {vllm_name!r} is not contiguous")
+    return _layer_map(hf_name, vllm_name, module, attr, param, shard_id)
+
+
+def _layer_map(hf_name: str, vllm_name: str, module: torch.nn.Module, attr: str, param: torch.Tensor,
+               shard_id: Any) -> ShardMap:
+    quant = getattr(module, "quant_method", None)
+    if quant is not None and type(quant).__name__ not in _UNQUANTIZED:
+        raise DeltaSyncError(f"tensor {hf_name!r}: {vllm_name!r} is quantized ({type(quant).__name__}); "
+                             "use apply_delta(..., path='loader')")
+    pshape = tuple(param.shape)
+    cols = pshape[1] if len(pshape) == 2 else 1
+    if len(pshape) > 2:
+        raise DeltaSyncError(f"tensor {hf_name!r}: {vllm_name!r} has {len(pshape)} dimensions; only 1-D and 2-D "
+                             "parameters are mapped")
+
+    def rows_map(hf_rows: int, row_start: int, row_count: int, offset: int) -> ShardMap:
+        hf_shape = (hf_rows, cols) if len(pshape) == 2 else (hf_rows,)
+        return ShardMap(hf_name, vllm_name, param, hf_shape, row_start, row_count, 0, cols, offset)
+
+    if (shard_id is None) != (not isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear))):
+        raise BaseMismatchError(f"tensor {hf_name!r}: does not match the layout of vLLM's {vllm_name!r} "
+                                f"({type(module).__name__})")
+    if isinstance(module, QKVParallelLinear):
+        if shard_id == "q":
+            size, offset, shard_rank = module.num_heads * module.head_size, 0, module.tp_rank
+            hf_rows = module.total_num_heads * module.head_size
+        else:
+            head = module.head_size if shard_id == "k" else module.v_head_size
+            size, shard_rank = module.num_kv_heads * head, module.tp_rank // module.num_kv_head_replicas
+            offset = module.num_heads * module.head_size + (0 if shard_id == "k" else module.num_kv_heads * module.head_size)
+            hf_rows = module.total_num_kv_heads * head
+        return rows_map(hf_rows, shard_rank * size, size, offset)
+    if isinstance(module, MergedColumnParallelLinear):
+        size = module.output_sizes[shard_id] // module.tp_size
+        offset = sum(module.output_sizes[:shard_id]) // module.tp_size
+        return rows_map(module.output_sizes[shard_id], module.tp_rank * size, size, offset)
+    if isinstance(module, ColumnParallelLinear):
+        size = module.output_size_per_partition
+        return rows_map(module.output_size, module.tp_rank * size, size, 0)
+    if isinstance(module, RowParallelLinear) and attr == "weight":
+        per_rank = module.input_size_per_partition
+        return ShardMap(hf_name, vllm_name, param, (pshape[0], module.input_size), 0, pshape[0],
+                        module.tp_rank * per_rank, per_rank, 0)
+    if isinstance(module, VocabParallelEmbedding):
+        indices = module.shard_indices
+        if module.num_added_embeddings:
+            raise DeltaSyncError(f"tensor {hf_name!r}: {vllm_name!r} has added (LoRA) vocabulary, which is not mapped")
+        start, end = indices.org_vocab_start_index, indices.org_vocab_end_index
+        return rows_map(module.org_vocab_size, start, end - start, 0)
+    if isinstance(module, (RowParallelLinear, ReplicatedLinear)) or not any(
+            hasattr(param, a) for a in ("output_dim", "input_dim", "packed_dim")):
+        # Replicated: norms, biases of row-parallel layers, replicated linears.
+        return ShardMap(hf_name, vllm_name, param, pshape, 0, pshape[0] if pshape else 1, 0, cols, 0)
+    raise DeltaSyncError(f"tensor {hf_name!r}: vLLM's {vllm_name!r} ({type(module).__name__}) has a layout "
+                         "that is not mapped; use apply_delta(..., path='loader')")
+
+
+def _stage(delta: Delta, index: int, shard: ShardMap, values_kind: str) -> tuple[Callable[[], object], int]:
+    """Decodes tensor ``index`` onto the parameter's device, keeps this rank's changes, computes their new bits and
+    returns ``(write, elements)``: the write still to be done and how many elements it writes. Nothing is written."""
+    info = delta.tensors[index]
+    width = _arrays.WIDTHS[info.dtype]
+    param = shard.param.data
+    int_dtype = _INT_FOR_WIDTH[width]
+    positions, values = delta.decoded(index, device=param.device)
+    if positions is None:  # stored whole: copy this rank's block
+        hf_rows = shard.hf_shape[0]
+        block = values.view(hf_rows, shard.hf_cols)[shard.row_start: shard.row_start + shard.row_count,
+                                                   shard.col_start: shard.col_start + shard.col_count]
+        target = param.view(int_dtype).view(-1, param.shape[1] if param.dim() == 2 else 1)
+        target = target[shard.param_row_offset: shard.param_row_offset + shard.row_count]
+        return (lambda: target.copy_(block)), block.numel()
+    param_cols = param.shape[1] if param.dim() == 2 else 1
+    covers_all = (shard.row_start == 0 and shard.row_count == shard.hf_shape[0] and shard.col_start == 0
+                  and shard.col_count == shard.hf_cols)
+    if covers_all and shard.param_row_offset:  # a whole HF tensor inside a fused parameter: one shift
+        positions = positions + shard.param_row_offset * param_cols
+    elif not covers_all:
+        rows = torch.div(positions, shard.hf_cols, rounding_mode="floor")
+        cols = positions - rows * shard.hf_cols
+        keep = ((rows >= shard.row_start) & (rows < shard.row_start + shard.row_count)
+                & (cols >= shard.col_start) & (cols < shard.col_start + shard.col_count))
+        positions = ((rows[keep] - shard.row_start + shard.param_row_offset) * param_cols
+                     + cols[keep] - shard.col_start)
+        values = values[keep]
+    flat = param.view(int_dtype).view(-1)
+    if values_kind == "diff":
+        values = _wrapping_add(flat.index_select(0, positions), values, width)
+    return (lambda: flat.index_copy_(0, positions, values)), positions.numel()
+
+
+def _check_chain(delta: Delta, current_step: int | None) -> None:
+    if current_step is not None and delta.base_step is not None and delta.base_step != current_step:
+        raise BaseMismatchError(f"delta for step {delta.step} applies to step {delta.base_step}, "
+                                f"but the model is at step {current_step}; nothing was written")
+
+
+def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | None = None, path: str = "auto") -> int:
+    """Applies ``delta`` (HF parameter names and coordinates) in place to this rank's shard of a vLLM model.
+
+    All-or-nothing: the chain position (``delta.base_step == current_step`` when both are known), every name, dtype
+    and shape are checked and every write is staged on the parameters' device before the first write; on an error
+    nothing is changed. ``path="auto"`` maps the Qwen2/Qwen3/Llama/Mistral family itself (``"mapped"``) and sends any
+    other model through vLLM's ``load_checkpoint_weight_patches`` (``"loader"``), which needs ``values="abs"``.
+    Returns the number of elements written on this rank.
+    """
+    if not isinstance(delta, Delta):
+        raise DeltaSyncError(f"apply_delta takes a deltasync_rs.Delta, not {type(delta).__name__}")
+    _check_chain(delta, current_step)
+    if path == "auto":
+        path = "mapped" if is_mapped(model) else "loader"
+    if path == "loader":
+        return _apply_through_loader(model, delta)
+    if path != "mapped":
+        raise DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}')
+    if type(model).__name__ not in MAPPED_ARCHITECTURES:
+        raise DeltaSyncError(f"{type(model).__name__} is not one of the mapped architectures "
+                             f"{sorted(MAPPED_ARCHITECTURES)}; use path='loader'")
+
+    params = _params(model)
+    infos = delta.tensors
+    plan: list[tuple[int, ShardMap]] = []
+    region_owner: dict[tuple[int, int, int], int] = {}
+    for index, info in enumerate(infos):
+        shard = shard_map(model, info.name, params)
+        dtype = _arrays._TORCH_NAMES.get(str(shard.param.dtype))
+        if dtype != info.dtype:
+            raise BaseMismatchError(f"tensor {info.name!r}: the delta holds {info.dtype}, but vLLM's "
+                                    f"{shard.param_name!r} is {shard.param.dtype}")
+        delta._raw.check_target(index, info.dtype, list(shard.hf_shape))
+        if info.positions == "all" and info.values != "abs":
+            raise DeltaSyncError(f"tensor {info.name!r}: a whole tensor stored as differences is not supported here")
+        first = region_owner.setdefault(shard.region_key(), index)
+        if first != index:  # tied weights (lm_head / embed_tokens): one memory, written once
+            if not delta._raw.same_changes(first, index):
+                raise DeltaSyncError(f"tensors {infos[first].name!r} and {info.name!r} are one parameter in vLLM "
+                                     "but the delta changes them differently")
+            continue
+        plan.append((index, shard))
+    _reject_lone_tied_head(model, params, [infos[i].name for i, _ in plan], {infos[i].name for i in range(len(infos))})
+
+    staged = [_stage(delta, index, shard, infos[index].values) for index, shard in plan]
+    with torch.no_grad():
+        for write, _ in staged:
+            write()
+    return sum(count for _, count in staged)
+
+
+def _reject_lone_tied_head(model: torch.nn.Module, params: dict[str, torch.Tensor], planned: list[str],
+                           names: set[str]) -> None:
+    """vLLM's loader rejects ``lm_head.weight`` alone on a tied model (REFERENCE §5); so do we, with the fix."""
+    head, embed = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
+    if head is not None and head is embed and "lm_head.weight" in names and "model.embed_tokens.weight" not in names:
+        raise BaseMismatchError("tensor 'lm_head.weight': the model ties lm_head to embed_tokens; publish the change "
+                                "as 'model.embed_tokens.weight' (or both names with the same changes)")
+
+
+def _loader_target(model: torch.nn.Module, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The parameter vLLM's loader will write for HF name ``name``, found through the model's packed modules."""
+    if name in params:
+        return params[name]
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        mapped = mapper.map_name(name)
+        if mapped in params:
+            return params[mapped]
+    for fused, parts in (getattr(model, "packed_modules_mapping", None) or {}).items():
+        for part in parts:
+            candidate = name.replace(f".{part}.", f".{fused}.", 1)
+            if candidate != name and candidate in params:
+                return params[candidate]
+    return None
+
+
+def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
+    """vLLM's own sparse-patch loader, made all-or-nothing: checks first, restores the touched parameters on failure."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    params = _params(model)
+    device = next(iter(params.values())).device
+    dense, sparse, touched = [], [], {}
+    for index, info in enumerate(delta.tensors):
+        if info.values != "abs":
+            why = ("path='loader' was asked for" if is_mapped(model)
+                   else f"{type(model).__name__} is not mapped by deltasync_rs.vllm")
+            raise DeltaSyncError(
+                f"tensor {info.name!r} holds bit-pattern differences, but {why}, so the delta goes through vLLM's "
+                "loader, which needs new values: publish it with values=\"abs\" (ds.diff(..., values='abs') or "
+                "Publisher(..., values='abs')); nothing was written")
+        if info.shape is None:
+            raise DeltaSyncError(f"tensor {info.name!r}: the delta records no shape, which vLLM's loader needs")
+        dtype = _TORCH_DTYPES.get(info.dtype)
+        if dtype is None:
+            raise DeltaSyncError(f"tensor {info.name!r}: vLLM's loader takes floating-point patches, not {info.dtype}")
+        target = _loader_target(model, params, info.name)
+        if target is None:
+            raise BaseMismatchError(f"tensor {info.name!r}: {type(model).__name__} has no parameter for it")
+        touched[id(target)] = target
+        positions, values = delta.decoded(index, device=device)
+        values = values.view(dtype)
+        if positions is None:
+            dense.append(CheckpointWeightPatch(info.name, info.shape, dtype, values))
+        elif positions.numel():
+            if torch.isnan(values).any():
+                raise DeltaSyncError(f"tensor {info.name!r}: holds NaN values, which vLLM's sparse loader reserves "
+                                     "for 'unchanged'")
+            sparse.append(CheckpointWeightPatch(info.name, info.shape, dtype, values, positions))
+    backup = {key: t.detach().clone() for key, t in touched.items()}
+    try:
+        for patches in (dense, sparse):
+            if patches:
+                load_checkpoint_weight_patches(model, patches)
+    except Exception as exc:
+        with torch.no_grad():
+            for key, saved in backup.items():
+                touched[key].data.copy_(saved)
+        raise DeltaSyncError(f"vLLM's loader failed ({type(exc).__name__}: {exc}); the weights were restored") from exc
+    return sum(info.changed for info in delta.tensors)
+
+
+def _load_all(sources: Iterable[Source]) -> list[Delta]:
+    deltas = [s if isinstance(s, Delta) else load(s) for s in sources]
+    for previous, current in zip(deltas, deltas[1:]):
+        if current.base_step is not None and previous.step is not None and current.base_step != previous.step:
+            raise BaseMismatchError(f"the deltas do not chain: step {previous.step} is followed by a delta that "
+                                    f"applies to step {current.base_step}; nothing was written")
+    return deltas
+
+
+class _StepTracker:
+    """Applies deltas in order to one model and tracks the step it is at (None: unknown, only anchors apply)."""
+
+    def __init__(self, current_step: int | None = None) -> None:
+        self.current_step = current_step
+
+    def apply(self, model: torch.nn.Module, deltas: Sequence[Delta]) -> int | None:
+        if deltas:
+            _check_chain(deltas[0], self.current_step)
+        for delta in deltas:
+            if self.current_step is None and not delta.is_anchor and delta.base_step is not None:
+                raise BaseMismatchError(f"delta for step {delta.step} applies to step {delta.base_step}, but this "
+                                        "worker's step is unknown: apply an anchor first or set the step")
+            apply_delta(model, delta, current_step=self.current_step)
+            if delta.step is not None:
+                self.current_step = delta.step
+        return self.current_step
+
+    def pull(self, model: torch.nn.Module, store: Any, until: int | None, signing_key: Any = None) -> int | None:
+        from .sync import Subscriber  # written alongside: Subscriber(store).fetch(current_step, until=...)
+
+        subscriber = Subscriber(store, signing_key=signing_key) if signing_key is not None else Subscriber(store)
+        return self.apply(model, subscriber.fetch(self.current_step, until=until))
+
+
+class DeltaSyncWorkerExtension:
+    """Mixed into every vLLM worker by ``--worker-extension-cls deltasync_rs.vllm.DeltaSyncWorkerExtension``.
+
+    Call its methods with ``llm.collective_rpc(name, args=...)``: each worker applies the changes of its own shard
+    and returns the step it is at. The caller resets the prefix cache afterwards (``llm.reset_prefix_cache()``).
+    """
+
+    def _deltasync_tracker(self) -> _StepTracker:
+        tracker = getattr(self, "_deltasync_state", None)
+        if tracker is None:
+            tracker = self._deltasync_state = _StepTracker()
+        return tracker
+
+    def _deltasync_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def deltasync_step(self) -> int | None:
+        """The step this worker's weights are at (None until an anchor or ``deltasync_set_step``)."""
+        return self._deltasync_tracker().current_step
+
+    def deltasync_set_step(self, step: int | None) -> int | None:
+        """Declares the step the served weights are at (e.g. the trainer's step 0 checkpoint)."""
+        self._deltasync_tracker().current_step = step
+        return step
+
+    def deltasync_apply(self, sources: Sequence[Source]) -> int | None:
+        """Applies delta files (paths or bytes) in order; each is all-or-nothing. Returns the new step."""
+        if isinstance(sources, (str, bytes, bytearray, memoryview, os.PathLike, Delta)):
+            sources = [sources]
+        with torch.no_grad():
+            return self._deltasync_tracker().apply(self._deltasync_model(), _load_all(sources))
+
+    def deltasync_pull(self, store: Any, step: int | None = None, signing_key: Any = None) -> int | None:
+        """Fetches the verified chain from ``store`` up to ``step`` (latest by default) and applies it.
+
+        ``step`` may be a decimal string: vLLM's dev-mode ``/collective_rpc`` route passes only strings."""
+        if isinstance(step, str):
+            step = int(step) if step.strip() else None
+        with torch.no_grad():
+            return self._deltasync_tracker().pull(self._deltasync_model(), store, step, signing_key)
+
+
+@dataclass
+class DeltaSyncInitInfo(WeightTransferInitInfo):
+    """``init_weight_transfer_engine`` info: the default store and the step the served weights are at."""
+
+    store: str | None = None
+    current_step: int | None = None
+    signing_key: str | None = None
+
+
+@dataclass
+class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights`` info: pull ``store`` (or the init store) up to ``step``, or apply ``paths`` in order."""
+
+    store: str | None = None
+    step: int | None = None
+    paths: list[str] | None = None
+
+
+class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
+    """The ``deltasync`` backend of vLLM's native weight-transfer API; each worker pulls and applies its own shard.
+
+    Updates are applied in place, so ``start_weight_update`` / ``finish_weight_update`` have nothing to do.
+    """
+
+    init_info_cls = DeltaSyncInitInfo
+    update_info_cls = DeltaSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.store: str | None = None
+        self.signing_key: str | None = None
+        self.tracker = _StepTracker()
+
+    def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        self.store, self.signing_key = init_info.store, init_info.signing_key
+        self.tracker.current_step = init_info.current_step
+
+    def start_weight_update(self) -> None:
+        pass  # in-place sparse updates need no layerwise reload
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
+        with torch.no_grad():
+            if update_info.paths is not None:
+                self.tracker.apply(self.model, _load_all(update_info.paths))
+                return
+            store = update_info.store or self.store
+            if store is None:
+                raise DeltaSyncError("update_info names no store and init_weight_transfer_engine set none")
+            self.tracker.pull(self.model, store, update_info.step, self.signing_key)
+
+    def shutdown(self) -> None:
+        pass
+
+
+ENGINE_NAME = "deltasync"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: registers the ``deltasync`` weight-transfer engine (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, DeltaSyncWeightTransferEngine)
+    except ValueError:
+        pass  # plugins load once per process, possibly several times: already registered
+
+
+__all__ = [
+    "MAPPED_ARCHITECTURES",
+    "DeltaSyncInitInfo",
+    "DeltaSyncUpdateInfo",
+    "DeltaSyncWeightTransferEngine",
+    "DeltaSyncWorkerExtension",
+    "ShardMap",
+    "apply_delta",
+    "is_mapped",
+    "register",
+    "shard_map",
+]

@@ -1,0 +1,272 @@
+"""deltasync_rs.vllm on real vLLM model classes, on CPU: TP=1 and TP=2 (spawned gloo ranks), fused and tied
+parameters, rejections that leave the model untouched, vLLM's loader as the fallback, the worker extension and the
+``deltasync`` weight-transfer engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tomllib
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+# vLLM picks its platform once per process, on first use: these CPU tests need the CPU one.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm", reason="vllm is not installed (pip install 'deltasync-rs[vllm]')")
+
+import deltasync_rs as ds  # noqa: E402
+from deltasync_rs import vllm as ds_vllm  # noqa: E402
+from tests import vllm_workers  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------- real vLLM models in spawned ranks (TP=1, TP=2)
+
+
+@pytest.fixture(scope="session")
+def prepared_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return [vllm_workers.prepare(name, root / name) for name in vllm_workers.MODELS]
+
+
+_RESULTS: dict[int, list[list[dict]]] = {}
+
+
+def _rank_results(tp: int, prepared, tmp_path_factory) -> list[list[dict]]:
+    """Runs every check on every model in one spawned process group of `tp` ranks (building vLLM is the slow part)."""
+    if tp not in _RESULTS:
+        import torch.multiprocessing as mp
+
+        out = tmp_path_factory.mktemp(f"vllm-tp{tp}")
+        mp.spawn(vllm_workers.run_rank, args=(tp, str(out / "init"), prepared, str(out), vllm_workers.CHECKS),
+                 nprocs=tp, join=True)
+        _RESULTS[tp] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(tp)]
+    return _RESULTS[tp]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model_name", list(vllm_workers.MODELS))
+@pytest.mark.parametrize("check", [c.__name__ for c in vllm_workers.CHECKS])
+def test_on_vllm_model(tp, model_name, check, prepared_models, tmp_path_factory):
+    ranks = _rank_results(tp, prepared_models, tmp_path_factory)
+    for rank, results in enumerate(ranks):
+        setup = [r for r in results if r["check"] == "setup"]
+        assert not setup, f"rank {rank} failed to set up:\n{setup[0]['error']}"
+        mine = [r for r in results if r["model"] == model_name and r["check"] == check]
+        assert len(mine) == 1, f"rank {rank} did not run {check} on {model_name}"
+        assert mine[0]["error"] is None, f"TP={tp} rank {rank}, {model_name}:\n{mine[0]['error']}"
+
+
+def test_deltas_come_from_sparse_real_steps(prepared_models):
+    for item in prepared_models:
+        delta = ds.load(item.path("delta_1_diff.safetensors"))
+        assert 0 < delta.num_changed < delta.num_elements, (item.name, delta)
+        assert "lm_head.weight" in delta.names
+
+
+# ------------------------------------------------------------------ a model outside the mapping, in this process
+
+
+class TinyCustomLM(torch.nn.Module):
+    """Not a mapped architecture: apply_delta must go through vLLM's load_checkpoint_weight_patches."""
+
+    def __init__(self, fail_on: str | None = None):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.embed = torch.nn.Parameter(torch.randn(10, 6, generator=g).to(torch.bfloat16), requires_grad=False)
+        self.proj = torch.nn.Parameter(torch.randn(6, 6, generator=g).to(torch.bfloat16), requires_grad=False)
+        self.fail_on = fail_on
+
+    def load_weights(self, weights):
+        loaded = set()
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if name == self.fail_on:
+                raise RuntimeError(f"loader failure on {name}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+def _tiny_states(steps=3):
+    model = TinyCustomLM()
+    states = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        nxt = {n: t.clone() for n, t in states[-1].items()}
+        for t in nxt.values():
+            flat = t.view(-1)
+            picks = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 7)]
+            flat[picks] = (flat[picks].float() * 1.01 + 0.01).to(torch.bfloat16)
+        states.append(nxt)
+    return model, states
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _bits_equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+
+
+def test_unmapped_model_uses_vllms_loader_with_abs_values():
+    model, states = _tiny_states()
+    assert not ds_vllm.is_mapped(model)
+    assert ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="abs", step=1, base_step=0),
+                               current_step=0) > 0
+    assert _bits_equal(_params(model), states[1])
+    ds_vllm.apply_delta(model, ds.anchor(states[2], step=2))  # a whole-tensor anchor goes through as dense patches
+    assert _bits_equal(_params(model), states[2])
+
+
+def test_unmapped_model_refuses_diff_values_clearly():
+    model, states = _tiny_states()
+    with pytest.raises(ds.DeltaSyncError, match='values="abs"') as info:
+        ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="diff"))
+    assert "TinyCustomLM" in str(info.value) and "'embed'" in str(info.value)
+    assert _bits_equal(_params(model), states[0])
+
+
+def test_loader_failure_is_rolled_back():
+    model, states = _tiny_states()
+    model.fail_on = "proj"  # the loader writes `embed`, then fails
+    with pytest.raises(ds.DeltaSyncError, match="restored"):
+        ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="abs"))
+    assert _bits_equal(_params(model), states[0])
+
+
+def test_loader_path_rejects_unknown_names_and_nan_before_writing():
+    model, states = _tiny_states()
+    prev, curr = dict(states[0]), dict(states[1])
+    prev["nope"], curr["nope"] = torch.zeros(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(ds.BaseMismatchError, match="'nope'"):
+        ds_vllm.apply_delta(model, ds.diff(prev, curr, values="abs"))
+    bad = {n: t.clone() for n, t in states[1].items()}
+    bad["proj"].view(-1)[3] = float("nan")
+    with pytest.raises(ds.DeltaSyncError, match="'proj'.*NaN"):
+        ds_vllm.apply_delta(model, ds.diff(states[0], bad, values="abs"))
+    assert _bits_equal(_params(model), states[0])
+
+
+def test_mapped_path_refuses_unmapped_architecture():
+    model, states = _tiny_states()
+    with pytest.raises(ds.DeltaSyncError, match="path='loader'"):
+        ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="abs"), path="mapped")
+
+
+# ------------------------------------------------------------- worker extension and engine, with a stand-in Subscriber
+
+
+class StandInSubscriber:
+    """Stand-in for deltasync_rs.sync.Subscriber (written in parallel), with its contract:
+    Subscriber(store, *, signing_key=None).fetch(current_step, *, until=None) -> list[Delta] in apply order."""
+
+    stores: dict[str, list] = {}
+    calls: list = []
+
+    def __init__(self, store, *, signing_key=None):
+        self.store, self.signing_key = store, signing_key
+
+    def fetch(self, current_step, *, until=None):
+        StandInSubscriber.calls.append((self.store, current_step, until))
+        chain = self.stores[self.store]
+        if current_step is None:
+            start = max(i for i, d in enumerate(chain) if d.is_anchor and (until is None or d.step <= until))
+        else:
+            start = next((i for i, d in enumerate(chain) if d.base_step == current_step), len(chain))
+        return [d for d in chain[start:] if until is None or d.step <= until]
+
+
+@pytest.fixture
+def stand_in_store(monkeypatch):
+    model, states = _tiny_states(steps=3)
+    chain = [ds.anchor(states[0], step=0)]
+    chain += [ds.diff(states[s - 1], states[s], values="abs", step=s, base_step=s - 1) for s in range(1, 4)]
+    StandInSubscriber.stores = {"mem://run": chain}
+    StandInSubscriber.calls = []
+    fake_sync = types.ModuleType("deltasync_rs.sync")
+    fake_sync.Subscriber = StandInSubscriber
+    monkeypatch.setitem(sys.modules, "deltasync_rs.sync", fake_sync)
+    return model, states
+
+
+def test_worker_extension_pulls_in_order(stand_in_store):
+    model, states = stand_in_store
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    assert worker.deltasync_pull("mem://run", 2) == 2
+    assert StandInSubscriber.calls[-1] == ("mem://run", None, 2)
+    assert _bits_equal(_params(model), states[2])
+    assert worker.deltasync_pull("mem://run") == 3
+    assert StandInSubscriber.calls[-1] == ("mem://run", 2, None)
+    assert _bits_equal(_params(model), states[3])
+    assert worker.deltasync_pull("mem://run") == 3  # up to date: [] applies nothing
+    assert worker.deltasync_pull("mem://run", "3") == 3  # the dev-mode HTTP route passes strings
+    assert StandInSubscriber.calls[-1] == ("mem://run", 3, 3)
+
+
+def test_worker_extension_rejects_a_broken_chain_before_writing(tmp_path):
+    model, states = _tiny_states()
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    worker.deltasync_set_step(0)
+    d1 = ds.diff(states[0], states[1], values="abs", step=1, base_step=0)
+    d3 = ds.diff(states[2], states[3], values="abs", step=3, base_step=2)
+    d1.save(tmp_path / "d1.safetensors")
+    with pytest.raises(ds.BaseMismatchError, match="do not chain"):
+        worker.deltasync_apply([str(tmp_path / "d1.safetensors"), d3.to_bytes()])
+    assert _bits_equal(_params(model), states[0]) and worker.deltasync_step() == 0
+    with pytest.raises(ds.BaseMismatchError, match="step 2"):
+        worker.deltasync_apply(d3.to_bytes())
+    assert worker.deltasync_apply(str(tmp_path / "d1.safetensors")) == 1
+
+
+def _engine(model):
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    ds_vllm.register()
+    ds_vllm.register()  # plugins may load several times per process
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace())
+    return WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="deltasync"), vllm_config,
+                                                     torch.device("cpu"), model)
+
+
+def test_weight_transfer_engine_native_flow(stand_in_store, tmp_path):
+    model, states = stand_in_store
+    engine = _engine(model)
+    assert isinstance(engine, ds_vllm.DeltaSyncWeightTransferEngine)
+    engine.init_transfer_engine(engine.parse_init_info({"store": "mem://run", "current_step": 0}))
+    engine.start_weight_update()
+    engine.update_weights({"step": 1})
+    engine.finish_weight_update()
+    assert StandInSubscriber.calls[-1] == ("mem://run", 0, 1)
+    assert _bits_equal(_params(model), states[1]) and engine.tracker.current_step == 1
+    d2 = StandInSubscriber.stores["mem://run"][2]
+    d2.save(tmp_path / "d2.safetensors")
+    engine.update_weights({"paths": [str(tmp_path / "d2.safetensors")]})
+    assert _bits_equal(_params(model), states[2]) and engine.tracker.current_step == 2
+    with pytest.raises(ValueError, match="Invalid update_info"):
+        engine.update_weights({"bucket": "x"})
+
+
+def test_engine_without_a_store_says_so():
+    model, _ = _tiny_states()
+    engine = _engine(model)
+    engine.init_transfer_engine(engine.parse_init_info({}))
+    with pytest.raises(ds.DeltaSyncError, match="no store"):
+        engine.update_weights({"step": 3})
+
+
+def test_plugin_entry_point_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    target = project["project"]["entry-points"]["vllm.general_plugins"]["deltasync"]
+    module, func = target.split(":")
+    assert (module, func) == ("deltasync_rs.vllm", "register") and callable(getattr(ds_vllm, func))

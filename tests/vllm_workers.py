@@ -1,0 +1,322 @@
+"""Tiny HF models, real AdamW steps, and the spawned vLLM ranks (gloo, CPU) that check deltasync_rs.vllm against
+vLLM's own dense load_weights. Used by tests/test_vllm.py and benches/test_bench_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+#: name -> (transformers config class, kwargs, vLLM model class path)
+MODELS = {
+    "qwen3-tied": ("Qwen3Config", dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=True),
+                   "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"),
+    "qwen3-untied": ("Qwen3Config", dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=False),
+                     "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"),
+    # one KV head: at TP=2 vLLM replicates it on both ranks; vocab 200 pads to 256 rows
+    "llama-1kv": ("LlamaConfig", dict(head_dim=16, num_key_value_heads=1, tie_word_embeddings=False),
+                  "vllm.model_executor.models.llama:LlamaForCausalLM"),
+}
+
+
+@dataclass
+class Prepared:
+    """One model's config folder, and beside it the states of consecutive bf16 exports and the deltas between them.
+
+    The states stay out of the config folder: vLLM unties the word embeddings of a tied config whose folder holds
+    a checkpoint with an ``lm_head`` (ModelConfig.maybe_untie_word_embeddings)."""
+
+    name: str
+    folder: str
+    data: str
+
+    def path(self, what: str) -> str:
+        return os.path.join(self.data, what)
+
+
+def _hf_config(name: str):
+    import transformers
+
+    config_cls, extra, _ = MODELS[name]
+    return getattr(transformers, config_cls)(
+        vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, **extra)
+
+
+def bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The bf16 export of an fp32 master, every name a separate tensor (tied names included, as state_dict has them)."""
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+
+
+def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: int = 0) -> Prepared:
+    """Saves the config, the step-0 state and one delta per real AdamW step (fp32 master, bf16 export)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    import deltasync_rs as ds
+
+    data = folder.with_name(folder.name + "-data")
+    folder.mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    config = _hf_config(name)
+    torch.manual_seed(seed)
+    architecture = MODELS[name][2].rsplit(":", 1)[1]  # vLLM's class names are the HF architectures
+    config.architectures = [architecture]
+    model = getattr(transformers, architecture)(config).float()
+    config.save_pretrained(folder)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    states = [bf16_state(model)]
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):
+        tokens = torch.randint(0, config.vocab_size, (2, 12), generator=generator)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append(bf16_state(model))
+    for step, state in enumerate(states):
+        save_file(state, str(data / f"state_{step}.safetensors"))
+    for step in range(1, steps + 1):
+        for values in ("diff", "abs"):
+            ds.diff(states[step - 1], states[step], values=values, step=step, base_step=step - 1).save(
+                data / f"delta_{step}_{values}.safetensors")
+    return Prepared(name, str(folder), str(data))
+
+
+def build_vllm_model(prepared: Prepared):
+    """A vLLM model of `prepared`'s architecture on this rank (after init_parallel), loaded with the step-0 state."""
+    import importlib
+
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    module_path, cls_name = MODELS[prepared.name][2].split(":")
+    model_cls = getattr(importlib.import_module(module_path), cls_name)
+    config = VllmConfig(model_config=ModelConfig(model=prepared.folder, dtype="bfloat16", skip_tokenizer_init=True),
+                        device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16):
+        model = model_cls(vllm_config=config)
+    load_state(model, prepared, 0)
+    return model, config
+
+
+def load_state(model, prepared: Prepared, step: int) -> None:
+    from safetensors.torch import load_file
+
+    with torch.no_grad():
+        model.load_weights(load_file(prepared.path(f"state_{step}.safetensors")).items())
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def differing(model, expected: dict[str, torch.Tensor]) -> list[str]:
+    """Names of parameters whose bits differ from `expected` (int views, so NaN payloads and -0.0 count)."""
+    bad = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        want = expected[name]
+        if param.shape != want.shape or not torch.equal(param.detach().view(torch.int16), want.view(torch.int16)):
+            bad.append(name)
+    return bad
+
+
+def init_parallel(rank: int, world_size: int, init_file: str) -> None:
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        init_distributed_environment(world_size, rank, f"file://{init_file}", rank, backend="gloo")
+        initialize_model_parallel(world_size, 1)
+
+
+def run_rank(rank: int, world_size: int, init_file: str, prepared: list[Prepared], out_dir: str, scenarios) -> None:
+    """Entry point of one spawned rank: runs every scenario on every model; records ok / the failure per check."""
+    torch.set_num_threads(1)
+    results: list[dict] = []
+    try:
+        init_parallel(rank, world_size, init_file)
+        for item in prepared:
+            model, config = build_vllm_model(item)
+            for scenario in scenarios:
+                try:
+                    from vllm.config import set_current_vllm_config
+
+                    load_state(model, item, 0)
+                    with set_current_vllm_config(config):
+                        scenario(model, item)
+                    results.append({"model": item.name, "check": scenario.__name__, "error": None})
+                except Exception:  # recorded and asserted on by the parent test
+                    results.append({"model": item.name, "check": scenario.__name__, "error": traceback.format_exc()})
+    except Exception:
+        results.append({"model": "*", "check": "setup", "error": traceback.format_exc()})
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+# ------------------------------------------------------------------------------------------ checks run in each rank
+
+
+def _delta(item: Prepared, step: int, values: str):
+    import deltasync_rs as ds
+
+    return ds.load(item.path(f"delta_{step}_{values}.safetensors"))
+
+
+def _state(item: Prepared, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(item.path(f"state_{step}.safetensors"))
+
+
+def _dense_reference(model, item: Prepared, step: int) -> dict[str, torch.Tensor]:
+    """What vLLM's own dense load_weights of the step's HF weights gives; the model is reloaded with it."""
+    load_state(model, item, step)
+    return snapshot(model)
+
+
+def _expect_untouched(model, before, error_type, call, must_contain: str) -> None:
+    try:
+        call()
+    except error_type as exc:
+        assert must_contain in str(exc), f"error does not mention {must_contain!r}: {exc}"
+    else:
+        raise AssertionError(f"expected {error_type.__name__}")
+    bad = differing(model, before)
+    assert not bad, f"a rejected delta changed {bad[:5]}"
+
+
+def _assert_equal_to_reload(model, item: Prepared, step: int) -> None:
+    applied = snapshot(model)
+    start = _dense_reference(model, item, 0)
+    changed = [n for n in applied if not torch.equal(applied[n].view(torch.int16), start[n].view(torch.int16))]
+    assert changed, "the deltas changed nothing on this rank, so the check would prove nothing"
+    reference = _dense_reference(model, item, step)
+    bad = [n for n in reference if not torch.equal(applied[n].view(torch.int16), reference[n].view(torch.int16))]
+    assert not bad, f"{len(bad)} parameters differ from vLLM's dense reload, e.g. {bad[:5]}"
+
+
+def check_diff_then_abs_match_dense_reload(model, item: Prepared) -> None:
+    from deltasync_rs.vllm import apply_delta, is_mapped
+
+    assert is_mapped(model)
+    written = apply_delta(model, _delta(item, 1, "diff"), current_step=0)
+    written += apply_delta(model, _delta(item, 2, "abs"), current_step=1)
+    assert written > 0
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_unknown_name_rejected(model, item: Prepared) -> None:
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    prev, curr = _state(item, 0), _state(item, 1)
+    prev["model.layers.0.mlp.bogus_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    curr["model.layers.0.mlp.bogus_proj.weight"] = torch.ones(4, 4, dtype=torch.bfloat16)
+    for path, values in (("mapped", "diff"), ("mapped", "abs"), ("loader", "abs")):
+        delta = ds.diff(prev, curr, values=values, step=1, base_step=0)
+        _expect_untouched(model, snapshot(model), ds.BaseMismatchError,
+                          lambda: apply_delta(model, delta, current_step=0, path=path), "bogus_proj")
+
+
+def check_wrong_base_rejected(model, item: Prepared) -> None:
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    before = snapshot(model)
+    for values in ("diff", "abs"):
+        _expect_untouched(model, before, ds.BaseMismatchError,
+                          lambda: apply_delta(model, _delta(item, 2, values), current_step=0), "step 1")
+
+
+def check_lm_head_alone(model, item: Prepared) -> None:
+    """Tied: rejected like vLLM's loader does, naming the fix. Untied: applied to lm_head only."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    prev, curr = _state(item, 0), _state(item, 1)
+    delta = ds.diff({"lm_head.weight": prev["lm_head.weight"]}, {"lm_head.weight": curr["lm_head.weight"]},
+                    step=1, base_step=0)
+    if MODELS[item.name][1]["tie_word_embeddings"]:
+        _expect_untouched(model, snapshot(model), ds.BaseMismatchError,
+                          lambda: apply_delta(model, delta, current_step=0), "model.embed_tokens.weight")
+        return
+    apply_delta(model, delta, current_step=0)
+    applied = snapshot(model)
+    with torch.no_grad():
+        model.load_weights([("lm_head.weight", curr["lm_head.weight"])])
+    bad = differing(model, applied)
+    assert not bad, f"differs from a dense reload of lm_head: {bad}"
+
+
+def check_loader_path_abs(model, item: Prepared) -> None:
+    from deltasync_rs.vllm import apply_delta
+
+    apply_delta(model, _delta(item, 1, "abs"), current_step=0, path="loader")
+    apply_delta(model, _delta(item, 2, "abs"), current_step=1, path="loader")
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_loader_path_rejects_diff(model, item: Prepared) -> None:
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    _expect_untouched(model, snapshot(model), ds.DeltaSyncError,
+                      lambda: apply_delta(model, _delta(item, 1, "diff"), current_step=0, path="loader"),
+                      'values="abs"')
+
+
+def check_unmapped_architecture_falls_back(model, item: Prepared) -> None:
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta, is_mapped
+
+    original = type(model)
+    model.__class__ = type("UnmappedForCausalLM", (original,), {})  # same loader, a name outside the mapping
+    try:
+        assert not is_mapped(model)
+        _expect_untouched(model, snapshot(model), ds.DeltaSyncError,
+                          lambda: apply_delta(model, _delta(item, 1, "diff"), current_step=0), 'values="abs"')
+        apply_delta(model, _delta(item, 1, "abs"), current_step=0)
+    finally:
+        model.__class__ = original
+    _assert_equal_to_reload(model, item, 1)
+
+
+def check_worker_extension_applies_files(model, item: Prepared) -> None:
+    from types import SimpleNamespace
+
+    from deltasync_rs.vllm import DeltaSyncWorkerExtension
+
+    worker = DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    assert worker.deltasync_set_step(0) == 0
+    step = worker.deltasync_apply([item.path("delta_1_diff.safetensors"),
+                                   open(item.path("delta_2_diff.safetensors"), "rb").read()])
+    assert step == 2 == worker.deltasync_step()
+    _assert_equal_to_reload(model, item, 2)
+
+
+CHECKS = [
+    check_diff_then_abs_match_dense_reload,
+    check_unknown_name_rejected,
+    check_wrong_base_rejected,
+    check_lm_head_alone,
+    check_loader_path_abs,
+    check_loader_path_rejects_diff,
+    check_unmapped_architecture_falls_back,
+    check_worker_extension_applies_files,
+]
+
+
+def check_tying_is_as_configured(model, item: Prepared) -> None:
+    """The tied model really shares lm_head and embed_tokens in vLLM (else the tied checks would test nothing)."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == MODELS[item.name][1]["tie_word_embeddings"], f"lm_head tied: {tied}"
+
+
+CHECKS.insert(0, check_tying_is_as_configured)
