@@ -10,7 +10,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 huggingface_hub tqdm xxhash
+	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 huggingface_hub tqdm xxhash ruff
 	$(MAKE) develop
 
 ## develop: rebuild the Rust extension into the virtualenv after a Rust change
@@ -26,9 +26,10 @@ test-rust:
 test-python:
 	$(PY) -m pytest --benchmark-disable -q
 
-## lint: clippy on the core and bindings, and stubtest to keep _core.pyi honest against the built module
+## lint: clippy on the core and bindings, ruff (pyflakes rules), and stubtest to keep _core.pyi honest
 lint:
 	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff check --select F,E9 python tests benches examples
 	$(PY) -m mypy.stubtest deltasync_rs._core
 
 ## bench: the CPU comparison on the full Qwen3-0.6B-shaped workload (see docs/benchmarks.md)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tomllib
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -161,55 +159,31 @@ def test_mapped_path_refuses_unmapped_architecture():
         ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="abs"), path="mapped")
 
 
-# ------------------------------------------------------------- worker extension and engine, with a stand-in Subscriber
-
-
-class StandInSubscriber:
-    """Stand-in for deltasync_rs.sync.Subscriber (written in parallel), with its contract:
-    Subscriber(store, *, signing_key=None).fetch(current_step, *, until=None) -> list[Delta] in apply order."""
-
-    stores: dict[str, list] = {}
-    calls: list = []
-
-    def __init__(self, store, *, signing_key=None):
-        self.store, self.signing_key = store, signing_key
-
-    def fetch(self, current_step, *, until=None):
-        StandInSubscriber.calls.append((self.store, current_step, until))
-        chain = self.stores[self.store]
-        if current_step is None:
-            start = max(i for i, d in enumerate(chain) if d.is_anchor and (until is None or d.step <= until))
-        else:
-            start = next((i for i, d in enumerate(chain) if d.base_step == current_step), len(chain))
-        return [d for d in chain[start:] if until is None or d.step <= until]
+# ------------------------------------------------------------- worker extension and engine, pulling from a real store
 
 
 @pytest.fixture
-def stand_in_store(monkeypatch):
+def published_store(tmp_path):
+    """Steps 0-3 of a tiny model published by a real Publisher to a local-folder store."""
     model, states = _tiny_states(steps=3)
-    chain = [ds.anchor(states[0], step=0)]
-    chain += [ds.diff(states[s - 1], states[s], values="abs", step=s, base_step=s - 1) for s in range(1, 4)]
-    StandInSubscriber.stores = {"mem://run": chain}
-    StandInSubscriber.calls = []
-    fake_sync = types.ModuleType("deltasync_rs.sync")
-    fake_sync.Subscriber = StandInSubscriber
-    monkeypatch.setitem(sys.modules, "deltasync_rs.sync", fake_sync)
-    return model, states
+    store = tmp_path / "store"
+    with ds.Publisher(store, anchor_every=10, values="abs", background=False) as publisher:
+        for step, state in enumerate(states):
+            publisher.publish(step, state)
+    return model, states, str(store)
 
 
-def test_worker_extension_pulls_in_order(stand_in_store):
-    model, states = stand_in_store
+def test_worker_extension_pulls_in_order(published_store):
+    model, states, store = published_store
     worker = ds_vllm.DeltaSyncWorkerExtension()
     worker.model_runner = SimpleNamespace(model=model)
-    assert worker.deltasync_pull("mem://run", 2) == 2
-    assert StandInSubscriber.calls[-1] == ("mem://run", None, 2)
+    assert worker.deltasync_pull(store, 2) == 2  # unknown step: the anchor, then deltas 1 and 2
     assert _bits_equal(_params(model), states[2])
-    assert worker.deltasync_pull("mem://run") == 3
-    assert StandInSubscriber.calls[-1] == ("mem://run", 2, None)
+    assert worker.deltasync_pull(store) == 3
     assert _bits_equal(_params(model), states[3])
-    assert worker.deltasync_pull("mem://run") == 3  # up to date: [] applies nothing
-    assert worker.deltasync_pull("mem://run", "3") == 3  # the dev-mode HTTP route passes strings
-    assert StandInSubscriber.calls[-1] == ("mem://run", 3, 3)
+    assert worker.deltasync_pull(store) == 3  # up to date: nothing applied
+    assert worker.deltasync_pull(store, "3") == 3  # the dev-mode HTTP route passes strings
+    assert _bits_equal(_params(model), states[3])
 
 
 def test_worker_extension_rejects_a_broken_chain_before_writing(tmp_path):
@@ -239,20 +213,19 @@ def _engine(model):
                                                      torch.device("cpu"), model)
 
 
-def test_weight_transfer_engine_native_flow(stand_in_store, tmp_path):
-    model, states = stand_in_store
+def test_weight_transfer_engine_native_flow(published_store):
+    model, states, store = published_store
     engine = _engine(model)
     assert isinstance(engine, ds_vllm.DeltaSyncWeightTransferEngine)
-    engine.init_transfer_engine(engine.parse_init_info({"store": "mem://run", "current_step": 0}))
+    engine.init_transfer_engine(engine.parse_init_info({"store": store, "current_step": 0}))
     engine.start_weight_update()
     engine.update_weights({"step": 1})
     engine.finish_weight_update()
-    assert StandInSubscriber.calls[-1] == ("mem://run", 0, 1)
     assert _bits_equal(_params(model), states[1]) and engine.tracker.current_step == 1
-    d2 = StandInSubscriber.stores["mem://run"][2]
-    d2.save(tmp_path / "d2.safetensors")
-    engine.update_weights({"paths": [str(tmp_path / "d2.safetensors")]})
+    engine.update_weights({"paths": [str(Path(store) / "deltas" / "step_000000000002.safetensors")]})
     assert _bits_equal(_params(model), states[2]) and engine.tracker.current_step == 2
+    engine.update_weights({})  # no step: the newest
+    assert _bits_equal(_params(model), states[3]) and engine.tracker.current_step == 3
     with pytest.raises(ValueError, match="Invalid update_info"):
         engine.update_weights({"bucket": "x"})
 

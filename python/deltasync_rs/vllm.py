@@ -358,10 +358,9 @@ class _StepTracker:
         return self.current_step
 
     def pull(self, model: torch.nn.Module, store: Any, until: int | None, signing_key: Any = None) -> int | None:
-        from .sync import Subscriber  # written alongside: Subscriber(store).fetch(current_step, until=...)
+        from .sync import Subscriber
 
-        subscriber = Subscriber(store, signing_key=signing_key) if signing_key is not None else Subscriber(store)
-        return self.apply(model, subscriber.fetch(self.current_step, until=until))
+        return self.apply(model, Subscriber(store, signing_key=signing_key).fetch(self.current_step, until=until))
 
 
 class DeltaSyncWorkerExtension:
