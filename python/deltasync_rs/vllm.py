@@ -171,6 +171,15 @@ def _stage(delta: Delta, index: int, shard: ShardMap, values_kind: str) -> tuple
     width = _arrays.WIDTHS[info.dtype]
     param = shard.param.data
     int_dtype = _INT_FOR_WIDTH[width]
+    param_cols = param.shape[1] if param.dim() == 2 else 1
+    covers_all = (shard.row_start == 0 and shard.row_count == shard.hf_shape[0] and shard.col_start == 0
+                  and shard.col_count == shard.hf_cols)
+    if covers_all and param.device.type == "cpu" and param.is_contiguous():
+        # The whole HF tensor is one contiguous run of this CPU parameter: the Rust core scatters into it directly.
+        start = shard.param_row_offset * param_cols
+        region = _arrays.writable_bytes(param.view(-1)[start: start + _numel(shard)])
+        if region is not None:
+            return (lambda: delta._raw.apply([(index, region)])), info.changed
     positions, values = delta.decoded(index, device=param.device)
     if positions is None:  # stored whole: copy this rank's block
         hf_rows = shard.hf_shape[0]
@@ -179,9 +188,6 @@ def _stage(delta: Delta, index: int, shard: ShardMap, values_kind: str) -> tuple
         target = param.view(int_dtype).view(-1, param.shape[1] if param.dim() == 2 else 1)
         target = target[shard.param_row_offset: shard.param_row_offset + shard.row_count]
         return (lambda: target.copy_(block)), block.numel()
-    param_cols = param.shape[1] if param.dim() == 2 else 1
-    covers_all = (shard.row_start == 0 and shard.row_count == shard.hf_shape[0] and shard.col_start == 0
-                  and shard.col_count == shard.hf_cols)
     if covers_all and shard.param_row_offset:  # a whole HF tensor inside a fused parameter: one shift
         positions = positions + shard.param_row_offset * param_cols
     elif not covers_all:
@@ -196,6 +202,13 @@ def _stage(delta: Delta, index: int, shard: ShardMap, values_kind: str) -> tuple
     if values_kind == "diff":
         values = _wrapping_add(flat.index_select(0, positions), values, width)
     return (lambda: flat.index_copy_(0, positions, values)), positions.numel()
+
+
+def _numel(shard: ShardMap) -> int:
+    count = 1
+    for dim in shard.hf_shape:
+        count *= dim
+    return count
 
 
 def _check_chain(delta: Delta, current_step: int | None) -> None:
