@@ -10,6 +10,7 @@ pub mod dtype;
 pub mod error;
 pub mod files;
 pub mod format;
+pub mod mirror;
 pub mod pool;
 pub mod stream;
 pub mod trl;
