@@ -289,6 +289,8 @@ class Attachment:
     def sync(self) -> int:
         """Publishes the current weights now, as step ``base + optimizer steps seen``; returns that step."""
         step = self._base + self.steps
+        if step == self.mirror.current_step:
+            return step  # published already
         self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror.step(step))
         return step
 
