@@ -261,3 +261,36 @@ def test_mirror_on_cuda_matches_the_cpu(cuda):
         assert_same(replica, expected)
         assert_same(mirror.state_dict(), expected)
     assert mirror.staging_nbytes == 2 * 10_000
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_mirror_step_peak_memory_is_bounded():
+    """Peak resident memory during step() beyond the mirror: staging chunks and the delta, no full-size temporary.
+    The fp32 tensor's bf16 cast alone would be 32 MB; the bound allows a third of that plus the delta."""
+    torch.manual_seed(0)
+    state = {"master": torch.randn(4096, 4096), "half": torch.randn(4096, 4096).to(torch.bfloat16)}
+    chunk_bytes = 2 << 20
+    mirror = ds_torch.Mirror(state, chunk_bytes=chunk_bytes)
+    mirror.step(0)  # allocates the staging buffer
+    changed = torch.rand(4096, 4096) < 0.01
+    state["master"][changed] *= 1.01
+    state["half"][changed] *= 1.01
+    del changed
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets the peak (VmHWM) to the current resident size
+    before = _proc_status("VmRSS")
+    delta = mirror.step(1)
+    extra = _proc_status("VmHWM") - before
+    print(f"peak beyond the mirror: {extra / 1e6:.2f} MB (delta {delta.nbytes / 1e6:.2f} MB, "
+          f"staging {mirror.staging_nbytes / 1e6:.2f} MB, mirror {mirror.nbytes / 1e6:.2f} MB)")
+    assert mirror.staging_nbytes == chunk_bytes
+    assert delta.num_changed > 300_000
+    assert extra < (32 << 20) // 3 + delta.nbytes
