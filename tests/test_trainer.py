@@ -294,3 +294,23 @@ def test_mirror_step_peak_memory_is_bounded():
     assert mirror.staging_nbytes == chunk_bytes
     assert delta.num_changed > 300_000
     assert extra < (32 << 20) // 3 + delta.nbytes
+
+
+def test_examples_train_publish_then_pull_and_verify(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    store = tmp_path / "store"
+    trained = subprocess.run([sys.executable, str(root / "examples" / "train_and_publish.py"), "--store", str(store),
+                              "--steps", "5", "--sync-every", "2", "--anchor-every", "2"],
+                             capture_output=True, text=True, timeout=300, check=True)
+    digest = trained.stdout.strip().splitlines()[-1].split()[-1]
+    assert "published step 4" in trained.stdout
+    pulled = subprocess.run([sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store),
+                             "--expect", digest], capture_output=True, text=True, timeout=300, check=True)
+    assert "pulled step 5: " in pulled.stdout and "bit-exact" in pulled.stdout
+    wrong = subprocess.run([sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store),
+                            "--expect", "0" * 32], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0 and "digest mismatch" in wrong.stderr
