@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from pathlib import Path
 
 import torch
 

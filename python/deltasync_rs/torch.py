@@ -79,6 +79,40 @@ def _named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict
     raise DeltaSyncError(f"Mirror takes a torch.nn.Module or a mapping of tensors, not {type(source).__name__}")
 
 
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _local_part(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
+    """For a DTensor: this rank's local tensor and the flat offset of its elements in the whole tensor, or
+    (None, None) when another rank ships it (a replicated tensor is shipped by the mesh's first rank). For a plain
+    tensor: (tensor, None). FSDP2 shards dim 0 in ``torch.chunk`` pieces, so a local shard is one contiguous flat
+    range; ``to_local()`` drops FSDP2's padding, which the check on the row count confirms."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return tensor, None
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    local = tensor.to_local()
+    if mesh.ndim != 1 or len(placements) != 1:
+        raise DeltaSyncError(f"tensor {name!r}: only one-dimensional meshes are supported, not {placements}")
+    placement, rank, world = placements[0], mesh.get_local_rank(), mesh.size()
+    if placement.is_replicate():
+        return (local, None) if rank == 0 else (None, None)
+    if not placement.is_shard(0):
+        raise DeltaSyncError(f"tensor {name!r}: only Shard(0) and Replicate placements are supported, not {placements}")
+    rows = tensor.shape[0]
+    per_rank = -(-rows // world)
+    first_row = min(rank * per_rank, rows)
+    if local.shape[0] != min(per_rank, rows - first_row) or tuple(local.shape[1:]) != tuple(tensor.shape[1:]):
+        raise DeltaSyncError(f"tensor {name!r}: local shard {list(local.shape)} on rank {rank} of {world} is not "
+                             f"the dim-0 chunk of {list(tensor.shape)}")
+    return local, first_row * (tensor.numel() // rows if rows else 0)
+
+
 def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
             tuple(tensor.shape), tuple(tensor.stride()))
@@ -118,7 +152,13 @@ class Mirror:
         self._tensors: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, Any] = {}  # uint8 numpy views of the mirror tensors, for the core
         first_by_memory: dict[tuple[Any, ...], str] = {}
-        for name, tensor in _named_tensors(model).items():
+        self._shards: dict[str, tuple[tuple[int, ...], int]] = {}  # name -> (whole shape, flat offset)
+        for name, whole in _named_tensors(model).items():
+            tensor, offset = _local_part(name, whole)
+            if tensor is None:
+                continue
+            if offset is not None:
+                self._shards[name] = (tuple(whole.shape), offset)
             key = _memory_key(tensor)
             if tensor.numel() and key in first_by_memory:
                 self.aliases[name] = first_by_memory[key]
@@ -142,6 +182,16 @@ class Mirror:
         for start in range(0, flat.numel(), elements):
             end = min(start + elements, flat.numel())
             yield start, end, flat[start:end].to(shipped)
+
+    @property
+    def is_sharded(self) -> bool:
+        """True when some tensors are DTensor shards: the mirror then holds this rank's part of them."""
+        return bool(self._shards)
+
+    @property
+    def shards(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Sharded tensors: name -> (shape of the whole tensor, flat offset of this rank's elements in it)."""
+        return dict(self._shards)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -179,12 +229,22 @@ class Mirror:
         if missing:
             raise DeltaSyncError(f"tensors {missing[:5]} of the mirror are gone from the model")
         for name, mirror in self._tensors.items():
+            if name in self._shards:
+                continue  # checked against the recorded sharding in _local, shape by shape
             if tuple(current[name].shape) != tuple(mirror.shape) or self._shipped_dtype(current[name]) != mirror.dtype:
                 raise DeltaSyncError(
                     f"tensor {name!r}: the model now holds {current[name].dtype}{list(current[name].shape)}, "
                     f"the mirror {mirror.dtype}{list(mirror.shape)}"
                 )
-        return {name: current[name] for name in self._tensors}
+        return {name: self._local(name, current[name]) for name in self._tensors}
+
+    def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in self._shards:
+            return tensor
+        local, offset = _local_part(name, tensor)
+        if local is None or (tuple(tensor.shape), offset) != self._shards[name]:
+            raise DeltaSyncError(f"tensor {name!r}: its sharding changed since the mirror was made")
+        return local
 
     def step(self, step: int | None = None) -> Delta:
         """Copies the current weights to the CPU chunk by chunk, compares them with the mirror and moves the mirror
@@ -200,15 +260,17 @@ class Mirror:
             name, start, end, host, event, first, last = job
             mirror = self._tensors[name]
             width = mirror.element_size()
+            whole_shape, offset = self._shards.get(name, (None, 0))
             if first:
                 dtype_name, shape = _arrays.describe(mirror, name)
-                builder.begin(name, dtype_name, list(shape))
+                builder.begin(name, dtype_name, list(whole_shape or shape))
             if event is not None:
                 event.synchronize()
             if end > start:
-                builder.update(self._bytes[name][start * width:end * width], host, start)
+                builder.update(self._bytes[name][start * width:end * width], host, offset + start)
             if last:
-                builder.finish(self._bytes[name])
+                # A shard cannot judge whether the whole tensor is better stored whole, so it keeps its streams.
+                builder.finish(None if whole_shape else self._bytes[name])
 
         for name, tensor in live.items():
             mirror = self._tensors[name]
@@ -270,11 +332,52 @@ class Attachment:
         self.publisher = publisher
         self.sync_every = sync_every
         self.steps = 0  # optimizer steps seen since attaching
-        base = publisher.step if publisher.step is not None else start_step
-        self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, step=base)
-        self._base = base
-        publisher.publish_shared(base, self.mirror.tensors)
+        self._group: Any = None
+        if any(isinstance(t, _dtensor_type() or ()) for t in _named_tensors(model).values()):
+            self._init_sharded(model, dtype, chunk_bytes, start_step)
+        else:
+            if publisher is None:
+                raise DeltaSyncError("attach needs a publisher")
+            base = publisher.step if publisher.step is not None else start_step
+            self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, step=base)
+            self._base = base
+            publisher.publish_shared(base, self.mirror.tensors)
         self._handle = optimizer.register_step_post_hook(self._after_step)
+
+    def _init_sharded(self, model: torch.nn.Module, dtype: torch.dtype, chunk_bytes: int, start_step: int) -> None:
+        """FSDP2 / DTensor: every rank mirrors its shards; rank 0 publishes. The first state is gathered to rank 0
+        once; after that only each rank's delta travels (a gather of encoded deltas, never of weights)."""
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank == 0) != (self.publisher is not None):
+            raise DeltaSyncError(f"rank {rank}: pass the publisher on rank 0 and None on the other ranks")
+        settings: list[Any] = [None]
+        if rank == 0:
+            base = self.publisher.step if self.publisher.step is not None else start_step
+            settings = [(self.publisher.values, base)]
+        dist.broadcast_object_list(settings, src=0)
+        values, self._base = settings[0]
+        self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=values, step=self._base)
+        self._group = dist.group.WORLD
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object((self.mirror.tensors, self.mirror.shards), parts, dst=0)
+        if rank == 0:
+            assert parts is not None
+            self.publisher.publish(self._base, _assemble(parts))
+
+    def _gather_and_publish(self, step: int, delta: Delta) -> None:
+        import torch.distributed as dist
+
+        from ._core import join_shards
+        from .delta import load
+
+        blobs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(delta.to_bytes(), blobs, dst=0)
+        if blobs is not None:
+            joined = Delta(join_shards([load(blob)._raw for blob in blobs]))
+            joined.base_step = None
+            self.publisher.publish_delta(step, joined)
 
     @property
     def published_step(self) -> int | None:
@@ -291,12 +394,29 @@ class Attachment:
         step = self._base + self.steps
         if step == self.mirror.current_step:
             return step  # published already
+        if self._group is not None:
+            self._gather_and_publish(step, self.mirror.step(step))
+            return step
         self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror.step(step))
         return step
 
     def detach(self) -> None:
         """Removes the hook; later optimizer steps do no deltasync work."""
         self._handle.remove()
+
+
+def _assemble(parts: list[Any]) -> dict[str, torch.Tensor]:
+    """The whole state from every rank's (mirror tensors, shards), in rank order: shards placed at their offsets."""
+    state: dict[str, torch.Tensor] = {}
+    for tensors, shards in parts:
+        for name, tensor in tensors.items():
+            if name not in shards:
+                state.setdefault(name, tensor)
+                continue
+            shape, offset = shards[name]
+            whole = state.setdefault(name, torch.empty(shape, dtype=tensor.dtype))
+            whole.view(-1)[offset:offset + tensor.numel()] = tensor.reshape(-1)
+    return state
 
 
 def attach(optimizer: torch.optim.Optimizer, model: torch.nn.Module, publisher: Any, *, sync_every: int = 1,
@@ -306,6 +426,11 @@ def attach(optimizer: torch.optim.Optimizer, model: torch.nn.Module, publisher: 
     The weights as they are now are published first (as ``start_step``, or the publisher's step after
     ``resume``). Each later publish is the delta from the last *published* state, so the steps in between lose
     nothing. The publisher shares the mirror's memory rather than keeping a second copy. Call ``detach()`` on
-    the returned object to stop."""
+    the returned object to stop.
+
+    With FSDP2 (DTensor parameters sharded on dim 0, or replicated) call it on every rank, with the publisher on
+    rank 0 and ``None`` elsewhere: each rank mirrors and diffs only its shards, with positions in the whole
+    tensor's index space, and rank 0 joins the ranks' deltas into one delta and one manifest entry per step.
+    Rank 0's publisher keeps a whole CPU copy, for anchors."""
     return Attachment(optimizer, model, publisher, sync_every=sync_every, dtype=dtype, chunk_bytes=chunk_bytes,
                       start_step=start_step)

@@ -142,3 +142,12 @@ impl MirrorDiff {
         self.done.len()
     }
 }
+
+/// Joins the deltas of all shards of a sharded state, in rank order, into one: each rank's tensor parts cover
+/// disjoint element ranges with positions in the whole tensor's index space.
+#[pyfunction]
+pub fn join_shards(py: Python<'_>, parts: Vec<PyRef<'_, RawDelta>>) -> PyResult<RawDelta> {
+    let deltas: Vec<Delta> = parts.iter().map(|part| part.delta.clone()).collect();
+    let delta = py.detach(|| crate::core::shards::join(deltas)).map_err(to_py)?;
+    Ok(RawDelta { delta })
+}
