@@ -276,9 +276,10 @@ class Mirror:
             mirror = self._tensors[name]
             width = mirror.element_size()
             chunks = list(self._chunk_bounds(tensor.numel(), width)) or [(0, 0)]
+            flat = tensor.detach().reshape(-1)  # a view when contiguous; one copy on the device otherwise
             for index, (start, end) in enumerate(chunks):
                 first, last = index == 0, index == len(chunks) - 1
-                host, event = self._to_host(tensor, mirror.dtype, start, end, slot, stream)
+                host, event = self._to_host(flat, mirror.dtype, start, end, slot, stream)
                 slot ^= 1
                 job = (name, start, end, host, event, first, last)
                 if stream is None:  # the bytes are on the host already
@@ -298,22 +299,21 @@ class Mirror:
         for start in range(0, numel, elements):
             yield start, min(start + elements, numel)
 
-    def _to_host(self, tensor: torch.Tensor, shipped: torch.dtype, start: int, end: int, slot: int,
+    def _to_host(self, flat: torch.Tensor, shipped: torch.dtype, start: int, end: int, slot: int,
                  stream: Any) -> tuple[Any, Any]:
-        """The bytes of elements [start, end) in the shipped dtype on the host, and the CUDA event that marks them
-        ready (None when they already are)."""
+        """The bytes of elements [start, end) of the flat tensor in the shipped dtype on the host, and the CUDA event
+        that marks them ready (None when they already are)."""
         if end == start:
             return None, None
-        flat = tensor.detach().reshape(-1)
-        if tensor.device.type == "cpu" and tensor.dtype == shipped and flat.is_contiguous():
+        if flat.device.type == "cpu" and flat.dtype == shipped:
             return _arrays.host_bytes(flat[start:end])[0], None  # read in place: no copy at all
         width = torch.empty(0, dtype=shipped).element_size()
         staging = self._staging_buffer(slot if stream is not None else 0)[: (end - start) * width].view(shipped)
-        if tensor.device.type != "cuda":
+        if flat.device.type != "cuda":
             staging.copy_(flat[start:end])  # the cast, if any, happens in this copy
             return staging.view(torch.uint8).numpy(), None
         cast = flat[start:end].to(shipped)  # on the device, before the copy
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        stream.wait_stream(torch.cuda.current_stream(flat.device))
         with torch.cuda.stream(stream):
             staging.copy_(cast, non_blocking=True)
             cast.record_stream(stream)
