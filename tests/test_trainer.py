@@ -216,6 +216,7 @@ def test_transformers_trainer_callback(tmp_path):
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (make setup installs it)")
     from deltasync_rs.integrations import DeltaSyncCallback
 
+    assert ds.integrations.DeltaSyncCallback is DeltaSyncCallback  # imported on first use of the attribute
     model = tiny_gpt2(seed=5)
     generator = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 512, (16, 16), generator=generator)]
