@@ -14,6 +14,8 @@ use crate::core::diff::{DiffInput, FullInput};
 use crate::core::digest::{self, DigestInput};
 use crate::core::{apply, diff, dtype, files, format, pool, trl, Delta, Error};
 
+mod mirror;
+
 create_exception!(deltasync_rs._core, DeltaSyncError, PyException, "Base class of every deltasync error.");
 create_exception!(deltasync_rs._core, DeltaFormatError, DeltaSyncError, "A delta file is corrupt, truncated or malformed.");
 create_exception!(
@@ -436,6 +438,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeltaFormatError", py.get_type::<DeltaFormatError>())?;
     m.add("BaseMismatchError", py.get_type::<BaseMismatchError>())?;
     m.add_class::<RawDelta>()?;
+    m.add_class::<mirror::MirrorDiff>()?;
+    m.add_function(wrap_pyfunction!(mirror::join_shards, m)?)?;
     m.add_function(wrap_pyfunction!(diff_files, m)?)?;
     m.add_function(wrap_pyfunction!(apply_file, m)?)?;
     m.add_function(wrap_pyfunction!(state_digest, m)?)?;

@@ -50,3 +50,12 @@ __all__ = [
     "set_num_threads",
     "state_digest",
 ]
+
+
+def __getattr__(name: str):
+    # `ds.torch` and `ds.integrations` import torch (or transformers) on first use, not with the package.
+    if name in ("torch", "integrations"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""The CPU mirror: a private copy of the last published state, which each new state is diffed against and which
-then moves forward by applying that very delta. The publisher keeps exactly one."""
+"""The CPU mirror: a private copy of the last published state, which each new state is compared against in one pass
+(core::mirror: record the changes and write the new bits in the same scan). The publisher keeps exactly one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from . import _arrays
-from .delta import Delta, diff, state_digest
+from ._core import MirrorDiff
+from .delta import _STAGING_BYTES, Delta, _finish, state_digest
 from .errors import BaseMismatchError, DeltaSyncError
 
 
@@ -48,12 +49,45 @@ class Mirror:
         self._tensors = {name: _host_copy(tensor) for name, tensor in state.items()}
         self.step = step
 
+    def share(self, tensors: Mapping[str, Any], *, step: int | None) -> None:
+        """Adopts ``tensors`` (CPU, contiguous) as the mirror without copying them: the caller keeps them equal to
+        the state at the mirror's step (as ds.torch.Mirror does)."""
+        for name, tensor in tensors.items():
+            if _arrays.writable_bytes(tensor) is None:
+                raise DeltaSyncError(f"tensor {name!r}: a shared mirror must be a contiguous CPU tensor or array")
+        self._tensors = tensors  # type: ignore[assignment]
+        self.step = step
+
     def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff") -> Delta:
-        """The delta from the mirror to ``state``; the mirror moves to ``state`` and ``step``."""
+        """The delta from the mirror to ``state``; the mirror moves to ``state`` and ``step``.
+
+        One pass per tensor: the core compares and writes the new bits into the mirror as it records the changes.
+        Names, dtypes and shapes are all checked before the first write."""
         if self.is_empty:
             raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
-        delta = diff(self._tensors, state, values=values, step=step, base_step=self.step)
-        delta.apply_(self._tensors)
+        if values not in ("diff", "abs"):
+            raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        only_mirror = [n for n in self._tensors if n not in state]
+        only_state = [n for n in state if n not in self._tensors]
+        if only_mirror or only_state:
+            raise BaseMismatchError(
+                f"the mirror and the state hold different tensors: only in the mirror {only_mirror[:5]}, "
+                f"only in the state {only_state[:5]}"
+            )
+        kinds = {name: _arrays.check_same_kind(self._tensors[name], new, name) for name, new in state.items()}
+        builder = MirrorDiff(values)
+        batch, staged_bytes = [], 0
+        for name, new in state.items():
+            dtype, shape = kinds[name]
+            new_bytes, copied = _arrays.host_bytes(new)
+            batch.append((name, dtype, list(shape), _arrays.writable_bytes(self._tensors[name]), new_bytes))
+            staged_bytes += copied
+            if staged_bytes >= _STAGING_BYTES:
+                builder.advance(batch)
+                batch, staged_bytes = [], 0
+        if batch:
+            builder.advance(batch)
+        delta = _finish(builder.take(), step, self.step, None)
         self.step = step
         return delta
 

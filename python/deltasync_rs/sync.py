@@ -262,6 +262,34 @@ class Publisher:
         delta.step = step
         self._enqueue(step, delta)
 
+    def publish_shared(self, step: int, tensors: Mapping[str, Any], advance: Callable[[], Delta] | None = None) -> None:
+        """Publishes from a mirror the caller keeps (ds.torch.Mirror), shared rather than copied.
+
+        The first call (the publisher has no state yet) publishes ``tensors`` as ``step``. Later calls run
+        ``advance()`` only once the step is checked and earlier uploads are known good; it must move ``tensors`` to
+        ``step`` and return the delta from the last published state. If the publisher holds its own copy (after
+        ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
+        self._raise_errors()
+        if self._mirror.is_empty:
+            self._check_step(step)
+            self._mirror.share(tensors, step=step)
+            self._enqueue(step, None)
+            return
+        if self._mirror.tensors is not tensors:
+            if state_digest(tensors) != self._mirror.digest():
+                raise DeltaSyncError("the shared mirror does not hold the last published state")
+            self._mirror.share(tensors, step=self._mirror.step)
+        if advance is None:
+            if step != self._mirror.step:
+                raise DeltaSyncError(f"the shared mirror is at step {self._mirror.step}, not {step}: pass advance()")
+            return
+        self._check_step(step)
+        delta = advance()
+        delta.base_step = self._mirror.step
+        delta.step = step
+        self._mirror.step = step
+        self._enqueue(step, delta)
+
     def _enqueue(self, step: int, delta: Delta | None) -> None:
         due = delta is None or self._since_anchor + 1 >= self.anchor_every
         full = anchor(self._mirror.tensors, step=step) if due else None

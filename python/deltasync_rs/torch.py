@@ -1,12 +1,16 @@
-"""torch glue: stage decoded changes on a tensor's own device and write them with index_copy_ / index_put_."""
+"""torch glue: stage decoded changes on a tensor's own device and write them with index_copy_ / index_put_; the
+trainer-side Mirror (pipelined device-to-CPU copy into the one-pass core compare) and the optimizer hook."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 
-from ._core import RawDelta
+from . import _arrays
+from ._core import DeltaSyncError, MirrorDiff, RawDelta
+from .delta import Delta, _finish
 
 _INT_FOR_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64}
@@ -65,3 +69,368 @@ def decode_to(raw: RawDelta, index: int, *, width: int, changed: int, dense: boo
     if dense:
         return None, staged.view(int_dtype)
     return staged[: changed * 8].view(torch.int64), staged[changed * 8 :].view(int_dtype)
+
+
+def _named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(source, torch.nn.Module):
+        return dict(source.state_dict())
+    if isinstance(source, Mapping):
+        return dict(source)
+    raise DeltaSyncError(f"Mirror takes a torch.nn.Module or a mapping of tensors, not {type(source).__name__}")
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _local_part(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
+    """For a DTensor: this rank's local tensor and the flat offset of its elements in the whole tensor, or
+    (None, None) when another rank ships it (a replicated tensor is shipped by the mesh's first rank). For a plain
+    tensor: (tensor, None). FSDP2 shards dim 0 in ``torch.chunk`` pieces, so a local shard is one contiguous flat
+    range; ``to_local()`` drops FSDP2's padding, which the check on the row count confirms."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return tensor, None
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    local = tensor.to_local()
+    if mesh.ndim != 1 or len(placements) != 1:
+        raise DeltaSyncError(f"tensor {name!r}: only one-dimensional meshes are supported, not {placements}")
+    placement, rank, world = placements[0], mesh.get_local_rank(), mesh.size()
+    if placement.is_replicate():
+        return (local, None) if rank == 0 else (None, None)
+    if not placement.is_shard(0):
+        raise DeltaSyncError(f"tensor {name!r}: only Shard(0) and Replicate placements are supported, not {placements}")
+    rows = tensor.shape[0]
+    per_rank = -(-rows // world)
+    first_row = min(rank * per_rank, rows)
+    if local.shape[0] != min(per_rank, rows - first_row) or tuple(local.shape[1:]) != tuple(tensor.shape[1:]):
+        raise DeltaSyncError(f"tensor {name!r}: local shard {list(local.shape)} on rank {rank} of {world} is not "
+                             f"the dim-0 chunk of {list(tensor.shape)}")
+    return local, first_row * (tensor.numel() // rows if rows else 0)
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+            tuple(tensor.shape), tuple(tensor.stride()))
+
+
+class Mirror:
+    """A CPU copy of a model's weights in the shipped dtype, moved forward one step at a time.
+
+    ``step()`` streams each tensor in chunks of ``chunk_bytes``: cast to the shipped dtype on the tensor's device,
+    copy into a (pinned) staging buffer, and let the core compare the chunk with the mirror, recording the changes
+    and writing the new bits into the mirror in the same pass. On CUDA two staging buffers alternate, so the copy of
+    chunk k+1 runs while the core scans chunk k. Floating-point tensors are shipped as ``dtype`` (fp32 masters are
+    cast on the device, before the copy); others keep their dtype. Tensors that share memory (tied weights) are
+    mirrored and shipped once, under their first name; ``aliases`` maps the other names to it.
+
+    Memory: the mirror, at most two staging buffers of ``chunk_bytes`` (none on CPU when no cast is needed, since
+    the core then reads the weights in place), one cast chunk on the device, and the delta.
+    """
+
+    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, *,
+                 chunk_bytes: int = 64 << 20, values: str = "diff", step: int | None = None,
+                 pin_memory: bool | None = None) -> None:
+        if not dtype.is_floating_point:
+            raise DeltaSyncError(f"the shipped dtype must be a floating-point dtype, not {dtype}")
+        if chunk_bytes < 64:
+            raise DeltaSyncError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
+        if values not in ("diff", "abs"):
+            raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        self._source = model
+        self.dtype = dtype
+        self.chunk_bytes = chunk_bytes
+        self.values = values
+        self.current_step = step
+        self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._staging: list[torch.Tensor] = []
+        self.aliases: dict[str, str] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._bytes: dict[str, Any] = {}  # uint8 numpy views of the mirror tensors, for the core
+        first_by_memory: dict[tuple[Any, ...], str] = {}
+        self._shards: dict[str, tuple[tuple[int, ...], int]] = {}  # name -> (whole shape, flat offset)
+        for name, whole in _named_tensors(model).items():
+            tensor, offset = _local_part(name, whole)
+            if tensor is None:
+                continue
+            if offset is not None:
+                self._shards[name] = (tuple(whole.shape), offset)
+            key = _memory_key(tensor)
+            if tensor.numel() and key in first_by_memory:
+                self.aliases[name] = first_by_memory[key]
+                continue
+            first_by_memory[key] = name
+            shipped = self._shipped_dtype(tensor)
+            mirror = torch.empty(tuple(tensor.shape), dtype=shipped, pin_memory=self._pin)
+            flat = mirror.view(-1)
+            for start, end, chunk in self._device_chunks(tensor, shipped):
+                flat[start:end].copy_(chunk)
+            self._tensors[name] = mirror
+            self._bytes[name] = _arrays.writable_bytes(mirror)
+
+    def _shipped_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return self.dtype if tensor.dtype.is_floating_point else tensor.dtype
+
+    def _device_chunks(self, tensor: torch.Tensor, shipped: torch.dtype):
+        """(start, end, chunk) over the flat tensor: each chunk cast to ``shipped`` on the tensor's own device."""
+        flat = tensor.detach().reshape(-1)  # a view when contiguous; one copy on the device otherwise
+        elements = max(1, self.chunk_bytes // torch.empty(0, dtype=shipped).element_size())
+        for start in range(0, flat.numel(), elements):
+            end = min(start + elements, flat.numel())
+            yield start, end, flat[start:end].to(shipped)
+
+    @property
+    def is_sharded(self) -> bool:
+        """True when some tensors are DTensor shards: the mirror then holds this rank's part of them."""
+        return bool(self._shards)
+
+    @property
+    def shards(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Sharded tensors: name -> (shape of the whole tensor, flat offset of this rank's elements in it)."""
+        return dict(self._shards)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The mirrored tensors, one per memory (read them, don't write them)."""
+        return self._tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every name of the source, tied names viewing their first name's mirror."""
+        out = dict(self._tensors)
+        out.update({alias: self._tensors[first] for alias, first in self.aliases.items()})
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Bytes of staging buffers allocated so far (0, 1 or 2 of ``chunk_bytes``)."""
+        return sum(t.numel() for t in self._staging)
+
+    def digest(self) -> str:
+        from .delta import state_digest
+
+        return state_digest(self._tensors)
+
+    def _staging_buffer(self, index: int) -> torch.Tensor:
+        while len(self._staging) <= index:
+            self._staging.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pin))
+        return self._staging[index]
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        current = _named_tensors(self._source)
+        missing = [name for name in self._tensors if name not in current]
+        if missing:
+            raise DeltaSyncError(f"tensors {missing[:5]} of the mirror are gone from the model")
+        for name, mirror in self._tensors.items():
+            if name in self._shards:
+                continue  # checked against the recorded sharding in _local, shape by shape
+            if tuple(current[name].shape) != tuple(mirror.shape) or self._shipped_dtype(current[name]) != mirror.dtype:
+                raise DeltaSyncError(
+                    f"tensor {name!r}: the model now holds {current[name].dtype}{list(current[name].shape)}, "
+                    f"the mirror {mirror.dtype}{list(mirror.shape)}"
+                )
+        return {name: self._local(name, current[name]) for name in self._tensors}
+
+    def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in self._shards:
+            return tensor
+        local, offset = _local_part(name, tensor)
+        if local is None or (tuple(tensor.shape), offset) != self._shards[name]:
+            raise DeltaSyncError(f"tensor {name!r}: its sharding changed since the mirror was made")
+        return local
+
+    def step(self, step: int | None = None) -> Delta:
+        """Copies the current weights to the CPU chunk by chunk, compares them with the mirror and moves the mirror
+        to them, in one pass; returns the delta from the previous mirror state (``base_step``) to ``step``."""
+        live = self._live()
+        builder = MirrorDiff(self.values)
+        stream = torch.cuda.Stream() if any(t.device.type == "cuda" for t in live.values()) else None
+        # Chunks whose bytes are on their way to the host: (name, start, end, host bytes, event, first, last).
+        pending: list[tuple[str, int, int, Any, Any, bool, bool]] = []
+        slot = 0
+
+        def scan(job: tuple[str, int, int, Any, Any, bool, bool]) -> None:
+            name, start, end, host, event, first, last = job
+            mirror = self._tensors[name]
+            width = mirror.element_size()
+            whole_shape, offset = self._shards.get(name, (None, 0))
+            if first:
+                dtype_name, shape = _arrays.describe(mirror, name)
+                builder.begin(name, dtype_name, list(whole_shape or shape))
+            if event is not None:
+                event.synchronize()
+            if end > start:
+                builder.update(self._bytes[name][start * width:end * width], host, offset + start)
+            if last:
+                # A shard cannot judge whether the whole tensor is better stored whole, so it keeps its streams.
+                builder.finish(None if whole_shape else self._bytes[name])
+
+        for name, tensor in live.items():
+            mirror = self._tensors[name]
+            width = mirror.element_size()
+            chunks = list(self._chunk_bounds(tensor.numel(), width)) or [(0, 0)]
+            flat = tensor.detach().reshape(-1)  # a view when contiguous; one copy on the device otherwise
+            for index, (start, end) in enumerate(chunks):
+                first, last = index == 0, index == len(chunks) - 1
+                host, event = self._to_host(flat, mirror.dtype, start, end, slot, stream)
+                slot ^= 1
+                job = (name, start, end, host, event, first, last)
+                if stream is None:  # the bytes are on the host already
+                    scan(job)
+                    continue
+                pending.append(job)
+                if len(pending) == 2:  # the copy just queued overlaps the scan of the one before
+                    scan(pending.pop(0))
+        for job in pending:
+            scan(job)
+        delta = _finish(builder.take(), step, self.current_step, None)
+        self.current_step = step
+        return delta
+
+    def _chunk_bounds(self, numel: int, width: int):
+        elements = max(1, self.chunk_bytes // width)
+        for start in range(0, numel, elements):
+            yield start, min(start + elements, numel)
+
+    def _to_host(self, flat: torch.Tensor, shipped: torch.dtype, start: int, end: int, slot: int,
+                 stream: Any) -> tuple[Any, Any]:
+        """The bytes of elements [start, end) of the flat tensor in the shipped dtype on the host, and the CUDA event
+        that marks them ready (None when they already are)."""
+        if end == start:
+            return None, None
+        if flat.device.type == "cpu" and flat.dtype == shipped:
+            return _arrays.host_bytes(flat[start:end])[0], None  # read in place: no copy at all
+        width = torch.empty(0, dtype=shipped).element_size()
+        staging = self._staging_buffer(slot if stream is not None else 0)[: (end - start) * width].view(shipped)
+        if flat.device.type != "cuda":
+            staging.copy_(flat[start:end])  # the cast, if any, happens in this copy
+            return staging.view(torch.uint8).numpy(), None
+        cast = flat[start:end].to(shipped)  # on the device, before the copy
+        stream.wait_stream(torch.cuda.current_stream(flat.device))
+        with torch.cuda.stream(stream):
+            staging.copy_(cast, non_blocking=True)
+            cast.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return staging.view(torch.uint8).numpy(), event
+
+
+class Attachment:
+    """What :func:`attach` returns: the mirror, the publisher and a ``detach()``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, publisher: Any, *,
+                 sync_every: int, dtype: torch.dtype, chunk_bytes: int, start_step: int) -> None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise DeltaSyncError(f"sync_every must be a positive integer, not {sync_every!r}")
+        self.publisher = publisher
+        self.sync_every = sync_every
+        self.steps = 0  # optimizer steps seen since attaching
+        self._group: Any = None
+        if any(isinstance(t, _dtensor_type() or ()) for t in _named_tensors(model).values()):
+            self._init_sharded(model, dtype, chunk_bytes, start_step)
+        else:
+            if publisher is None:
+                raise DeltaSyncError("attach needs a publisher")
+            base = publisher.step if publisher.step is not None else start_step
+            self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, step=base)
+            self._base = base
+            publisher.publish_shared(base, self.mirror.tensors)
+        self._handle = optimizer.register_step_post_hook(self._after_step)
+
+    def _init_sharded(self, model: torch.nn.Module, dtype: torch.dtype, chunk_bytes: int, start_step: int) -> None:
+        """FSDP2 / DTensor: every rank mirrors its shards; rank 0 publishes. The first state is gathered to rank 0
+        once; after that only each rank's delta travels (a gather of encoded deltas, never of weights)."""
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank == 0) != (self.publisher is not None):
+            raise DeltaSyncError(f"rank {rank}: pass the publisher on rank 0 and None on the other ranks")
+        settings: list[Any] = [None]
+        if rank == 0:
+            base = self.publisher.step if self.publisher.step is not None else start_step
+            settings = [(self.publisher.values, base)]
+        dist.broadcast_object_list(settings, src=0)
+        values, self._base = settings[0]
+        self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=values, step=self._base)
+        self._group = dist.group.WORLD
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object((self.mirror.tensors, self.mirror.shards), parts, dst=0)
+        if rank == 0:
+            assert parts is not None
+            self.publisher.publish(self._base, _assemble(parts))
+
+    def _gather_and_publish(self, step: int, delta: Delta) -> None:
+        import torch.distributed as dist
+
+        from ._core import join_shards
+        from .delta import load
+
+        blobs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(delta.to_bytes(), blobs, dst=0)
+        if blobs is not None:
+            joined = Delta(join_shards([load(blob)._raw for blob in blobs]))
+            joined.base_step = None
+            self.publisher.publish_delta(step, joined)
+
+    @property
+    def published_step(self) -> int | None:
+        return self.mirror.current_step
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return
+        self.sync()
+
+    def sync(self) -> int:
+        """Publishes the current weights now, as step ``base + optimizer steps seen``; returns that step."""
+        step = self._base + self.steps
+        if step == self.mirror.current_step:
+            return step  # published already
+        if self._group is not None:
+            self._gather_and_publish(step, self.mirror.step(step))
+            return step
+        self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror.step(step))
+        return step
+
+    def detach(self) -> None:
+        """Removes the hook; later optimizer steps do no deltasync work."""
+        self._handle.remove()
+
+
+def _assemble(parts: list[Any]) -> dict[str, torch.Tensor]:
+    """The whole state from every rank's (mirror tensors, shards), in rank order: shards placed at their offsets."""
+    state: dict[str, torch.Tensor] = {}
+    for tensors, shards in parts:
+        for name, tensor in tensors.items():
+            if name not in shards:
+                state.setdefault(name, tensor)
+                continue
+            shape, offset = shards[name]
+            whole = state.setdefault(name, torch.empty(shape, dtype=tensor.dtype))
+            whole.view(-1)[offset:offset + tensor.numel()] = tensor.reshape(-1)
+    return state
+
+
+def attach(optimizer: torch.optim.Optimizer, model: torch.nn.Module, publisher: Any, *, sync_every: int = 1,
+           dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 64 << 20, start_step: int = 0) -> Attachment:
+    """Publishes ``model``'s weights through ``publisher`` after every ``sync_every`` optimizer steps.
+
+    The weights as they are now are published first (as ``start_step``, or the publisher's step after
+    ``resume``). Each later publish is the delta from the last *published* state, so the steps in between lose
+    nothing. The publisher shares the mirror's memory rather than keeping a second copy. Call ``detach()`` on
+    the returned object to stop.
+
+    With FSDP2 (DTensor parameters sharded on dim 0, or replicated) call it on every rank, with the publisher on
+    rank 0 and ``None`` elsewhere: each rank mirrors and diffs only its shards, with positions in the whole
+    tensor's index space, and rank 0 joins the ranks' deltas into one delta and one manifest entry per step.
+    Rank 0's publisher keeps a whole CPU copy, for anchors."""
+    return Attachment(optimizer, model, publisher, sync_every=sync_every, dtype=dtype, chunk_bytes=chunk_bytes,
+                      start_step=start_step)

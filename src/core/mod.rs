@@ -10,7 +10,9 @@ pub mod dtype;
 pub mod error;
 pub mod files;
 pub mod format;
+pub mod mirror;
 pub mod pool;
+pub mod shards;
 pub mod stream;
 pub mod trl;
 

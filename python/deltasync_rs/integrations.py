@@ -1,0 +1,53 @@
+"""Trainer integrations: a transformers ``TrainerCallback`` (and so TRL's trainers) that publishes the weights every
+``sync_every`` optimizer steps through a Publisher, from a ds.torch.Mirror. Importing this module imports
+transformers; ``import deltasync_rs`` does not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .errors import DeltaSyncError
+from .torch import Mirror
+
+
+class DeltaSyncCallback(TrainerCallback):
+    """Publishes the model at the start of training and then every ``sync_every`` global steps (``on_step_end``),
+    each time as the delta from the last published state. Only the main process publishes. With ``enabled=False``
+    (or once ``enabled`` is set to False) it does nothing at all."""
+
+    def __init__(self, publisher: Any, sync_every: int = 1, *, dtype: torch.dtype = torch.bfloat16,
+                 chunk_bytes: int = 64 << 20, enabled: bool = True) -> None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise DeltaSyncError(f"sync_every must be a positive integer, not {sync_every!r}")
+        self.publisher = publisher
+        self.sync_every = sync_every
+        self.dtype = dtype
+        self.chunk_bytes = chunk_bytes
+        self.enabled = enabled
+        self.mirror: Mirror | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if not self.enabled or not state.is_world_process_zero:
+            return
+        if model is None:
+            raise DeltaSyncError("DeltaSyncCallback needs the model: the Trainer passes it to on_train_begin")
+        step = self.publisher.step if self.publisher.step is not None else state.global_step
+        self.mirror = Mirror(model, self.dtype, chunk_bytes=self.chunk_bytes, values=self.publisher.values, step=step)
+        self.publisher.publish_shared(step, self.mirror.tensors)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.enabled or self.mirror is None or state.global_step % self.sync_every:
+            return
+        step = state.global_step
+        mirror = self.mirror
+        self.publisher.publish_shared(step, mirror.tensors, lambda: mirror.step(step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.enabled and self.mirror is not None:
+            self.publisher.flush()
+
+
+__all__ = ["DeltaSyncCallback"]

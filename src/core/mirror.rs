@@ -1,0 +1,424 @@
+//! One-pass compare-and-update of a mirror: records what changed between the mirror and new bytes, as an
+//! ordinary `TensorDelta`, and writes the new bits into the mirror in the same pass.
+//!
+//! A tensor may arrive in several chunks (as from a staging buffer): `MirrorTensor::update` takes each chunk
+//! at its element offset, in ascending order, and `finish` joins them. Streams are canonical, so the result
+//! equals `diff::diff` of the same old and new bytes whatever the chunking.
+
+use rayon::prelude::*;
+
+use crate::core::codec::{values, varint, PositionCodec, ValueCodec};
+use crate::core::delta::TensorDelta;
+use crate::core::dtype::{self, Dtype};
+use crate::core::error::{Error, Result};
+use crate::core::format::{POSITIONS_SUFFIX, VALUES_SUFFIX};
+use crate::core::stream::Stream;
+
+/// Elements scanned by one rayon task.
+const TASK_ELEMENTS: usize = 1 << 18;
+/// Bytes compared, and on a difference copied, at once.
+const BLOCK_BYTES: usize = 64;
+
+/// The changes found in one task's range of elements.
+#[derive(Default)]
+struct Changes {
+    count: u64,
+    first_position: u64,
+    last_position: u64,
+    /// Gap varints after the first change.
+    positions: Vec<u8>,
+    values: Vec<u8>,
+}
+
+impl Changes {
+    #[inline(always)]
+    fn record<const W: usize>(&mut self, position: u64, codec: ValueCodec, old: &[u8], new: &[u8]) {
+        if self.count == 0 {
+            self.first_position = position;
+        } else {
+            varint::write(&mut self.positions, position - self.last_position - 1);
+        }
+        self.last_position = position;
+        self.count += 1;
+        values::write_const::<W>(&mut self.values, codec, old, new);
+    }
+}
+
+/// Scans `mirror` against `new`, records each differing element and copies the new bits into `mirror`.
+fn scan_update<const W: usize>(mirror: &mut [u8], new: &[u8], first_element: u64, codec: ValueCodec) -> Changes {
+    let mut out = Changes::default();
+    let element_mask = values::mask(W);
+    let blocks_end = mirror.len() / BLOCK_BYTES * BLOCK_BYTES;
+    let (mirror_blocks, mirror_tail) = mirror.split_at_mut(blocks_end);
+    let (new_blocks, new_tail) = new.split_at(blocks_end);
+    for (block_index, (old_block, new_block)) in
+        mirror_blocks.chunks_exact_mut(BLOCK_BYTES).zip(new_blocks.chunks_exact(BLOCK_BYTES)).enumerate()
+    {
+        let mut words = [0u64; BLOCK_BYTES / 8];
+        let mut any = 0u64;
+        for (k, word) in words.iter_mut().enumerate() {
+            let a = u64::from_le_bytes(old_block[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+            let b = u64::from_le_bytes(new_block[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+            *word = a ^ b;
+            any |= *word;
+        }
+        if any == 0 {
+            continue;
+        }
+        let block_first = first_element + (block_index * BLOCK_BYTES / W) as u64;
+        for (k, mut word) in words.into_iter().enumerate() {
+            // Jump from one differing element to the next through the XOR's set bits.
+            while word != 0 {
+                let element = (word.trailing_zeros() as usize / 8) / W;
+                let at = k * 8 + element * W;
+                out.record::<W>(block_first + (at / W) as u64, codec, &old_block[at..], &new_block[at..]);
+                word &= !(element_mask << (8 * W * element));
+            }
+        }
+        old_block.copy_from_slice(new_block);
+    }
+    let tail_first = first_element + (blocks_end / W) as u64;
+    for (index, (old, new)) in mirror_tail.chunks_exact_mut(W).zip(new_tail.chunks_exact(W)).enumerate() {
+        if old != new {
+            out.record::<W>(tail_first + index as u64, codec, old, new);
+            old.copy_from_slice(new);
+        }
+    }
+    out
+}
+
+fn scan_update_width(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
+    match width {
+        1 => scan_update::<1>(mirror, new, first_element, codec),
+        2 => scan_update::<2>(mirror, new, first_element, codec),
+        4 => scan_update::<4>(mirror, new, first_element, codec),
+        _ => scan_update::<8>(mirror, new, first_element, codec),
+    }
+}
+
+/// A tensor being compared against its mirror chunk by chunk.
+pub struct MirrorTensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    width: usize,
+    numel: u64,
+    codec: ValueCodec,
+    /// Elements before this one have been seen (or skipped); chunks must start at or after it.
+    next_element: u64,
+    parts: Vec<Changes>,
+}
+
+impl MirrorTensor {
+    /// Starts a tensor of `shape` and `dtype`; no chunk has been compared yet.
+    pub fn begin(name: &str, dtype: Dtype, shape: &[u64], codec: ValueCodec) -> Result<Self> {
+        if name.ends_with(POSITIONS_SUFFIX) || name.ends_with(VALUES_SUFFIX) {
+            return Err(Error::invalid(format!(
+                "tensor {name:?}: names ending in {POSITIONS_SUFFIX:?} or {VALUES_SUFFIX:?} are reserved for delta streams"
+            )));
+        }
+        let width = dtype::width_of(dtype).map_err(|e| Error::invalid(format!("tensor {name:?}: {e}")))?;
+        let numel = dtype::numel(shape)
+            .filter(|n| n.checked_mul(width as u64).is_some())
+            .ok_or_else(|| Error::invalid(format!("tensor {name:?}: shape overflows")))?;
+        Ok(MirrorTensor {
+            name: name.to_owned(),
+            dtype,
+            shape: shape.to_vec(),
+            width,
+            numel,
+            codec,
+            next_element: 0,
+            parts: Vec::new(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Compares the chunk of elements starting at `first_element`: `mirror` holds their previous bytes and
+    /// receives `new`. Chunks come in ascending, non-overlapping order; elements no chunk covers count as
+    /// unchanged. Runs in the deltasync pool.
+    pub fn update(&mut self, mirror: &mut [u8], new: &[u8], first_element: u64) -> Result<()> {
+        let name = &self.name;
+        if mirror.len() != new.len() || new.len() % self.width != 0 {
+            return Err(Error::mismatch(format!(
+                "tensor {name:?}: a chunk of {} new bytes for {} mirror bytes of {}-byte elements",
+                new.len(),
+                mirror.len(),
+                self.width
+            )));
+        }
+        let elements = (new.len() / self.width) as u64;
+        if first_element < self.next_element || first_element.checked_add(elements).map_or(true, |end| end > self.numel) {
+            return Err(Error::invalid(format!(
+                "tensor {name:?}: chunk of {elements} elements at {first_element} is out of order or outside \
+                 [{}, {})",
+                self.next_element, self.numel
+            )));
+        }
+        self.next_element = first_element + elements;
+        let (width, codec) = (self.width, self.codec);
+        let task_bytes = TASK_ELEMENTS * width;
+        let found: Vec<Changes> = crate::core::pool::install(|| {
+            mirror
+                .par_chunks_mut(task_bytes)
+                .zip(new.par_chunks(task_bytes))
+                .enumerate()
+                .map(|(task, (old, new))| {
+                    scan_update_width(old, new, first_element + (task * TASK_ELEMENTS) as u64, width, codec)
+                })
+                .collect()
+        });
+        self.parts.extend(found.into_iter().filter(|c| c.count > 0));
+        Ok(())
+    }
+
+    /// Joins the chunks into the tensor's streams. `whole_mirror` is the mirror of the whole tensor (now
+    /// holding the new bits): given, the tensor is stored whole when that is no larger, as `diff::diff` does;
+    /// without it (a shard that mirrors only part of the tensor) the streams are kept.
+    pub fn finish(self, whole_mirror: Option<&[u8]>) -> Result<TensorDelta> {
+        let changed: u64 = self.parts.iter().map(|c| c.count).sum();
+        let mut tensor = TensorDelta {
+            name: self.name,
+            dtype: self.dtype,
+            shape: Some(self.shape),
+            changed,
+            positions_codec: PositionCodec::Varint,
+            values_codec: self.codec,
+            positions: Stream::empty(),
+            values: Stream::empty(),
+            last_position: self.parts.last().map(|c| c.last_position),
+        };
+        if changed == 0 {
+            return Ok(tensor);
+        }
+        let mut positions_len = 0usize;
+        let mut previous_end = 0u64;
+        for part in &self.parts {
+            positions_len += varint::len(part.first_position - previous_end) + part.positions.len();
+            previous_end = part.last_position + 1;
+        }
+        let values_len: usize = self.parts.iter().map(|c| c.values.len()).sum();
+        if let Some(whole) = whole_mirror {
+            let dense_len = self.numel as usize * self.width;
+            if whole.len() != dense_len {
+                return Err(Error::mismatch(format!(
+                    "tensor {:?}: the whole mirror has {} bytes, expected {dense_len}",
+                    tensor.name,
+                    whole.len()
+                )));
+            }
+            if positions_len + values_len >= dense_len {
+                tensor.positions_codec = PositionCodec::All;
+                tensor.values_codec = ValueCodec::Abs;
+                tensor.changed = self.numel;
+                tensor.values = whole.to_vec().into();
+                tensor.last_position = self.numel.checked_sub(1);
+                return Ok(tensor);
+            }
+        }
+        let mut positions = Vec::with_capacity(positions_len);
+        let mut values = Vec::with_capacity(values_len);
+        previous_end = 0;
+        for part in self.parts {
+            varint::write(&mut positions, part.first_position - previous_end);
+            positions.extend_from_slice(&part.positions);
+            values.extend_from_slice(&part.values);
+            previous_end = part.last_position + 1;
+        }
+        tensor.positions = positions.into();
+        tensor.values = values.into();
+        Ok(tensor)
+    }
+}
+
+/// One whole tensor to advance: its mirror (previous bytes, receives the new ones) and its new bytes.
+pub struct MirrorInput<'a> {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub mirror: &'a mut [u8],
+    pub new: &'a [u8],
+}
+
+/// Advances whole tensors at once: each one's delta from its mirror to its new bytes, with the mirrors
+/// updated. Every length is checked before the first write.
+pub fn advance(inputs: Vec<MirrorInput<'_>>, codec: ValueCodec) -> Result<Vec<TensorDelta>> {
+    let mut tensors = Vec::with_capacity(inputs.len());
+    for input in &inputs {
+        let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, codec)?;
+        let expected = tensor.numel as usize * tensor.width;
+        if input.mirror.len() != expected || input.new.len() != expected {
+            return Err(Error::mismatch(format!(
+                "tensor {:?}: {} mirror bytes and {} new bytes given for shape {:?} of {}",
+                input.name,
+                input.mirror.len(),
+                input.new.len(),
+                input.shape,
+                dtype::name_of(input.dtype)
+            )));
+        }
+        tensors.push(tensor);
+    }
+    // Small tensors are many; advance them side by side, and let big ones spread over the pool themselves.
+    crate::core::pool::install(|| {
+        tensors
+            .into_par_iter()
+            .zip(inputs.into_par_iter())
+            .map(|(mut tensor, input)| {
+                tensor.update(input.mirror, input.new, 0)?;
+                tensor.finish(Some(input.mirror))
+            })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::diff::{diff, DiffInput};
+    use proptest::prelude::*;
+
+    fn same(a: &TensorDelta, b: &TensorDelta) {
+        assert_eq!(a.name, b.name);
+        assert_eq!(a.changed, b.changed);
+        assert_eq!(a.positions_codec, b.positions_codec);
+        assert_eq!(a.values_codec, b.values_codec);
+        assert_eq!(&a.positions[..], &b.positions[..]);
+        assert_eq!(&a.values[..], &b.values[..]);
+        assert_eq!(a.last_position, b.last_position);
+    }
+
+    fn chunked(old: &[u8], new: &[u8], dtype: Dtype, chunk_elements: usize, codec: ValueCodec) -> (TensorDelta, Vec<u8>) {
+        let width = dtype::width_of(dtype).unwrap();
+        let numel = (old.len() / width) as u64;
+        let mut mirror = old.to_vec();
+        let mut tensor = MirrorTensor::begin("t", dtype, &[numel], codec).unwrap();
+        let step = chunk_elements.max(1) * width;
+        let mut start = 0;
+        while start < mirror.len() {
+            let end = (start + step).min(mirror.len());
+            tensor.update(&mut mirror[start..end], &new[start..end], (start / width) as u64).unwrap();
+            start = end;
+        }
+        (tensor.finish(Some(&mirror)).unwrap(), mirror)
+    }
+
+    fn reference(old: &[u8], new: &[u8], dtype: Dtype, codec: ValueCodec) -> TensorDelta {
+        let numel = (old.len() / dtype::width_of(dtype).unwrap()) as u64;
+        let input = DiffInput { name: "t".into(), dtype, shape: vec![numel], old, new };
+        diff(&[input], codec).unwrap().remove(0)
+    }
+
+    #[test]
+    fn matches_diff_across_tasks_and_chunks() {
+        let n = TASK_ELEMENTS * 2 + 37;
+        let old = vec![0u8; n * 2];
+        let mut new = old.clone();
+        for p in [0usize, 15, 16, 17, TASK_ELEMENTS - 1, TASK_ELEMENTS, TASK_ELEMENTS * 2 + 36] {
+            new[p * 2] = 1;
+        }
+        new[100 * 2 + 1] = 0x40; // a difference that needs the escape
+        for chunk in [n, 1000, TASK_ELEMENTS + 3] {
+            let (tensor, mirror) = chunked(&old, &new, Dtype::BF16, chunk, ValueCodec::Diff);
+            same(&tensor, &reference(&old, &new, Dtype::BF16, ValueCodec::Diff));
+            assert_eq!(mirror, new);
+        }
+    }
+
+    #[test]
+    fn dense_when_no_smaller_and_sparse_without_whole_mirror() {
+        let old = vec![0u8; 256];
+        let new: Vec<u8> = (0..=255u8).collect();
+        let (tensor, _) = chunked(&old, &new, Dtype::U8, 100, ValueCodec::Diff);
+        assert!(tensor.is_dense());
+        same(&tensor, &reference(&old, &new, Dtype::U8, ValueCodec::Diff));
+        let mut mirror = old.clone();
+        let mut part = MirrorTensor::begin("t", Dtype::U8, &[256], ValueCodec::Diff).unwrap();
+        part.update(&mut mirror, &new, 0).unwrap();
+        let part = part.finish(None).unwrap();
+        assert!(!part.is_dense());
+        assert_eq!(part.changed, 255);
+    }
+
+    #[test]
+    fn a_shard_maps_positions_into_the_whole_tensor() {
+        // A rank mirrors elements [100, 200) of a 300-element tensor.
+        let mut mirror = vec![0u8; 100 * 4];
+        let mut new = mirror.clone();
+        new[5 * 4] = 7;
+        let mut tensor = MirrorTensor::begin("t", Dtype::F32, &[3, 100], ValueCodec::Abs).unwrap();
+        tensor.update(&mut mirror, &new, 100).unwrap();
+        let tensor = tensor.finish(None).unwrap();
+        let mut seen = Vec::new();
+        tensor.for_each_change(|p, v| seen.push((p, v))).unwrap();
+        assert_eq!(seen, vec![(105, 7)]);
+    }
+
+    #[test]
+    fn rejects_bad_chunks_naming_the_tensor() {
+        let mut tensor = MirrorTensor::begin("w", Dtype::BF16, &[8], ValueCodec::Diff).unwrap();
+        let mut mirror = vec![0u8; 8];
+        let err = tensor.update(&mut mirror, &[0u8; 6], 0).unwrap_err();
+        assert!(err.to_string().contains("\"w\""), "{err}");
+        tensor.update(&mut mirror, &[0u8; 8], 4).unwrap();
+        let err = tensor.update(&mut mirror, &[0u8; 8], 2).unwrap_err();
+        assert!(err.to_string().contains("\"w\""), "{err}");
+        let err = tensor.update(&mut mirror[..2], &[0u8; 2], 8).unwrap_err();
+        assert!(err.to_string().contains("outside"), "{err}");
+        let reserved = format!("x{POSITIONS_SUFFIX}");
+        assert!(MirrorTensor::begin(&reserved, Dtype::BF16, &[1], ValueCodec::Diff).is_err());
+    }
+
+    #[test]
+    fn advance_checks_before_writing() {
+        let mut first = vec![0u8; 4];
+        let mut second = vec![0u8; 4];
+        let inputs = vec![
+            MirrorInput { name: "a".into(), dtype: Dtype::BF16, shape: vec![2], mirror: &mut first, new: &[1, 0, 0, 0] },
+            MirrorInput { name: "b".into(), dtype: Dtype::BF16, shape: vec![3], mirror: &mut second, new: &[1, 0, 0, 0] },
+        ];
+        let err = advance(inputs, ValueCodec::Diff).unwrap_err();
+        assert!(err.to_string().contains("\"b\""), "{err}");
+        assert_eq!(first, vec![0u8; 4]);
+    }
+
+    fn dtype_of(width: usize) -> Dtype {
+        match width {
+            1 => Dtype::U8,
+            2 => Dtype::BF16,
+            4 => Dtype::F32,
+            _ => Dtype::F64,
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn equals_diff_and_leaves_the_new_state(
+            width in prop::sample::select(vec![1usize, 2, 4, 8]),
+            numel in 0usize..600,
+            seed in any::<u64>(),
+            density in 0.0f64..1.0,
+            chunk in 1usize..300,
+            abs in any::<bool>(),
+        ) {
+            let mut state = seed | 1;
+            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
+            let old: Vec<u8> = (0..numel * width).map(|_| next() as u8).collect();
+            let mut new = old.clone();
+            for element in 0..numel {
+                if (next() % 1000) as f64 / 1000.0 < density {
+                    let byte = element * width + (next() as usize % width);
+                    new[byte] = new[byte].wrapping_add(1 + (next() % 3) as u8);
+                }
+            }
+            let codec = if abs { ValueCodec::Abs } else { ValueCodec::Diff };
+            let dtype = dtype_of(width);
+            let (tensor, mirror) = chunked(&old, &new, dtype, chunk, codec);
+            same(&tensor, &reference(&old, &new, dtype, codec));
+            prop_assert_eq!(mirror, new);
+        }
+    }
+}

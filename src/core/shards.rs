@@ -1,0 +1,126 @@
+//! Joins the partial deltas of sharded tensors (each rank diffs only its own contiguous range of elements, with
+//! positions already in the whole tensor's index space) into one delta per step.
+
+use std::collections::BTreeMap;
+
+use crate::core::codec::{varint, PositionCodec};
+use crate::core::delta::{Delta, TensorDelta};
+use crate::core::error::{Error, Result};
+
+/// The first position of a varint stream (its first gap counts from element 0).
+fn first_position(tensor: &TensorDelta) -> Result<u64> {
+    let mut at = 0;
+    varint::read(&tensor.positions, &mut at)
+        .map_err(|e| Error::invalid(format!("tensor {:?}: bad position stream ({e:?})", tensor.name)))
+}
+
+/// Joins parts of one tensor that cover disjoint element ranges, given in ascending order.
+pub fn join_tensor(parts: Vec<TensorDelta>) -> Result<TensorDelta> {
+    let mut parts = parts.into_iter();
+    let mut joined = parts.next().ok_or_else(|| Error::invalid("no parts to join"))?;
+    let name = joined.name.clone();
+    let mut positions: Vec<u8> = joined.positions.to_vec();
+    let mut values: Vec<u8> = joined.values.to_vec();
+    for part in parts {
+        if part.dtype != joined.dtype || part.shape != joined.shape {
+            return Err(Error::mismatch(format!("tensor {name:?}: shards disagree on dtype or shape")));
+        }
+        if part.changed == 0 {
+            continue;
+        }
+        if part.positions_codec != PositionCodec::Varint || part.values_codec != joined.values_codec {
+            return Err(Error::invalid(format!(
+                "tensor {name:?}: shard parts must be sparse with one value codec to be joined"
+            )));
+        }
+        let first = first_position(&part)?;
+        let mut rest_at = 0;
+        varint::read(&part.positions, &mut rest_at).expect("read above");
+        let gap = match joined.last_position {
+            Some(last) if first <= last => {
+                return Err(Error::invalid(format!(
+                    "tensor {name:?}: a shard starts at element {first}, not after the previous shard's {last}"
+                )))
+            }
+            Some(last) => first - last - 1,
+            None => first,
+        };
+        varint::write(&mut positions, gap);
+        positions.extend_from_slice(&part.positions[rest_at..]);
+        values.extend_from_slice(&part.values);
+        joined.changed += part.changed;
+        joined.last_position = part.last_position;
+    }
+    if joined.changed > 0 && joined.positions_codec != PositionCodec::Varint {
+        return Err(Error::invalid(format!("tensor {name:?}: shard parts must be sparse to be joined")));
+    }
+    joined.positions = positions.into();
+    joined.values = values.into();
+    Ok(joined)
+}
+
+/// Joins the deltas of all shards (in rank order) into one: tensors in order of first appearance, each one's
+/// parts joined in rank order. Step, base step and metadata come from the first delta.
+pub fn join(deltas: Vec<Delta>) -> Result<Delta> {
+    let mut deltas = deltas.into_iter();
+    let first = deltas.next().ok_or_else(|| Error::invalid("no shard deltas to join"))?;
+    let mut order: Vec<String> = Vec::new();
+    let mut by_name: BTreeMap<String, Vec<TensorDelta>> = BTreeMap::new();
+    let mut out = Delta { tensors: Vec::new(), step: first.step, base_step: first.base_step, metadata: first.metadata };
+    for tensor in first.tensors.into_iter().chain(deltas.flat_map(|d| d.tensors)) {
+        if !by_name.contains_key(&tensor.name) {
+            order.push(tensor.name.clone());
+        }
+        by_name.entry(tensor.name.clone()).or_default().push(tensor);
+    }
+    for name in order {
+        out.tensors.push(join_tensor(by_name.remove(&name).expect("collected above"))?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::codec::ValueCodec;
+    use crate::core::diff::{diff, DiffInput};
+    use crate::core::dtype::Dtype;
+    use crate::core::mirror::MirrorTensor;
+
+    fn shard_delta(old: &[u8], new: &[u8], range: std::ops::Range<usize>, numel: u64) -> Delta {
+        let mut mirror = old[range.start * 2..range.end * 2].to_vec();
+        let mut tensor = MirrorTensor::begin("w", Dtype::BF16, &[numel], ValueCodec::Diff).unwrap();
+        tensor.update(&mut mirror, &new[range.start * 2..range.end * 2], range.start as u64).unwrap();
+        Delta { tensors: vec![tensor.finish(None).unwrap()], ..Delta::default() }
+    }
+
+    #[test]
+    fn joined_shards_equal_the_whole_diff() {
+        let numel = 1000usize;
+        let old = vec![0u8; numel * 2];
+        let mut new = old.clone();
+        for p in [0usize, 3, 499, 500, 501, 777, 999] {
+            new[p * 2] = (p % 200) as u8 + 1;
+        }
+        for bounds in [vec![0, 500, 1000], vec![0, 334, 668, 1000], vec![0, 0, 1000], vec![0, 2, 1000]] {
+            let parts: Vec<Delta> = bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
+            let joined = join(parts).unwrap();
+            let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
+            let whole = diff(&[input], ValueCodec::Diff).unwrap().remove(0);
+            let tensor = &joined.tensors[0];
+            assert_eq!((tensor.changed, tensor.last_position), (whole.changed, whole.last_position));
+            assert_eq!(&tensor.positions[..], &whole.positions[..]);
+            assert_eq!(&tensor.values[..], &whole.values[..]);
+        }
+    }
+
+    #[test]
+    fn rejects_shards_out_of_order() {
+        let numel = 10u64;
+        let old = vec![0u8; 20];
+        let new = vec![1u8; 20];
+        let parts = vec![shard_delta(&old, &new, 5..10, numel), shard_delta(&old, &new, 0..5, numel)];
+        let err = join(parts).unwrap_err();
+        assert!(err.to_string().contains("\"w\""), "{err}");
+    }
+}

@@ -1,0 +1,57 @@
+"""Worker processes for the FSDP2 test: two ranks on gloo, CPU, fully_shard, attach with the publisher on rank 0."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 11 and 5 rows: uneven shards over two ranks (FSDP2 pads the second internally).
+    return torch.nn.Sequential(torch.nn.Embedding(11, 24), torch.nn.Linear(24, 5), torch.nn.LayerNorm(5),
+                               torch.nn.Linear(5, 1))
+
+
+def run(rank: int, world: int, port: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import deltasync_rs as ds
+    import deltasync_rs.torch as ds_torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = build_model()
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        publisher = ds.Publisher(store, anchor_every=100) if rank == 0 else None
+        attachment = ds_torch.attach(optimizer, model, publisher, sync_every=2)
+        assert attachment.mirror.is_sharded
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(5):
+            tokens = torch.randint(0, 11, (4, 3), generator=generator)
+            model(tokens).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        attachment.sync()  # step 5, after the publishes at 2 and 4
+        whole = {name: p.full_tensor().detach().to(torch.bfloat16) for name, p in model.state_dict().items()}
+        if rank == 0:
+            publisher.close()
+            torch.save(whole, out)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    port, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    mp.spawn(run, args=(2, port, store, out), nprocs=2)

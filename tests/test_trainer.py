@@ -1,0 +1,343 @@
+"""The trainer side: ds.torch.Mirror (one-pass compare-and-update, chunked staging), attach() on the optimizer, the
+transformers Trainer callback, all checked bit for bit against the model's bf16 weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import deltasync_rs as ds
+import deltasync_rs.torch as ds_torch
+from deltasync_rs.store import LocalStore
+
+STEPS = 20
+
+
+def tiny_gpt2(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def train_step(model, optimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=generator)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def bf16(model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach().clone()
+            for name, t in model.state_dict().items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same(actual, expected) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype, name
+        assert torch.equal(bits(actual[name]), bits(expected[name])), name
+
+
+def replica_of(mirror: ds_torch.Mirror) -> dict[str, torch.Tensor]:
+    """An inference-side copy with the source's names; tied names share memory, as in the model."""
+    own = {name: t.clone() for name, t in mirror.tensors.items()}
+    own.update({alias: own[first] for alias, first in mirror.aliases.items()})
+    return own
+
+
+def test_twenty_adamw_steps_replay_bit_exact():
+    """fp32 masters, AdamW at lr 1e-6: after every step, the deltas applied in sequence give model.to(bf16)."""
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    mirror = ds_torch.Mirror(model, chunk_bytes=20_000)  # several chunks for the embedding
+    assert mirror.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    replica = replica_of(mirror)
+    previous = bf16(model)
+    assert_same(replica, previous)
+    densities = []
+    for step in range(1, STEPS + 1):
+        train_step(model, optimizer, seed=step)
+        delta = mirror.step(step)
+        assert (delta.step, delta.base_step) == (step, step - 1 if step > 1 else None)
+        delta.apply_(replica)
+        current = bf16(model)
+        assert_same(replica, current)
+        assert_same(mirror.state_dict(), current)
+        # The one-pass kernel gives the very file ds.diff gives.
+        shipped = list(mirror.tensors)
+        reference = ds.diff({n: previous[n] for n in shipped}, {n: current[n] for n in shipped}, step=step,
+                            base_step=delta.base_step)
+        assert delta.to_bytes() == reference.to_bytes()
+        assert delta.num_changed > 0
+        densities.append(delta.num_changed / delta.num_elements)
+        previous = current
+    print("density per step:", " ".join(f"{d:.3%}" for d in densities))
+    assert all(0 < d < 0.5 for d in densities)
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1000, 64 << 20])
+@pytest.mark.parametrize("values", ["diff", "abs"])
+def test_mirror_chunks_dtypes_and_in_place_sources(chunk_bytes, values):
+    torch.manual_seed(1)
+    state = {
+        "master": torch.randn(37, 29),  # fp32, cast through the staging buffer
+        "half": torch.randn(1000).to(torch.bfloat16),  # already shipped dtype: read in place
+        "counts": torch.arange(50, dtype=torch.int64),  # not floating: keeps its dtype
+        "empty": torch.empty(0, 3),
+        "strided": torch.randn(20, 30).t(),  # not contiguous
+    }
+    mirror = ds_torch.Mirror(state, chunk_bytes=chunk_bytes, values=values)
+    assert mirror.tensors["counts"].dtype == torch.int64 and mirror.tensors["half"].dtype == torch.bfloat16
+    replica = {n: t.clone() for n, t in mirror.tensors.items()}
+    for step in range(3):
+        before = {n: t.clone() for n, t in mirror.tensors.items()}
+        state["master"].add_(torch.randn(37, 29) * 1e-2 * (step % 2))
+        state["half"][::7] += 1
+        state["counts"][step] += 5
+        state["strided"].mul_(1.001)
+        delta = mirror.step(step)
+        expected = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in state.items()}
+        assert_same(mirror.tensors, expected)
+        assert delta.to_bytes() == ds.diff(before, expected, values=values, step=step,
+                                           base_step=delta.base_step).to_bytes()
+        assert_same(delta.apply_(replica), expected)
+    assert mirror.staging_nbytes <= chunk_bytes  # one staging buffer on the CPU, used for the cast only
+
+
+def test_mirror_rejects_a_changed_model_naming_the_tensor():
+    state = {"w": torch.zeros(4)}
+    mirror = ds_torch.Mirror(state)
+    state["w"] = torch.zeros(5)
+    with pytest.raises(ds.DeltaSyncError, match="'w'"):
+        mirror.step(1)
+    with pytest.raises(ds.DeltaSyncError, match="floating"):
+        ds_torch.Mirror(state, dtype=torch.int8)
+
+
+def test_core_mirror_diff_rejects_bad_chunks():
+    from deltasync_rs._core import MirrorDiff
+
+    builder = MirrorDiff("diff")
+    mirror, new = np.zeros(8, np.uint8), np.ones(8, np.uint8)
+    with pytest.raises(ds.DeltaSyncError, match="begin"):
+        builder.update(mirror, new, 0)
+    builder.begin("w", "BF16", [4])
+    with pytest.raises(ds.DeltaSyncError, match="overlap"):
+        builder.update(mirror, mirror, 0)
+    with pytest.raises(ds.DeltaSyncError, match="'w'|\"w\""):
+        builder.update(mirror[:4], new[:6], 0)
+    with pytest.raises(ds.DeltaSyncError, match="read-only"):
+        builder.update(np.frombuffer(bytes(8), np.uint8), new, 0)
+    builder.update(mirror[4:], new[4:], 2)
+    with pytest.raises(ds.DeltaSyncError, match="out of order"):
+        builder.update(mirror[:4], new[:4], 0)
+    with pytest.raises(ds.DeltaSyncError, match="still open"):
+        builder.take()
+    builder.finish(None)  # a shard: no whole mirror, so the streams are kept even where dense is no larger
+    raw = builder.take()
+    assert raw.tensors() == [("w", "BF16", [4], 2, "varint", "diff", 8)]  # two escapes of 0x0101 and two gaps
+    assert list(mirror) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_mirror_advance_is_all_or_nothing():
+    mirror = ds.Mirror({"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}, step=0)
+    with pytest.raises(ds.BaseMismatchError, match="'b'"):
+        mirror.advance({"a": np.ones(4, np.float32), "b": np.ones(2, np.float32)}, step=1)
+    assert not mirror.tensors["a"].any() and mirror.step == 0
+    delta = mirror.advance({"a": np.ones(4, np.float32), "b": np.zeros(3, np.float32)}, step=1)
+    assert (delta.num_changed, delta.step, delta.base_step) == (4, 1, 0) and mirror.tensors["a"].all()
+
+
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_attach_publishes_to_a_store_and_a_subscriber_pulls_bit_exact(tmp_path, sync_every):
+    model = tiny_gpt2(seed=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    publisher = ds.Publisher(LocalStore(tmp_path / "store"), anchor_every=4)
+    attachment = ds_torch.attach(optimizer, model, publisher, sync_every=sync_every, chunk_bytes=50_000)
+    subscriber = ds.Subscriber(LocalStore(tmp_path / "store"))
+    replica = replica_of(attachment.mirror)
+    for step in range(1, 10):
+        train_step(model, optimizer, seed=100 + step)
+        if step % sync_every == 0:
+            publisher.flush()
+            assert subscriber.pull(replica) == step
+            assert_same(replica, bf16(model))
+    # Steps after the last publish are not lost: the next publish carries them all.
+    publisher.flush()
+    assert attachment.published_step == 9 // sync_every * sync_every
+    attachment.sync()
+    publisher.flush()
+    assert subscriber.pull(replica) == 9
+    assert_same(replica, bf16(model))
+    assert not ds.sync.verify_store(LocalStore(tmp_path / "store"))
+
+    # Detached: optimizer steps do no deltasync work at all.
+    attachment.detach()
+    attachment.mirror.step = lambda *a, **k: pytest.fail("the mirror ran after detach()")
+    train_step(model, optimizer, seed=999)
+    assert attachment.steps == 9
+    publisher.close()
+
+
+def test_attach_after_resume_shares_the_mirror(tmp_path):
+    model = tiny_gpt2(seed=3)
+    store = LocalStore(tmp_path / "store")
+    first = ds.Publisher(store, background=False)
+    untied = {n: t for n, t in bf16(model).items() if n != "lm_head.weight"}  # tied weights are shipped once
+    first.publish(5, untied)
+    first.close()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    publisher = ds.Publisher(store, background=False)
+    with pytest.raises(ds.DeltaSyncError, match="last published state"):
+        other = tiny_gpt2(seed=4)
+        publisher.resume(untied, step=5)
+        ds_torch.attach(torch.optim.AdamW(other.parameters()), other, publisher)
+    attachment = ds_torch.attach(optimizer, model, publisher)
+    train_step(model, optimizer, seed=7)
+    assert publisher.step == 6
+    replica = replica_of(attachment.mirror)
+    replica = {n: torch.zeros_like(t) for n, t in replica.items()}
+    replica["lm_head.weight"] = replica["transformer.wte.weight"]
+    assert ds.Subscriber(store).pull(replica) == 6
+    assert_same(replica, bf16(model))
+
+
+def test_transformers_trainer_callback(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (make setup installs it)")
+    from deltasync_rs.integrations import DeltaSyncCallback
+
+    assert ds.integrations.DeltaSyncCallback is DeltaSyncCallback  # imported on first use of the attribute
+    model = tiny_gpt2(seed=5)
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 512, (16, 16), generator=generator)]
+    publisher = ds.Publisher(LocalStore(tmp_path / "store"), anchor_every=3)
+    callback = DeltaSyncCallback(publisher, sync_every=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=5, per_device_train_batch_size=4, learning_rate=1e-4,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+    trainer.train()
+    publisher.flush()
+    entries = ds.sync.log_entries(LocalStore(tmp_path / "store"))
+    assert [e.step for e in entries] == [0, 2, 4]
+    callback.on_step_end(args, trainer.state, None)  # step 5 is odd: nothing to publish
+    trainer.state.global_step = 6
+    callback.on_step_end(args, trainer.state, None)  # the steps since 4, published as 6
+    publisher.flush()
+    replica = replica_of(callback.mirror)
+    replica = {n: torch.zeros_like(t) for n, t in replica.items()}
+    replica["lm_head.weight"] = replica["transformer.wte.weight"]
+    assert ds.Subscriber(LocalStore(tmp_path / "store")).pull(replica) == 6
+    assert_same(replica, bf16(trainer.model))
+
+    disabled = DeltaSyncCallback(publisher, enabled=False)
+    disabled.on_train_begin(args, trainer.state, None, model=model)
+    assert disabled.mirror is None
+    publisher.close()
+
+
+def test_mirror_on_cuda_matches_the_cpu(cuda):
+    model = tiny_gpt2(seed=6).to(cuda)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    mirror = ds_torch.Mirror(model, chunk_bytes=10_000)  # many chunks: the double buffer turns over
+    assert all(t.is_pinned() for t in mirror.tensors.values())
+    replica = replica_of(mirror)
+    for step in range(1, 4):
+        train_step_cuda = torch.randint(0, 512, (4, 32), device=cuda)
+        model(input_ids=train_step_cuda, labels=train_step_cuda).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mirror.step(step).apply_(replica)
+        expected = {n: t.cpu() for n, t in bf16(model).items()}
+        assert_same(replica, expected)
+        assert_same(mirror.state_dict(), expected)
+    assert mirror.staging_nbytes == 2 * 10_000
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_mirror_step_peak_memory_is_bounded():
+    """Peak resident memory during step() beyond the mirror: staging chunks and the delta, no full-size temporary.
+    The fp32 tensor's bf16 cast alone would be 32 MB; the bound allows a third of that plus the delta."""
+    torch.manual_seed(0)
+    state = {"master": torch.randn(4096, 4096), "half": torch.randn(4096, 4096).to(torch.bfloat16)}
+    chunk_bytes = 2 << 20
+    mirror = ds_torch.Mirror(state, chunk_bytes=chunk_bytes)
+    mirror.step(0)  # allocates the staging buffer
+    changed = torch.rand(4096, 4096) < 0.01
+    state["master"][changed] *= 1.01
+    state["half"][changed] *= 1.01
+    del changed
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets the peak (VmHWM) to the current resident size
+    before = _proc_status("VmRSS")
+    delta = mirror.step(1)
+    extra = _proc_status("VmHWM") - before
+    print(f"peak beyond the mirror: {extra / 1e6:.2f} MB (delta {delta.nbytes / 1e6:.2f} MB, "
+          f"staging {mirror.staging_nbytes / 1e6:.2f} MB, mirror {mirror.nbytes / 1e6:.2f} MB)")
+    assert mirror.staging_nbytes == chunk_bytes
+    assert delta.num_changed > 300_000
+    assert extra < (32 << 20) // 3 + delta.nbytes
+
+
+def test_examples_train_publish_then_pull_and_verify(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    store = tmp_path / "store"
+    trained = subprocess.run([sys.executable, str(root / "examples" / "train_and_publish.py"), "--store", str(store),
+                              "--steps", "5", "--sync-every", "2", "--anchor-every", "2"],
+                             capture_output=True, text=True, timeout=300, check=True)
+    digest = trained.stdout.strip().splitlines()[-1].split()[-1]
+    assert "published step 4" in trained.stdout
+    pulled = subprocess.run([sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store),
+                             "--expect", digest], capture_output=True, text=True, timeout=300, check=True)
+    assert "pulled step 5: " in pulled.stdout and "bit-exact" in pulled.stdout
+    wrong = subprocess.run([sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store),
+                            "--expect", "0" * 32], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0 and "digest mismatch" in wrong.stderr
+
+
+def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_path):
+    """fully_shard on CPU over gloo: each rank diffs its own (uneven) shards; the subscriber matches full_tensor()."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    store, out = tmp_path / "store", tmp_path / "whole.pt"
+    subprocess.run([sys.executable, "-m", "tests.fsdp_workers", str(port), str(store), str(out)], cwd=root,
+                   check=True, timeout=600)
+    entries = ds.sync.log_entries(LocalStore(store))
+    assert [e.step for e in entries] == [0, 2, 4, 5]
+    assert [e.anchor is not None for e in entries] == [True, False, False, False]  # the pull replays every delta
+    assert all(e.num_changed > 0 for e in entries)
+    whole = torch.load(out)
+    state = {name: torch.zeros_like(t) for name, t in whole.items()}
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 5
+    assert_same(state, whole)
+    assert not ds.sync.verify_store(LocalStore(store))
