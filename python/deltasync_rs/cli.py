@@ -42,7 +42,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
     try:
-        delta = Delta(diff_files(args.prev, args.curr, args.values, progress))
+        delta = Delta(diff_files(args.prev, args.curr, args.values, progress, args.codec))
     finally:
         if bar is not None:
             bar.close()
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="the delta file to write")
     p.add_argument("--values", choices=("diff", "abs"), default="diff",
                    help="store bit-pattern differences (smallest) or new absolute values (TRL-compatible)")
+    p.add_argument("--codec", choices=("varint", "compact"), default="varint",
+                   help="byte-aligned streams (read by every version-1 reader) or Rice/bit-packed streams (smallest)")
     p.add_argument("--format", choices=("deltasync", "trl"), default="deltasync", help="file layout to write")
     p.add_argument("--step", type=_step_number, default=None, help="step number to record")
     p.add_argument("--base-step", type=_step_number, default=None, help="base step number to record")

@@ -6,7 +6,7 @@ use std::path::Path;
 use memmap2::{Mmap, MmapMut};
 
 use crate::core::apply::{apply_tensor, check_target};
-use crate::core::codec::ValueCodec;
+use crate::core::codec::{Codec, ValueCodec};
 use crate::core::delta::Delta;
 use crate::core::diff::{diff, DiffInput};
 use crate::core::dtype;
@@ -38,7 +38,12 @@ fn names_in_order(header: &Header) -> Vec<String> {
 
 /// Diffs two safetensors checkpoints tensor by tensor; every tensor of each must match the other.
 /// `progress(done, total)` is called with bytes of the newer checkpoint compared so far; returning false stops.
-pub fn diff_files(prev: &Path, curr: &Path, codec: ValueCodec, progress: &mut dyn FnMut(u64, u64) -> bool) -> Result<Delta> {
+pub fn diff_files(
+    prev: &Path,
+    curr: &Path,
+    values_codec: ValueCodec,
+    codec: Codec,
+    progress: &mut dyn FnMut(u64, u64) -> bool) -> Result<Delta> {
     let (prev_map, curr_map) = (map(prev)?, map(curr)?);
     let prev_header = read_header(&prev_map, &prev.display().to_string())?;
     let curr_header = read_header(&curr_map, &curr.display().to_string())?;
@@ -86,7 +91,7 @@ pub fn diff_files(prev: &Path, curr: &Path, codec: ValueCodec, progress: &mut dy
                 new: &curr_map[curr_range.clone()],
             })
             .collect();
-        tensors.extend(diff(&batch, codec)?);
+        tensors.extend(diff(&batch, values_codec, codec)?);
         for (_, _, _, prev_range, curr_range) in &pairs[start..end] {
             release(&prev_map, prev_range.clone());
             release(&curr_map, curr_range.clone());
