@@ -96,6 +96,24 @@ def test_diff_then_apply_reproduces_curr_bit_exactly(tmp_path, capsys, ckpts):
     assert_states_equal({n: base[n] for n in prev}, prev)
 
 
+def test_compact_codec_is_smaller_and_applies_bit_exactly(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    varint_path, compact_path = tmp_path / "varint.safetensors", tmp_path / "compact.safetensors"
+    out_path = tmp_path / "out.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", varint_path)[0] == 0
+    rc, out, err = _run(capsys, "diff", prev_path, curr_path, "-o", compact_path, "--codec", "compact")
+    assert (rc, err) == (0, "")
+    varint, compact = ds.load(varint_path), ds.load(compact_path)
+    assert compact.num_changed == varint.num_changed == _num_changed(prev, curr)
+    assert compact.nbytes < varint.nbytes
+    assert {(t.positions, t.values) for t in compact.tensors if t.changed} >= {("rice", "diffbits")}
+    rc, out, err = _run(capsys, "inspect", compact_path)
+    assert rc == 0 and "rice/diffbits" in out
+    rc, out, err = _run(capsys, "apply", prev_path, compact_path, "-o", out_path)
+    assert (rc, err) == (0, "")
+    assert out_path.read_bytes() == curr_path.read_bytes()
+
+
 def test_abs_trl_output_loads_everywhere(tmp_path, capsys, ckpts):
     prev, curr, prev_path, curr_path = ckpts
     trl_path = tmp_path / "deltas" / "step_000007.safetensors"
