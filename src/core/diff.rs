@@ -280,6 +280,17 @@ fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, valu
 /// Compares each tensor's old and new bytes and encodes what changed: values as new bits (`Abs`) or
 /// differences (`Diff`; `DiffBits` asks for the same), in the stream family `codec`.
 pub fn diff(inputs: &[DiffInput<'_>], values_codec: ValueCodec, codec: Codec) -> Result<Vec<TensorDelta>> {
+    diff_with(inputs, values_codec, codec, &|_, _| {})
+}
+
+/// `diff`, calling `compared(input, byte_range)` as soon as each chunk of an input has been compared, so that a
+/// caller reading mapped files can hand those pages back while the rest of the tensor is still being compared.
+pub fn diff_with(
+    inputs: &[DiffInput<'_>],
+    values_codec: ValueCodec,
+    codec: Codec,
+    compared: &(dyn Fn(usize, std::ops::Range<usize>) + Sync),
+) -> Result<Vec<TensorDelta>> {
     let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
     let mut widths = Vec::with_capacity(inputs.len());
     let mut tasks = Vec::new();
@@ -298,7 +309,9 @@ pub fn diff(inputs: &[DiffInput<'_>], values_codec: ValueCodec, codec: Codec) ->
             .map(|&(index, start, end)| {
                 let (input, width) = (&inputs[index], widths[index]);
                 let bytes = start * width..end * width;
-                (index, scan(&input.old[bytes.clone()], &input.new[bytes], start as u64, width, scanned_values))
+                let changes = scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+                compared(index, bytes);
+                (index, changes)
             })
             .collect();
         let mut per_tensor: Vec<Vec<ChunkChanges>> = (0..inputs.len()).map(|_| Vec::new()).collect();
