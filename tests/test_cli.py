@@ -382,3 +382,17 @@ def test_negative_step_is_a_clean_error(tmp_path, capsys, ckpts, flag):
     assert rc in (1, 2)
     assert "deltasync diff: error:" in err
     assert not out_path.exists()
+
+
+def test_bench_prints_a_table_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "bench.png"
+    rc, out, err = _run(capsys, "bench", "--scale", "0.002", "--densities", "1%", "0.05", "--rounds", "1", "--plot", plot)
+    assert rc == 0, err
+    for what in ("deltasync varint", "deltasync compact", "TRL v1", "TRL v3 gap_delta", "read floor"):
+        assert what in out
+    rows = [line.split() for line in out.splitlines() if "deltasync" in line]
+    assert [row[0] for row in rows] == ["1.00%", "1.00%", "5.00%", "5.00%"]
+    sizes = {(row[0], row[2]): float(row[3]) for row in rows}
+    assert sizes[("1.00%", "compact")] < sizes[("1.00%", "varint")]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -52,7 +52,7 @@ def _torch_state(flat: np.ndarray, layout: dict) -> dict:
     return state
 
 
-def _peers() -> dict[str, tuple[Callable, Callable]]:
+def _peer_codecs() -> dict[str, tuple[Callable, Callable]]:
     from . import _peers
 
     peers = {"TRL v1": (_peers.trl_v1_encode, _peers.trl_v1_apply),
@@ -91,7 +91,7 @@ def run(scale: float = 0.05, densities: Sequence[float] = DEFAULT_DENSITIES, rou
             apply_ms, state = _median_ms(lambda s: load(blob).apply_(s), rounds, setup=fresh)
             check(state, codec)
             results.append(Result(density, f"deltasync {codec}", len(blob) / changed, encode_ms, apply_ms))
-        for name, (encode, apply) in (_peers().items() if peers else ()):
+        for name, (encode, apply) in (_peer_codecs().items() if peers else ()):
             encode_ms, blob = _median_ms(lambda: encode(prev, curr), rounds)
             apply_ms, state = _median_ms(lambda s: (apply(blob, s), s)[1], rounds, setup=fresh)
             check(state, name)
@@ -116,6 +116,7 @@ def table(results: list[Result]) -> str:
 def plot(results: list[Result], path: str) -> None:
     """Three panels against density: bytes per changed element, encode time, decode+apply time."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -132,12 +133,15 @@ def plot(results: list[Result], path: str) -> None:
     for ax, title in zip(axes, ("file bytes per changed element", "encode (diff + serialize), ms",
                                 "decode + apply onto a CPU state, ms")):
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(sorted({r.density * 100 for r in results}))
         ax.set_xlabel("changed elements, %")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes[1].set_yscale("log")
     axes[2].set_yscale("log")
-    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)  # the encode panel has every line, the read floor included
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
