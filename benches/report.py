@@ -17,7 +17,9 @@ from collections import defaultdict
 def _rows(path: str) -> dict:
     """density -> label -> {"encode1", "encode2", "apply": ms; "bytes": float}, from one benchmark JSON."""
     out: dict = defaultdict(lambda: defaultdict(dict))
-    for bench in json.loads(open(path).read())["benchmarks"]:
+    with open(path) as f:
+        benchmarks = json.load(f)["benchmarks"]
+    for bench in benchmarks:
         info, name = bench["extra_info"], bench["name"]
         kind = "apply" if bench["group"].startswith("apply") else "encode"
         median = bench["stats"]["median"] * 1e3

@@ -19,13 +19,11 @@ from __future__ import annotations
 import gc
 import os
 
+import baselines
+import deltasync_rs as ds
 import numpy as np
 import pytest
 import torch
-
-import deltasync_rs as ds
-
-import baselines
 import workload as _workload
 
 DENSITIES = [0.0025, 0.005, 0.01, 0.02, 0.05]

@@ -35,8 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from deltasync_rs._workload import GENERATOR_VERSION, generate, qwen3_shapes, qwen_7b_shapes, write_checkpoints
+from deltasync_rs._workload import (
+    GENERATOR_VERSION,
+    generate,
+    qwen3_shapes,
+    qwen_7b_shapes,
+    write_checkpoints,
+)
 
 __all__ = ["CACHE_DIR", "GENERATOR_VERSION", "Workload", "generate", "load_or_generate", "load_workload",
            "qwen3_shapes", "qwen_7b_shapes", "torch_views", "write_checkpoints"]

@@ -7,6 +7,7 @@ the synthetic Qwen3-0.6B-shaped workload of ``benches/`` (``deltasync_rs._worklo
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -69,38 +70,50 @@ def _peer_codecs() -> dict[str, tuple[Callable, Callable]]:
 def run(scale: float = 0.05, densities: Sequence[float] = DEFAULT_DENSITIES, rounds: int = 3, seed: int = 0,
         peers: bool = True, progress: Callable[[str], None] | None = None) -> list[Result]:
     """Measures each codec (and, with ``peers``, each peer) at each density; checks every result bit-exactly."""
+    results = []
+    for density in densities:
+        results += _measure_density(scale, density, rounds, seed, peers)
+        if progress:
+            progress(f"density {density:.2%} done")
+    return results
+
+
+def _measure_density(scale: float, density: float, rounds: int, seed: int, peers: bool) -> list[Result]:
     import torch
 
     from . import _peers
 
-    results = []
-    for density in densities:
-        prev_flat, curr_flat, layout = _workload.generate(scale, density, seed)
-        prev, curr = _torch_state(prev_flat, layout), _torch_state(curr_flat, layout)
-        changed = sum(layout["changed"])
+    prev_flat, curr_flat, layout = _workload.generate(scale, density, seed)
+    prev, curr = _torch_state(prev_flat, layout), _torch_state(curr_flat, layout)
+    changed = sum(layout["changed"])
 
-        def fresh():
-            return {k: v.clone() for k, v in prev.items()}
+    def fresh() -> dict:
+        return {k: v.clone() for k, v in prev.items()}
 
-        def check(state: dict, what: str) -> None:
-            if not all(torch.equal(state[k].view(torch.int16), curr[k].view(torch.int16)) for k in curr):
-                raise AssertionError(f"{what} at density {density}: the applied state differs from the new state")
+    def check(state: dict, what: str) -> None:
+        if not all(torch.equal(state[k].view(torch.int16), curr[k].view(torch.int16)) for k in curr):
+            raise AssertionError(f"{what} at density {density}: the applied state differs from the new state")
 
-        for codec in ("varint", "compact"):
-            encode_ms, blob = _median_ms(lambda: diff(prev, curr, codec=codec).to_bytes(), rounds)
-            apply_ms, state = _median_ms(lambda s: load(blob).apply_(s), rounds, setup=fresh)
-            check(state, codec)
-            results.append(Result(density, f"deltasync {codec}", len(blob) / changed, encode_ms, apply_ms))
-        for name, (encode, apply) in (_peer_codecs().items() if peers else ()):
-            encode_ms, blob = _median_ms(lambda: encode(prev, curr), rounds)
-            apply_ms, state = _median_ms(lambda s: (apply(blob, s), s)[1], rounds, setup=fresh)
-            check(state, name)
-            results.append(Result(density, name, len(blob) / changed, encode_ms, apply_ms))
-        floor_ms, _ = _median_ms(lambda: _peers.read_floor(prev, curr, threads=2), rounds)
-        results.append(Result(density, "read floor (2 threads)", None, floor_ms, None))
-        if progress:
-            progress(f"density {density:.2%} done")
+    def measure(what: str, encode: Callable[[], bytes], apply: Callable[[bytes, dict], object]) -> Result:
+        encode_ms, blob = _median_ms(encode, rounds)
+        apply_ms, state = _median_ms(lambda s: (apply(blob, s), s)[1], rounds, setup=fresh)
+        check(state, what)
+        return Result(density, what, len(blob) / changed, encode_ms, apply_ms)
+
+    def apply_deltasync(blob: bytes, state: dict) -> None:
+        load(blob).apply_(state)
+
+    results = [measure(f"deltasync {codec}", functools.partial(_encode_deltasync, prev, curr, codec), apply_deltasync)
+               for codec in ("varint", "compact")]
+    for name, (encode, apply) in (_peer_codecs().items() if peers else ()):
+        results.append(measure(name, functools.partial(encode, prev, curr), apply))
+    floor_ms, _ = _median_ms(functools.partial(_peers.read_floor, prev, curr, threads=2), rounds)
+    results.append(Result(density, "read floor (2 threads)", None, floor_ms, None))
     return results
+
+
+def _encode_deltasync(prev: dict, curr: dict, codec: str) -> bytes:
+    return diff(prev, curr, codec=codec).to_bytes()
 
 
 def table(results: list[Result]) -> str:

@@ -98,8 +98,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     try:
-        from . import bench
         import torch  # noqa: F401
+
+        from . import bench
     except ImportError as error:
         print(f"deltasync bench: needs torch ({error}); pip install 'deltasync-rs[bench]'", file=sys.stderr)
         return 1
