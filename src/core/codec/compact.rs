@@ -1,8 +1,7 @@
 //! The `compact` codec: Golomb-Rice coded gaps (`rice` positions) and a bit-packed prefix code of bit-pattern
 //! differences (`diffbits` values). Bits are packed least significant first into little-endian bytes (docs/format.md §5, §6).
 
-use super::values::{mask, ValueReader, ESCAPE};
-use super::ValueCodec;
+use super::values::{mask, ESCAPE};
 
 /// Largest Rice parameter a stream may declare: keeps `quotient << k` below 2^62 and every read within one word.
 pub const MAX_RICE_K: u32 = 56;
@@ -299,12 +298,35 @@ pub fn put_difference(out: &mut BitWriter, difference: u64, width: usize) {
     }
 }
 
-/// Re-encodes a byte-coded `diff` value stream of `count` values as a `diffbits` stream.
+/// Re-encodes a byte-coded `diff` value stream of `count` values as a `diffbits` stream. The one-byte ±1 and ±2 of
+/// wide elements, nearly every value of a training step, map straight to their short codes.
 pub fn diff_to_diffbits<const W: usize>(diff_stream: &[u8], count: u64, out: &mut BitWriter) {
-    let mut reader = ValueReader::<W>::new(diff_stream, ValueCodec::Diff);
-    for _ in 0..count {
-        let difference = reader.next_value().expect("the diff stream was written by the scan");
-        put_difference(out, difference, W);
+    if W == 1 {
+        for &byte in &diff_stream[..count as usize] {
+            put_difference(out, u64::from(byte), 1);
+        }
+        return;
+    }
+    let mut at = 0;
+    while let Some(&byte) = diff_stream.get(at) {
+        at += 1;
+        match byte {
+            0x01 => out.put(0b00, 2),
+            0xff => out.put(0b10, 2),
+            0x02 => out.put(0b001, 3),
+            0xfe => out.put(0b101, 3),
+            ESCAPE => {
+                let raw = &diff_stream[at..at + W];
+                at += W;
+                let mut word = [0u8; 8];
+                word[..W].copy_from_slice(raw);
+                put_difference(out, u64::from_le_bytes(word), W);
+            }
+            _ => {
+                out.put(0b11, 2);
+                out.put(u64::from(byte), 8);
+            }
+        }
     }
 }
 
