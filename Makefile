@@ -10,7 +10,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 accelerate huggingface_hub tqdm xxhash ruff
+	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 accelerate huggingface_hub tqdm xxhash ruff zstandard matplotlib
 	$(MAKE) develop
 
 ## develop: rebuild the Rust extension into the virtualenv after a Rust change

@@ -30,67 +30,23 @@ so reruns only read them back.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from deltasync_rs._workload import (
+    GENERATOR_VERSION,
+    generate,
+    qwen3_shapes,
+    qwen_7b_shapes,
+    write_checkpoints,
+)
 
-#: Bump when the generated data changes, so stale caches are not reused.
-GENERATOR_VERSION = 2
+__all__ = ["CACHE_DIR", "GENERATOR_VERSION", "Workload", "generate", "load_or_generate", "load_workload",
+           "qwen3_shapes", "qwen_7b_shapes", "torch_views", "write_checkpoints"]
+
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
-
-VOCAB = 151936
-HIDDEN = 1024
-INTERMEDIATE = 3072
-LAYERS = 28
-HEAD_DIM = 128
-Q_HEADS = 16
-KV_HEADS = 8
-
-# Categories of bit-pattern change, as cumulative probabilities: ±1, ±2, ±3..±200, sign flip.
-_P_ONE = 0.90
-_P_TWO = 0.94
-_P_LARGE = 0.995
-_LARGE_MAX = 200
-
-_CHUNK = 1 << 23  # elements generated per chunk, to bound temporaries
-
-
-def qwen3_shapes(scale: float = 1.0) -> list[tuple[str, tuple[int, ...]]]:
-    """HF parameter names and shapes of a Qwen3-0.6B-like model shrunk by ``scale`` (see the module docstring)."""
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
-    if scale >= 1.0:
-        layers, hidden, vocab, head_dim = LAYERS, HIDDEN, VOCAB, HEAD_DIM
-    else:
-        layers = max(1, round(LAYERS * scale))
-        width = min(1.0, math.sqrt(LAYERS * scale))
-        hidden = max(64, int(round(HIDDEN * width / 64)) * 64)
-        vocab = max(256, round(VOCAB * scale))
-        head_dim = min(HEAD_DIM, hidden // 2)
-    q_dim = hidden * Q_HEADS * HEAD_DIM // HIDDEN  # 2048 at full size
-    kv_dim = hidden * KV_HEADS * HEAD_DIM // HIDDEN  # 1024 at full size
-    inter = hidden * INTERMEDIATE // HIDDEN
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (q_dim, hidden)),
-            (p + "self_attn.k_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.v_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, q_dim)),
-            (p + "self_attn.q_norm.weight", (head_dim,)),
-            (p + "self_attn.k_norm.weight", (head_dim,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-        ]
-    shapes.append(("model.norm.weight", (hidden,)))
-    return shapes
 
 
 @dataclass
@@ -122,90 +78,6 @@ class Workload:
     def clone_prev(self) -> dict:
         """A fresh, independently allocated copy of ``prev`` (one tensor per name, as a model would hold)."""
         return {name: t.clone() for name, t in self.prev.items()}
-
-
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even (inputs are finite)."""
-    bits = x.view(np.uint32)
-    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-    return ((bits + rounding) >> 16).astype(np.uint16)
-
-
-def _change_positions(rng: np.random.Generator, n: int, density: float) -> np.ndarray:
-    """Ascending positions in [0, n) where each element is chosen independently with probability ``density``."""
-    if density <= 0 or n == 0:
-        return np.empty(0, dtype=np.int64)
-    if density >= 1:
-        return np.arange(n, dtype=np.int64)
-    parts = []
-    start = -1  # position of the last chosen element
-    while True:
-        expected = (n - 1 - start) * density
-        m = int(expected + 8 * math.sqrt(expected) + 16)
-        pos = start + np.cumsum(rng.geometric(density, size=m), dtype=np.int64)
-        if pos[-1] >= n:
-            parts.append(pos[pos < n])
-            break
-        parts.append(pos)
-        start = int(pos[-1])
-    return np.concatenate(parts)
-
-
-def _change_bits(rng: np.random.Generator, old: np.ndarray) -> np.ndarray:
-    """New uint16 bit patterns for the changed elements (see the module docstring for the mix)."""
-    k = old.size
-    u = rng.random(k)
-    sign = rng.integers(0, 2, size=k, dtype=np.int32) * 2 - 1
-    magnitude = np.where(u < _P_ONE, 1, np.where(u < _P_TWO, 2, rng.integers(3, _LARGE_MAX + 1, size=k)))
-    new = ((old.astype(np.int32) + sign * magnitude) & 0xFFFF).astype(np.uint16)
-    flip = u >= _P_LARGE
-    new[flip] = old[flip] ^ np.uint16(0x8000)
-    return new
-
-
-def generate(scale: float = 1.0, density: float = 0.01, seed: int = 0):
-    """Builds the two flat uint16 buffers and the layout, without touching the cache."""
-    spec = qwen3_shapes(scale)
-    names = [n for n, _ in spec]
-    shapes = [s for _, s in spec]
-    sizes = [int(np.prod(s)) for s in shapes]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    total = int(offsets[-1])
-    prev = np.empty(total, dtype=np.uint16)
-    curr = np.empty(total, dtype=np.uint16)
-    changed = []
-    for i, (name, n) in enumerate(zip(names, sizes)):
-        # An independent stream per tensor: the data for a name does not depend on generation order.
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, GENERATOR_VERSION, i])))
-        dst = prev[offsets[i]: offsets[i] + n]
-        # bf16 patterns of normal(0, 0.02) (norms: 1 + normal(0, 0.02)): a table of 2**16 normal draws, rounded to
-        # bf16, indexed by uniform random 16-bit numbers (4 per raw 64-bit draw). Much faster than one normal draw
-        # per element, and bf16 has far fewer than 2**16 distinct values in this range, so nothing visible is lost.
-        x = rng.standard_normal(1 << 16, dtype=np.float32) * np.float32(0.02)
-        if name.endswith("norm.weight"):
-            x += np.float32(1.0)
-        table = _bf16_bits(x)
-        for lo in range(0, n, _CHUNK):
-            m = min(_CHUNK, n - lo)
-            draws = rng.bit_generator.random_raw((m + 3) // 4).view(np.uint16)[:m]
-            dst[lo: lo + m] = table[draws]
-        out = curr[offsets[i]: offsets[i] + n]
-        out[:] = dst
-        pos = _change_positions(rng, n, density)
-        out[pos] = _change_bits(rng, dst[pos])
-        changed.append(int(pos.size))
-    layout = {
-        "generator_version": GENERATOR_VERSION,
-        "scale": scale,
-        "density": density,
-        "seed": seed,
-        "names": names,
-        "shapes": [list(s) for s in shapes],
-        "offsets": [int(o) for o in offsets[:-1]],
-        "changed": changed,
-        "num_elements": total,
-    }
-    return prev, curr, layout
 
 
 def cache_key(scale: float, density: float, seed: int) -> str:
@@ -273,15 +145,30 @@ def load_workload(scale: float = 1.0, density: float = 0.01, seed: int = 0,
     )
 
 
-if __name__ == "__main__":  # python benches/workload.py [scale] [density] [seed]
-    import sys
+def _main() -> None:
+    import argparse
     import time
 
-    args = sys.argv[1:]
-    s = float(args[0]) if args else 1.0
-    d = float(args[1]) if len(args) > 1 else 0.01
-    sd = int(args[2]) if len(args) > 2 else 0
+    parser = argparse.ArgumentParser(description="Generate (and cache) the benchmark workload, or write it as checkpoints.")
+    parser.add_argument("scale", type=float, nargs="?", default=1.0)
+    parser.add_argument("density", type=float, nargs="?", default=0.01)
+    parser.add_argument("seed", type=int, nargs="?", default=0)
+    parser.add_argument("--checkpoints", metavar="DIR", help="write DIR/prev.safetensors and DIR/curr.safetensors instead")
+    parser.add_argument("--shape", choices=("0.6b", "7b"), default="0.6b", help="model shape for --checkpoints")
+    args = parser.parse_args()
     t0 = time.perf_counter()
-    w = load_workload(s, d, sd)
-    print(f"scale={s} density={d} seed={sd}: {len(w.names)} tensors, {w.num_elements:,} elements, "
-          f"{w.num_changed:,} changed ({w.num_changed / w.num_elements:.4%}), {time.perf_counter() - t0:.2f} s")
+    if args.checkpoints:
+        out = Path(args.checkpoints)
+        out.mkdir(parents=True, exist_ok=True)
+        shapes = qwen_7b_shapes() if args.shape == "7b" else qwen3_shapes(args.scale)
+        changed = write_checkpoints(out / "prev.safetensors", out / "curr.safetensors", shapes, args.density, args.seed)
+        total = sum(int(np.prod(s)) for _, s in shapes)
+        print(f"{out}: {len(shapes)} tensors, {total:,} elements, {changed:,} changed, {time.perf_counter() - t0:.1f} s")
+        return
+    w = load_workload(args.scale, args.density, args.seed)
+    print(f"scale={args.scale} density={args.density} seed={args.seed}: {len(w.names)} tensors, {w.num_elements:,} "
+          f"elements, {w.num_changed:,} changed ({w.num_changed / w.num_elements:.4%}), {time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":  # python benches/workload.py [scale] [density] [seed] [--checkpoints DIR --shape 7b]
+    _main()

@@ -9,7 +9,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes};
 
-use crate::core::codec::ValueCodec;
+use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
 use crate::core::digest::{self, DigestInput};
 use crate::core::{apply, diff, dtype, files, format, pool, trl, Delta, Error};
@@ -79,9 +79,16 @@ fn parse_dtype(name: &str, tensor: &str) -> PyResult<dtype::Dtype> {
     dtype::parse(name).map_err(|e| DeltaSyncError::new_err(format!("tensor {tensor:?}: {e}")))
 }
 
-fn parse_codec(values: &str) -> PyResult<ValueCodec> {
-    ValueCodec::parse(values)
-        .ok_or_else(|| DeltaSyncError::new_err(format!("values must be \"diff\" or \"abs\", not {values:?}")))
+fn parse_values(values: &str) -> PyResult<ValueCodec> {
+    match ValueCodec::parse(values) {
+        Some(codec @ (ValueCodec::Diff | ValueCodec::Abs)) => Ok(codec),
+        _ => Err(DeltaSyncError::new_err(format!("values must be \"diff\" or \"abs\", not {values:?}"))),
+    }
+}
+
+fn parse_codec(codec: &str) -> PyResult<Codec> {
+    Codec::parse(codec)
+        .ok_or_else(|| DeltaSyncError::new_err(format!("codec must be \"varint\" or \"compact\", not {codec:?}")))
 }
 
 /// A delta held by the core: tensors with their encoded streams, and file metadata.
@@ -136,8 +143,10 @@ impl RawDelta {
     }
 
     /// Diffs tensors given as (name, dtype, shape, old bytes, new bytes) and appends them.
-    fn add_diff(&mut self, py: Python<'_>, entries: Vec<DiffEntry<'_>>, values: &str) -> PyResult<()> {
-        let codec = parse_codec(values)?;
+    #[pyo3(signature = (entries, values, codec = "varint"))]
+    fn add_diff(&mut self, py: Python<'_>, entries: Vec<DiffEntry<'_>>, values: &str, codec: &str) -> PyResult<()> {
+        let values = parse_values(values)?;
+        let codec = parse_codec(codec)?;
         let mut held = Vec::with_capacity(entries.len() * 2);
         let mut specs = Vec::with_capacity(entries.len());
         for (name, dtype_name, shape, old, new) in &entries {
@@ -161,7 +170,7 @@ impl RawDelta {
                         new: unsafe { new.get() },
                     })
                     .collect();
-                diff::diff(&inputs, codec)
+                diff::diff(&inputs, values, codec)
             })
             .map_err(to_py)?;
         drop(held);
@@ -370,9 +379,17 @@ impl RawDelta {
 /// Diffs two safetensors checkpoints on disk, memory-mapped, in batches of tensors; `progress(done, total)`
 /// is called with bytes compared after each batch.
 #[pyfunction]
-#[pyo3(signature = (prev, curr, values = "diff", progress = None))]
-fn diff_files(py: Python<'_>, prev: PathBuf, curr: PathBuf, values: &str, progress: Option<Py<PyAny>>) -> PyResult<RawDelta> {
-    let codec = parse_codec(values)?;
+#[pyo3(signature = (prev, curr, values = "diff", progress = None, codec = "varint"))]
+fn diff_files(
+    py: Python<'_>,
+    prev: PathBuf,
+    curr: PathBuf,
+    values: &str,
+    progress: Option<Py<PyAny>>,
+    codec: &str,
+) -> PyResult<RawDelta> {
+    let values = parse_values(values)?;
+    let codec = parse_codec(codec)?;
     let mut callback_error = None;
     let result = py.detach(|| {
         let mut report = |done: u64, total: u64| {
@@ -386,7 +403,7 @@ fn diff_files(py: Python<'_>, prev: PathBuf, curr: PathBuf, values: &str, progre
             .err();
             callback_error.is_none()
         };
-        files::diff_files(&prev, &curr, codec, &mut report)
+        files::diff_files(&prev, &curr, values, codec, &mut report)
     });
     if let Some(error) = callback_error {
         return Err(error);

@@ -96,6 +96,24 @@ def test_diff_then_apply_reproduces_curr_bit_exactly(tmp_path, capsys, ckpts):
     assert_states_equal({n: base[n] for n in prev}, prev)
 
 
+def test_compact_codec_is_smaller_and_applies_bit_exactly(tmp_path, capsys, ckpts):
+    prev, curr, prev_path, curr_path = ckpts
+    varint_path, compact_path = tmp_path / "varint.safetensors", tmp_path / "compact.safetensors"
+    out_path = tmp_path / "out.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", varint_path)[0] == 0
+    rc, out, err = _run(capsys, "diff", prev_path, curr_path, "-o", compact_path, "--codec", "compact")
+    assert (rc, err) == (0, "")
+    varint, compact = ds.load(varint_path), ds.load(compact_path)
+    assert compact.num_changed == varint.num_changed == _num_changed(prev, curr)
+    assert compact.nbytes < varint.nbytes
+    assert {(t.positions, t.values) for t in compact.tensors if t.changed} >= {("rice", "diffbits")}
+    rc, out, err = _run(capsys, "inspect", compact_path)
+    assert rc == 0 and "rice/diffbits" in out
+    rc, out, err = _run(capsys, "apply", prev_path, compact_path, "-o", out_path)
+    assert (rc, err) == (0, "")
+    assert out_path.read_bytes() == curr_path.read_bytes()
+
+
 def test_abs_trl_output_loads_everywhere(tmp_path, capsys, ckpts):
     prev, curr, prev_path, curr_path = ckpts
     trl_path = tmp_path / "deltas" / "step_000007.safetensors"
@@ -364,3 +382,17 @@ def test_negative_step_is_a_clean_error(tmp_path, capsys, ckpts, flag):
     assert rc in (1, 2)
     assert "deltasync diff: error:" in err
     assert not out_path.exists()
+
+
+def test_bench_prints_a_table_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "bench.png"
+    rc, out, err = _run(capsys, "bench", "--scale", "0.002", "--densities", "1%", "0.05", "--rounds", "1", "--plot", plot)
+    assert rc == 0, err
+    for what in ("deltasync varint", "deltasync compact", "TRL v1", "TRL v3 gap_delta", "read floor"):
+        assert what in out
+    rows = [line.split() for line in out.splitlines() if "deltasync" in line]
+    assert [row[0] for row in rows] == ["1.00%", "1.00%", "5.00%", "5.00%"]
+    sizes = {(row[0], row[2]): float(row[3]) for row in rows}
+    assert sizes[("1.00%", "compact")] < sizes[("1.00%", "varint")]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

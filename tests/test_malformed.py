@@ -48,6 +48,23 @@ def u8(payload: bytes):
 VALID = craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(bytes([1, 0xFF]))})
 
 
+# The same changes in the compact codec: k = 0, gaps 1 and 2 as bits 1,0 and 1,1,0; values +1, -1 as bits 0,0 and 0,1.
+VALID_COMPACT = craft(meta(record(positions="rice", values="diffbits")),
+                      {"w:pos": u8(bytes([0x00, 0x0D])), "w:val": u8(bytes([0x08]))})
+
+
+def compact(pos: bytes, val: bytes = bytes([0x08]), **fields) -> bytes:
+    return craft(meta(record(positions="rice", values="diffbits", **fields)), {"w:pos": u8(pos), "w:val": u8(val)})
+
+
+def test_the_handmade_compact_file_is_valid():
+    delta = ds.load(VALID_COMPACT)
+    assert [(t.positions, t.values) for t in delta.tensors] == [("rice", "diffbits")]
+    target = torch.zeros(8, dtype=torch.bfloat16)
+    delta.apply_(target)
+    assert target.view(torch.int16).tolist() == [0, 1, 0, 0, -1, 0, 0, 0]
+
+
 def test_the_handmade_file_is_valid():
     delta = ds.load(VALID)
     target = torch.zeros(8, dtype=torch.bfloat16)
@@ -99,6 +116,23 @@ CASES = {
                                                   {"w:pos": u8(b"\x00"), "w:val": u8(bytes(8))}),
     "anchor kind on a sparse delta": craft(meta(record(), kind="anchor"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
     "step not a number": craft(meta(record(), step="x"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
+    "rice parameter over 56": compact(bytes([57, 0x0D])),
+    "rice stream holds only k": compact(bytes([0x00])),
+    "empty rice stream": compact(b""),
+    "rice unary run without end": compact(bytes([0x00, 0xFF, 0xFF])),
+    "rice escape cut short": compact(bytes([0x00] + [0xFF] * 8 + [0x01])),
+    "rice position out of range": compact(bytes([0x00, 0x7F, 0x00])),
+    # two codes, then the three zero padding bits read as three gaps of 0: five positions for six changes
+    "rice too few codes": compact(bytes([0x00, 0x0D]), val=bytes([0x00, 0x00]), changed=6, shape=(100,)),
+    "rice trailing byte": compact(bytes([0x00, 0x0D, 0x00])),
+    "rice non-zero padding": compact(bytes([0x00, 0x8D])),
+    "rice more changes than elements": compact(bytes([0x00, 0x00]), shape=(1,)),
+    "diffbits empty": compact(bytes([0x00, 0x0D]), val=b""),
+    "diffbits escape byte cut short": compact(bytes([0x00, 0x0D]), val=bytes([0x03])),
+    "diffbits escape payload cut short": compact(bytes([0x00, 0x0D]), val=bytes([0x0C, 0x08])),
+    "diffbits trailing byte": compact(bytes([0x00, 0x0D]), val=bytes([0x08, 0x00])),
+    "diffbits non-zero padding": compact(bytes([0x00, 0x0D]), val=bytes([0x18])),
+    "rice stream missing": craft(meta(record(positions="rice", values="diffbits")), {"w:val": u8(bytes([0x08]))}),
     "offsets overlap": VALID[:8] + VALID[8:].replace(b'"data_offsets": [2, 4]', b'"data_offsets": [1, 3]'),
 }
 
@@ -117,7 +151,7 @@ def test_malformed_file_is_a_format_error(name, tmp_path):
     assert_bits_equal(target, before)
 
 
-def _small_delta() -> tuple[bytes, dict, dict]:
+def _small_delta(codec: str = "varint") -> tuple[bytes, dict, dict]:
     rng = np.random.default_rng(3)
     prev = {"a": torch.from_numpy(rng.standard_normal((16, 8)).astype(np.float32)).bfloat16(),
             "b": torch.from_numpy(rng.standard_normal(5).astype(np.float32)),
@@ -127,11 +161,13 @@ def _small_delta() -> tuple[bytes, dict, dict]:
     curr["a"].view(torch.int16).view(-1)[7] += 300  # an escaped difference
     curr["b"][2] = -0.0
     curr["c"][:] = torch.tensor([1, 2, 3], dtype=torch.uint8)  # all change: stored whole
-    return ds.diff(prev, curr, step=2, base_step=1).to_bytes(), prev, curr
+    curr["a"].view(torch.int16).view(-1)[1::9] -= 2
+    return ds.diff(prev, curr, step=2, base_step=1, codec=codec).to_bytes(), prev, curr
 
 
-def test_every_truncation_is_rejected_and_target_untouched():
-    blob, prev, curr = _small_delta()
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+def test_every_truncation_is_rejected_and_target_untouched(codec):
+    blob, prev, curr = _small_delta(codec)
     target = {k: v.clone() for k, v in prev.items()}
     for cut in range(len(blob)):
         with pytest.raises(ds.DeltaFormatError):
@@ -144,9 +180,9 @@ def test_every_truncation_is_rejected_and_target_untouched():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_corrupted_bytes_never_crash(data):
-    blob, prev, curr = _small_delta()
+@given(st.data(), st.sampled_from(["varint", "compact"]))
+def test_corrupted_bytes_never_crash(data, codec):
+    blob, prev, curr = _small_delta(codec)
     corrupted = bytearray(blob)
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, len(blob) - 1))

@@ -63,9 +63,12 @@ def _to_torch(bits_array, dtype):
     return t.view(dtype)
 
 
-def _check_roundtrip(prev, curr, values):
-    delta = ds.diff(prev, curr, values=values)
+def _check_roundtrip(prev, curr, values, codec="varint"):
+    delta = ds.diff(prev, curr, values=values, codec=codec)
     blob = delta.to_bytes()
+    if codec == "compact":
+        # Chosen per tensor and stream, so never larger than the varint file of the same change.
+        assert delta.nbytes <= ds.diff(prev, curr, values=values).nbytes
     with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
         f.write(blob)
         f.flush()
@@ -83,33 +86,34 @@ def _check_roundtrip(prev, curr, values):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pairs(TORCH_DTYPES), st.sampled_from(["diff", "abs"]))
-def test_torch_roundtrip_is_bit_exact(case, values):
+@given(pairs(TORCH_DTYPES), st.sampled_from(["diff", "abs"]), st.sampled_from(["varint", "compact"]))
+def test_torch_roundtrip_is_bit_exact(case, values, codec):
     dtype, shape, density, seed, small_steps = case
     width = torch.empty((), dtype=dtype).element_size()
     prev_bits, curr_bits = _make_bits(width, shape, density, seed, small_steps)
     prev, curr = _to_torch(prev_bits, dtype), _to_torch(curr_bits, dtype)
-    delta = _check_roundtrip(prev, curr, values)
+    delta = _check_roundtrip(prev, curr, values, codec)
     assert delta.num_changed >= int((prev_bits != curr_bits).sum())
 
 
 @settings(max_examples=80, deadline=None)
-@given(pairs(NUMPY_DTYPES), st.sampled_from(["diff", "abs"]))
-def test_numpy_roundtrip_is_bit_exact(case, values):
+@given(pairs(NUMPY_DTYPES), st.sampled_from(["diff", "abs"]), st.sampled_from(["varint", "compact"]))
+def test_numpy_roundtrip_is_bit_exact(case, values, codec):
     dtype, shape, density, seed, small_steps = case
     width = np.dtype(dtype).itemsize
     prev_bits, curr_bits = _make_bits(width, shape, density, seed, small_steps)
     prev, curr = prev_bits.view(dtype), curr_bits.view(dtype)
-    _check_roundtrip(prev, curr, values)
+    _check_roundtrip(prev, curr, values, codec)
 
 
+@pytest.mark.parametrize("codec", ["varint", "compact"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_special_values(dtype):
+def test_special_values(dtype, codec):
     prev = torch.tensor([0.0, 1.0, -1.0, 2.0, 3.0, 0.0, 5.0], dtype=torch.float32).to(dtype)
     curr = torch.tensor(SPECIALS + [1.5, -0.0], dtype=torch.float32).to(dtype)
     # a NaN with a non-default payload, and a -0.0 → +0.0 change, which compare equal as floats
     curr.view(INT_VIEW[curr.element_size()])[0] += 1
-    delta = _check_roundtrip(prev, curr, "diff")
+    delta = _check_roundtrip(prev, curr, "diff", codec)
     assert delta.num_changed == 7
     unchanged_but_float_equal = torch.tensor([0.0], dtype=dtype)
     negative_zero = torch.tensor([-0.0], dtype=dtype)
@@ -129,6 +133,11 @@ def test_exact_counts_per_density():
         if density == 0.01:
             # gaps of ~100 take one or two varint bytes, and ±1 one byte
             assert delta.nbytes / k < 3.0
+        compact = _check_roundtrip(prev, curr, "diff", "compact")
+        if density == 0.01:
+            # Rice gaps take about 8.1 bits at this density, and ±1 two bits
+            assert compact.tensors[0][4:6] == ("rice", "diffbits")
+            assert compact.nbytes / k < 1.35
 
 
 def test_state_dict_roundtrip_through_file_object():

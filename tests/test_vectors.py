@@ -57,3 +57,15 @@ def test_worked_example_in_format_doc():
     assert data.hex(" ") == "00 04 09 01 ff 80 2c 01"
     doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
     assert "00 04 09" in doc and "01 ff 80 2c 01" in doc
+
+
+def test_compact_example_in_format_doc():
+    """docs/format.md §8.1 walks through bf16_compact; keep the two in step."""
+    blob = (VECTORS / "bf16_compact.safetensors").read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    data = blob[8 + header_len:]
+    assert data.hex(" ") == "02 ae 59 d9 e3 00 48 a4 03 b2 04 00 01 80 00 00 01 00"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    assert "02 ae 59 d9 e3 00" in doc and "48 a4 03 b2 04 00" in doc
+    codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
+    assert codecs == {"w": ("rice", "diffbits"), "f": ("varint", "diff")}

@@ -162,7 +162,7 @@ def stage_numpy_write(raw: Any, index: int, target: np.ndarray, *, width: int, c
     positions = decoded[: changed * 8].view("<i8")
     new_values = decoded[changed * 8:].view(f"<u{width}").astype(_NUMPY_UINT[width])
     coordinates = np.unravel_index(positions, target.shape)
-    if values == "diff":
+    if values != "abs":  # "diff" and "diffbits" both hold differences
         new_values = view[coordinates] + new_values  # unsigned array arithmetic wraps modulo 2**bits
 
     def write() -> None:

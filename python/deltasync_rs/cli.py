@@ -45,7 +45,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
     try:
-        delta = Delta(diff_files(args.prev, args.curr, args.values, progress))
+        delta = Delta(diff_files(args.prev, args.curr, args.values, progress, args.codec))
     finally:
         if bar is not None:
             bar.close()
@@ -179,6 +179,40 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+
+        from . import bench
+    except ImportError as error:
+        print(f"deltasync bench: needs torch ({error}); pip install 'deltasync-rs[bench]'", file=sys.stderr)
+        return 1
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("deltasync bench: --plot needs matplotlib; pip install 'deltasync-rs[bench]'", file=sys.stderr)
+            return 1
+    results = bench.run(args.scale, args.densities, args.rounds, peers=not args.no_peers,
+                        progress=lambda line: print(line, file=sys.stderr))
+    print(f"synthetic Qwen3-0.6B-shaped bf16 state at scale {args.scale}; medians of {args.rounds} rounds, ms")
+    print(bench.table(results))
+    if args.plot:
+        bench.plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _density(text: str) -> float:
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a density (0.01 or 1%)") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a density in (0, 1]")
+    return value
+
+
 def _step_number(text: str) -> int:
     try:
         value = int(text)
@@ -200,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="the delta file to write")
     p.add_argument("--values", choices=("diff", "abs"), default="diff",
                    help="store bit-pattern differences (smallest) or new absolute values (TRL-compatible)")
+    p.add_argument("--codec", choices=("varint", "compact"), default="varint",
+                   help="byte-aligned streams (read by every version-1 reader) or Rice/bit-packed streams (smallest)")
     p.add_argument("--format", choices=("deltasync", "trl"), default="deltasync", help="file layout to write")
     p.add_argument("--step", type=_step_number, default=None, help="step number to record")
     p.add_argument("--base-step", type=_step_number, default=None, help="base step number to record")
@@ -239,6 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("delta", help="a deltasync or TRL delta file")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_cmd_inspect)
+
+    p = commands.add_parser("bench", help="compare the codecs with TRL and grail-like encoders on a synthetic state")
+    p.add_argument("--scale", type=float, default=0.05,
+                   help="fraction of the Qwen3-0.6B shape to generate (default 0.05, about 23M params; 1 is the full model)")
+    p.add_argument("--densities", type=_density, nargs="+", default=[0.0025, 0.005, 0.01, 0.02, 0.05],
+                   help="fractions of changed elements (0.01 or 1%%)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per measurement, after one warm-up")
+    p.add_argument("--no-peers", action="store_true", help="time deltasync's codecs only")
+    p.add_argument("--plot", metavar="PNG", help="also write a chart of size and time per codec and density")
+    p.set_defaults(run=_cmd_bench)
     return parser
 
 

@@ -44,11 +44,11 @@ def stage_write(raw: RawDelta, index: int, target: torch.Tensor, *, width: int, 
     new_values = staged[changed * 8 :].view(_INT_FOR_WIDTH[width])
     if view.is_contiguous():
         flat = view.view(-1)
-        if values == "diff":
+        if values != "abs":  # "diff" and "diffbits" both hold differences
             new_values = _wrapping_add(flat.index_select(0, positions), new_values, width)
         return lambda: flat.index_copy_(0, positions, new_values)
     coordinates = torch.unravel_index(positions, tuple(view.shape))
-    if values == "diff":
+    if values != "abs":  # "diff" and "diffbits" both hold differences
         new_values = _wrapping_add(view[coordinates], new_values, width)
     return lambda: view.index_put_(coordinates, new_values)
 

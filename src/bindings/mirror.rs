@@ -3,7 +3,7 @@
 
 use pyo3::prelude::*;
 
-use super::{export, parse_codec, parse_dtype, to_py, DeltaSyncError, RawDelta, RawSlice};
+use super::{export, parse_dtype, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice};
 use crate::core::codec::ValueCodec;
 use crate::core::mirror::{self, MirrorInput, MirrorTensor};
 use crate::core::{Delta, TensorDelta};
@@ -37,7 +37,7 @@ impl MirrorDiff {
     #[new]
     #[pyo3(signature = (values = "diff"))]
     fn new(values: &str) -> PyResult<Self> {
-        Ok(MirrorDiff { codec: parse_codec(values)?, open: None, done: Vec::new() })
+        Ok(MirrorDiff { codec: parse_values(values)?, open: None, done: Vec::new() })
     }
 
     /// Starts tensor `name`; the previous one must be finished.

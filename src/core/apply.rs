@@ -136,7 +136,7 @@ pub fn decode_into(tensor: &TensorDelta, positions_out: &mut [u8], values_out: &
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::codec::ValueCodec;
+    use crate::core::codec::{Codec, ValueCodec};
     use crate::core::diff::{diff, DiffInput};
     use crate::core::dtype::Dtype;
 
@@ -151,6 +151,7 @@ mod tests {
             let tensors = diff(
                 &[DiffInput { name: "w".into(), dtype: Dtype::F32, shape: vec![40, 100], old: &old, new: &new }],
                 codec,
+                Codec::Varint,
             )
             .unwrap();
             let delta = Delta { tensors, ..Default::default() };
@@ -166,7 +167,7 @@ mod tests {
         let mut new = old.clone();
         new[2] = 9;
         let tensors =
-            diff(&[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![4], old: &old, new: &new }], ValueCodec::Diff)
+            diff(&[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![4], old: &old, new: &new }], ValueCodec::Diff, Codec::Varint)
                 .unwrap();
         let delta = Delta { tensors, ..Default::default() };
         let mut small = vec![0u8; 6];

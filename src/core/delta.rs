@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use crate::core::codec::values::ValueReader;
+use crate::core::codec::compact::RiceReader;
 use crate::core::codec::varint::PositionReader;
-use crate::core::codec::{PositionCodec, ValueCodec};
+use crate::core::codec::{PositionCodec, PositionSource, ValueCodec};
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
 use crate::core::stream::Stream;
@@ -77,7 +78,7 @@ impl TensorDelta {
                     visit(position, values.next_value()?);
                 }
             }
-            PositionCodec::Varint => {
+            PositionCodec::Varint | PositionCodec::Rice => {
                 if self.changed > numel {
                     return Err(format!("changed={} exceeds the {numel} elements", self.changed));
                 }
@@ -90,12 +91,10 @@ impl TensorDelta {
                         self.changed
                     ));
                 }
-                let mut positions = PositionReader::new(&self.positions, numel);
-                for _ in 0..self.changed {
-                    visit(positions.next_position()?, values.next_value()?);
-                }
-                if !positions.is_exhausted() {
-                    return Err("position stream has bytes after the last change".to_owned());
+                if self.positions_codec == PositionCodec::Varint {
+                    walk_stream(self.changed, PositionReader::new(&self.positions, numel), &mut values, &mut visit)?;
+                } else {
+                    walk_stream(self.changed, RiceReader::new(&self.positions, numel)?, &mut values, &mut visit)?;
                 }
             }
         }
@@ -129,6 +128,21 @@ impl TensorDelta {
         self.last_position = last;
         Ok(())
     }
+}
+
+fn walk_stream<const W: usize>(
+    changed: u64,
+    mut positions: impl PositionSource,
+    values: &mut ValueReader<'_, W>,
+    visit: &mut impl FnMut(u64, u64),
+) -> std::result::Result<(), String> {
+    for _ in 0..changed {
+        visit(positions.next_position()?, values.next_value()?);
+    }
+    if !positions.is_exhausted() {
+        return Err("position stream has bytes after the last change".to_owned());
+    }
+    Ok(())
 }
 
 /// A set of tensor deltas plus file-level metadata.

@@ -5,7 +5,8 @@
 
 use rayon::prelude::*;
 
-use crate::core::codec::{values, varint, PositionCodec, ValueCodec};
+use crate::core::codec::compact::{self, BitWriter};
+use crate::core::codec::{values, varint, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
@@ -41,6 +42,60 @@ struct ChunkChanges {
     /// Gap varints after the first change of the chunk.
     positions: Vec<u8>,
     values: Vec<u8>,
+    /// The compact codec's bit streams for this chunk, first gap included.
+    compact: Option<CompactChunk>,
+}
+
+/// A chunk's changes re-encoded in the compact codec: Rice codes of its gaps and, for differences, `diffbits`.
+struct CompactChunk {
+    positions: Vec<u8>,
+    position_bits: u64,
+    values: Vec<u8>,
+    value_bits: u64,
+}
+
+/// How the compact codec codes one tensor's gaps: its Rice parameter, and where each chunk's first gap starts.
+fn rice_plan(chunks: &[ChunkChanges]) -> (u32, Vec<u64>) {
+    let mut previous_ends = Vec::with_capacity(chunks.len());
+    let (mut previous_end, mut count, mut gap_sum) = (0u64, 0u64, 0u64);
+    for chunk in chunks {
+        previous_ends.push(previous_end);
+        if chunk.count > 0 {
+            count += chunk.count;
+            gap_sum += chunk.last_position + 1 - previous_end - chunk.count;
+            previous_end = chunk.last_position + 1;
+        }
+    }
+    (compact::rice_k(count, gap_sum), previous_ends)
+}
+
+/// Re-encodes one chunk in the compact codec; `previous_end` is the position after the previous chunk's last change.
+fn compact_chunk(chunk: &ChunkChanges, k: u32, previous_end: u64, width: usize, differences: bool) -> CompactChunk {
+    let mut positions = BitWriter::with_capacity(chunk.positions.len());
+    if chunk.count > 0 {
+        compact::put_rice(&mut positions, chunk.first_position - previous_end, k);
+        let mut at = 0;
+        while let Some(&byte) = chunk.positions.get(at) {
+            let gap = if byte < 0x80 {
+                at += 1;
+                u64::from(byte)
+            } else {
+                varint::read(&chunk.positions, &mut at).expect("written by the scan")
+            };
+            compact::put_rice(&mut positions, gap, k);
+        }
+    }
+    let mut values = BitWriter::with_capacity(if differences { chunk.values.len() / 2 } else { 0 });
+    if differences {
+        match width {
+            1 => compact::diff_to_diffbits::<1>(&chunk.values, chunk.count, &mut values),
+            2 => compact::diff_to_diffbits::<2>(&chunk.values, chunk.count, &mut values),
+            4 => compact::diff_to_diffbits::<4>(&chunk.values, chunk.count, &mut values),
+            _ => compact::diff_to_diffbits::<8>(&chunk.values, chunk.count, &mut values),
+        }
+    }
+    let (position_bits, value_bits) = (positions.bit_len(), values.bit_len());
+    CompactChunk { positions: positions.finish(), position_bits, values: values.finish(), value_bits }
 }
 
 fn check_len(name: &str, dtype: Dtype, shape: &[u64], lens: &[usize]) -> Result<usize> {
@@ -130,8 +185,9 @@ fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCo
     }
 }
 
-/// Joins a tensor's chunks into its two streams, or stores it whole when that is no larger.
-fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, codec: ValueCodec) -> TensorDelta {
+/// Joins a tensor's chunks into its two streams, or stores it whole when that is no larger. With the compact
+/// codec each stream is re-encoded (`rice`, `diffbits`) and kept only where that is smaller.
+fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, values_codec: ValueCodec, rice_k: Option<u32>) -> TensorDelta {
     let changed: u64 = chunks.iter().map(|c| c.count).sum();
     let mut previous_end = 0u64; // position after the previous change
     let mut positions_len = 0usize;
@@ -141,13 +197,14 @@ fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, code
     }
     let values_len: usize = chunks.iter().map(|c| c.values.len()).sum();
     let dense_len = input.new.len();
+    let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
     let mut tensor = TensorDelta {
         name: input.name.clone(),
         dtype: input.dtype,
         shape: Some(input.shape.clone()),
         changed,
         positions_codec: PositionCodec::Varint,
-        values_codec: codec,
+        values_codec: scanned_values,
         positions: Stream::empty(),
         values: Stream::empty(),
         last_position: chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position),
@@ -155,6 +212,29 @@ fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, code
     if changed == 0 {
         return tensor;
     }
+    let (mut rice, mut diffbits) = (None, None);
+    if let Some(k) = rice_k {
+        let compacts = || chunks.iter().filter_map(|c| c.compact.as_ref());
+        let position_bits = 8 + compacts().map(|c| c.position_bits).sum::<u64>();
+        if position_bits.div_ceil(8) < positions_len as u64 {
+            let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
+            out.put(u64::from(k), 8);
+            for c in compacts() {
+                out.append(&c.positions, c.position_bits);
+            }
+            rice = Some(out.finish());
+        }
+        let value_bits = compacts().map(|c| c.value_bits).sum::<u64>();
+        if scanned_values == ValueCodec::Diff && value_bits.div_ceil(8) < values_len as u64 {
+            let mut out = BitWriter::with_capacity(value_bits.div_ceil(8) as usize);
+            for c in compacts() {
+                out.append(&c.values, c.value_bits);
+            }
+            diffbits = Some(out.finish());
+        }
+    }
+    let positions_len = rice.as_ref().map_or(positions_len, Vec::len);
+    let values_len = diffbits.as_ref().map_or(values_len, Vec::len);
     if positions_len + values_len >= dense_len {
         tensor.positions_codec = PositionCodec::All;
         tensor.values_codec = ValueCodec::Abs;
@@ -163,22 +243,55 @@ fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, code
         tensor.last_position = tensor.changed.checked_sub(1);
         return tensor;
     }
-    let mut positions = Vec::with_capacity(positions_len);
-    let mut values = Vec::with_capacity(values_len);
-    previous_end = 0;
-    for chunk in chunks.into_iter().filter(|c| c.count > 0) {
-        varint::write(&mut positions, chunk.first_position - previous_end);
-        positions.extend_from_slice(&chunk.positions);
-        values.extend_from_slice(&chunk.values);
-        previous_end = chunk.last_position + 1;
+    tensor.positions = match rice {
+        Some(stream) => {
+            tensor.positions_codec = PositionCodec::Rice;
+            stream
+        }
+        None => {
+            let mut positions = Vec::with_capacity(positions_len);
+            previous_end = 0;
+            for chunk in chunks.iter().filter(|c| c.count > 0) {
+                varint::write(&mut positions, chunk.first_position - previous_end);
+                positions.extend_from_slice(&chunk.positions);
+                previous_end = chunk.last_position + 1;
+            }
+            positions
+        }
     }
-    tensor.positions = positions.into();
-    tensor.values = values.into();
+    .into();
+    tensor.values = match diffbits {
+        Some(stream) => {
+            tensor.values_codec = ValueCodec::DiffBits;
+            stream
+        }
+        None => {
+            let mut values = Vec::with_capacity(values_len);
+            for chunk in &chunks {
+                values.extend_from_slice(&chunk.values);
+            }
+            values
+        }
+    }
+    .into();
     tensor
 }
 
-/// Compares each tensor's old and new bytes and encodes what changed.
-pub fn diff(inputs: &[DiffInput<'_>], codec: ValueCodec) -> Result<Vec<TensorDelta>> {
+/// Compares each tensor's old and new bytes and encodes what changed: values as new bits (`Abs`) or
+/// differences (`Diff`; `DiffBits` asks for the same), in the stream family `codec`.
+pub fn diff(inputs: &[DiffInput<'_>], values_codec: ValueCodec, codec: Codec) -> Result<Vec<TensorDelta>> {
+    diff_with(inputs, values_codec, codec, &|_, _| {})
+}
+
+/// `diff`, calling `compared(input, byte_range)` as soon as each chunk of an input has been compared, so that a
+/// caller reading mapped files can hand those pages back while the rest of the tensor is still being compared.
+pub fn diff_with(
+    inputs: &[DiffInput<'_>],
+    values_codec: ValueCodec,
+    codec: Codec,
+    compared: &(dyn Fn(usize, std::ops::Range<usize>) + Sync),
+) -> Result<Vec<TensorDelta>> {
+    let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
     let mut widths = Vec::with_capacity(inputs.len());
     let mut tasks = Vec::new();
     for (index, input) in inputs.iter().enumerate() {
@@ -196,17 +309,36 @@ pub fn diff(inputs: &[DiffInput<'_>], codec: ValueCodec) -> Result<Vec<TensorDel
             .map(|&(index, start, end)| {
                 let (input, width) = (&inputs[index], widths[index]);
                 let bytes = start * width..end * width;
-                (index, scan(&input.old[bytes.clone()], &input.new[bytes], start as u64, width, codec))
+                let changes = scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+                compared(index, bytes);
+                (index, changes)
             })
             .collect();
         let mut per_tensor: Vec<Vec<ChunkChanges>> = (0..inputs.len()).map(|_| Vec::new()).collect();
         for (index, chunk) in scanned.drain(..) {
             per_tensor[index].push(chunk);
         }
+        let rice_ks: Vec<Option<u32>> = if codec == Codec::Compact {
+            per_tensor
+                .par_iter_mut()
+                .enumerate()
+                .map(|(index, chunks)| {
+                    let (k, previous_ends) = rice_plan(chunks);
+                    let width = widths[index];
+                    chunks.par_iter_mut().zip(previous_ends).for_each(|(chunk, previous_end)| {
+                        chunk.compact = Some(compact_chunk(chunk, k, previous_end, width, scanned_values == ValueCodec::Diff));
+                    });
+                    Some(k)
+                })
+                .collect()
+        } else {
+            vec![None; inputs.len()]
+        };
         Ok(per_tensor
             .into_par_iter()
+            .zip(rice_ks)
             .enumerate()
-            .map(|(index, chunks)| assemble(&inputs[index], widths[index], chunks, codec))
+            .map(|(index, (chunks, k))| assemble(&inputs[index], widths[index], chunks, scanned_values, k))
             .collect())
     })
 }
@@ -257,7 +389,7 @@ mod tests {
         for &p in &touched {
             new[p * 2] = 1;
         }
-        let out = diff(&[input(&old, &new, Dtype::BF16, vec![n as u64])], ValueCodec::Diff).unwrap();
+        let out = diff(&[input(&old, &new, Dtype::BF16, vec![n as u64])], ValueCodec::Diff, Codec::Varint).unwrap();
         let found: Vec<u64> = changes(&out[0]).iter().map(|c| c.0).collect();
         assert_eq!(found, touched.iter().map(|&p| p as u64).collect::<Vec<_>>());
         assert!(changes(&out[0]).iter().all(|c| c.1 == 1));
@@ -267,10 +399,10 @@ mod tests {
     #[test]
     fn no_change_and_empty() {
         let data = vec![3u8; 64];
-        let out = diff(&[input(&data, &data, Dtype::F32, vec![4, 4])], ValueCodec::Diff).unwrap();
+        let out = diff(&[input(&data, &data, Dtype::F32, vec![4, 4])], ValueCodec::Diff, Codec::Varint).unwrap();
         assert_eq!(out[0].changed, 0);
         assert_eq!(out[0].nbytes(), 0);
-        let out = diff(&[input(&[], &[], Dtype::F32, vec![0, 3])], ValueCodec::Abs).unwrap();
+        let out = diff(&[input(&[], &[], Dtype::F32, vec![0, 3])], ValueCodec::Abs, Codec::Varint).unwrap();
         assert_eq!(out[0].changed, 0);
     }
 
@@ -278,14 +410,50 @@ mod tests {
     fn full_change_goes_dense() {
         let old = vec![0u8; 256];
         let new: Vec<u8> = (0..=255u8).collect();
-        let out = diff(&[input(&old, &new, Dtype::U8, vec![256])], ValueCodec::Diff).unwrap();
+        let out = diff(&[input(&old, &new, Dtype::U8, vec![256])], ValueCodec::Diff, Codec::Varint).unwrap();
         assert!(out[0].is_dense());
         assert_eq!(&*out[0].values, &new[..]);
     }
 
     #[test]
+    fn compact_is_smaller_where_it_can_be_and_never_larger() {
+        // Sparse ±1 changes of a bf16 tensor: Rice positions and 2-bit values win.
+        let n = CHUNK_ELEMENTS + 5000;
+        let old: Vec<u8> = (0..n as u32).flat_map(|i| ((i.wrapping_mul(2654435761) >> 16) as u16 & 0x3fff).to_le_bytes()).collect();
+        let mut new = old.clone();
+        let (mut p, mut k, mut state) = (0usize, 0usize, 1u64);
+        while p < n {
+            new[p * 2] = if k % 2 == 0 { old[p * 2].wrapping_add(1) } else { old[p * 2].wrapping_sub(1) };
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            p += 1 + (state >> 56) as usize; // gaps spread over 0..255
+            k += 1;
+        }
+        let shape = vec![n as u64];
+        let varint = diff(&[input(&old, &new, Dtype::BF16, shape.clone())], ValueCodec::Diff, Codec::Varint).unwrap();
+        let compact = diff(&[input(&old, &new, Dtype::BF16, shape.clone())], ValueCodec::Diff, Codec::Compact).unwrap();
+        assert_eq!((compact[0].positions_codec, compact[0].values_codec), (PositionCodec::Rice, ValueCodec::DiffBits));
+        assert!(compact[0].nbytes() * 10 < varint[0].nbytes() * 7, "{} vs {}", compact[0].nbytes(), varint[0].nbytes());
+        assert_eq!(changes(&compact[0]), changes(&varint[0]));
+        // Arbitrary f32 changes at every other element: the difference code cannot win, so `diff` stays.
+        let old32: Vec<u8> = (0..4096u32).flat_map(|i| i.wrapping_mul(2654435761).to_le_bytes()).collect();
+        let new32: Vec<u8> = old32.chunks(4).enumerate().flat_map(|(i, c)| {
+            let v = u32::from_le_bytes(c.try_into().unwrap());
+            (if i % 2 == 0 { v ^ 0x5a5a_0000 } else { v }).to_le_bytes()
+        }).collect();
+        let compact = diff(&[input(&old32, &new32, Dtype::F32, vec![4096])], ValueCodec::Diff, Codec::Compact).unwrap();
+        let varint = diff(&[input(&old32, &new32, Dtype::F32, vec![4096])], ValueCodec::Diff, Codec::Varint).unwrap();
+        assert_eq!(compact[0].values_codec, ValueCodec::Diff);
+        assert!(compact[0].nbytes() <= varint[0].nbytes());
+        assert_eq!(changes(&compact[0]), changes(&varint[0]));
+        // Everything changed: stored whole, as with varint.
+        let all_new: Vec<u8> = old.iter().map(|b| b.wrapping_add(1)).collect();
+        let compact = diff(&[input(&old, &all_new, Dtype::BF16, shape)], ValueCodec::Diff, Codec::Compact).unwrap();
+        assert!(compact[0].is_dense());
+    }
+
+    #[test]
     fn rejects_length_mismatch() {
-        let err = diff(&[input(&[0; 4], &[0; 6], Dtype::BF16, vec![2])], ValueCodec::Diff).unwrap_err();
+        let err = diff(&[input(&[0; 4], &[0; 6], Dtype::BF16, vec![2])], ValueCodec::Diff, Codec::Varint).unwrap_err();
         assert!(err.to_string().contains("\"t\""), "{err}");
     }
 }

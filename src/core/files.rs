@@ -6,15 +6,15 @@ use std::path::Path;
 use memmap2::{Mmap, MmapMut};
 
 use crate::core::apply::{apply_tensor, check_target};
-use crate::core::codec::ValueCodec;
+use crate::core::codec::{Codec, ValueCodec};
 use crate::core::delta::Delta;
-use crate::core::diff::{diff, DiffInput};
+use crate::core::diff::{diff_with, DiffInput};
 use crate::core::dtype;
 use crate::core::error::{Error, Result};
 use crate::core::format::{read_header, write_atomically, Header};
 
-/// Bytes of the newer checkpoint compared per batch before the mapped pages of both are released: keeps
-/// resident memory near 2 x this, whatever the checkpoints' size.
+/// Bytes of the newer checkpoint compared per batch. Mapped pages are released chunk by chunk as they are compared
+/// (and again per batch), so this bounds the encoded streams held per `diff` call, not the mapped pages.
 const BATCH_BYTES: usize = 256 << 20;
 
 fn map(path: &Path) -> Result<Mmap> {
@@ -38,7 +38,12 @@ fn names_in_order(header: &Header) -> Vec<String> {
 
 /// Diffs two safetensors checkpoints tensor by tensor; every tensor of each must match the other.
 /// `progress(done, total)` is called with bytes of the newer checkpoint compared so far; returning false stops.
-pub fn diff_files(prev: &Path, curr: &Path, codec: ValueCodec, progress: &mut dyn FnMut(u64, u64) -> bool) -> Result<Delta> {
+pub fn diff_files(
+    prev: &Path,
+    curr: &Path,
+    values_codec: ValueCodec,
+    codec: Codec,
+    progress: &mut dyn FnMut(u64, u64) -> bool) -> Result<Delta> {
     let (prev_map, curr_map) = (map(prev)?, map(curr)?);
     let prev_header = read_header(&prev_map, &prev.display().to_string())?;
     let curr_header = read_header(&curr_map, &curr.display().to_string())?;
@@ -86,7 +91,15 @@ pub fn diff_files(prev: &Path, curr: &Path, codec: ValueCodec, progress: &mut dy
                 new: &curr_map[curr_range.clone()],
             })
             .collect();
-        tensors.extend(diff(&batch, codec)?);
+        // Hand each chunk's pages back as soon as it is compared, so that resident memory stays near
+        // threads x chunk even for a tensor larger than the batch.
+        let batch_pairs = &pairs[start..end];
+        let compared = |index: usize, bytes: std::ops::Range<usize>| {
+            let (_, _, _, prev_range, curr_range) = &batch_pairs[index];
+            release(&prev_map, prev_range.start + bytes.start..prev_range.start + bytes.end);
+            release(&curr_map, curr_range.start + bytes.start..curr_range.start + bytes.end);
+        };
+        tensors.extend(diff_with(&batch, values_codec, codec, &compared)?);
         for (_, _, _, prev_range, curr_range) in &pairs[start..end] {
             release(&prev_map, prev_range.clone());
             release(&curr_map, curr_range.clone());

@@ -318,7 +318,7 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
                 None => return Err(bad(format!("tensor {name:?}: its data is missing"))),
             }
         } else if tensor.changed > 0 {
-            let has_positions = tensor.positions_codec == PositionCodec::Varint;
+            let has_positions = tensor.positions_codec != PositionCodec::All;
             tensor.positions = take_stream(&mut header.tensors, format!("{name}{POSITIONS_SUFFIX}"), &name, has_positions)?;
             tensor.values = take_stream(&mut header.tensors, format!("{name}{VALUES_SUFFIX}"), &name, true)?;
         }
@@ -357,6 +357,7 @@ pub fn load(path: &Path) -> Result<Delta> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::codec::Codec;
     use crate::core::diff::{diff, DiffInput};
 
     fn sample() -> Delta {
@@ -371,6 +372,7 @@ mod tests {
                 DiffInput { name: "c".into(), dtype: Dtype::F32, shape: vec![1], old: &[0; 4], new: &[0; 4] },
             ],
             ValueCodec::Diff,
+            Codec::Varint,
         )
         .unwrap();
         Delta { tensors, step: Some(7), base_step: Some(6), metadata: [("run".to_owned(), "x".to_owned())].into() }

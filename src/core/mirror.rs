@@ -309,7 +309,7 @@ mod tests {
     fn reference(old: &[u8], new: &[u8], dtype: Dtype, codec: ValueCodec) -> TensorDelta {
         let numel = (old.len() / dtype::width_of(dtype).unwrap()) as u64;
         let input = DiffInput { name: "t".into(), dtype, shape: vec![numel], old, new };
-        diff(&[input], codec).unwrap().remove(0)
+        diff(&[input], codec, crate::core::codec::Codec::Varint).unwrap().remove(0)
     }
 
     #[test]

@@ -106,7 +106,7 @@ mod tests {
             let parts: Vec<Delta> = bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
             let joined = join(parts).unwrap();
             let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
-            let whole = diff(&[input], ValueCodec::Diff).unwrap().remove(0);
+            let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap().remove(0);
             let tensor = &joined.tensors[0];
             assert_eq!((tensor.changed, tensor.last_position), (whole.changed, whole.last_position));
             assert_eq!(&tensor.positions[..], &whole.positions[..]);

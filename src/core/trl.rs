@@ -228,6 +228,7 @@ pub fn encode_v1(delta: &Delta) -> Result<Encoded<'_>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::codec::Codec;
     use crate::core::diff::{diff, DiffInput};
     use crate::core::format::{from_bytes, read_header};
 
@@ -237,7 +238,7 @@ mod tests {
         let mut new = old.clone();
         new[6] = 3;
         new[40] = 1;
-        let tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![32], old: &old, new: &new }], ValueCodec::Abs).unwrap();
+        let tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![32], old: &old, new: &new }], ValueCodec::Abs, Codec::Varint).unwrap();
         let delta = Delta { tensors, step: Some(3), ..Default::default() };
         let bytes = encode_v1(&delta).unwrap().to_vec();
         let header = read_header(&bytes, "mem").unwrap();
@@ -251,7 +252,7 @@ mod tests {
 
     #[test]
     fn diff_values_cannot_become_trl() {
-        let tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::U8, shape: vec![3], old: &[0, 0, 0], new: &[0, 1, 0] }], ValueCodec::Diff).unwrap();
+        let tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::U8, shape: vec![3], old: &[0, 0, 0], new: &[0, 1, 0] }], ValueCodec::Diff, Codec::Varint).unwrap();
         let delta = Delta { tensors, ..Default::default() };
         assert!(matches!(encode_v1(&delta), Err(Error::InvalidInput { .. })));
     }

@@ -51,6 +51,14 @@ def vectors() -> dict[str, dict]:
                 "count": {"dtype": "I64", "shape": [2], "base": [5, 1 << 40], "changes": {1: 1 << 33}},
             },
         },
+        "bf16_compact": {
+            "values": "diff", "codec": "compact", "step": 3, "base_step": 2, "metadata": {},
+            "tensors": {
+                "w": {"dtype": "BF16", "shape": [8, 8], "base": [0x3F80 + i for i in range(64)],
+                      "changes": {3: 1, 9: -1, 20: 1, 26: 2, 33: -1, 41: 1, 50: -2, 63: 300}},
+                "f": {"dtype": "F32", "shape": [4], "base": [0x3F800000] * 4, "changes": {1: 0x10000}},
+            },
+        },
         "anchor": {
             "anchor": True, "step": 10, "metadata": {},
             "tensors": {
@@ -77,8 +85,8 @@ def build(spec: dict) -> tuple[ds.Delta, dict, dict]:
     if spec.get("anchor"):
         delta = ds.anchor(expected, step=spec["step"], metadata=spec["metadata"])
     else:
-        delta = ds.diff(base, expected, values=spec["values"], step=spec["step"], base_step=spec["base_step"],
-                        metadata=spec["metadata"])
+        delta = ds.diff(base, expected, values=spec["values"], codec=spec.get("codec", "varint"), step=spec["step"],
+                        base_step=spec["base_step"], metadata=spec["metadata"])
     return delta, base, expected
 
 

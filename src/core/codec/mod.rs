@@ -1,6 +1,7 @@
 //! Codecs for the two streams of a tensor delta: changed positions and their values.
 //! Each codec is named in the file's per-tensor metadata, so new ones slot in beside these.
 
+pub mod compact;
 pub mod values;
 pub mod varint;
 
@@ -12,6 +13,8 @@ use serde::{Deserialize, Serialize};
 pub enum PositionCodec {
     /// LEB128 varints of the gaps `p[k] - p[k-1] - 1`, with `p[-1] = -1`.
     Varint,
+    /// Golomb-Rice codes of the same gaps, with a per-tensor parameter (the `compact` codec).
+    Rice,
     /// Every element is present in row-major order; there is no position stream.
     All,
 }
@@ -24,12 +27,63 @@ pub enum ValueCodec {
     Abs,
     /// The wrapping difference of bit patterns (new - old), one signed byte or an escape.
     Diff,
+    /// The same difference in a bit-packed prefix code: 2 bits for ±1, 3 for ±2 (the `compact` codec).
+    DiffBits,
+}
+
+/// A decoder of a position stream: strictly increasing positions, each checked against the element count.
+pub trait PositionSource {
+    fn next_position(&mut self) -> Result<u64, String>;
+    /// True once the stream has been read to its end, with nothing left over.
+    fn is_exhausted(&self) -> bool;
+}
+
+impl PositionSource for varint::PositionReader<'_> {
+    #[inline(always)]
+    fn next_position(&mut self) -> Result<u64, String> {
+        varint::PositionReader::next_position(self)
+    }
+    fn is_exhausted(&self) -> bool {
+        varint::PositionReader::is_exhausted(self)
+    }
+}
+
+impl PositionSource for compact::RiceReader<'_> {
+    #[inline(always)]
+    fn next_position(&mut self) -> Result<u64, String> {
+        compact::RiceReader::next_position(self)
+    }
+    fn is_exhausted(&self) -> bool {
+        compact::RiceReader::is_exhausted(self)
+    }
+}
+
+/// Which family of stream codecs a diff writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Codec {
+    /// Byte-aligned streams: `varint` positions, `diff` or `abs` values. Read by every version-1 reader.
+    #[default]
+    Varint,
+    /// Bit-packed streams: `rice` positions, `diffbits` values, each chosen per tensor only when smaller than
+    /// its `varint`/`diff` counterpart.
+    Compact,
+}
+
+impl Codec {
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "varint" => Some(Codec::Varint),
+            "compact" => Some(Codec::Compact),
+            _ => None,
+        }
+    }
 }
 
 impl PositionCodec {
     pub fn name(self) -> &'static str {
         match self {
             PositionCodec::Varint => "varint",
+            PositionCodec::Rice => "rice",
             PositionCodec::All => "all",
         }
     }
@@ -40,7 +94,13 @@ impl ValueCodec {
         match self {
             ValueCodec::Abs => "abs",
             ValueCodec::Diff => "diff",
+            ValueCodec::DiffBits => "diffbits",
         }
+    }
+
+    /// True when values are differences to add to the old bits, false when they are the new bits.
+    pub fn is_difference(self) -> bool {
+        self != ValueCodec::Abs
     }
 
     pub fn parse(name: &str) -> Option<Self> {

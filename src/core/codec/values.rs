@@ -4,6 +4,7 @@
 //! followed by the full-width wrapping difference, little-endian. One-byte dtypes have no escape: the
 //! byte is the whole difference.
 
+use super::compact::{read_difference, BitReader};
 use super::ValueCodec;
 
 /// The escape byte of the `diff` codec for elements wider than one byte.
@@ -51,12 +52,13 @@ pub fn store(out: &mut [u8], value: u64, width: usize) {
     out[..width].copy_from_slice(&value.to_le_bytes()[..width]);
 }
 
-/// Appends the value of one changed element of a width known at compile time.
+/// Appends the value of one changed element of a width known at compile time. Differences are always written
+/// byte-coded (`diff`); `diffbits` streams are re-encoded from these (see `compact`).
 #[inline(always)]
 pub fn write_const<const W: usize>(out: &mut Vec<u8>, codec: ValueCodec, old: &[u8], new: &[u8]) {
     match codec {
         ValueCodec::Abs => out.extend_from_slice(&new[..W]),
-        ValueCodec::Diff => {
+        ValueCodec::Diff | ValueCodec::DiffBits => {
             let difference = load_const::<W>(new).wrapping_sub(load_const::<W>(old)) & mask(W);
             write_difference(out, difference, W);
         }
@@ -90,11 +92,13 @@ pub struct ValueReader<'a, const W: usize> {
     bytes: &'a [u8],
     at: usize,
     codec: ValueCodec,
+    /// Used by `diffbits` only.
+    bits: BitReader<'a>,
 }
 
 impl<'a, const W: usize> ValueReader<'a, W> {
     pub fn new(bytes: &'a [u8], codec: ValueCodec) -> Self {
-        ValueReader { bytes, at: 0, codec }
+        ValueReader { bytes, at: 0, codec, bits: BitReader::new(bytes) }
     }
 
     #[inline(always)]
@@ -123,12 +127,16 @@ impl<'a, const W: usize> ValueReader<'a, W> {
                     Ok((i64::from(first as i8) as u64) & mask(W))
                 }
             }
+            ValueCodec::DiffBits => read_difference::<W>(&mut self.bits),
         }
     }
 
-    /// True once every byte has been consumed.
+    /// True once every byte has been consumed (for `diffbits`: every bit, with zero padding).
     pub fn is_exhausted(&self) -> bool {
-        self.at == self.bytes.len()
+        match self.codec {
+            ValueCodec::DiffBits => self.bits.is_exhausted(),
+            _ => self.at == self.bytes.len(),
+        }
     }
 }
 
@@ -137,7 +145,7 @@ impl<'a, const W: usize> ValueReader<'a, W> {
 pub fn apply<const W: usize>(target: &mut [u8], codec: ValueCodec, value: u64) {
     let new = match codec {
         ValueCodec::Abs => value,
-        ValueCodec::Diff => load_const::<W>(target).wrapping_add(value),
+        ValueCodec::Diff | ValueCodec::DiffBits => load_const::<W>(target).wrapping_add(value),
     };
     store_const::<W>(target, new);
 }

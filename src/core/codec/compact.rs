@@ -1,0 +1,480 @@
+//! The `compact` codec: Golomb-Rice coded gaps (`rice` positions) and a bit-packed prefix code of bit-pattern
+//! differences (`diffbits` values). Bits are packed least significant first into little-endian bytes (docs/format.md §5, §6).
+
+use super::values::{mask, ESCAPE};
+
+/// Largest Rice parameter a stream may declare: keeps `quotient << k` below 2^62 and every read within one word.
+pub const MAX_RICE_K: u32 = 56;
+/// A unary run of this many one bits (with no terminating zero) is the escape: the gap follows in 64 bits.
+const ESCAPE_ONES: u32 = 64;
+
+/// Appends bits, least significant first, to a byte vector.
+pub struct BitWriter {
+    out: Vec<u8>,
+    pending: u64,
+    pending_bits: u32,
+}
+
+impl BitWriter {
+    pub fn with_capacity(bytes: usize) -> Self {
+        BitWriter { out: Vec::with_capacity(bytes), pending: 0, pending_bits: 0 }
+    }
+
+    /// Appends the low `bits` bits of `value`; `bits <= 56`. Whole 64-bit words go to the output at once.
+    #[inline(always)]
+    pub fn put(&mut self, value: u64, bits: u32) {
+        debug_assert!(bits <= 56 && (bits == 56 || value >> bits == 0));
+        self.pending |= value << self.pending_bits;
+        let total = self.pending_bits + bits;
+        if total < 64 {
+            self.pending_bits = total;
+            return;
+        }
+        self.out.extend_from_slice(&self.pending.to_le_bytes());
+        // total >= 64 and bits <= 56 mean pending_bits >= 8, so this shift is between 8 and 56.
+        self.pending = value >> (64 - self.pending_bits);
+        self.pending_bits = total - 64;
+    }
+
+    /// Appends all 64 bits of `value`.
+    #[inline]
+    pub fn put_u64(&mut self, value: u64) {
+        self.put(value & 0xffff_ffff, 32);
+        self.put(value >> 32, 32);
+    }
+
+    /// Bits written so far.
+    pub fn bit_len(&self) -> u64 {
+        self.out.len() as u64 * 8 + u64::from(self.pending_bits)
+    }
+
+    /// Appends the first `bits` bits of `bytes` (as written by another `BitWriter`).
+    pub fn append(&mut self, bytes: &[u8], bits: u64) {
+        if self.pending_bits == 0 {
+            let whole = (bits / 8) as usize;
+            self.out.extend_from_slice(&bytes[..whole]);
+            let rest = (bits % 8) as u32;
+            if rest > 0 {
+                self.put(u64::from(bytes[whole]) & mask_bits(rest), rest);
+            }
+            return;
+        }
+        let mut at = 0usize;
+        let mut left = bits;
+        while left >= 56 {
+            let mut word = [0u8; 8];
+            word[..7].copy_from_slice(&bytes[at..at + 7]);
+            self.put(u64::from_le_bytes(word), 56);
+            at += 7;
+            left -= 56;
+        }
+        if left > 0 {
+            let mut word = [0u8; 8];
+            let tail = &bytes[at..at + (left as usize).div_ceil(8)];
+            word[..tail.len()].copy_from_slice(tail);
+            self.put(u64::from_le_bytes(word) & mask_bits(left as u32), left as u32);
+        }
+    }
+
+    /// Appends `count` one bits.
+    #[inline(always)]
+    fn put_ones(&mut self, mut count: u32) {
+        while count > 0 {
+            let run = count.min(32);
+            self.put((1u64 << run) - 1, run);
+            count -= run;
+        }
+    }
+
+    /// The bytes, the last one padded with zero bits.
+    pub fn finish(mut self) -> Vec<u8> {
+        let tail = self.pending_bits.div_ceil(8) as usize;
+        self.out.extend_from_slice(&self.pending.to_le_bytes()[..tail]);
+        self.out
+    }
+}
+
+/// Reads bits, least significant first, checking every read against the end of the stream.
+pub struct BitReader<'a> {
+    bytes: &'a [u8],
+    bit: usize,
+    total_bits: usize,
+}
+
+impl<'a> BitReader<'a> {
+    pub fn new(bytes: &'a [u8]) -> Self {
+        BitReader { bytes, bit: 0, total_bits: bytes.len() * 8 }
+    }
+
+    /// The next bits without consuming them: at least 57 are meaningful, zeros past the end of the stream.
+    #[inline(always)]
+    fn peek(&self) -> u64 {
+        let byte = self.bit >> 3;
+        let word = match self.bytes.get(byte..byte + 8) {
+            Some(eight) => u64::from_le_bytes(eight.try_into().expect("8 bytes")),
+            None => {
+                let mut buf = [0u8; 8];
+                let tail = self.bytes.get(byte..).unwrap_or(&[]);
+                buf[..tail.len()].copy_from_slice(tail);
+                u64::from_le_bytes(buf)
+            }
+        };
+        word >> (self.bit & 7)
+    }
+
+    #[inline(always)]
+    fn consume(&mut self, bits: u32) -> Result<(), String> {
+        self.bit += bits as usize;
+        if self.bit > self.total_bits {
+            return Err("stream ends early".to_owned());
+        }
+        Ok(())
+    }
+
+    /// Reads `bits <= 56` bits.
+    #[inline(always)]
+    pub fn read(&mut self, bits: u32) -> Result<u64, String> {
+        let value = self.peek() & ((1u64 << bits) - 1);
+        self.consume(bits)?;
+        Ok(value)
+    }
+
+    #[inline]
+    pub fn read_u64(&mut self) -> Result<u64, String> {
+        let low = self.read(32)?;
+        Ok(low | (self.read(32)? << 32))
+    }
+
+    /// True when every bit has been read and the padding of the last byte is zero.
+    pub fn is_exhausted(&self) -> bool {
+        let used_bytes = self.bit.div_ceil(8);
+        used_bytes == self.bytes.len() && (self.bit % 8 == 0 || self.bytes[used_bytes - 1] >> (self.bit % 8) == 0)
+    }
+
+    /// Counts one bits up to a zero (consumed too), or returns None after `ESCAPE_ONES` ones.
+    #[inline(always)]
+    fn read_unary(&mut self) -> Result<Option<u32>, String> {
+        let mut ones = 0;
+        loop {
+            let run = (!self.peek()).trailing_zeros().min(32);
+            if ones + run >= ESCAPE_ONES {
+                self.consume(ESCAPE_ONES - ones)?;
+                return Ok(None);
+            }
+            if run < 32 {
+                self.consume(run + 1)?;
+                return Ok(Some(ones + run));
+            }
+            self.consume(32)?;
+            ones += 32;
+        }
+    }
+}
+
+/// The Rice parameter for `count` gaps summing to `sum`, treating them as geometric with that mean
+/// (Kiely's rule, `k = max(0, 1 + floor(log2(ln(phi - 1) / ln(theta))))` with `theta = mean / (mean + 1)`).
+pub fn rice_k(count: u64, sum: u64) -> u32 {
+    if count == 0 || sum == 0 {
+        return 0;
+    }
+    let mean = sum as f64 / count as f64;
+    let theta = mean / (mean + 1.0);
+    let golden_minus_one = (5f64.sqrt() - 1.0) / 2.0;
+    let ratio = golden_minus_one.ln() / theta.ln();
+    if ratio.is_nan() || ratio < 1.0 {
+        return 0;
+    }
+    (1.0 + ratio.log2().floor()).min(f64::from(MAX_RICE_K)) as u32
+}
+
+/// Appends the Rice code of `gap` with parameter `k`.
+#[inline(always)]
+pub fn put_rice(out: &mut BitWriter, gap: u64, k: u32) {
+    let quotient = gap >> k;
+    if quotient + 1 + u64::from(k) <= 56 {
+        // The usual case: ones, the terminating zero and the remainder in one write.
+        let quotient = quotient as u32;
+        out.put(((1u64 << quotient) - 1) | ((gap & mask_bits(k)) << (quotient + 1)), quotient + 1 + k);
+    } else if quotient < u64::from(ESCAPE_ONES) {
+        out.put_ones(quotient as u32);
+        // The terminating zero and the remainder in one write when they fit.
+        if k < 56 {
+            out.put((gap & mask_bits(k)) << 1, k + 1);
+        } else {
+            out.put(0, 1);
+            out.put(gap & mask_bits(k), k);
+        }
+    } else {
+        out.put_ones(ESCAPE_ONES);
+        out.put_u64(gap);
+    }
+}
+
+/// Encodes gaps as a `rice` position stream: one byte holding `k`, then one Rice code per gap.
+pub fn write_rice(gaps: impl Iterator<Item = u64>, k: u32) -> Vec<u8> {
+    assert!(k <= MAX_RICE_K, "Rice parameter {k} over {MAX_RICE_K}");
+    let mut out = BitWriter::with_capacity(0);
+    out.put(u64::from(k), 8);
+    for gap in gaps {
+        put_rice(&mut out, gap, k);
+    }
+    out.finish()
+}
+
+#[inline(always)]
+fn mask_bits(bits: u32) -> u64 {
+    (1u64 << bits) - 1
+}
+
+/// Decodes a `rice` position stream one position at a time, checking each against `numel`.
+pub struct RiceReader<'a> {
+    bits: BitReader<'a>,
+    k: u32,
+    next_allowed: u64,
+    numel: u64,
+}
+
+impl<'a> RiceReader<'a> {
+    /// An empty stream is accepted here (a tensor with no change); reading a position from it fails.
+    pub fn new(bytes: &'a [u8], numel: u64) -> Result<Self, String> {
+        let mut bits = BitReader::new(bytes);
+        let k = if bytes.is_empty() { 0 } else { bits.read(8)? as u32 };
+        if k > MAX_RICE_K {
+            return Err(format!("Rice parameter {k} is over {MAX_RICE_K}"));
+        }
+        Ok(RiceReader { bits, k, next_allowed: 0, numel })
+    }
+
+    #[inline(always)]
+    pub fn next_position(&mut self) -> Result<u64, String> {
+        let early = |e: String| format!("position {e}");
+        let gap = match self.bits.read_unary().map_err(early)? {
+            Some(quotient) => (u64::from(quotient) << self.k) | self.bits.read(self.k).map_err(early)?,
+            None => self.bits.read_u64().map_err(early)?,
+        };
+        let position = self
+            .next_allowed
+            .checked_add(gap)
+            .filter(|&p| p < self.numel)
+            .ok_or_else(|| format!("position out of range (tensor has {} elements)", self.numel))?;
+        self.next_allowed = position + 1;
+        Ok(position)
+    }
+
+    pub fn is_exhausted(&self) -> bool {
+        self.bits.is_exhausted()
+    }
+}
+
+#[inline(always)]
+fn sign_extend(value: u64, width: usize) -> i64 {
+    let shift = 64 - 8 * width as u32;
+    ((value << shift) as i64) >> shift
+}
+
+/// Appends one wrapping difference of a `width`-byte element in the `diffbits` code:
+/// `0s` for ±1, `10s` for ±2 (s = 1 for minus; read least significant bit first), else `11` and the value as the
+/// byte-aligned `diff` codec would write it, in 8 or 8 + 8W bits.
+#[inline(always)]
+pub fn put_difference(out: &mut BitWriter, difference: u64, width: usize) {
+    match sign_extend(difference, width) {
+        1 => out.put(0b00, 2),
+        -1 => out.put(0b10, 2),
+        2 => out.put(0b001, 3),
+        -2 => out.put(0b101, 3),
+        signed => {
+            out.put(0b11, 2);
+            if width == 1 || (-127..=127).contains(&signed) {
+                out.put(u64::from(signed as u8), 8);
+            } else {
+                out.put(u64::from(ESCAPE), 8);
+                if width == 8 {
+                    out.put_u64(difference);
+                } else {
+                    out.put(difference, 8 * width as u32);
+                }
+            }
+        }
+    }
+}
+
+/// Re-encodes a byte-coded `diff` value stream of `count` values as a `diffbits` stream. The one-byte ±1 and ±2 of
+/// wide elements, nearly every value of a training step, map straight to their short codes.
+pub fn diff_to_diffbits<const W: usize>(diff_stream: &[u8], count: u64, out: &mut BitWriter) {
+    if W == 1 {
+        for &byte in &diff_stream[..count as usize] {
+            put_difference(out, u64::from(byte), 1);
+        }
+        return;
+    }
+    let mut at = 0;
+    while let Some(&byte) = diff_stream.get(at) {
+        at += 1;
+        match byte {
+            0x01 => out.put(0b00, 2),
+            0xff => out.put(0b10, 2),
+            0x02 => out.put(0b001, 3),
+            0xfe => out.put(0b101, 3),
+            ESCAPE => {
+                let raw = &diff_stream[at..at + W];
+                at += W;
+                let mut word = [0u8; 8];
+                word[..W].copy_from_slice(raw);
+                put_difference(out, u64::from_le_bytes(word), W);
+            }
+            _ => {
+                out.put(0b11, 2);
+                out.put(u64::from(byte), 8);
+            }
+        }
+    }
+}
+
+/// Reads one `diffbits` value of a `W`-byte element: the wrapping difference in the low `W` bytes.
+#[inline(always)]
+pub fn read_difference<const W: usize>(bits: &mut BitReader<'_>) -> Result<u64, String> {
+    let early = |e: String| format!("value {e}");
+    let word = bits.peek();
+    if word & 1 == 0 {
+        bits.consume(2).map_err(early)?;
+        return Ok(if word & 2 == 0 { 1 } else { mask(W) });
+    }
+    if word & 2 == 0 {
+        bits.consume(3).map_err(early)?;
+        return Ok(if word & 4 == 0 { 2 } else { mask(W) - 1 });
+    }
+    bits.consume(2).map_err(early)?;
+    let first = bits.read(8).map_err(early)?;
+    if W == 1 {
+        Ok(first)
+    } else if first == u64::from(ESCAPE) {
+        if W == 8 { bits.read_u64() } else { bits.read(8 * W as u32) }.map_err(early)
+    } else {
+        Ok((i64::from(first as u8 as i8) as u64) & mask(W))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+/// Bits taken by `gap` with Rice parameter `k`.
+fn rice_bits(gap: u64, k: u32) -> u64 {
+    let quotient = gap >> k;
+    if quotient < u64::from(ESCAPE_ONES) {
+        quotient + 1 + u64::from(k)
+    } else {
+        u64::from(ESCAPE_ONES) + 64
+    }
+}
+
+
+    fn positions_from_gaps(gaps: &[u64]) -> Vec<u64> {
+        let mut next = 0u64;
+        gaps.iter()
+            .map(|&g| {
+                let p = next + g;
+                next = p + 1;
+                p
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rice_roundtrips_including_escapes() {
+        let gaps = [0u64, 1, 2, 99, 100, 5000, 1 << 20, (1 << 40) + 3, 0, 7, 1 << 62];
+        for k in [0, 1, 3, 6, 7, 20, MAX_RICE_K] {
+            let stream = write_rice(gaps.iter().copied(), k);
+            let mut reader = RiceReader::new(&stream, u64::MAX).unwrap();
+            let decoded: Vec<u64> = gaps.iter().map(|_| reader.next_position().unwrap()).collect();
+            assert_eq!(decoded, positions_from_gaps(&gaps), "k={k}");
+            assert!(reader.is_exhausted(), "k={k}");
+        }
+    }
+
+    #[test]
+    fn rice_k_is_near_best_for_geometric_gaps() {
+        for density in [0.001f64, 0.0025, 0.01, 0.05, 0.3, 0.9] {
+            // Geometric gaps from a fixed LCG: count failures before a success of probability `density`.
+            let mut state = 0x2545_f491_4f6c_dd1du64;
+            let gaps: Vec<u64> = (0..20000)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let u = ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+                    (u.ln() / (1.0 - density).ln()).floor() as u64
+                })
+                .collect();
+            let cost = |k| gaps.iter().map(|&g| rice_bits(g, k)).sum::<u64>();
+            let best = (0..=MAX_RICE_K).map(cost).min().unwrap();
+            let chosen = cost(rice_k(gaps.len() as u64, gaps.iter().sum()));
+            assert!(chosen as f64 <= best as f64 * 1.01, "density {density}: {chosen} bits vs best {best}");
+        }
+    }
+
+    #[test]
+    fn appending_bit_streams_equals_writing_once() {
+        let pieces: Vec<Vec<(u64, u32)>> = vec![vec![(1, 1), (0x1ff, 9)], vec![], vec![(0xabcdef, 24); 9], vec![(3, 2), (0, 5)]];
+        let mut whole = BitWriter::with_capacity(0);
+        let mut joined = BitWriter::with_capacity(0);
+        joined.put(0b101, 3);
+        whole.put(0b101, 3);
+        for piece in &pieces {
+            let mut part = BitWriter::with_capacity(0);
+            for &(value, bits) in piece {
+                part.put(value, bits);
+                whole.put(value, bits);
+            }
+            let bits = part.bit_len();
+            joined.append(&part.finish(), bits);
+        }
+        assert_eq!(joined.bit_len(), whole.bit_len());
+        assert_eq!(joined.finish(), whole.finish());
+    }
+
+    #[test]
+    fn rice_rejects_bad_streams() {
+        assert!(RiceReader::new(&[MAX_RICE_K as u8 + 1], 10).is_err());
+        // k = 0, then a unary run with no end.
+        let mut reader = RiceReader::new(&[0, 0xff], 1000).unwrap();
+        assert!(reader.next_position().is_err());
+        // k = 0, gaps 0 then 0: positions 0, 1; the second is out of range for numel 1.
+        let mut reader = RiceReader::new(&[0, 0b00], 1).unwrap();
+        assert_eq!(reader.next_position(), Ok(0));
+        assert!(reader.next_position().is_err());
+        // Non-zero padding is not exhausted.
+        let mut reader = RiceReader::new(&[0, 0b10], 10).unwrap();
+        assert_eq!(reader.next_position(), Ok(0));
+        assert!(!reader.is_exhausted());
+        // An escape whose 64-bit gap is cut short.
+        let mut reader = RiceReader::new(&[0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 1], u64::MAX).unwrap();
+        assert!(reader.next_position().is_err());
+    }
+
+    fn diffbits_roundtrip<const W: usize>(differences: &[u64]) -> usize {
+        let mut out = BitWriter::with_capacity(0);
+        for &d in differences {
+            put_difference(&mut out, d & mask(W), W);
+        }
+        let stream = out.finish();
+        let mut reader = BitReader::new(&stream);
+        for &d in differences {
+            assert_eq!(read_difference::<W>(&mut reader), Ok(d & mask(W)), "W={W}");
+        }
+        assert!(reader.is_exhausted());
+        stream.len()
+    }
+
+    #[test]
+    fn diffbits_roundtrips_every_width() {
+        let diffs: Vec<u64> = [1i64, -1, 2, -2, 3, -3, 127, -127, 128, -128, 300, 0, i64::MIN, i64::MAX]
+            .iter()
+            .map(|&d| d as u64)
+            .collect();
+        diffbits_roundtrip::<1>(&diffs);
+        diffbits_roundtrip::<2>(&diffs);
+        diffbits_roundtrip::<4>(&diffs);
+        diffbits_roundtrip::<8>(&diffs);
+        // ±1 take two bits each.
+        assert_eq!(diffbits_roundtrip::<2>(&[1, u64::MAX, 1, 1]), 1);
+    }
+}
