@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Union
 
 import numpy as np
@@ -216,6 +216,20 @@ class Delta:
                                          values=info.values, dense=dense)
 
 
+def in_batches(entries: Iterable[tuple[Any, int]], flush: Callable[[list], object]) -> None:
+    """Hands ``(entry, bytes copied to the host)`` pairs to ``flush`` in batches, so that host copies of device
+    tensors never exceed about ``_STAGING_BYTES`` at once; tensors already on the host cost nothing."""
+    batch, staged_bytes = [], 0
+    for entry, copied in entries:
+        batch.append(entry)
+        staged_bytes += copied
+        if staged_bytes >= _STAGING_BYTES:
+            flush(batch)
+            batch, staged_bytes = [], 0
+    if batch:
+        flush(batch)
+
+
 def _as_mapping(x: State, role: str) -> Mapping[str, Tensor]:
     if _arrays.is_array(x):
         return {DEFAULT_NAME: x}
@@ -248,18 +262,15 @@ def diff(prev: State, curr: State, *, values: str = "diff", codec: str = "varint
             f"prev and curr hold different tensors: only in prev {only_prev[:5]}, only in curr {only_curr[:5]}"
         )
     raw = RawDelta()
-    batch, staged_bytes = [], 0
-    for name, new in curr_map.items():
-        dtype, shape = _arrays.check_same_kind(prev_map[name], new, name)
-        old_bytes, old_copied = _arrays.host_bytes(prev_map[name])
-        new_bytes, new_copied = _arrays.host_bytes(new)
-        batch.append((name, dtype, list(shape), old_bytes, new_bytes))
-        staged_bytes += old_copied + new_copied
-        if staged_bytes >= _STAGING_BYTES:
-            raw.add_diff(batch, values, codec)
-            batch, staged_bytes = [], 0
-    if batch:
-        raw.add_diff(batch, values, codec)
+
+    def entries():
+        for name, new in curr_map.items():
+            dtype, shape = _arrays.check_same_kind(prev_map[name], new, name)
+            old_bytes, old_copied = _arrays.host_bytes(prev_map[name])
+            new_bytes, new_copied = _arrays.host_bytes(new)
+            yield (name, dtype, list(shape), old_bytes, new_bytes), old_copied + new_copied
+
+    in_batches(entries(), lambda batch: raw.add_diff(batch, values, codec))
     return _finish(raw, step, base_step, metadata)
 
 
@@ -267,17 +278,14 @@ def anchor(state: State, *, step: int | None = None, metadata: Mapping[str, str]
     """A full snapshot: every tensor stored whole. It applies to any base, and the file is also a plain
     safetensors checkpoint of ``state``."""
     raw = RawDelta()
-    batch, staged_bytes = [], 0
-    for name, tensor in _as_mapping(state, "state").items():
-        dtype, shape = _arrays.describe(tensor, name)
-        data, copied = _arrays.host_bytes(tensor)
-        batch.append((name, dtype, list(shape), data))
-        staged_bytes += copied
-        if staged_bytes >= _STAGING_BYTES:
-            raw.add_full(batch)
-            batch, staged_bytes = [], 0
-    if batch:
-        raw.add_full(batch)
+
+    def entries():
+        for name, tensor in _as_mapping(state, "state").items():
+            dtype, shape = _arrays.describe(tensor, name)
+            data, copied = _arrays.host_bytes(tensor)
+            yield (name, dtype, list(shape), data), copied
+
+    in_batches(entries(), raw.add_full)
     return _finish(raw, step, None, metadata)
 
 

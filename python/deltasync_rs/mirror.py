@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _arrays
 from ._core import MirrorDiff
-from .delta import _STAGING_BYTES, Delta, _finish, state_digest
+from .delta import Delta, _finish, in_batches, state_digest
 from .errors import BaseMismatchError, DeltaSyncError
 
 
@@ -76,17 +76,14 @@ class Mirror:
             )
         kinds = {name: _arrays.check_same_kind(self._tensors[name], new, name) for name, new in state.items()}
         builder = MirrorDiff(values)
-        batch, staged_bytes = [], 0
-        for name, new in state.items():
-            dtype, shape = kinds[name]
-            new_bytes, copied = _arrays.host_bytes(new)
-            batch.append((name, dtype, list(shape), _arrays.writable_bytes(self._tensors[name]), new_bytes))
-            staged_bytes += copied
-            if staged_bytes >= _STAGING_BYTES:
-                builder.advance(batch)
-                batch, staged_bytes = [], 0
-        if batch:
-            builder.advance(batch)
+
+        def entries():
+            for name, new in state.items():
+                dtype, shape = kinds[name]
+                new_bytes, copied = _arrays.host_bytes(new)
+                yield (name, dtype, list(shape), _arrays.writable_bytes(self._tensors[name]), new_bytes), copied
+
+        in_batches(entries(), builder.advance)
         delta = _finish(builder.take(), step, self.step, None)
         self.step = step
         return delta

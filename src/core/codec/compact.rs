@@ -252,13 +252,7 @@ impl<'a> RiceReader<'a> {
             Some(quotient) => (u64::from(quotient) << self.k) | self.bits.read(self.k).map_err(early)?,
             None => self.bits.read_u64().map_err(early)?,
         };
-        let position = self
-            .next_allowed
-            .checked_add(gap)
-            .filter(|&p| p < self.numel)
-            .ok_or_else(|| format!("position out of range (tensor has {} elements)", self.numel))?;
-        self.next_allowed = position + 1;
-        Ok(position)
+        super::next_position(&mut self.next_allowed, gap, self.numel)
     }
 
     pub fn is_exhausted(&self) -> bool {

@@ -7,6 +7,18 @@ pub mod varint;
 
 use serde::{Deserialize, Serialize};
 
+/// The position after a gap: `next_allowed + gap`, which must lie below `numel`; moves `next_allowed` past it.
+/// Every position codec decodes through this one check.
+#[inline(always)]
+pub fn next_position(next_allowed: &mut u64, gap: u64, numel: u64) -> Result<u64, String> {
+    let position = next_allowed
+        .checked_add(gap)
+        .filter(|&p| p < numel)
+        .ok_or_else(|| format!("position out of range (tensor has {numel} elements)"))?;
+    *next_allowed = position + 1;
+    Ok(position)
+}
+
 /// How the changed positions are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

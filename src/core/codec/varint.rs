@@ -77,13 +77,7 @@ impl<'a> PositionReader<'a> {
                 ReadError::Overflow => format!("position varint at byte {} overflows 64 bits", self.at),
             })?,
         };
-        let position = self
-            .next_allowed
-            .checked_add(gap)
-            .filter(|&p| p < self.numel)
-            .ok_or_else(|| format!("position out of range (tensor has {} elements)", self.numel))?;
-        self.next_allowed = position + 1;
-        Ok(position)
+        super::next_position(&mut self.next_allowed, gap, self.numel)
     }
 
     /// True once every byte has been consumed.
