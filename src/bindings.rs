@@ -12,6 +12,7 @@ use pyo3::types::{PyByteArray, PyBytes};
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
 use crate::core::digest::{self, DigestInput};
+use crate::core::stream::Backing;
 use crate::core::{apply, diff, dtype, files, format, pool, trl, Delta, Error};
 
 mod mirror;
@@ -73,6 +74,19 @@ fn export(obj: &Bound<'_, PyAny>, what: &str, writable: bool) -> PyResult<(PyBuf
     }
     let slice = RawSlice { ptr: buffer.buf_ptr().cast::<u8>(), len: buffer.len_bytes() };
     Ok((buffer, slice))
+}
+
+/// An exported immutable `bytes` object, kept alive for as long as a loaded delta reads from it.
+struct HeldBytes {
+    _buffer: PyBuffer<u8>,
+    slice: RawSlice,
+}
+
+impl AsRef<[u8]> for HeldBytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `_buffer` keeps the exporting `bytes` object alive and its contents never change.
+        unsafe { self.slice.get() }
+    }
 }
 
 fn parse_dtype(name: &str, tensor: &str) -> PyResult<dtype::Dtype> {
@@ -287,10 +301,17 @@ impl RawDelta {
     #[pyo3(signature = (data, source_name = "<bytes>"))]
     fn from_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, source_name: &str) -> PyResult<RawDelta> {
         let (buffer, slice) = export(data, source_name, false)?;
-        // SAFETY: `buffer` is alive for the copy.
-        let bytes = py.detach(|| unsafe { slice.get() }.to_vec());
-        drop(buffer);
-        let delta = py.detach(|| format::from_bytes(bytes, source_name)).map_err(to_py)?;
+        let backing = if data.is_exact_instance_of::<PyBytes>() {
+            // `bytes` never changes: keep it alive and read it in place instead of copying it.
+            Backing::Borrowed(Box::new(HeldBytes { _buffer: buffer, slice }))
+        } else {
+            // A mutable buffer (bytearray, memoryview) could change after validation: take a private copy.
+            // SAFETY: `buffer` is alive for the copy.
+            let bytes = py.detach(|| unsafe { slice.get() }.to_vec());
+            drop(buffer);
+            Backing::Owned(bytes)
+        };
+        let delta = py.detach(|| format::read(std::sync::Arc::new(backing), source_name)).map_err(to_py)?;
         Ok(RawDelta { delta })
     }
 

@@ -89,3 +89,42 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Load-time validation of byte-aligned streams checks positions and values apart; it must accept exactly the
+    /// streams the full walk accepts.
+    #[test]
+    fn split_validation_agrees_with_the_walk(
+        (width, old, new) in pair(),
+        abs in any::<bool>(),
+        edits in prop::collection::vec((any::<bool>(), any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        cut in prop::option::of((any::<bool>(), any::<prop::sample::Index>())),
+    ) {
+        let codec = if abs { ValueCodec::Abs } else { ValueCodec::Diff };
+        let elements = (old.len() / width) as u64;
+        let tensors = diff(
+            &[DiffInput { name: "t".into(), dtype: dtype_of(width), shape: vec![elements], old: &old, new: &new }],
+            codec,
+            Codec::Varint,
+        ).unwrap();
+        let mut tensor = tensors.into_iter().next().unwrap();
+        prop_assume!(!tensor.is_dense() && tensor.changed > 0);
+        let (mut positions, mut values) = (tensor.positions.to_vec(), tensor.values.to_vec());
+        for (in_positions, index, byte) in edits {
+            let stream = if in_positions { &mut positions } else { &mut values };
+            let at = index.index(stream.len());
+            stream[at] = byte;
+        }
+        if let Some((in_positions, index)) = cut {
+            let stream = if in_positions { &mut positions } else { &mut values };
+            let keep = index.index(stream.len() + 1);
+            stream.truncate(keep);
+        }
+        tensor.positions = positions.into();
+        tensor.values = values.into();
+        let walked = tensor.for_each_change(|_, _| {}).is_ok();
+        prop_assert_eq!(tensor.validate("prop").is_ok(), walked);
+    }
+}

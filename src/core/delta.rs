@@ -123,10 +123,60 @@ impl TensorDelta {
             self.last_position = numel.checked_sub(1);
             return Ok(());
         }
+        if self.positions_codec == PositionCodec::Varint && matches!(self.values_codec, ValueCodec::Diff | ValueCodec::Abs) {
+            // The byte-aligned codecs: positions and values can be checked apart, side by side, without pairing them.
+            self.last_position = self.check_byte_streams().map_err(fail)?;
+            return Ok(());
+        }
         let mut last = None;
         self.for_each_change(|position, _| last = Some(position)).map_err(fail)?;
         self.last_position = last;
         Ok(())
+    }
+
+    /// Checks a `varint` position stream and a `diff`/`abs` value stream with the same rules as the walk, in
+    /// parallel, and returns the last position.
+    fn check_byte_streams(&self) -> std::result::Result<Option<u64>, String> {
+        let numel = self.numel().unwrap_or(u64::MAX);
+        if self.changed > numel {
+            return Err(format!("changed={} exceeds the {numel} elements", self.changed));
+        }
+        let check_positions = || {
+            let mut reader = PositionReader::new(&self.positions, numel);
+            let mut last = None;
+            for _ in 0..self.changed {
+                last = Some(reader.next_position()?);
+            }
+            if !reader.is_exhausted() {
+                return Err("position stream has bytes after the last change".to_owned());
+            }
+            Ok(last)
+        };
+        let (last, values) = rayon::join(check_positions, || check_value_stream(&self.values, self.values_codec, self.width(), self.changed));
+        values?;
+        last
+    }
+}
+
+/// Checks that a `diff` or `abs` value stream holds exactly `changed` entries.
+fn check_value_stream(bytes: &[u8], codec: ValueCodec, width: usize, changed: u64) -> std::result::Result<(), String> {
+    let end = match codec {
+        ValueCodec::Abs => changed.checked_mul(width as u64).map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+        _ => {
+            let mut at = 0usize;
+            for _ in 0..changed {
+                let Some(&first) = bytes.get(at) else {
+                    return Err("value stream ends early".to_owned());
+                };
+                at += if width > 1 && first == crate::core::codec::values::ESCAPE { 1 + width } else { 1 };
+            }
+            at
+        }
+    };
+    match end.cmp(&bytes.len()) {
+        std::cmp::Ordering::Greater => Err("value stream ends early".to_owned()),
+        std::cmp::Ordering::Less => Err("value stream has bytes after the last change".to_owned()),
+        std::cmp::Ordering::Equal => Ok(()),
     }
 }
 

@@ -3,10 +3,12 @@
 use std::ops::{Deref, Range};
 use std::sync::Arc;
 
-/// The backing store of a loaded delta: bytes in memory or a read-only file mapping.
+/// The backing store of a loaded delta: bytes in memory, a read-only file mapping, or immutable bytes owned by
+/// someone else (the bindings lend a Python `bytes` object this way, without a copy).
 pub enum Backing {
     Owned(Vec<u8>),
     Mapped(memmap2::Mmap),
+    Borrowed(Box<dyn AsRef<[u8]> + Send + Sync>),
 }
 
 impl Deref for Backing {
@@ -15,6 +17,7 @@ impl Deref for Backing {
         match self {
             Backing::Owned(bytes) => bytes,
             Backing::Mapped(map) => map,
+            Backing::Borrowed(bytes) => (**bytes).as_ref(),
         }
     }
 }
