@@ -93,12 +93,13 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
-    /// Load-time validation of byte-aligned streams checks positions and values apart; it must accept exactly the
-    /// streams the full walk accepts.
+    /// Load-time validation checks positions and values apart; it must accept exactly the streams the full walk
+    /// accepts, in either codec family, and find the same last position.
     #[test]
     fn split_validation_agrees_with_the_walk(
         (width, old, new) in pair(),
         abs in any::<bool>(),
+        compact in any::<bool>(),
         edits in prop::collection::vec((any::<bool>(), any::<prop::sample::Index>(), any::<u8>()), 0..4),
         cut in prop::option::of((any::<bool>(), any::<prop::sample::Index>())),
     ) {
@@ -107,7 +108,7 @@ proptest! {
         let tensors = diff(
             &[DiffInput { name: "t".into(), dtype: dtype_of(width), shape: vec![elements], old: &old, new: &new }],
             codec,
-            Codec::Varint,
+            if compact { Codec::Compact } else { Codec::Varint },
         ).unwrap();
         let mut tensor = tensors.into_iter().next().unwrap();
         prop_assume!(!tensor.is_dense() && tensor.changed > 0);
@@ -124,7 +125,11 @@ proptest! {
         }
         tensor.positions = positions.into();
         tensor.values = values.into();
-        let walked = tensor.for_each_change(|_, _| {}).is_ok();
+        let mut last = None;
+        let walked = tensor.for_each_change(|position, _| last = Some(position)).is_ok();
         prop_assert_eq!(tensor.validate("prop").is_ok(), walked);
+        if walked {
+            prop_assert_eq!(tensor.last_position, last);
+        }
     }
 }

@@ -24,3 +24,28 @@ def test_package_metadata():
     import deltasync_rs as ds
 
     assert importlib.metadata.version("deltasync-rs") == ds.__version__
+
+
+def test_every_scan_kernel_writes_the_same_bytes():
+    """`DELTASYNC_SCAN_KERNEL` picks the compare kernel once per process; each must give identical deltas."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, deltasync_rs as ds, sys\n"
+        "rng = np.random.default_rng(7)\n"
+        "old = rng.integers(0, 2**16, 300_001, dtype=np.uint16)\n"
+        "new = old.copy()\n"
+        "at = rng.choice(old.size, 6_000, replace=False)\n"
+        "new[at] += rng.choice(np.array([1, 65535, 2, 300], dtype=np.uint16), at.size)\n"
+        "prev = {'w': old.view(np.int16)}\n"
+        "curr = {'w': new.view(np.int16)}\n"
+        "sys.stdout.buffer.write(ds.diff(prev, curr).to_bytes() + ds.diff(prev, curr, codec='compact').to_bytes())\n"
+    )
+    outputs = {}
+    for kernel in ("portable", "sse2", "avx2", "avx512", ""):
+        env = {**__import__("os").environ, "DELTASYNC_SCAN_KERNEL": kernel}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True)
+        outputs[kernel] = done.stdout
+    assert len(set(outputs.values())) == 1
+    assert len(outputs[""]) > 1000

@@ -26,7 +26,7 @@ pub fn check_target(tensor: &TensorDelta, dtype: dtype::Dtype, shape: Option<&[u
     }
     let width = tensor.width();
     let elements = (len / width) as u64;
-    if len % width != 0 || tensor.numel().is_some_and(|numel| numel != elements) {
+    if !len.is_multiple_of(width) || tensor.numel().is_some_and(|numel| numel != elements) {
         return Err(Error::mismatch(format!("tensor {name:?}: target holds {len} bytes, which does not fit the delta")));
     }
     if let Some(last) = tensor.last_position {

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use crate::core::codec::values::ValueReader;
-use crate::core::codec::compact::RiceReader;
-use crate::core::codec::varint::PositionReader;
+use crate::core::codec::compact::{self, RiceReader};
+use crate::core::codec::varint::{self, PositionReader};
 use crate::core::codec::{PositionCodec, PositionSource, ValueCodec};
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
@@ -123,52 +123,82 @@ impl TensorDelta {
             self.last_position = numel.checked_sub(1);
             return Ok(());
         }
-        if self.positions_codec == PositionCodec::Varint && matches!(self.values_codec, ValueCodec::Diff | ValueCodec::Abs) {
-            // The byte-aligned codecs: positions and values can be checked apart, side by side, without pairing them.
-            self.last_position = self.check_byte_streams().map_err(fail)?;
+        if self.positions_codec == PositionCodec::All {
+            // `all` positions with a value codec other than `abs`: the walk states what is wrong.
+            let mut last = None;
+            self.for_each_change(|position, _| last = Some(position)).map_err(fail)?;
+            self.last_position = last;
             return Ok(());
         }
-        let mut last = None;
-        self.for_each_change(|position, _| last = Some(position)).map_err(fail)?;
-        self.last_position = last;
+        // Positions and values can be checked apart, side by side, without pairing them.
+        self.last_position = self.check_streams().map_err(fail)?;
         Ok(())
     }
 
-    /// Checks a `varint` position stream and a `diff`/`abs` value stream with the same rules as the walk, in
+    /// Checks a `varint` or `rice` position stream and its value stream with the same rules as the walk, in
     /// parallel, and returns the last position.
-    fn check_byte_streams(&self) -> std::result::Result<Option<u64>, String> {
+    fn check_streams(&self) -> std::result::Result<Option<u64>, String> {
         let numel = self.numel().unwrap_or(u64::MAX);
         if self.changed > numel {
             return Err(format!("changed={} exceeds the {numel} elements", self.changed));
         }
-        let check_positions = || {
-            let mut reader = PositionReader::new(&self.positions, numel);
-            let mut last = None;
-            for _ in 0..self.changed {
-                last = Some(reader.next_position()?);
+        let check_positions = || -> std::result::Result<Option<u64>, String> {
+            if self.positions_codec == PositionCodec::Rice {
+                return compact::check_rice(&self.positions, self.changed, numel);
             }
-            if !reader.is_exhausted() {
-                return Err("position stream has bytes after the last change".to_owned());
+            let (count, sum) = varint::count_and_sum(&self.positions).map_err(|e| match e {
+                varint::ReadError::Truncated => "position stream ends early".to_owned(),
+                varint::ReadError::Overflow => "a position varint overflows 64 bits".to_owned(),
+            })?;
+            match count.cmp(&self.changed) {
+                std::cmp::Ordering::Less => return Err("position stream ends early".to_owned()),
+                std::cmp::Ordering::Greater => return Err("position stream has bytes after the last change".to_owned()),
+                std::cmp::Ordering::Equal => {}
             }
-            Ok(last)
+            // Each position is the previous one plus one plus its gap.
+            let last = sum.and_then(|sum| sum.checked_add(count)).filter(|&end| end <= numel);
+            match last {
+                Some(end) => Ok(end.checked_sub(1)),
+                None => Err(format!("position out of range (tensor has {numel} elements)")),
+            }
         };
-        let (last, values) = rayon::join(check_positions, || check_value_stream(&self.values, self.values_codec, self.width(), self.changed));
+        let check_values = || match self.width() {
+            1 => check_value_stream::<1>(&self.values, self.values_codec, self.changed),
+            2 => check_value_stream::<2>(&self.values, self.values_codec, self.changed),
+            4 => check_value_stream::<4>(&self.values, self.values_codec, self.changed),
+            _ => check_value_stream::<8>(&self.values, self.values_codec, self.changed),
+        };
+        let (last, values) = rayon::join(check_positions, check_values);
         values?;
         last
     }
 }
 
-/// Checks that a `diff` or `abs` value stream holds exactly `changed` entries.
-fn check_value_stream(bytes: &[u8], codec: ValueCodec, width: usize, changed: u64) -> std::result::Result<(), String> {
+/// Checks that a value stream holds exactly `changed` entries.
+fn check_value_stream<const W: usize>(bytes: &[u8], codec: ValueCodec, changed: u64) -> std::result::Result<(), String> {
+    let width = W;
+    if codec == ValueCodec::DiffBits {
+        return compact::check_diffbits::<W>(bytes, changed);
+    }
     let end = match codec {
         ValueCodec::Abs => changed.checked_mul(width as u64).map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+        _ if width == 1 => changed.try_into().unwrap_or(usize::MAX),
         _ => {
-            let mut at = 0usize;
-            for _ in 0..changed {
+            // Every byte between escapes is a whole value: jump from escape to escape.
+            let (mut at, mut seen) = (0usize, 0u64);
+            while seen < changed {
                 let Some(&first) = bytes.get(at) else {
                     return Err("value stream ends early".to_owned());
                 };
-                at += if width > 1 && first == crate::core::codec::values::ESCAPE { 1 + width } else { 1 };
+                if first == crate::core::codec::values::ESCAPE {
+                    at += 1 + width;
+                    seen += 1;
+                    continue;
+                }
+                let run = memchr::memchr(crate::core::codec::values::ESCAPE, &bytes[at..]).unwrap_or(bytes.len() - at);
+                let take = (run as u64).min(changed - seen);
+                at += take as usize;
+                seen += take;
             }
             at
         }

@@ -6,16 +6,15 @@
 use rayon::prelude::*;
 
 use crate::core::codec::compact::{self, BitWriter};
-use crate::core::codec::{values, varint, Codec, PositionCodec, ValueCodec};
+use crate::core::codec::{varint, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
+use crate::core::scan;
 use crate::core::stream::Stream;
 
 /// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads.
 const CHUNK_ELEMENTS: usize = 1 << 18;
-/// Bytes compared at once before looking at single elements.
-const BLOCK_BYTES: usize = 64;
 
 /// One tensor to compare: its raw little-endian bytes before and after.
 pub struct DiffInput<'a> {
@@ -75,12 +74,16 @@ fn compact_chunk(chunk: &ChunkChanges, k: u32, previous_end: u64, width: usize, 
     if chunk.count > 0 {
         compact::put_rice(&mut positions, chunk.first_position - previous_end, k);
         let mut at = 0;
-        while let Some(&byte) = chunk.positions.get(at) {
-            let gap = if byte < 0x80 {
-                at += 1;
-                u64::from(byte)
+        let stream = &chunk.positions;
+        while at < stream.len() {
+            // Gaps of one or two bytes (all but the rarest) without a branch on their length.
+            let pair = u16::from_le_bytes([stream[at], stream.get(at + 1).copied().unwrap_or(0)]);
+            let long = pair & 0x80 != 0;
+            let gap = if pair & 0x8080 == 0x8080 {
+                varint::read(stream, &mut at).expect("written by the scan")
             } else {
-                varint::read(&chunk.positions, &mut at).expect("written by the scan")
+                at += 1 + usize::from(long);
+                u64::from(pair & 0x7f) | if long { u64::from(pair >> 8) << 7 } else { 0 }
             };
             compact::put_rice(&mut positions, gap, k);
         }
@@ -124,64 +127,15 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// XOR of one block's 8-byte little-endian words: byte `i` of word `k` is non-zero iff byte `8k + i` differs.
-#[inline(always)]
-fn block_xor(old: &[u8], new: &[u8]) -> [u64; BLOCK_BYTES / 8] {
-    let mut words = [0u64; BLOCK_BYTES / 8];
-    for (k, word) in words.iter_mut().enumerate() {
-        let a = u64::from_le_bytes(old[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
-        let b = u64::from_le_bytes(new[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
-        *word = a ^ b;
-    }
-    words
-}
-
-fn scan_chunk<const W: usize>(old: &[u8], new: &[u8], first_element: u64, codec: ValueCodec) -> ChunkChanges {
-    let mut out = ChunkChanges::default();
-    let mut next_expected = first_element;
-    let mut record = |out: &mut ChunkChanges, byte_offset: usize| {
-        let position = first_element + (byte_offset / W) as u64;
-        if out.count == 0 {
-            out.first_position = position;
-        } else {
-            varint::write(&mut out.positions, position - next_expected);
-        }
-        next_expected = position + 1;
-        out.last_position = position;
-        out.count += 1;
-        values::write_const::<W>(&mut out.values, codec, &old[byte_offset..], &new[byte_offset..]);
-    };
-    let element_mask: u64 = if W == 8 { u64::MAX } else { (1u64 << (8 * W)) - 1 };
-    let blocks_end = old.len() / BLOCK_BYTES * BLOCK_BYTES;
-    let mut offset = 0;
-    while offset < blocks_end {
-        let words = block_xor(&old[offset..offset + BLOCK_BYTES], &new[offset..offset + BLOCK_BYTES]);
-        if words.iter().any(|&w| w != 0) {
-            for (k, mut word) in words.into_iter().enumerate() {
-                // Jump from one differing element to the next through the XOR's set bits.
-                while word != 0 {
-                    let element = (word.trailing_zeros() as usize / 8) / W;
-                    record(&mut out, offset + k * 8 + element * W);
-                    word &= !(element_mask << (8 * W * element));
-                }
-            }
-        }
-        offset += BLOCK_BYTES;
-    }
-    for element in (blocks_end..old.len()).step_by(W) {
-        if old[element..element + W] != new[element..element + W] {
-            record(&mut out, element);
-        }
-    }
-    out
-}
-
 fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> ChunkChanges {
-    match width {
-        1 => scan_chunk::<1>(old, new, first_element, codec),
-        2 => scan_chunk::<2>(old, new, first_element, codec),
-        4 => scan_chunk::<4>(old, new, first_element, codec),
-        _ => scan_chunk::<8>(old, new, first_element, codec),
+    let found = scan::scan(old, new, first_element, width, codec);
+    ChunkChanges {
+        count: found.count,
+        first_position: found.first_position,
+        last_position: found.last_position,
+        positions: found.positions,
+        values: found.values,
+        compact: None,
     }
 }
 

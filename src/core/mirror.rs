@@ -7,95 +7,16 @@
 
 use rayon::prelude::*;
 
-use crate::core::codec::{values, varint, PositionCodec, ValueCodec};
+use crate::core::codec::{varint, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
 use crate::core::format::{POSITIONS_SUFFIX, VALUES_SUFFIX};
+use crate::core::scan::{self, Changes};
 use crate::core::stream::Stream;
 
 /// Elements scanned by one rayon task.
 const TASK_ELEMENTS: usize = 1 << 18;
-/// Bytes compared, and on a difference copied, at once.
-const BLOCK_BYTES: usize = 64;
-
-/// The changes found in one task's range of elements.
-#[derive(Default)]
-struct Changes {
-    count: u64,
-    first_position: u64,
-    last_position: u64,
-    /// Gap varints after the first change.
-    positions: Vec<u8>,
-    values: Vec<u8>,
-}
-
-impl Changes {
-    #[inline(always)]
-    fn record<const W: usize>(&mut self, position: u64, codec: ValueCodec, old: &[u8], new: &[u8]) {
-        if self.count == 0 {
-            self.first_position = position;
-        } else {
-            varint::write(&mut self.positions, position - self.last_position - 1);
-        }
-        self.last_position = position;
-        self.count += 1;
-        values::write_const::<W>(&mut self.values, codec, old, new);
-    }
-}
-
-/// Scans `mirror` against `new`, records each differing element and copies the new bits into `mirror`.
-fn scan_update<const W: usize>(mirror: &mut [u8], new: &[u8], first_element: u64, codec: ValueCodec) -> Changes {
-    let mut out = Changes::default();
-    let element_mask = values::mask(W);
-    let blocks_end = mirror.len() / BLOCK_BYTES * BLOCK_BYTES;
-    let (mirror_blocks, mirror_tail) = mirror.split_at_mut(blocks_end);
-    let (new_blocks, new_tail) = new.split_at(blocks_end);
-    for (block_index, (old_block, new_block)) in
-        mirror_blocks.chunks_exact_mut(BLOCK_BYTES).zip(new_blocks.chunks_exact(BLOCK_BYTES)).enumerate()
-    {
-        let mut words = [0u64; BLOCK_BYTES / 8];
-        let mut any = 0u64;
-        for (k, word) in words.iter_mut().enumerate() {
-            let a = u64::from_le_bytes(old_block[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
-            let b = u64::from_le_bytes(new_block[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
-            *word = a ^ b;
-            any |= *word;
-        }
-        if any == 0 {
-            continue;
-        }
-        let block_first = first_element + (block_index * BLOCK_BYTES / W) as u64;
-        for (k, mut word) in words.into_iter().enumerate() {
-            // Jump from one differing element to the next through the XOR's set bits.
-            while word != 0 {
-                let element = (word.trailing_zeros() as usize / 8) / W;
-                let at = k * 8 + element * W;
-                out.record::<W>(block_first + (at / W) as u64, codec, &old_block[at..], &new_block[at..]);
-                word &= !(element_mask << (8 * W * element));
-            }
-        }
-        old_block.copy_from_slice(new_block);
-    }
-    let tail_first = first_element + (blocks_end / W) as u64;
-    for (index, (old, new)) in mirror_tail.chunks_exact_mut(W).zip(new_tail.chunks_exact(W)).enumerate() {
-        if old != new {
-            out.record::<W>(tail_first + index as u64, codec, old, new);
-            old.copy_from_slice(new);
-        }
-    }
-    out
-}
-
-fn scan_update_width(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
-    match width {
-        1 => scan_update::<1>(mirror, new, first_element, codec),
-        2 => scan_update::<2>(mirror, new, first_element, codec),
-        4 => scan_update::<4>(mirror, new, first_element, codec),
-        _ => scan_update::<8>(mirror, new, first_element, codec),
-    }
-}
-
 /// A tensor being compared against its mirror chunk by chunk.
 pub struct MirrorTensor {
     name: String,
@@ -142,7 +63,7 @@ impl MirrorTensor {
     /// unchanged. Runs in the deltasync pool.
     pub fn update(&mut self, mirror: &mut [u8], new: &[u8], first_element: u64) -> Result<()> {
         let name = &self.name;
-        if mirror.len() != new.len() || new.len() % self.width != 0 {
+        if mirror.len() != new.len() || !new.len().is_multiple_of(self.width) {
             return Err(Error::mismatch(format!(
                 "tensor {name:?}: a chunk of {} new bytes for {} mirror bytes of {}-byte elements",
                 new.len(),
@@ -151,7 +72,7 @@ impl MirrorTensor {
             )));
         }
         let elements = (new.len() / self.width) as u64;
-        if first_element < self.next_element || first_element.checked_add(elements).map_or(true, |end| end > self.numel) {
+        if first_element < self.next_element || first_element.checked_add(elements).is_none_or(|end| end > self.numel) {
             return Err(Error::invalid(format!(
                 "tensor {name:?}: chunk of {elements} elements at {first_element} is out of order or outside \
                  [{}, {})",
@@ -167,7 +88,7 @@ impl MirrorTensor {
                 .zip(new.par_chunks(task_bytes))
                 .enumerate()
                 .map(|(task, (old, new))| {
-                    scan_update_width(old, new, first_element + (task * TASK_ELEMENTS) as u64, width, codec)
+                    scan::scan_update(old, new, first_element + (task * TASK_ELEMENTS) as u64, width, codec)
                 })
                 .collect()
         });

@@ -12,6 +12,7 @@ pub mod files;
 pub mod format;
 pub mod mirror;
 pub mod pool;
+pub mod scan;
 pub mod shards;
 pub mod stream;
 pub mod trl;

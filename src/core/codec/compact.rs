@@ -10,30 +10,36 @@ const ESCAPE_ONES: u32 = 64;
 
 /// Appends bits, least significant first, to a byte vector.
 pub struct BitWriter {
+    /// Whole bytes written so far.
     out: Vec<u8>,
+    /// The bits of the byte in progress (fewer than 8).
     pending: u64,
     pending_bits: u32,
 }
 
 impl BitWriter {
     pub fn with_capacity(bytes: usize) -> Self {
-        BitWriter { out: Vec::with_capacity(bytes), pending: 0, pending_bits: 0 }
+        BitWriter { out: Vec::with_capacity(bytes + 8), pending: 0, pending_bits: 0 }
     }
 
-    /// Appends the low `bits` bits of `value`; `bits <= 56`. Whole 64-bit words go to the output at once.
+    /// Appends the low `bits` bits of `value`; `bits <= 56`. No branch on the data: the bits at hand are stored
+    /// as one 8-byte word past the whole bytes, which advance by as many as were completed.
     #[inline(always)]
     pub fn put(&mut self, value: u64, bits: u32) {
         debug_assert!(bits <= 56 && (bits == 56 || value >> bits == 0));
-        self.pending |= value << self.pending_bits;
+        let word = self.pending | (value << self.pending_bits);
         let total = self.pending_bits + bits;
-        if total < 64 {
-            self.pending_bits = total;
-            return;
+        self.out.reserve(8);
+        let len = self.out.len();
+        // SAFETY: `reserve(8)` leaves room for the 8-byte store at `len`; the bytes it writes past the new
+        // length are spare capacity, rewritten by the next store.
+        unsafe {
+            std::ptr::write_unaligned(self.out.as_mut_ptr().add(len).cast::<u64>(), word.to_le());
+            self.out.set_len(len + (total / 8) as usize);
         }
-        self.out.extend_from_slice(&self.pending.to_le_bytes());
-        // total >= 64 and bits <= 56 mean pending_bits >= 8, so this shift is between 8 and 56.
-        self.pending = value >> (64 - self.pending_bits);
-        self.pending_bits = total - 64;
+        // total <= 63, so the shift is at most 56.
+        self.pending = word >> (total & !7);
+        self.pending_bits = total & 7;
     }
 
     /// Appends all 64 bits of `value`.
@@ -88,8 +94,9 @@ impl BitWriter {
 
     /// The bytes, the last one padded with zero bits.
     pub fn finish(mut self) -> Vec<u8> {
-        let tail = self.pending_bits.div_ceil(8) as usize;
-        self.out.extend_from_slice(&self.pending.to_le_bytes()[..tail]);
+        if self.pending_bits > 0 {
+            self.out.push(self.pending as u8);
+        }
         self.out
     }
 }
@@ -148,7 +155,7 @@ impl<'a> BitReader<'a> {
     /// True when every bit has been read and the padding of the last byte is zero.
     pub fn is_exhausted(&self) -> bool {
         let used_bytes = self.bit.div_ceil(8);
-        used_bytes == self.bytes.len() && (self.bit % 8 == 0 || self.bytes[used_bytes - 1] >> (self.bit % 8) == 0)
+        used_bytes == self.bytes.len() && (self.bit.is_multiple_of(8) || self.bytes[used_bytes - 1] >> (self.bit % 8) == 0)
     }
 
     /// Counts one bits up to a zero (consumed too), or returns None after `ESCAPE_ONES` ones.
@@ -260,6 +267,110 @@ impl<'a> RiceReader<'a> {
     }
 }
 
+/// Checks a whole `rice` position stream of `changed` codes, as reading them one by one with `RiceReader` would,
+/// and returns the last position. The bulk is read without bounds checks while 16 bytes remain.
+pub fn check_rice(bytes: &[u8], changed: u64, numel: u64) -> Result<Option<u64>, String> {
+    let mut reader = RiceReader::new(bytes, numel)?;
+    let (k, safe_bits) = (reader.k, bytes.len().saturating_sub(16) * 8);
+    let (mut read, mut sum, mut carried) = (0u64, 0u64, false);
+    while read < changed && reader.bits.bit < safe_bits {
+        // SAFETY: `bit < safe_bits` leaves at least 16 bytes from `bit / 8` on.
+        let word = unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(reader.bits.bit >> 3).cast::<u64>()) };
+        let (mut word, mut left) = (u64::from_le(word) >> (reader.bits.bit & 7), 57u32);
+        // Every code that fits in the 57 bits at hand, shifting them along instead of reloading for each code.
+        let start = reader.bits.bit;
+        let mut used = 0u32;
+        loop {
+            let quotient = (!word).trailing_zeros();
+            let length = quotient + 1 + k;
+            if length > left {
+                break; // reload at this code (a code longer than 57 bits goes to the reader below)
+            }
+            let gap = (u64::from(quotient) << k) | ((word >> (quotient + 1)) & mask_bits(k));
+            let (total, wrapped) = sum.overflowing_add(gap);
+            sum = total;
+            carried |= wrapped;
+            used += length;
+            left -= length;
+            word = if length < 64 { word >> length } else { 0 };
+            read += 1;
+            if read == changed {
+                break;
+            }
+        }
+        if used == 0 {
+            break;
+        }
+        reader.bits.bit = start + used as usize;
+    }
+    // Positions so far: each the previous plus one plus its gap.
+    let next = sum.checked_add(read).filter(|&end| !carried && end <= numel);
+    let Some(next) = next else {
+        return Err(format!("position out of range (tensor has {numel} elements)"));
+    };
+    reader.next_allowed = next;
+    let mut last = next.checked_sub(1);
+    for _ in read..changed {
+        last = Some(reader.next_position()?);
+    }
+    if !reader.is_exhausted() {
+        return Err("position stream has bytes after the last change".to_owned());
+    }
+    Ok(last)
+}
+
+/// Checks that a `diffbits` value stream of `W`-byte elements holds exactly `changed` values, as reading them one
+/// by one would. Values are skipped by their lengths, unchecked while 16 bytes remain.
+pub fn check_diffbits<const W: usize>(bytes: &[u8], changed: u64) -> Result<(), String> {
+    let mut bits = BitReader::new(bytes);
+    let safe_bits = bytes.len().saturating_sub(16) * 8;
+    let mut read = 0u64;
+    while read < changed && bits.bit < safe_bits {
+        // Every value whose code fits in the 57 bits at hand, shifting them along instead of reloading.
+        let (mut word, mut left, mut used) = (bits.peek(), 57usize, 0usize);
+        loop {
+            // `0s`: 2 bits; `10s`: 3; `11` and a byte: 10, and the escape byte adds the full width.
+            let length = if word & 3 == 3 {
+                if W > 1 && (word >> 2) & 0xff == u64::from(ESCAPE) {
+                    10 + 8 * W
+                } else {
+                    10
+                }
+            } else {
+                2 + (word & 1) as usize
+            };
+            if length > left {
+                break;
+            }
+            used += length;
+            left -= length;
+            word >>= length;
+            read += 1;
+            if read == changed {
+                break;
+            }
+        }
+        if used == 0 {
+            // An escaped 8-byte value is longer than the window: skip it without looking inside.
+            used = 10 + 8 * W;
+            read += 1;
+        }
+        bits.bit += used;
+    }
+    let early = |e: String| format!("value {e}");
+    if bits.bit > bits.total_bits {
+        return Err(early("stream ends early".to_owned()));
+    }
+    for _ in read..changed {
+        read_difference::<W>(&mut bits)?;
+    }
+    if bits.is_exhausted() {
+        Ok(())
+    } else {
+        Err("value stream has bytes after the last change".to_owned())
+    }
+}
+
 #[inline(always)]
 fn sign_extend(value: u64, width: usize) -> i64 {
     let shift = 64 - 8 * width as u32;
@@ -304,25 +415,36 @@ pub fn diff_to_diffbits<const W: usize>(diff_stream: &[u8], count: u64, out: &mu
     let mut at = 0;
     while let Some(&byte) = diff_stream.get(at) {
         at += 1;
-        match byte {
-            0x01 => out.put(0b00, 2),
-            0xff => out.put(0b10, 2),
-            0x02 => out.put(0b001, 3),
-            0xfe => out.put(0b101, 3),
-            ESCAPE => {
-                let raw = &diff_stream[at..at + W];
-                at += W;
-                let mut word = [0u8; 8];
-                word[..W].copy_from_slice(raw);
-                put_difference(out, u64::from_le_bytes(word), W);
-            }
-            _ => {
-                out.put(0b11, 2);
-                out.put(u64::from(byte), 8);
-            }
+        if byte == ESCAPE {
+            let raw = &diff_stream[at..at + W];
+            at += W;
+            let mut word = [0u8; 8];
+            word[..W].copy_from_slice(raw);
+            put_difference(out, u64::from_le_bytes(word), W);
+        } else {
+            // A table lookup, not a branch: ±1 comes in either sign at random.
+            let (code, bits) = SHORT_CODES[usize::from(byte)];
+            out.put(u64::from(code), u32::from(bits));
         }
     }
 }
+
+/// The `diffbits` code of each one-byte `diff` value (the escape byte excepted): `0s`, `10s`, or `11` and the byte.
+static SHORT_CODES: [(u16, u8); 256] = {
+    let mut table = [(0u16, 0u8); 256];
+    let mut byte = 0;
+    while byte < 256 {
+        table[byte] = match byte {
+            0x01 => (0b00, 2),
+            0xff => (0b10, 2),
+            0x02 => (0b001, 3),
+            0xfe => (0b101, 3),
+            _ => (0b11 | ((byte as u16) << 2), 10),
+        };
+        byte += 1;
+    }
+    table
+};
 
 /// Reads one `diffbits` value of a `W`-byte element: the wrapping difference in the low `W` bytes.
 #[inline(always)]

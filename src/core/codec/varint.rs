@@ -51,6 +51,67 @@ pub fn read(bytes: &[u8], at: &mut usize) -> Result<u64, ReadError> {
     }
 }
 
+/// Reads a whole stream of varints without decoding them one by one: how many there are and the sum of their
+/// values (`None` where the sum passes 2^64). Fails where a varint runs past ten bytes or over 64 bits, or the
+/// stream ends inside one, exactly where `read` would fail on some varint of the stream.
+///
+/// A branch-free pass over the bytes: the shift a byte's payload takes is carried from byte to byte.
+pub fn count_and_sum(bytes: &[u8]) -> Result<(u64, Option<u64>), ReadError> {
+    if let Some(short) = count_and_sum_short(bytes) {
+        return Ok(short);
+    }
+    count_and_sum_any(bytes)
+}
+
+/// `count_and_sum` of a stream whose varints all take one or two bytes (gaps below 2^14: nearly every stream), or
+/// None. A byte's weight is 128 when the byte before it continues a varint, else 1, so each byte is summed on
+/// its own, and the loop vectorises.
+fn count_and_sum_short(bytes: &[u8]) -> Option<(u64, Option<u64>)> {
+    let (&first, _) = bytes.split_first()?;
+    if bytes[bytes.len() - 1] >= 0x80 {
+        return None;
+    }
+    let (mut sum, mut ends, mut chained) = (u64::from(first & 0x7f), u64::from(first < 0x80), 0u8);
+    // 32-bit lanes over pieces small enough not to overflow them (each byte adds under 2^14).
+    let mut start = 1;
+    while start < bytes.len() {
+        let end = (start + (1 << 16)).min(bytes.len());
+        let (mut piece_sum, mut piece_ends) = (0u32, 0u32);
+        for (&before, &byte) in bytes[start - 1..end - 1].iter().zip(&bytes[start..end]) {
+            piece_sum += u32::from(byte & 0x7f) << (7 * (before >> 7));
+            piece_ends += u32::from(!byte >> 7);
+            chained |= before & byte;
+        }
+        sum += u64::from(piece_sum);
+        ends += u64::from(piece_ends);
+        start = end;
+    }
+    (chained < 0x80).then_some((ends, Some(sum)))
+}
+
+fn count_and_sum_any(bytes: &[u8]) -> Result<(u64, Option<u64>), ReadError> {
+    let (mut count, mut sum, mut carried) = (0u64, 0u64, false);
+    let (mut shift, mut overflow) = (0u32, false);
+    for &byte in bytes {
+        let payload = u64::from(byte & 0x7f);
+        // Ten bytes hold 64 bits: the tenth (shift 63) may carry one bit, and an eleventh is an overflow.
+        overflow |= shift > 63 || (shift == 63 && payload > 1);
+        let (total, wrapped) = sum.overflowing_add(payload << shift.min(63));
+        sum = total;
+        carried |= wrapped;
+        let more = byte >= 0x80;
+        count += u64::from(!more);
+        shift = if more { (shift + 7).min(70) } else { 0 };
+    }
+    if overflow {
+        return Err(ReadError::Overflow);
+    }
+    if bytes.last().is_some_and(|&b| b >= 0x80) {
+        return Err(ReadError::Truncated);
+    }
+    Ok((count, (!carried).then_some(sum)))
+}
+
 /// Decodes gap-coded positions one by one, checking each against `numel`.
 pub struct PositionReader<'a> {
     bytes: &'a [u8],
@@ -67,10 +128,13 @@ impl<'a> PositionReader<'a> {
     /// The next position, or a message saying why the stream is bad.
     #[inline(always)]
     pub fn next_position(&mut self) -> Result<u64, String> {
-        let gap = match self.bytes.get(self.at) {
-            Some(&byte) if byte < 0x80 => {
-                self.at += 1;
-                u64::from(byte)
+        let pair = self.bytes.get(self.at..self.at + 2).map(|two| u16::from_le_bytes([two[0], two[1]]));
+        let gap = match pair {
+            // One or two bytes, nearly every gap: no branch on which.
+            Some(pair) if pair & 0x8080 != 0x8080 => {
+                let long = pair & 0x80 != 0;
+                self.at += 1 + usize::from(long);
+                u64::from(pair & 0x7f) | if long { u64::from(pair >> 8) << 7 } else { 0 }
             }
             _ => read(self.bytes, &mut self.at).map_err(|e| match e {
                 ReadError::Truncated => "position stream ends early".to_owned(),
@@ -113,6 +177,36 @@ mod tests {
         let mut bytes = vec![0xff; 9];
         bytes.push(0x02);
         assert_eq!(read(&bytes, &mut at), Err(ReadError::Overflow));
+    }
+
+    #[test]
+    fn count_and_sum_agrees_with_read() {
+        let mut bytes = Vec::new();
+        let values = [0u64, 1, 127, 128, 300, 16384, 1 << 40, u64::MAX];
+        for &v in &values {
+            write(&mut bytes, v);
+        }
+        let (count, sum) = count_and_sum(&bytes[..bytes.len() - len(u64::MAX)]).unwrap();
+        assert_eq!((count, sum), (7, Some(values[..7].iter().sum())));
+        assert_eq!(count_and_sum(&bytes).unwrap(), (8, None));
+        assert_eq!(count_and_sum(&[]).unwrap(), (0, Some(0)));
+        // Short varints only (the fast path) against the general loop.
+        let mut short = Vec::new();
+        for v in [0u64, 5, 127, 128, 129, 16383, 77, 200] {
+            write(&mut short, v);
+        }
+        assert_eq!(count_and_sum_short(&short), Some((8, Some(5 + 127 + 128 + 129 + 16383 + 77 + 200))));
+        assert_eq!(count_and_sum_any(&short).unwrap(), count_and_sum_short(&short).unwrap());
+        assert_eq!(count_and_sum_short(&[0x80, 0x80, 0x01]), None);
+        assert_eq!(count_and_sum_short(&[0x05, 0x80]), None);
+        assert_eq!(count_and_sum(&[0x80, 0x80]), Err(ReadError::Truncated));
+        assert_eq!(count_and_sum(&[0xff; 11]), Err(ReadError::Overflow));
+        assert_eq!(count_and_sum(&[0xff; 30]), Err(ReadError::Overflow));
+        let mut bytes = vec![0xff; 9];
+        bytes.push(0x02);
+        assert_eq!(count_and_sum(&bytes), Err(ReadError::Overflow));
+        bytes[9] = 0x01;
+        assert_eq!(count_and_sum(&bytes), Ok((1, Some(u64::MAX))));
     }
 
     #[test]

@@ -1,0 +1,618 @@
+//! The bit-compare kernel shared by `diff` and `mirror`: finds the differing elements of one range of a tensor
+//! and writes their gap varints and values.
+//!
+//! The range is read in 64-byte blocks. Each block gives a 64-bit mask of differing bytes (one AVX-512BW
+//! compare, two AVX2 compares or four SSE2 compares, picked at run time; plain word XORs elsewhere), which is
+//! folded to one bit per element and walked with `trailing_zeros`. Streams are written through raw stores
+//! after one capacity check per block that has changes, so a change costs a few instructions and no branch
+//! that depends on the data except the rare long gap and value escape.
+
+use crate::core::codec::values::{self, ESCAPE};
+use crate::core::codec::{varint, ValueCodec};
+
+/// Bytes compared at once.
+pub const BLOCK_BYTES: usize = 64;
+
+/// The changes found in one range of elements, in the `varint` position codec and the `abs` or `diff` value codec.
+#[derive(Default)]
+pub struct Changes {
+    pub count: u64,
+    /// Position of the first change; its gap is not in `positions` (it depends on the range before this one).
+    pub first_position: u64,
+    pub last_position: u64,
+    /// Gap varints after the first change.
+    pub positions: Vec<u8>,
+    pub values: Vec<u8>,
+}
+
+/// Appends through unaligned 8-byte stores, after `reserve` has made room.
+struct Sink<'a> {
+    buf: &'a mut Vec<u8>,
+}
+
+impl Sink<'_> {
+    #[inline(always)]
+    fn reserve(&mut self, bytes: usize) {
+        self.buf.reserve(bytes);
+    }
+
+    /// Stores the 8 little-endian bytes of `word` at the end and keeps the first `len` (≤ 8).
+    ///
+    /// # Safety
+    /// At least 8 bytes of spare capacity.
+    #[inline(always)]
+    unsafe fn put(&mut self, word: u64, len: usize) {
+        let at = self.buf.len();
+        debug_assert!(self.buf.capacity() - at >= 8 && len <= 8);
+        std::ptr::write_unaligned(self.buf.as_mut_ptr().add(at).cast::<u64>(), word.to_le());
+        self.buf.set_len(at + len);
+    }
+}
+
+/// Differing-byte mask of one 64-byte block: bit `i` is set iff byte `i` differs.
+trait BlockMask {
+    /// # Safety
+    /// `old` and `new` point at 64 readable bytes, and the CPU has the kernel's features.
+    unsafe fn mask(old: *const u8, new: *const u8) -> u64;
+}
+
+/// Word XORs; any target.
+struct Portable;
+
+impl BlockMask for Portable {
+    #[inline(always)]
+    unsafe fn mask(old: *const u8, new: *const u8) -> u64 {
+        const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+        const HIGH: u64 = 0x8080_8080_8080_8080;
+        let mut mask = 0u64;
+        for k in 0..BLOCK_BYTES / 8 {
+            let x = std::ptr::read_unaligned(old.add(8 * k).cast::<u64>()) ^ std::ptr::read_unaligned(new.add(8 * k).cast::<u64>());
+            let x = u64::from_le(x);
+            // High bit of each byte set iff the byte is non-zero, then gather the eight high bits.
+            let nonzero = (((x & LOW7) + LOW7) | x) & HIGH;
+            mask |= ((nonzero >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * k);
+        }
+        mask
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// SSE2 is part of x86-64, so this kernel needs no detection.
+    pub struct Sse2;
+    pub struct Avx2;
+    pub struct Avx512;
+
+    impl super::BlockMask for Sse2 {
+        #[inline(always)]
+        unsafe fn mask(old: *const u8, new: *const u8) -> u64 {
+            let mut mask = 0u64;
+            for k in 0..4 {
+                let a = _mm_loadu_si128(old.add(16 * k).cast());
+                let b = _mm_loadu_si128(new.add(16 * k).cast());
+                let equal = _mm_movemask_epi8(_mm_cmpeq_epi8(a, b)) as u32 as u64;
+                mask |= (!equal & 0xffff) << (16 * k);
+            }
+            mask
+        }
+    }
+
+    impl super::BlockMask for Avx2 {
+        #[inline(always)]
+        unsafe fn mask(old: *const u8, new: *const u8) -> u64 {
+            avx2_mask(old, new)
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn avx2_mask(old: *const u8, new: *const u8) -> u64 {
+        let low = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(old.cast()), _mm256_loadu_si256(new.cast())));
+        let high = _mm256_movemask_epi8(_mm256_cmpeq_epi8(
+            _mm256_loadu_si256(old.add(32).cast()),
+            _mm256_loadu_si256(new.add(32).cast()),
+        ));
+        !((low as u32 as u64) | ((high as u32 as u64) << 32))
+    }
+
+    impl super::BlockMask for Avx512 {
+        #[inline(always)]
+        unsafe fn mask(old: *const u8, new: *const u8) -> u64 {
+            avx512_mask(old, new)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn avx512_mask(old: *const u8, new: *const u8) -> u64 {
+        _mm512_cmpneq_epi8_mask(_mm512_loadu_si512(old.cast()), _mm512_loadu_si512(new.cast()))
+    }
+
+    #[target_feature(enable = "avx2,bmi1")]
+    pub unsafe fn scan_avx2<const W: usize, const COPY: bool>(
+        old: *mut u8,
+        new: *const u8,
+        len: usize,
+        first_element: u64,
+        codec: super::ValueCodec,
+        out: &mut super::Changes,
+    ) {
+        super::scan_blocks::<W, COPY, Avx2>(old, new, len, first_element, codec, out)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,bmi1")]
+    pub unsafe fn scan_avx512<const W: usize, const COPY: bool>(
+        old: *mut u8,
+        new: *const u8,
+        len: usize,
+        first_element: u64,
+        codec: super::ValueCodec,
+        out: &mut super::Changes,
+    ) {
+        super::scan_blocks::<W, COPY, Avx512>(old, new, len, first_element, codec, out)
+    }
+}
+
+/// One bit per element, at the element's first byte, from a differing-byte mask.
+#[inline(always)]
+fn element_bits<const W: usize>(bytes: u64) -> u64 {
+    match W {
+        1 => bytes,
+        2 => (bytes | bytes >> 1) & 0x5555_5555_5555_5555,
+        4 => {
+            let t = bytes | bytes >> 1;
+            (t | t >> 2) & 0x1111_1111_1111_1111
+        }
+        _ => {
+            let t = bytes | bytes >> 1;
+            let t = t | t >> 2;
+            (t | t >> 4) & 0x0101_0101_0101_0101
+        }
+    }
+}
+
+/// Changes collected before they are encoded: the byte offsets of up to this many (plus one block's worth).
+const BATCH: usize = 64;
+/// Blocks with changes noted before their changes are gathered.
+const MARKS: usize = 16;
+
+/// Room for one batch's gaps: at most two bytes each (a longer one reserves again after it), plus the 8-byte
+/// store's overhang.
+const fn positions_room<const W: usize>() -> usize {
+    (BATCH + BLOCK_BYTES / W) * 2 + 8
+}
+
+/// Room for one batch's values: at most 1 + W bytes each, plus the overhang.
+const fn values_room<const W: usize>() -> usize {
+    (BATCH + BLOCK_BYTES / W) * (1 + W) + 8
+}
+
+/// The range being scanned: its two buffers, the element at their start, and the value codec.
+#[derive(Clone, Copy)]
+struct Range {
+    old: *mut u8,
+    new: *const u8,
+    first_element: u64,
+    codec: ValueCodec,
+}
+
+/// Where an encoding pass stands: changes so far, the first one's position, and the position after the last.
+struct Cursor {
+    count: u64,
+    first: u64,
+    next_expected: u64,
+}
+
+/// Encodes the changes at byte offsets `batch` (ascending) of the range starting at element `first_element`:
+/// gap varints and values, and with `COPY` the new bits into `old`. Only the rare long gap and (for 8-byte
+/// elements) value escape branch on the data.
+#[inline(always)]
+unsafe fn encode_batch<const W: usize, const COPY: bool>(
+    batch: &[u32],
+    range: Range,
+    cursor: &mut Cursor,
+    positions: &mut Sink<'_>,
+    values: &mut Sink<'_>,
+) {
+    let Range { old, new, first_element, codec } = range;
+    positions.reserve(positions_room::<W>());
+    values.reserve(values_room::<W>());
+    for &offset in batch {
+        let offset = offset as usize;
+        let position = first_element + (offset / W) as u64;
+        if cursor.count == 0 {
+            cursor.first = position;
+        } else {
+            let gap = position - cursor.next_expected;
+            if gap < 1 << 14 {
+                // One or two LEB128 bytes, without a branch.
+                let long = gap >= 0x80;
+                let word = if long { (gap & 0x7f) | 0x80 | ((gap >> 7) << 8) } else { gap };
+                positions.put(word, 1 + usize::from(long));
+            } else {
+                varint::write(positions.buf, gap);
+                positions.reserve(positions_room::<W>());
+            }
+        }
+        cursor.next_expected = position + 1;
+        cursor.count += 1;
+        let new_bits = values::load_const::<W>(std::slice::from_raw_parts(new.add(offset), W));
+        match codec {
+            ValueCodec::Abs => values.put(new_bits, W),
+            ValueCodec::Diff | ValueCodec::DiffBits => {
+                let old_bits = values::load_const::<W>(std::slice::from_raw_parts(old.add(offset), W));
+                let difference = new_bits.wrapping_sub(old_bits) & values::mask(W);
+                if W == 1 {
+                    values.put(difference, 1);
+                } else {
+                    let shift = 64 - 8 * W as u32;
+                    let signed = ((difference << shift) as i64) >> shift;
+                    let small = signed.wrapping_add(127) as u64 <= 254;
+                    if W == 8 {
+                        if small {
+                            values.put(signed as u64 & 0xff, 1);
+                        } else {
+                            values.put(u64::from(ESCAPE), 1);
+                            values.put(difference, 8);
+                        }
+                    } else {
+                        let word = if small { signed as u64 & 0xff } else { u64::from(ESCAPE) | (difference << 8) };
+                        values.put(word, if small { 1 } else { 1 + W });
+                    }
+                }
+            }
+        }
+        if COPY {
+            std::ptr::copy_nonoverlapping(new.add(offset), old.add(offset), W);
+        }
+    }
+}
+
+/// How far ahead of the compare the two ranges are prefetched. The hardware streamer stops at page boundaries
+/// and waits while changes are encoded; asking for the lines a few pages ahead keeps memory busy meanwhile.
+const PREFETCH_BYTES: usize = 2048;
+
+/// A hint to start loading the line at `p`; never faults, so it may point past the end of the range.
+#[inline(always)]
+unsafe fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// The scan proper, for one element width, with or without copying the changed elements of `new` into `old`.
+///
+/// The blocks are walked first, writing the byte offset of each change into a small batch; the batch is then
+/// encoded in a loop whose trip count is known, so a block costs no mispredicted loop exit.
+#[inline(always)]
+unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
+    old: *mut u8,
+    new: *const u8,
+    len: usize,
+    first_element: u64,
+    codec: ValueCodec,
+    out: &mut Changes,
+) {
+    debug_assert!(len <= u32::MAX as usize);
+    let range = Range { old, new, first_element, codec };
+    let mut cursor = Cursor {
+        count: out.count,
+        first: out.first_position,
+        next_expected: if out.count > 0 { out.last_position + 1 } else { first_element },
+    };
+    let mut positions = Sink { buf: &mut out.positions };
+    let mut values = Sink { buf: &mut out.values };
+    let mut batch = [0u32; BATCH + BLOCK_BYTES];
+    let mut pending = 0usize;
+    // Blocks with changes, noted without a branch: (element bits, byte offset).
+    let mut marks = [(0u64, 0u32); MARKS + 1];
+    let mut marked = 0usize;
+    macro_rules! drain_marks {
+        () => {
+            for &(mut bits, base) in &marks[..marked] {
+                let found = bits.count_ones() as usize;
+                // Four offsets unconditionally (slots past `found` are overwritten later), the rest in a loop
+                // that dense blocks alone enter.
+                for slot in 0..4 {
+                    *batch.get_unchecked_mut(pending + slot) = base + bits.trailing_zeros();
+                    bits &= bits.wrapping_sub(1);
+                }
+                let mut slot = pending + 4;
+                while bits != 0 {
+                    *batch.get_unchecked_mut(slot) = base + bits.trailing_zeros();
+                    bits &= bits - 1;
+                    slot += 1;
+                }
+                pending += found;
+                if pending >= BATCH {
+                    encode_batch::<W, COPY>(&batch[..pending], range, &mut cursor, &mut positions, &mut values);
+                    pending = 0;
+                }
+            }
+        };
+    }
+    let blocks_end = len / BLOCK_BYTES * BLOCK_BYTES;
+    let mut offset = 0;
+    while offset < blocks_end {
+        prefetch(old.wrapping_add(offset + PREFETCH_BYTES));
+        prefetch(new.wrapping_add(offset + PREFETCH_BYTES));
+        let bits = element_bits::<W>(K::mask(old.add(offset), new.add(offset)));
+        *marks.get_unchecked_mut(marked) = (bits, offset as u32);
+        marked += usize::from(bits != 0);
+        if marked == MARKS {
+            drain_marks!();
+            marked = 0;
+        }
+        offset += BLOCK_BYTES;
+    }
+    drain_marks!();
+    while offset < len {
+        if std::slice::from_raw_parts(old.add(offset), W) != std::slice::from_raw_parts(new.add(offset), W) {
+            batch[pending] = offset as u32;
+            pending += 1;
+        }
+        offset += W;
+    }
+    encode_batch::<W, COPY>(&batch[..pending], range, &mut cursor, &mut positions, &mut values);
+    if cursor.count > out.count {
+        out.last_position = cursor.next_expected - 1;
+    }
+    out.count = cursor.count;
+    out.first_position = cursor.first;
+}
+
+fn scan_raw<const W: usize, const COPY: bool>(old: *mut u8, new: *const u8, len: usize, first_element: u64, codec: ValueCodec) -> Changes {
+    let mut out = Changes::default();
+    // Batches hold 32-bit offsets: scan longer ranges piece by piece.
+    const PIECE: usize = 1 << 30;
+    if len > PIECE {
+        let mut start = 0;
+        while start < len {
+            let piece = scan_raw::<W, COPY>(unsafe { old.add(start) }, unsafe { new.add(start) }, (len - start).min(PIECE), first_element + (start / W) as u64, codec);
+            join(&mut out, piece);
+            start += PIECE;
+        }
+        return out;
+    }
+    // SAFETY: the callers pass two ranges of `len` bytes (the first writable when COPY), and each kernel runs
+    // only where the CPU reports its features.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match kernel() {
+                Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, &mut out),
+                Kernel::Avx2 => x86::scan_avx2::<W, COPY>(old, new, len, first_element, codec, &mut out),
+                Kernel::Sse2 => scan_blocks::<W, COPY, x86::Sse2>(old, new, len, first_element, codec, &mut out),
+                Kernel::Portable => scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, &mut out),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, &mut out);
+    }
+    out
+}
+
+/// Which block kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Portable,
+    Sse2,
+    Avx2,
+    Avx512,
+}
+
+/// The fastest kernel this CPU has, unless `DELTASYNC_SCAN_KERNEL` (portable, sse2, avx2, avx512) asks for a
+/// slower one; read once per process.
+pub fn kernel() -> Kernel {
+    static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        let best = best_kernel();
+        let asked = match std::env::var("DELTASYNC_SCAN_KERNEL").ok().as_deref().map(str::trim) {
+            Some("portable") => Kernel::Portable,
+            Some("sse2") => Kernel::Sse2,
+            Some("avx2") => Kernel::Avx2,
+            Some("avx512") => Kernel::Avx512,
+            _ => best,
+        };
+        // Never more than the CPU has.
+        if (asked as u8) <= (best as u8) {
+            asked
+        } else {
+            best
+        }
+    })
+}
+
+fn best_kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("bmi1") {
+            return Kernel::Avx512;
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("bmi1") {
+            return Kernel::Avx2;
+        }
+        Kernel::Sse2
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    Kernel::Portable
+}
+
+/// Appends the changes of the range after `out`'s to `out`.
+fn join(out: &mut Changes, next: Changes) {
+    if next.count == 0 {
+        return;
+    }
+    if out.count == 0 {
+        *out = next;
+        return;
+    }
+    varint::write(&mut out.positions, next.first_position - out.last_position - 1);
+    out.positions.extend_from_slice(&next.positions);
+    out.values.extend_from_slice(&next.values);
+    out.count += next.count;
+    out.last_position = next.last_position;
+}
+
+fn check(old: usize, new: usize, width: usize) {
+    assert!(old == new && old.is_multiple_of(width), "scan of {old} and {new} bytes of {width}-byte elements");
+}
+
+/// The changes from `old` to `new` (element `first_element` at their start).
+pub fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
+    check(old.len(), new.len(), width);
+    // `COPY` is false: nothing is written through this pointer.
+    let old_ptr = old.as_ptr().cast_mut();
+    match width {
+        1 => scan_raw::<1, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
+        2 => scan_raw::<2, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
+        4 => scan_raw::<4, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
+        _ => scan_raw::<8, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
+    }
+}
+
+/// `scan`, also copying `new` into `mirror` wherever they differ, so that `mirror` ends equal to `new`.
+pub fn scan_update(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
+    check(mirror.len(), new.len(), width);
+    match width {
+        1 => scan_raw::<1, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
+        2 => scan_raw::<2, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
+        4 => scan_raw::<4, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
+        _ => scan_raw::<8, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The obvious element-by-element scan.
+    fn reference(old: &[u8], new: &[u8], width: usize, codec: ValueCodec) -> Changes {
+        let mut out = Changes::default();
+        for (index, (a, b)) in old.chunks_exact(width).zip(new.chunks_exact(width)).enumerate() {
+            if a == b {
+                continue;
+            }
+            let position = index as u64;
+            if out.count == 0 {
+                out.first_position = position;
+            } else {
+                varint::write(&mut out.positions, position - out.last_position - 1);
+            }
+            out.last_position = position;
+            out.count += 1;
+            match codec {
+                ValueCodec::Abs => out.values.extend_from_slice(b),
+                _ => {
+                    let difference = values::load(b, width).wrapping_sub(values::load(a, width)) & values::mask(width);
+                    values::write_difference(&mut out.values, difference, width);
+                }
+            }
+        }
+        out
+    }
+
+    fn kernels() -> Vec<Kernel> {
+        let best = best_kernel();
+        [Kernel::Portable, Kernel::Sse2, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| *k as u8 <= best as u8).collect()
+    }
+
+    /// Scans with one kernel; `copy` scans a copy of `old` as a mirror. Returns the changes and that copy.
+    fn run(kernel: Kernel, old: &[u8], new: &[u8], width: usize, codec: ValueCodec, copy: bool) -> (Changes, Vec<u8>) {
+        macro_rules! go {
+            ($w:literal, $copy:literal) => {{
+                let mut mirror = old.to_vec();
+                let mut out = Changes::default();
+                let (target, source, len) = (mirror.as_mut_ptr(), new.as_ptr(), old.len());
+                unsafe {
+                    match kernel {
+                        Kernel::Portable => scan_blocks::<$w, $copy, Portable>(target, source, len, 0, codec, &mut out),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Sse2 => scan_blocks::<$w, $copy, x86::Sse2>(target, source, len, 0, codec, &mut out),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx2 => x86::scan_avx2::<$w, $copy>(target, source, len, 0, codec, &mut out),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx512 => x86::scan_avx512::<$w, $copy>(target, source, len, 0, codec, &mut out),
+                        #[cfg(not(target_arch = "x86_64"))]
+                        _ => unreachable!(),
+                    }
+                }
+                (out, mirror)
+            }};
+        }
+        match (width, copy) {
+            (1, false) => go!(1, false),
+            (2, false) => go!(2, false),
+            (4, false) => go!(4, false),
+            (_, false) => go!(8, false),
+            (1, true) => go!(1, true),
+            (2, true) => go!(2, true),
+            (4, true) => go!(4, true),
+            (_, true) => go!(8, true),
+        }
+    }
+
+    #[test]
+    fn every_kernel_matches_the_reference() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for width in [1usize, 2, 4, 8] {
+            for &len_elements in &[0usize, 1, 7, 31, 32, 33, 64, 1000, 4099] {
+                for density in [0u64, 3, 40, 100] {
+                    let len = len_elements * width;
+                    let old: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                    let mut new = old.clone();
+                    for element in 0..len_elements {
+                        if next() % 100 < density {
+                            // Small differences, escapes, long gaps and single-byte flips in any byte.
+                            let byte = element * width + (next() as usize % width);
+                            new[byte] = new[byte].wrapping_add(match next() % 4 {
+                                0 => 1,
+                                1 => 255,
+                                2 => 0x80,
+                                _ => (next() as u8) | 1,
+                            });
+                        }
+                    }
+                    for codec in [ValueCodec::Abs, ValueCodec::Diff] {
+                        let want = reference(&old, &new, width, codec);
+                        for kernel in kernels() {
+                            for copy in [false, true] {
+                                let (got, mirror) = run(kernel, &old, &new, width, codec, copy);
+                                let what = format!("{kernel:?} width {width} len {len_elements} density {density} {codec:?}");
+                                assert_eq!(got.count, want.count, "{what}");
+                                if want.count > 0 {
+                                    assert_eq!((got.first_position, got.last_position), (want.first_position, want.last_position), "{what}");
+                                }
+                                assert_eq!(got.positions, want.positions, "{what}");
+                                assert_eq!(got.values, want.values, "{what}");
+                                assert_eq!(&mirror, if copy { &new } else { &old }, "{what}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn long_gaps_take_full_varints() {
+        let n = 1 << 16;
+        let old = vec![0u8; n * 2];
+        let mut new = old.clone();
+        for p in [5usize, 5 + 200, 5 + 200 + 20_000, n - 1] {
+            new[p * 2 + 1] = 0x40;
+        }
+        let got = scan(&old, &new, 0, 2, ValueCodec::Diff);
+        let want = reference(&old, &new, 2, ValueCodec::Diff);
+        assert_eq!((got.count, got.positions, got.values), (want.count, want.positions, want.values));
+    }
+}
