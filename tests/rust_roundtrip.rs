@@ -125,11 +125,16 @@ proptest! {
         }
         tensor.positions = positions.into();
         tensor.values = values.into();
-        let mut last = None;
-        let walked = tensor.for_each_change(|position, _| last = Some(position)).is_ok();
+        let mut changes = Vec::new();
+        let walked = tensor.for_each_change(|position, value| changes.push((position, value))).is_ok();
+        // The batched decoder (used by apply) agrees with the walk, change for change and on every error.
+        let mut batched = Vec::new();
+        let batch_ok = tensor.for_each_batch(|p, v| batched.extend(p.iter().copied().zip(v.iter().copied()))).is_ok();
+        prop_assert_eq!(batch_ok, walked);
         prop_assert_eq!(tensor.validate("prop").is_ok(), walked);
         if walked {
-            prop_assert_eq!(tensor.last_position, last);
+            prop_assert_eq!(tensor.last_position, changes.last().map(|c| c.0));
+            prop_assert_eq!(batched, changes);
         }
     }
 }

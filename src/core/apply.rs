@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use crate::core::codec::values;
-use crate::core::delta::{Delta, TensorDelta};
+use crate::core::delta::{Delta, TensorDelta, BATCH};
 use crate::core::dtype;
 use crate::core::error::{Error, Result};
 
@@ -54,9 +54,6 @@ pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
     .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
 }
 
-/// Changes decoded before they are written. Each target line is prefetched as its position is decoded, so
-/// by the time the batch is written its cache misses have overlapped the decoding instead of following it.
-const SCATTER_BATCH: usize = 64;
 
 #[inline(always)]
 fn prefetch(target: &[u8], at: usize) {
@@ -71,24 +68,24 @@ fn prefetch(target: &[u8], at: usize) {
 
 fn scatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> std::result::Result<(), String> {
     let codec = tensor.values_codec;
-    let mut batch = [(0usize, 0u64); SCATTER_BATCH];
-    let mut filled = 0;
-    let flush = |batch: &[(usize, u64)], target: &mut [u8]| {
-        for &(at, value) in batch {
+    // Each batch is written while the next one is decoded and its lines prefetched.
+    let (mut held_positions, mut held_values, mut held) = ([0u64; BATCH], [0u64; BATCH], 0usize);
+    let write = |positions: &[u64], values: &[u64], target: &mut [u8]| {
+        for (&position, &value) in positions.iter().zip(values) {
+            let at = position as usize * W;
             values::apply::<W>(&mut target[at..at + W], codec, value);
         }
     };
-    tensor.for_each_change(|position, value| {
-        let at = position as usize * W;
-        prefetch(target, at);
-        batch[filled] = (at, value);
-        filled += 1;
-        if filled == SCATTER_BATCH {
-            flush(&batch, target);
-            filled = 0;
+    tensor.for_each_batch(|positions, values| {
+        for &position in positions {
+            prefetch(target, position as usize * W);
         }
+        write(&held_positions[..held], &held_values[..held], target);
+        held = positions.len();
+        held_positions[..held].copy_from_slice(positions);
+        held_values[..held].copy_from_slice(values);
     })?;
-    flush(&batch[..filled], target);
+    write(&held_positions[..held], &held_values[..held], target);
     Ok(())
 }
 

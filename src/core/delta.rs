@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use crate::core::codec::values::ValueReader;
-use crate::core::codec::compact::{self, RiceReader};
+use crate::core::codec::compact::{self, BitReader, RiceReader};
 use crate::core::codec::varint::{self, PositionReader};
 use crate::core::codec::{PositionCodec, PositionSource, ValueCodec};
 use crate::core::dtype::{self, Dtype};
@@ -13,6 +13,9 @@ use crate::core::error::{Error, Result};
 use crate::core::stream::Stream;
 
 /// The changes to one tensor.
+/// Changes per `for_each_batch` call.
+pub const BATCH: usize = 64;
+
 #[derive(Debug, Clone)]
 pub struct TensorDelta {
     pub name: String,
@@ -57,6 +60,58 @@ impl TensorDelta {
             4 => self.walk::<4>(visit),
             _ => self.walk::<8>(visit),
         }
+    }
+
+    /// `for_each_change` in batches of up to `BATCH` changes: `visit(positions, values)`. The compact codec is
+    /// decoded several codes per loaded word here; other codecs are gathered from the walk.
+    pub fn for_each_batch(&self, visit: impl FnMut(&[u64], &[u64])) -> std::result::Result<(), String> {
+        match self.width() {
+            1 => self.walk_batches::<1>(visit),
+            2 => self.walk_batches::<2>(visit),
+            4 => self.walk_batches::<4>(visit),
+            _ => self.walk_batches::<8>(visit),
+        }
+    }
+
+    fn walk_batches<const W: usize>(&self, mut visit: impl FnMut(&[u64], &[u64])) -> std::result::Result<(), String> {
+        let (mut positions, mut values) = ([0u64; BATCH], [0u64; BATCH]);
+        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
+            let numel = self.numel().unwrap_or(u64::MAX);
+            if self.changed > numel {
+                return Err(format!("changed={} exceeds the {numel} elements", self.changed));
+            }
+            let mut position_reader = RiceReader::new(&self.positions, numel)?;
+            let mut value_bits = BitReader::new(&self.values);
+            let mut left = self.changed;
+            while left > 0 {
+                let n = left.min(BATCH as u64) as usize;
+                position_reader.next_positions(&mut positions[..n])?;
+                compact::read_differences::<W>(&mut value_bits, &mut values[..n])?;
+                visit(&positions[..n], &values[..n]);
+                left -= n as u64;
+            }
+            if !position_reader.is_exhausted() {
+                return Err("position stream has bytes after the last change".to_owned());
+            }
+            if !value_bits.is_exhausted() {
+                return Err("value stream has bytes after the last change".to_owned());
+            }
+            return Ok(());
+        }
+        let mut filled = 0;
+        self.walk::<W>(|position, value| {
+            positions[filled] = position;
+            values[filled] = value;
+            filled += 1;
+            if filled == BATCH {
+                visit(&positions, &values);
+                filled = 0;
+            }
+        })?;
+        if filled > 0 {
+            visit(&positions[..filled], &values[..filled]);
+        }
+        Ok(())
     }
 
     fn walk<const W: usize>(&self, mut visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {

@@ -265,6 +265,96 @@ impl<'a> RiceReader<'a> {
     pub fn is_exhausted(&self) -> bool {
         self.bits.is_exhausted()
     }
+
+    /// Fills `out` with the next positions, as as many calls of `next_position` would: several codes per loaded
+    /// word, unchecked while 16 bytes remain, then the checked reader.
+    pub fn next_positions(&mut self, out: &mut [u64]) -> Result<(), String> {
+        let (bytes, k) = (self.bits.bytes, self.k);
+        let safe_bits = bytes.len().saturating_sub(16) * 8;
+        let (mut filled, mut next) = (0usize, self.next_allowed);
+        while filled < out.len() && self.bits.bit < safe_bits {
+            // SAFETY: `bit < safe_bits` leaves at least 16 bytes from `bit / 8` on.
+            let word = unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(self.bits.bit >> 3).cast::<u64>()) };
+            let (mut word, mut left, mut used) = (u64::from_le(word) >> (self.bits.bit & 7), 57u32, 0u32);
+            loop {
+                let quotient = (!word).trailing_zeros();
+                let length = quotient + 1 + k;
+                if length > left {
+                    break;
+                }
+                let gap = (u64::from(quotient) << k) | ((word >> (quotient + 1)) & mask_bits(k));
+                // Saturating: a position past the tensor is caught below, before it is handed out.
+                let position = next.saturating_add(gap);
+                next = position.saturating_add(1);
+                out[filled] = position;
+                filled += 1;
+                used += length;
+                left -= length;
+                word >>= length;
+                if filled == out.len() {
+                    break;
+                }
+            }
+            if used == 0 {
+                break;
+            }
+            self.bits.bit += used as usize;
+        }
+        if filled > 0 && out[filled - 1] >= self.numel {
+            return Err(format!("position out of range (tensor has {} elements)", self.numel));
+        }
+        self.next_allowed = next;
+        for slot in &mut out[filled..] {
+            *slot = self.next_position()?;
+        }
+        Ok(())
+    }
+}
+
+/// Fills `out` with the next `diffbits` values of `W`-byte elements, as as many calls of `read_difference` would:
+/// several codes per loaded word while 16 bytes remain, then the checked reader.
+pub fn read_differences<const W: usize>(bits: &mut BitReader<'_>, out: &mut [u64]) -> Result<(), String> {
+    let safe_bits = bits.bytes.len().saturating_sub(16) * 8;
+    let mut filled = 0usize;
+    while filled < out.len() && bits.bit < safe_bits {
+        let (mut word, mut left, mut used) = (bits.peek(), 57usize, 0usize);
+        loop {
+            let (value, length) = if word & 1 == 0 {
+                (if word & 2 == 0 { 1 } else { mask(W) }, 2)
+            } else if word & 2 == 0 {
+                (if word & 4 == 0 { 2 } else { mask(W) - 1 }, 3)
+            } else {
+                let byte = (word >> 2) & 0xff;
+                if W == 1 {
+                    (byte, 10)
+                } else if byte == u64::from(ESCAPE) {
+                    // The full width follows; past the window for 8-byte elements (the reader below takes it).
+                    ((word >> 10) & mask(W), 10 + 8 * W)
+                } else {
+                    ((i64::from(byte as u8 as i8) as u64) & mask(W), 10)
+                }
+            };
+            if length > left {
+                break;
+            }
+            out[filled] = value;
+            filled += 1;
+            used += length;
+            left -= length;
+            word >>= length;
+            if filled == out.len() {
+                break;
+            }
+        }
+        if used == 0 {
+            break;
+        }
+        bits.bit += used;
+    }
+    for slot in &mut out[filled..] {
+        *slot = read_difference::<W>(bits)?;
+    }
+    Ok(())
 }
 
 /// Checks a whole `rice` position stream of `changed` codes, as reading them one by one with `RiceReader` would,
