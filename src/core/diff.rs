@@ -3,6 +3,9 @@
 //! Each tensor is cut into chunks that rayon scans independently. A chunk's position stream omits its
 //! first gap, which depends on the previous chunk's last change; assembly writes that gap in.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
 use rayon::prelude::*;
 
 use crate::core::codec::compact::{self, BitWriter};
@@ -257,44 +260,54 @@ pub fn diff_with(
             tasks.push((index, start, (start + CHUNK_ELEMENTS).min(elements)));
         }
     }
+    // A tensor is assembled by whichever task compares its last chunk, and its chunk streams are freed then: the
+    // streams alive at once are the output so far plus those of the tensors still being compared.
+    let mut first_task = vec![0usize; inputs.len()];
+    let mut chunk_counts = vec![0usize; inputs.len()];
+    for (task, &(index, _, _)) in tasks.iter().enumerate().rev() {
+        first_task[index] = task;
+        chunk_counts[index] += 1;
+    }
+    let remaining: Vec<AtomicUsize> = chunk_counts.iter().map(|&n| AtomicUsize::new(n)).collect();
+    let slots: Vec<Mutex<Option<ChunkChanges>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
+    let results: Vec<Mutex<Option<TensorDelta>>> = inputs.iter().map(|_| Mutex::new(None)).collect();
+    let lock = |m: &'_ Mutex<Option<ChunkChanges>>| m.lock().unwrap_or_else(|e| e.into_inner()).take();
     crate::core::pool::install(|| {
-        let mut scanned: Vec<(usize, ChunkChanges)> = tasks
-            .par_iter()
-            .map(|&(index, start, end)| {
-                let (input, width) = (&inputs[index], widths[index]);
-                let bytes = start * width..end * width;
-                let changes = scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
-                compared(index, bytes);
-                (index, changes)
+        tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
+            let (input, width) = (&inputs[index], widths[index]);
+            let bytes = start * width..end * width;
+            let mut changes = scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+            compared(index, bytes);
+            changes.positions.shrink_to_fit();
+            changes.values.shrink_to_fit();
+            *slots[task].lock().unwrap_or_else(|e| e.into_inner()) = Some(changes);
+            if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {
+                return;
+            }
+            let mut chunks: Vec<ChunkChanges> = (first_task[index]..first_task[index] + chunk_counts[index])
+                .map(|slot| lock(&slots[slot]).expect("every chunk of the tensor is in"))
+                .collect();
+            let rice_k = (codec == Codec::Compact).then(|| {
+                let (k, previous_ends) = rice_plan(&chunks);
+                chunks.par_iter_mut().zip(previous_ends).for_each(|(chunk, previous_end)| {
+                    chunk.compact = Some(compact_chunk(chunk, k, previous_end, width, scanned_values == ValueCodec::Diff));
+                });
+                k
+            });
+            let tensor = assemble(input, width, chunks, scanned_values, rice_k);
+            *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(tensor);
+        });
+    });
+    Ok(results
+        .into_iter()
+        .enumerate()
+        .map(|(index, result)| {
+            // A tensor without elements has no chunk, hence no task.
+            result.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| {
+                assemble(&inputs[index], widths[index], Vec::new(), scanned_values, None)
             })
-            .collect();
-        let mut per_tensor: Vec<Vec<ChunkChanges>> = (0..inputs.len()).map(|_| Vec::new()).collect();
-        for (index, chunk) in scanned.drain(..) {
-            per_tensor[index].push(chunk);
-        }
-        let rice_ks: Vec<Option<u32>> = if codec == Codec::Compact {
-            per_tensor
-                .par_iter_mut()
-                .enumerate()
-                .map(|(index, chunks)| {
-                    let (k, previous_ends) = rice_plan(chunks);
-                    let width = widths[index];
-                    chunks.par_iter_mut().zip(previous_ends).for_each(|(chunk, previous_end)| {
-                        chunk.compact = Some(compact_chunk(chunk, k, previous_end, width, scanned_values == ValueCodec::Diff));
-                    });
-                    Some(k)
-                })
-                .collect()
-        } else {
-            vec![None; inputs.len()]
-        };
-        Ok(per_tensor
-            .into_par_iter()
-            .zip(rice_ks)
-            .enumerate()
-            .map(|(index, (chunks, k))| assemble(&inputs[index], widths[index], chunks, scanned_values, k))
-            .collect())
-    })
+        })
+        .collect())
 }
 
 /// Stores each tensor whole: positions `all`, values `abs`.
