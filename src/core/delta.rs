@@ -85,8 +85,7 @@ impl TensorDelta {
             let mut left = self.changed;
             while left > 0 {
                 let n = left.min(BATCH as u64) as usize;
-                position_reader.next_positions(&mut positions[..n])?;
-                compact::read_differences::<W>(&mut value_bits, &mut values[..n])?;
+                compact::read_pairs::<W>(&mut position_reader, &mut value_bits, &mut positions[..n], &mut values[..n])?;
                 visit(&positions[..n], &values[..n]);
                 left -= n as u64;
             }
@@ -183,6 +182,21 @@ impl TensorDelta {
             let mut last = None;
             self.for_each_change(|position, _| last = Some(position)).map_err(fail)?;
             self.last_position = last;
+            return Ok(());
+        }
+        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
+            // The bit-packed pair: one loop over both streams, so that their decoding chains overlap.
+            let numel = self.numel().unwrap_or(u64::MAX);
+            if self.changed > numel {
+                return Err(fail(format!("changed={} exceeds the {numel} elements", self.changed)));
+            }
+            self.last_position = match self.width() {
+                1 => compact::check_rice_diffbits::<1>(&self.positions, &self.values, self.changed, numel),
+                2 => compact::check_rice_diffbits::<2>(&self.positions, &self.values, self.changed, numel),
+                4 => compact::check_rice_diffbits::<4>(&self.positions, &self.values, self.changed, numel),
+                _ => compact::check_rice_diffbits::<8>(&self.positions, &self.values, self.changed, numel),
+            }
+            .map_err(fail)?;
             return Ok(());
         }
         // Positions and values can be checked apart, side by side, without pairing them.

@@ -265,94 +265,188 @@ impl<'a> RiceReader<'a> {
     pub fn is_exhausted(&self) -> bool {
         self.bits.is_exhausted()
     }
+}
 
-    /// Fills `out` with the next positions, as as many calls of `next_position` would: several codes per loaded
-    /// word, unchecked while 16 bytes remain, then the checked reader.
-    pub fn next_positions(&mut self, out: &mut [u64]) -> Result<(), String> {
-        let (bytes, k) = (self.bits.bytes, self.k);
-        let safe_bits = bytes.len().saturating_sub(16) * 8;
-        let (mut filled, mut next) = (0usize, self.next_allowed);
-        while filled < out.len() && self.bits.bit < safe_bits {
-            // SAFETY: `bit < safe_bits` leaves at least 16 bytes from `bit / 8` on.
-            let word = unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(self.bits.bit >> 3).cast::<u64>()) };
-            let (mut word, mut left, mut used) = (u64::from_le(word) >> (self.bits.bit & 7), 57u32, 0u32);
-            loop {
-                let quotient = (!word).trailing_zeros();
-                let length = quotient + 1 + k;
-                if length > left {
-                    break;
-                }
-                let gap = (u64::from(quotient) << k) | ((word >> (quotient + 1)) & mask_bits(k));
-                // Saturating: a position past the tensor is caught below, before it is handed out.
-                let position = next.saturating_add(gap);
-                next = position.saturating_add(1);
-                out[filled] = position;
-                filled += 1;
-                used += length;
-                left -= length;
-                word >>= length;
-                if filled == out.len() {
-                    break;
-                }
-            }
-            if used == 0 {
-                break;
-            }
-            self.bits.bit += used as usize;
+/// A window of up to 57 bits of a stream, refilled with one unchecked 8-byte load while 16 bytes remain.
+struct Window<'a> {
+    bytes: &'a [u8],
+    /// Stream position of the window's first bit.
+    bit: usize,
+    word: u64,
+    left: u32,
+    safe_bits: usize,
+}
+
+impl<'a> Window<'a> {
+    fn new(bytes: &'a [u8], bit: usize) -> Self {
+        Window { bytes, bit, word: 0, left: 0, safe_bits: bytes.len().saturating_sub(16) * 8 }
+    }
+
+    /// Reloads the window at `bit`; false once fewer than 16 bytes remain (the checked readers take over).
+    #[inline(always)]
+    fn refill(&mut self) -> bool {
+        if self.bit >= self.safe_bits {
+            return false;
         }
-        if filled > 0 && out[filled - 1] >= self.numel {
-            return Err(format!("position out of range (tensor has {} elements)", self.numel));
-        }
-        self.next_allowed = next;
-        for slot in &mut out[filled..] {
-            *slot = self.next_position()?;
-        }
-        Ok(())
+        // SAFETY: `bit < safe_bits` leaves at least 16 bytes from `bit / 8` on.
+        let word = unsafe { std::ptr::read_unaligned(self.bytes.as_ptr().add(self.bit >> 3).cast::<u64>()) };
+        self.word = u64::from_le(word) >> (self.bit & 7);
+        self.left = 57;
+        true
+    }
+
+    #[inline(always)]
+    fn take(&mut self, length: u32) {
+        self.word >>= length;
+        self.left -= length;
+        self.bit += length as usize;
     }
 }
 
-/// Fills `out` with the next `diffbits` values of `W`-byte elements, as as many calls of `read_difference` would:
-/// several codes per loaded word while 16 bytes remain, then the checked reader.
-pub fn read_differences<const W: usize>(bits: &mut BitReader<'_>, out: &mut [u64]) -> Result<(), String> {
-    let safe_bits = bits.bytes.len().saturating_sub(16) * 8;
-    let mut filled = 0usize;
-    while filled < out.len() && bits.bit < safe_bits {
-        let (mut word, mut left, mut used) = (bits.peek(), 57usize, 0usize);
-        loop {
-            let (value, length) = if word & 1 == 0 {
-                (if word & 2 == 0 { 1 } else { mask(W) }, 2)
-            } else if word & 2 == 0 {
-                (if word & 4 == 0 { 2 } else { mask(W) - 1 }, 3)
-            } else {
-                let byte = (word >> 2) & 0xff;
-                if W == 1 {
-                    (byte, 10)
-                } else if byte == u64::from(ESCAPE) {
-                    // The full width follows; past the window for 8-byte elements (the reader below takes it).
-                    ((word >> 10) & mask(W), 10 + 8 * W)
-                } else {
-                    ((i64::from(byte as u8 as i8) as u64) & mask(W), 10)
-                }
-            };
-            if length > left {
+/// The `diffbits` code starting each 10-bit pattern: (signed difference, length in bits); length 0 for `11` and
+/// the escape byte, whose meaning depends on the element width.
+static VALUE_CODES: [(i16, u8); 1024] = {
+    let mut table = [(0i16, 0u8); 1024];
+    let mut bits = 0;
+    while bits < 1024 {
+        table[bits] = if bits & 1 == 0 {
+            (if bits & 2 == 0 { 1 } else { -1 }, 2)
+        } else if bits & 2 == 0 {
+            (if bits & 4 == 0 { 2 } else { -2 }, 3)
+        } else if (bits >> 2) & 0xff == ESCAPE as usize {
+            (0, 0)
+        } else {
+            (((bits >> 2) & 0xff) as u8 as i8 as i16, 10)
+        };
+        bits += 1;
+    }
+    table
+};
+
+/// Decodes up to `n` (gap, value) pairs of a `rice` position stream with parameter `k` and a `diffbits` value
+/// stream, starting at the given bits, in one loop: the two streams' dependency chains (shift, count, shift) run
+/// side by side. Stops early where fewer than 16 bytes remain in either stream or a code does not fit in a
+/// window. Returns how many pairs were decoded and the new bit positions; `sink(gap, value)` takes each pair.
+#[inline(always)]
+fn pairs_fast<const W: usize>(
+    positions: &[u8],
+    position_bit: usize,
+    k: u32,
+    values: &[u8],
+    value_bit: usize,
+    n: u64,
+    mut sink: impl FnMut(u64, u64),
+) -> (u64, usize, usize) {
+    let (mut p, mut v) = (Window::new(positions, position_bit), Window::new(values, value_bit));
+    let mut done = 0u64;
+    while done < n {
+        let mut quotient = (!p.word).trailing_zeros();
+        if quotient + 1 + k > p.left {
+            if !p.refill() {
                 break;
             }
-            out[filled] = value;
-            filled += 1;
-            used += length;
-            left -= length;
-            word >>= length;
-            if filled == out.len() {
+            quotient = (!p.word).trailing_zeros();
+            if quotient + 1 + k > p.left {
                 break;
             }
         }
-        if used == 0 {
+        let (value, length) = loop {
+            // Every code but the escape in one table lookup on its first ten bits.
+            let (difference, mut length) = VALUE_CODES[(v.word & 0x3ff) as usize];
+            let mut value = (i64::from(difference) as u64) & mask(W);
+            if length == 0 {
+                // `11` and the escape byte: for one-byte elements the byte itself, else the full width follows.
+                (value, length) = if W == 1 { (0x80, 10) } else { ((v.word >> 10) & mask(W), 10 + 8 * W as u8) };
+            }
+            if u32::from(length) <= v.left {
+                break (value, u32::from(length));
+            }
+            if v.left == 57 || !v.refill() {
+                break (0, 0); // longer than a window (escaped 8-byte values), or near the end
+            }
+        };
+        if length == 0 {
             break;
         }
-        bits.bit += used;
+        let gap = (u64::from(quotient) << k) | ((p.word >> (quotient + 1)) & mask_bits(k));
+        p.take(quotient + 1 + k);
+        v.take(length);
+        sink(gap, value);
+        done += 1;
     }
-    for slot in &mut out[filled..] {
-        *slot = read_difference::<W>(bits)?;
+    (done, p.bit, v.bit)
+}
+
+/// Checks a `rice` position stream and a `diffbits` value stream of `changed` changes together, as the walk would,
+/// and returns the last position: the two streams' decoding chains overlap in one loop.
+pub fn check_rice_diffbits<const W: usize>(positions: &[u8], values: &[u8], changed: u64, numel: u64) -> Result<Option<u64>, String> {
+    let mut position_reader = RiceReader::new(positions, numel)?;
+    let mut value_bits = BitReader::new(values);
+    let (mut sum, mut carried) = (0u64, false);
+    let (done, position_bit, value_bit) =
+        pairs_fast::<W>(positions, position_reader.bits.bit, position_reader.k, values, 0, changed, |gap, _| {
+            let (total, wrapped) = sum.overflowing_add(gap);
+            sum = total;
+            carried |= wrapped;
+        });
+    position_reader.bits.bit = position_bit;
+    value_bits.bit = value_bit;
+    let next = sum.checked_add(done).filter(|&end| !carried && end <= numel);
+    let Some(next) = next else {
+        return Err(format!("position out of range (tensor has {numel} elements)"));
+    };
+    position_reader.next_allowed = next;
+    let mut last = next.checked_sub(1);
+    for _ in done..changed {
+        last = Some(position_reader.next_position()?);
+        read_difference::<W>(&mut value_bits)?;
+    }
+    if !position_reader.is_exhausted() {
+        return Err("position stream has bytes after the last change".to_owned());
+    }
+    if !value_bits.is_exhausted() {
+        return Err("value stream has bytes after the last change".to_owned());
+    }
+    Ok(last)
+}
+
+/// Fills `positions_out` and `values_out` (the same length) with the next changes of a `rice` + `diffbits` tensor,
+/// as the readers would one by one, decoding both streams in one loop.
+pub fn read_pairs<const W: usize>(
+    position_reader: &mut RiceReader<'_>,
+    value_bits: &mut BitReader<'_>,
+    positions_out: &mut [u64],
+    values_out: &mut [u64],
+) -> Result<(), String> {
+    let n = positions_out.len();
+    let mut next = position_reader.next_allowed;
+    let mut filled = 0usize;
+    let (done, position_bit, value_bit) = pairs_fast::<W>(
+        position_reader.bits.bytes,
+        position_reader.bits.bit,
+        position_reader.k,
+        value_bits.bytes,
+        value_bits.bit,
+        n as u64,
+        |gap, value| {
+            // Saturating: a position past the tensor is caught below, before it is handed out.
+            let position = next.saturating_add(gap);
+            next = position.saturating_add(1);
+            positions_out[filled] = position;
+            values_out[filled] = value;
+            filled += 1;
+        },
+    );
+    debug_assert_eq!(done as usize, filled);
+    position_reader.bits.bit = position_bit;
+    value_bits.bit = value_bit;
+    if filled > 0 && positions_out[filled - 1] >= position_reader.numel {
+        return Err(format!("position out of range (tensor has {} elements)", position_reader.numel));
+    }
+    position_reader.next_allowed = next;
+    for i in filled..n {
+        positions_out[i] = position_reader.next_position()?;
+        values_out[i] = read_difference::<W>(value_bits)?;
     }
     Ok(())
 }
