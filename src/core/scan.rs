@@ -25,27 +25,42 @@ pub struct Changes {
     pub values: Vec<u8>,
 }
 
-/// Appends through unaligned 8-byte stores, after `reserve` has made room.
+/// Appends through unaligned 8-byte stores: `open` makes room and takes the write position into a local pointer
+/// (so that no store to the buffer makes the compiler reload the vector's length), `close` sets the length.
 struct Sink<'a> {
     buf: &'a mut Vec<u8>,
+    at: *mut u8,
 }
 
-impl Sink<'_> {
-    #[inline(always)]
-    fn reserve(&mut self, bytes: usize) {
-        self.buf.reserve(bytes);
+impl<'a> Sink<'a> {
+    fn new(buf: &'a mut Vec<u8>) -> Self {
+        Sink { buf, at: std::ptr::null_mut() }
     }
 
-    /// Stores the 8 little-endian bytes of `word` at the end and keeps the first `len` (≤ 8).
+    #[inline(always)]
+    fn open(&mut self, room: usize) {
+        self.buf.reserve(room);
+        // SAFETY: `len <= capacity`.
+        self.at = unsafe { self.buf.as_mut_ptr().add(self.buf.len()) };
+    }
+
+    /// Stores the 8 little-endian bytes of `word` and keeps the first `len` (≤ 8).
     ///
     /// # Safety
-    /// At least 8 bytes of spare capacity.
+    /// Between `open` and `close`, with the room asked for not yet used up, 8 bytes of overhang included.
     #[inline(always)]
     unsafe fn put(&mut self, word: u64, len: usize) {
-        let at = self.buf.len();
-        debug_assert!(self.buf.capacity() - at >= 8 && len <= 8);
-        std::ptr::write_unaligned(self.buf.as_mut_ptr().add(at).cast::<u64>(), word.to_le());
-        self.buf.set_len(at + len);
+        std::ptr::write_unaligned(self.at.cast::<u64>(), word.to_le());
+        self.at = self.at.add(len);
+    }
+
+    /// # Safety
+    /// After `open`, with every put within the room.
+    #[inline(always)]
+    unsafe fn close(&mut self) {
+        let len = self.at.offset_from(self.buf.as_ptr()) as usize;
+        debug_assert!(len <= self.buf.capacity());
+        self.buf.set_len(len);
     }
 }
 
@@ -178,10 +193,9 @@ const BATCH: usize = 64;
 /// Blocks with changes noted before their changes are gathered.
 const MARKS: usize = 16;
 
-/// Room for one batch's gaps: at most two bytes each (a longer one reserves again after it), plus the 8-byte
-/// store's overhang.
+/// Room for one batch's gaps: at most ten bytes each, plus the 8-byte store's overhang.
 const fn positions_room<const W: usize>() -> usize {
-    (BATCH + BLOCK_BYTES / W) * 2 + 8
+    (BATCH + BLOCK_BYTES / W) * 10 + 8
 }
 
 /// Room for one batch's values: at most 1 + W bytes each, plus the overhang.
@@ -199,6 +213,7 @@ struct Range {
 }
 
 /// Where an encoding pass stands: changes so far, the first one's position, and the position after the last.
+#[derive(Clone, Copy)]
 struct Cursor {
     count: u64,
     first: u64,
@@ -217,27 +232,32 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
     values: &mut Sink<'_>,
 ) {
     let Range { old, new, first_element, codec } = range;
-    positions.reserve(positions_room::<W>());
-    values.reserve(values_room::<W>());
+    positions.open(positions_room::<W>());
+    values.open(values_room::<W>());
+    let Cursor { mut count, mut first, mut next_expected } = *cursor;
     for &offset in batch {
         let offset = offset as usize;
         let position = first_element + (offset / W) as u64;
-        if cursor.count == 0 {
-            cursor.first = position;
+        if count == 0 {
+            first = position;
         } else {
-            let gap = position - cursor.next_expected;
+            let gap = position - next_expected;
             if gap < 1 << 14 {
                 // One or two LEB128 bytes, without a branch.
                 let long = gap >= 0x80;
                 let word = if long { (gap & 0x7f) | 0x80 | ((gap >> 7) << 8) } else { gap };
                 positions.put(word, 1 + usize::from(long));
             } else {
-                varint::write(positions.buf, gap);
-                positions.reserve(positions_room::<W>());
+                let mut rest = gap;
+                while rest >= 0x80 {
+                    positions.put((rest & 0x7f) | 0x80, 1);
+                    rest >>= 7;
+                }
+                positions.put(rest, 1);
             }
         }
-        cursor.next_expected = position + 1;
-        cursor.count += 1;
+        next_expected = position + 1;
+        count += 1;
         let new_bits = values::load_const::<W>(std::slice::from_raw_parts(new.add(offset), W));
         match codec {
             ValueCodec::Abs => values.put(new_bits, W),
@@ -268,6 +288,9 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
             std::ptr::copy_nonoverlapping(new.add(offset), old.add(offset), W);
         }
     }
+    *cursor = Cursor { count, first, next_expected };
+    positions.close();
+    values.close();
 }
 
 /// How far ahead of the compare the two ranges are prefetched. The hardware streamer stops at page boundaries
@@ -303,8 +326,8 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
         first: out.first_position,
         next_expected: if out.count > 0 { out.last_position + 1 } else { first_element },
     };
-    let mut positions = Sink { buf: &mut out.positions };
-    let mut values = Sink { buf: &mut out.values };
+    let mut positions = Sink::new(&mut out.positions);
+    let mut values = Sink::new(&mut out.values);
     let mut batch = [0u32; BATCH + BLOCK_BYTES];
     let mut pending = 0usize;
     // Blocks with changes, noted without a branch: (element bits, byte offset).
