@@ -467,6 +467,12 @@ fn get_num_threads() -> usize {
     pool::num_threads()
 }
 
+/// The compare kernel this process uses: "avx512", "avx2", "sse2" or "portable".
+#[pyfunction]
+fn scan_kernel() -> &'static str {
+    crate::core::scan::kernel().name()
+}
+
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -483,5 +489,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(state_digest, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(scan_kernel, m)?)?;
     Ok(())
 }

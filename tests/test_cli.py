@@ -391,6 +391,10 @@ def test_bench_prints_a_table_and_plots(tmp_path, capsys):
     assert rc == 0, err
     for what in ("deltasync varint", "deltasync compact", "TRL v1", "TRL v3 gap_delta", "read floor"):
         assert what in out
+    from deltasync_rs import _core
+
+    assert _core.scan_kernel() in ("avx512", "avx2", "sse2", "portable")
+    assert f"{_core.scan_kernel()} compare kernel" in out
     rows = [line.split() for line in out.splitlines() if "deltasync" in line]
     assert [row[0] for row in rows] == ["1.00%", "1.00%", "5.00%", "5.00%"]
     sizes = {(row[0], row[2]): float(row[3]) for row in rows}

@@ -41,11 +41,17 @@ def test_every_scan_kernel_writes_the_same_bytes():
         "prev = {'w': old.view(np.int16)}\n"
         "curr = {'w': new.view(np.int16)}\n"
         "sys.stdout.buffer.write(ds.diff(prev, curr).to_bytes() + ds.diff(prev, curr, codec='compact').to_bytes())\n"
+        "sys.stderr.write(ds._core.scan_kernel())\n"
     )
     outputs = {}
-    for kernel in ("portable", "sse2", "avx2", "avx512", ""):
+    used = {}
+    for kernel in ("", "portable", "sse2", "avx2", "avx512"):
         env = {**__import__("os").environ, "DELTASYNC_SCAN_KERNEL": kernel}
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True)
         outputs[kernel] = done.stdout
+        used[kernel] = done.stderr.decode()
+    # Never more than the CPU has: a kernel asked for is used, or the best one available where it is missing.
+    assert used[""] in ("avx512", "avx2", "sse2", "portable")
+    assert all(used[k] in (k, used[""]) for k in used), used
     assert len(set(outputs.values())) == 1
     assert len(outputs[""]) > 1000

@@ -18,6 +18,7 @@ __all__ = [
     "diff_files",
     "get_num_threads",
     "join_shards",
+    "scan_kernel",
     "set_num_threads",
     "state_digest",
 ]
@@ -90,3 +91,5 @@ def state_digest(entries: list[tuple[str, str, list[int], Buffer]]) -> str: ...
 def join_shards(parts: list[RawDelta]) -> RawDelta: ...
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
+def scan_kernel() -> str:
+    """The compare kernel this process uses: "avx512", "avx2", "sse2" or "portable"."""

@@ -195,7 +195,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return 1
     results = bench.run(args.scale, args.densities, args.rounds, peers=not args.no_peers,
                         progress=lambda line: print(line, file=sys.stderr))
-    print(f"synthetic Qwen3-0.6B-shaped bf16 state at scale {args.scale}; medians of {args.rounds} rounds, ms")
+    from . import _core
+
+    print(f"synthetic Qwen3-0.6B-shaped bf16 state at scale {args.scale}; medians of {args.rounds} rounds, ms; "
+          f"{_core.get_num_threads()} threads, {_core.scan_kernel()} compare kernel")
     print(bench.table(results))
     if args.plot:
         bench.plot(results, args.plot)

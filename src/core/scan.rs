@@ -427,6 +427,17 @@ pub enum Kernel {
     Avx512,
 }
 
+impl Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Portable => "portable",
+            Kernel::Sse2 => "sse2",
+            Kernel::Avx2 => "avx2",
+            Kernel::Avx512 => "avx512",
+        }
+    }
+}
+
 /// The fastest kernel this CPU has, unless `DELTASYNC_SCAN_KERNEL` (portable, sse2, avx2, avx512) asks for a
 /// slower one; read once per process.
 pub fn kernel() -> Kernel {
