@@ -259,7 +259,7 @@ def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | Non
                                      "but the delta changes them differently")
             continue
         plan.append((index, shard))
-    _reject_lone_tied_head(model, params, [infos[i].name for i, _ in plan], {infos[i].name for i in range(len(infos))})
+    _reject_lone_tied_head(params, {info.name for info in infos})
 
     staged = [_stage(delta, index, shard, infos[index].values) for index, shard in plan]
     with torch.no_grad():
@@ -268,8 +268,7 @@ def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | Non
     return sum(count for _, count in staged)
 
 
-def _reject_lone_tied_head(model: torch.nn.Module, params: dict[str, torch.Tensor], planned: list[str],
-                           names: set[str]) -> None:
+def _reject_lone_tied_head(params: dict[str, torch.Tensor], names: set[str]) -> None:
     """vLLM's loader rejects ``lm_head.weight`` alone on a tied model (REFERENCE §5); so do we, with the fix."""
     head, embed = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
     if head is not None and head is embed and "lm_head.weight" in names and "model.embed_tokens.weight" not in names:
