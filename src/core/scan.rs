@@ -387,16 +387,31 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
     out.first_position = cursor.first;
 }
 
+/// Batches hold 32-bit offsets: longer ranges are scanned piece by piece.
+const PIECE_BYTES: usize = 1 << 30;
+
 fn scan_raw<const W: usize, const COPY: bool>(old: *mut u8, new: *const u8, len: usize, first_element: u64, codec: ValueCodec) -> Changes {
+    scan_pieces::<W, COPY>(old, new, len, first_element, codec, PIECE_BYTES)
+}
+
+/// `scan_raw` in pieces of at most `piece` bytes (a multiple of 64), joined.
+fn scan_pieces<const W: usize, const COPY: bool>(
+    old: *mut u8,
+    new: *const u8,
+    len: usize,
+    first_element: u64,
+    codec: ValueCodec,
+    piece: usize,
+) -> Changes {
     let mut out = Changes::default();
-    // Batches hold 32-bit offsets: scan longer ranges piece by piece.
-    const PIECE: usize = 1 << 30;
-    if len > PIECE {
+    if len > piece {
         let mut start = 0;
         while start < len {
-            let piece = scan_raw::<W, COPY>(unsafe { old.add(start) }, unsafe { new.add(start) }, (len - start).min(PIECE), first_element + (start / W) as u64, codec);
-            join(&mut out, piece);
-            start += PIECE;
+            // SAFETY: `start < len`, inside both ranges.
+            let (old, new) = unsafe { (old.add(start), new.add(start)) };
+            let part = scan_pieces::<W, COPY>(old, new, (len - start).min(piece), first_element + (start / W) as u64, codec, piece);
+            join(&mut out, part);
+            start += piece;
         }
         return out;
     }
@@ -633,6 +648,43 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn unaligned_ranges() {
+        let old: Vec<u8> = (0..5000u32).map(|i| (i * 13 % 256) as u8).collect();
+        let mut new = old.clone();
+        for i in (3..new.len()).step_by(29) {
+            new[i] = new[i].wrapping_add(1);
+        }
+        for (skip, width) in [(1usize, 1usize), (3, 1), (2, 2), (6, 2), (4, 4), (8, 8), (2, 4)] {
+            let end = skip + (old.len() - skip) / width * width;
+            let (a, b) = (&old[skip..end], &new[skip..end]);
+            for codec in [ValueCodec::Abs, ValueCodec::Diff] {
+                let (got, want) = (scan(a, b, 0, width, codec), reference(a, b, width, codec));
+                assert_eq!((got.count, &got.positions, &got.values), (want.count, &want.positions, &want.values), "{skip} {width}");
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_join_to_the_whole() {
+        let n = 50_000usize;
+        let old: Vec<u8> = (0..n * 2).map(|i| (i * 7 % 251) as u8).collect();
+        let mut new = old.clone();
+        for p in [0usize, 1, 63, 64, 2047, 2048, 2049, 9000, 30_000, n - 1] {
+            new[p * 2] ^= 0x21;
+        }
+        for codec in [ValueCodec::Abs, ValueCodec::Diff] {
+            let whole = reference(&old, &new, 2, codec);
+            for piece in [64usize, 4096, 1 << 16] {
+                let mut mirror = old.clone();
+                let got = scan_pieces::<2, true>(mirror.as_mut_ptr(), new.as_ptr(), old.len(), 0, codec, piece);
+                assert_eq!((got.count, got.first_position, got.last_position), (whole.count, whole.first_position, whole.last_position));
+                assert_eq!((&got.positions, &got.values), (&whole.positions, &whole.values), "piece {piece}");
+                assert_eq!(mirror, new);
             }
         }
     }
