@@ -222,10 +222,12 @@ struct Cursor {
 
 /// Encodes the changes at byte offsets `batch` (ascending) of the range starting at element `first_element`:
 /// gap varints and values, and with `COPY` the new bits into `old`. Only the rare long gap and (for 8-byte
-/// elements) value escape branch on the data.
+/// elements) value escape branch on the data. `ahead` (0 for none) is where prefetching of the lines still to be
+/// compared goes on meanwhile.
 #[inline(always)]
 unsafe fn encode_batch<const W: usize, const COPY: bool>(
     batch: &[u32],
+    ahead: usize,
     range: Range,
     cursor: &mut Cursor,
     positions: &mut Sink<'_>,
@@ -235,7 +237,13 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
     positions.open(positions_room::<W>());
     values.open(values_room::<W>());
     let Cursor { mut count, mut first, mut next_expected } = *cursor;
-    for &offset in batch {
+    for (index, &offset) in batch.iter().enumerate() {
+        // Keep memory busy while encoding too: one block further ahead of the compare per two changes.
+        if ahead != 0 && index % 2 == 0 {
+            let at = ahead + BLOCK_BYTES * (index / 2);
+            prefetch(old.wrapping_add(at));
+            prefetch(new.wrapping_add(at));
+        }
         let offset = offset as usize;
         let position = first_element + (offset / W) as u64;
         if count == 0 {
@@ -334,8 +342,12 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
     let mut marks = [(0u64, 0u32); MARKS + 1];
     let mut marked = 0usize;
     macro_rules! drain_marks {
-        () => {
-            for &(mut bits, base) in &marks[..marked] {
+        ($scanned:expr) => {
+            for (ahead, &(mut bits, base)) in marks[..marked].iter().enumerate() {
+                // Keep memory busy while the cores encode: one more block ahead of the compare per block drained.
+                let at = $scanned + PREFETCH_BYTES + BLOCK_BYTES * (ahead + 1);
+                prefetch(old.wrapping_add(at));
+                prefetch(new.wrapping_add(at));
                 let found = bits.count_ones() as usize;
                 // Four offsets unconditionally (slots past `found` are overwritten later), the rest in a loop
                 // that dense blocks alone enter.
@@ -351,7 +363,7 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
                 }
                 pending += found;
                 if pending >= BATCH {
-                    encode_batch::<W, COPY>(&batch[..pending], range, &mut cursor, &mut positions, &mut values);
+                    encode_batch::<W, COPY>(&batch[..pending], $scanned + PREFETCH_BYTES + BLOCK_BYTES * (marked + 1), range, &mut cursor, &mut positions, &mut values);
                     pending = 0;
                 }
             }
@@ -366,12 +378,12 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
         *marks.get_unchecked_mut(marked) = (bits, offset as u32);
         marked += usize::from(bits != 0);
         if marked == MARKS {
-            drain_marks!();
+            drain_marks!(offset);
             marked = 0;
         }
         offset += BLOCK_BYTES;
     }
-    drain_marks!();
+    drain_marks!(offset);
     while offset < len {
         if std::slice::from_raw_parts(old.add(offset), W) != std::slice::from_raw_parts(new.add(offset), W) {
             batch[pending] = offset as u32;
@@ -379,7 +391,7 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
         }
         offset += W;
     }
-    encode_batch::<W, COPY>(&batch[..pending], range, &mut cursor, &mut positions, &mut values);
+    encode_batch::<W, COPY>(&batch[..pending], 0, range, &mut cursor, &mut positions, &mut values);
     if cursor.count > out.count {
         out.last_position = cursor.next_expected - 1;
     }
