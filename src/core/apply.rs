@@ -54,7 +54,6 @@ pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
     .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
 }
 
-
 #[inline(always)]
 fn prefetch(target: &[u8], at: usize) {
     #[cfg(target_arch = "x86_64")]

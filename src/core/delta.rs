@@ -12,10 +12,10 @@ use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
 use crate::core::stream::Stream;
 
-/// The changes to one tensor.
 /// Changes per `for_each_batch` call.
 pub const BATCH: usize = 64;
 
+/// The changes to one tensor.
 #[derive(Debug, Clone)]
 pub struct TensorDelta {
     pub name: String,
@@ -184,32 +184,26 @@ impl TensorDelta {
             self.last_position = last;
             return Ok(());
         }
-        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
-            // The bit-packed pair: one loop over both streams, so that their decoding chains overlap.
-            let numel = self.numel().unwrap_or(u64::MAX);
-            if self.changed > numel {
-                return Err(fail(format!("changed={} exceeds the {numel} elements", self.changed)));
-            }
-            self.last_position = match self.width() {
-                1 => compact::check_rice_diffbits::<1>(&self.positions, &self.values, self.changed, numel),
-                2 => compact::check_rice_diffbits::<2>(&self.positions, &self.values, self.changed, numel),
-                4 => compact::check_rice_diffbits::<4>(&self.positions, &self.values, self.changed, numel),
-                _ => compact::check_rice_diffbits::<8>(&self.positions, &self.values, self.changed, numel),
-            }
-            .map_err(fail)?;
-            return Ok(());
-        }
-        // Positions and values can be checked apart, side by side, without pairing them.
         self.last_position = self.check_streams().map_err(fail)?;
         Ok(())
     }
 
-    /// Checks a `varint` or `rice` position stream and its value stream with the same rules as the walk, in
-    /// parallel, and returns the last position.
+    /// Checks a `varint` or `rice` position stream and its value stream with the same rules as the walk, and
+    /// returns the last position. The bit-packed pair (`rice`, `diffbits`) is checked in one loop, so that the
+    /// two streams' decoding chains overlap; other streams apart, side by side, without pairing them.
     fn check_streams(&self) -> std::result::Result<Option<u64>, String> {
         let numel = self.numel().unwrap_or(u64::MAX);
         if self.changed > numel {
             return Err(format!("changed={} exceeds the {numel} elements", self.changed));
+        }
+        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
+            let (positions, values, changed) = (&self.positions[..], &self.values[..], self.changed);
+            return match self.width() {
+                1 => compact::check_rice_diffbits::<1>(positions, values, changed, numel),
+                2 => compact::check_rice_diffbits::<2>(positions, values, changed, numel),
+                4 => compact::check_rice_diffbits::<4>(positions, values, changed, numel),
+                _ => compact::check_rice_diffbits::<8>(positions, values, changed, numel),
+            };
         }
         let check_positions = || -> std::result::Result<Option<u64>, String> {
             if self.positions_codec == PositionCodec::Rice {
