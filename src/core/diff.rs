@@ -13,7 +13,7 @@ use crate::core::codec::{varint, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
-use crate::core::scan;
+use crate::core::scan::{self, Changes};
 use crate::core::stream::Stream;
 
 /// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads.
@@ -36,19 +36,8 @@ pub struct FullInput<'a> {
     pub data: &'a [u8],
 }
 
-#[derive(Default)]
-struct ChunkChanges {
-    count: u64,
-    first_position: u64,
-    last_position: u64,
-    /// Gap varints after the first change of the chunk.
-    positions: Vec<u8>,
-    values: Vec<u8>,
-    /// The compact codec's bit streams for this chunk, first gap included.
-    compact: Option<CompactChunk>,
-}
-
-/// A chunk's changes re-encoded in the compact codec: Rice codes of its gaps and, for differences, `diffbits`.
+/// A chunk's changes re-encoded in the compact codec: Rice codes of its gaps (its first gap included) and, for
+/// differences, `diffbits`.
 struct CompactChunk {
     positions: Vec<u8>,
     position_bits: u64,
@@ -57,7 +46,7 @@ struct CompactChunk {
 }
 
 /// How the compact codec codes one tensor's gaps: its Rice parameter, and where each chunk's first gap starts.
-fn rice_plan(chunks: &[ChunkChanges]) -> (u32, Vec<u64>) {
+fn rice_plan(chunks: &[Changes]) -> (u32, Vec<u64>) {
     let mut previous_ends = Vec::with_capacity(chunks.len());
     let (mut previous_end, mut count, mut gap_sum) = (0u64, 0u64, 0u64);
     for chunk in chunks {
@@ -72,7 +61,7 @@ fn rice_plan(chunks: &[ChunkChanges]) -> (u32, Vec<u64>) {
 }
 
 /// Re-encodes one chunk in the compact codec; `previous_end` is the position after the previous chunk's last change.
-fn compact_chunk(chunk: &ChunkChanges, k: u32, previous_end: u64, width: usize, differences: bool) -> CompactChunk {
+fn compact_chunk(chunk: &Changes, k: u32, previous_end: u64, width: usize, differences: bool) -> CompactChunk {
     let mut positions = BitWriter::with_capacity(chunk.positions.len());
     if chunk.count > 0 {
         compact::put_rice(&mut positions, chunk.first_position - previous_end, k);
@@ -130,29 +119,17 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> ChunkChanges {
-    let found = scan::scan(old, new, first_element, width, codec);
-    ChunkChanges {
-        count: found.count,
-        first_position: found.first_position,
-        last_position: found.last_position,
-        positions: found.positions,
-        values: found.values,
-        compact: None,
-    }
-}
-
 /// Joins a tensor's chunks into its two streams, or stores it whole when that is no larger. With the compact
 /// codec each stream is re-encoded (`rice`, `diffbits`) and kept only where that is smaller.
-fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, values_codec: ValueCodec, rice_k: Option<u32>) -> TensorDelta {
+fn assemble(
+    input: &DiffInput<'_>,
+    width: usize,
+    chunks: Vec<Changes>,
+    values_codec: ValueCodec,
+    compact: Option<(u32, Vec<CompactChunk>)>,
+) -> TensorDelta {
     let changed: u64 = chunks.iter().map(|c| c.count).sum();
-    let mut previous_end = 0u64; // position after the previous change
-    let mut positions_len = 0usize;
-    for chunk in chunks.iter().filter(|c| c.count > 0) {
-        positions_len += varint::len(chunk.first_position - previous_end) + chunk.positions.len();
-        previous_end = chunk.last_position + 1;
-    }
-    let values_len: usize = chunks.iter().map(|c| c.values.len()).sum();
+    let (positions_len, values_len) = scan::joined_lens(&chunks);
     let dense_len = input.new.len();
     let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
     let mut tensor = TensorDelta {
@@ -170,21 +147,20 @@ fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, valu
         return tensor;
     }
     let (mut rice, mut diffbits) = (None, None);
-    if let Some(k) = rice_k {
-        let compacts = || chunks.iter().filter_map(|c| c.compact.as_ref());
-        let position_bits = 8 + compacts().map(|c| c.position_bits).sum::<u64>();
+    if let Some((k, compacts)) = &compact {
+        let position_bits = 8 + compacts.iter().map(|c| c.position_bits).sum::<u64>();
         if position_bits.div_ceil(8) < positions_len as u64 {
             let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
-            out.put(u64::from(k), 8);
-            for c in compacts() {
+            out.put(u64::from(*k), 8);
+            for c in compacts {
                 out.append(&c.positions, c.position_bits);
             }
             rice = Some(out.finish());
         }
-        let value_bits = compacts().map(|c| c.value_bits).sum::<u64>();
+        let value_bits = compacts.iter().map(|c| c.value_bits).sum::<u64>();
         if scanned_values == ValueCodec::Diff && value_bits.div_ceil(8) < values_len as u64 {
             let mut out = BitWriter::with_capacity(value_bits.div_ceil(8) as usize);
-            for c in compacts() {
+            for c in compacts {
                 out.append(&c.values, c.value_bits);
             }
             diffbits = Some(out.finish());
@@ -200,37 +176,21 @@ fn assemble(input: &DiffInput<'_>, width: usize, chunks: Vec<ChunkChanges>, valu
         tensor.last_position = tensor.changed.checked_sub(1);
         return tensor;
     }
-    tensor.positions = match rice {
-        Some(stream) => {
-            tensor.positions_codec = PositionCodec::Rice;
-            stream
-        }
-        None => {
-            let mut positions = Vec::with_capacity(positions_len);
-            previous_end = 0;
-            for chunk in chunks.iter().filter(|c| c.count > 0) {
-                varint::write(&mut positions, chunk.first_position - previous_end);
-                positions.extend_from_slice(&chunk.positions);
-                previous_end = chunk.last_position + 1;
-            }
-            positions
-        }
+    if rice.is_some() {
+        tensor.positions_codec = PositionCodec::Rice;
     }
-    .into();
-    tensor.values = match diffbits {
-        Some(stream) => {
-            tensor.values_codec = ValueCodec::DiffBits;
-            stream
-        }
-        None => {
-            let mut values = Vec::with_capacity(values_len);
-            for chunk in &chunks {
-                values.extend_from_slice(&chunk.values);
-            }
-            values
-        }
+    if diffbits.is_some() {
+        tensor.values_codec = ValueCodec::DiffBits;
     }
-    .into();
+    let (positions, values) = match (rice, diffbits) {
+        (Some(positions), Some(values)) => (positions, values),
+        (rice, diffbits) => {
+            let (varint_positions, byte_values) = scan::join_streams(&chunks);
+            (rice.unwrap_or(varint_positions), diffbits.unwrap_or(byte_values))
+        }
+    };
+    tensor.positions = positions.into();
+    tensor.values = values.into();
     tensor
 }
 
@@ -269,14 +229,14 @@ pub fn diff_with(
         chunk_counts[index] += 1;
     }
     let remaining: Vec<AtomicUsize> = chunk_counts.iter().map(|&n| AtomicUsize::new(n)).collect();
-    let slots: Vec<Mutex<Option<ChunkChanges>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
+    let slots: Vec<Mutex<Option<Changes>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
     let results: Vec<Mutex<Option<TensorDelta>>> = inputs.iter().map(|_| Mutex::new(None)).collect();
-    let lock = |m: &'_ Mutex<Option<ChunkChanges>>| m.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let lock = |m: &'_ Mutex<Option<Changes>>| m.lock().unwrap_or_else(|e| e.into_inner()).take();
     crate::core::pool::install(|| {
         tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
             let (input, width) = (&inputs[index], widths[index]);
             let bytes = start * width..end * width;
-            let mut changes = scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+            let mut changes = scan::scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
             compared(index, bytes);
             changes.positions.shrink_to_fit();
             changes.values.shrink_to_fit();
@@ -284,17 +244,20 @@ pub fn diff_with(
             if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {
                 return;
             }
-            let mut chunks: Vec<ChunkChanges> = (first_task[index]..first_task[index] + chunk_counts[index])
+            let chunks: Vec<Changes> = (first_task[index]..first_task[index] + chunk_counts[index])
                 .map(|slot| lock(&slots[slot]).expect("every chunk of the tensor is in"))
                 .collect();
-            let rice_k = (codec == Codec::Compact).then(|| {
+            let compact = (codec == Codec::Compact).then(|| {
                 let (k, previous_ends) = rice_plan(&chunks);
-                chunks.par_iter_mut().zip(previous_ends).for_each(|(chunk, previous_end)| {
-                    chunk.compact = Some(compact_chunk(chunk, k, previous_end, width, scanned_values == ValueCodec::Diff));
-                });
-                k
+                let differences = scanned_values == ValueCodec::Diff;
+                let compacts = chunks
+                    .par_iter()
+                    .zip(previous_ends)
+                    .map(|(chunk, previous_end)| compact_chunk(chunk, k, previous_end, width, differences))
+                    .collect();
+                (k, compacts)
             });
-            let tensor = assemble(input, width, chunks, scanned_values, rice_k);
+            let tensor = assemble(input, width, chunks, scanned_values, compact);
             *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(tensor);
         });
     });

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use crate::core::codec::{varint, PositionCodec, ValueCodec};
+use crate::core::codec::{PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
@@ -115,13 +115,7 @@ impl MirrorTensor {
         if changed == 0 {
             return Ok(tensor);
         }
-        let mut positions_len = 0usize;
-        let mut previous_end = 0u64;
-        for part in &self.parts {
-            positions_len += varint::len(part.first_position - previous_end) + part.positions.len();
-            previous_end = part.last_position + 1;
-        }
-        let values_len: usize = self.parts.iter().map(|c| c.values.len()).sum();
+        let (positions_len, values_len) = scan::joined_lens(&self.parts);
         if let Some(whole) = whole_mirror {
             let dense_len = self.numel as usize * self.width;
             if whole.len() != dense_len {
@@ -140,15 +134,7 @@ impl MirrorTensor {
                 return Ok(tensor);
             }
         }
-        let mut positions = Vec::with_capacity(positions_len);
-        let mut values = Vec::with_capacity(values_len);
-        previous_end = 0;
-        for part in self.parts {
-            varint::write(&mut positions, part.first_position - previous_end);
-            positions.extend_from_slice(&part.positions);
-            values.extend_from_slice(&part.values);
-            previous_end = part.last_position + 1;
-        }
+        let (positions, values) = scan::join_streams(&self.parts);
         tensor.positions = positions.into();
         tensor.values = values.into();
         Ok(tensor)

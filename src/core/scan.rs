@@ -502,6 +502,32 @@ fn best_kernel() -> Kernel {
     Kernel::Portable
 }
 
+/// Byte lengths of the position and value streams that `join_streams` makes of `parts`.
+pub fn joined_lens(parts: &[Changes]) -> (usize, usize) {
+    let (mut positions, mut values, mut previous_end) = (0usize, 0usize, 0u64);
+    for part in parts.iter().filter(|p| p.count > 0) {
+        positions += varint::len(part.first_position - previous_end) + part.positions.len();
+        values += part.values.len();
+        previous_end = part.last_position + 1;
+    }
+    (positions, values)
+}
+
+/// One tensor's `varint` position stream and its value stream, from the changes of its consecutive ranges
+/// (each range's first gap, which depends on the range before it, written in here).
+pub fn join_streams(parts: &[Changes]) -> (Vec<u8>, Vec<u8>) {
+    let (positions_len, values_len) = joined_lens(parts);
+    let (mut positions, mut values) = (Vec::with_capacity(positions_len), Vec::with_capacity(values_len));
+    let mut previous_end = 0u64;
+    for part in parts.iter().filter(|p| p.count > 0) {
+        varint::write(&mut positions, part.first_position - previous_end);
+        positions.extend_from_slice(&part.positions);
+        values.extend_from_slice(&part.values);
+        previous_end = part.last_position + 1;
+    }
+    (positions, values)
+}
+
 /// Appends the changes of the range after `out`'s to `out`.
 fn join(out: &mut Changes, next: Changes) {
     if next.count == 0 {
