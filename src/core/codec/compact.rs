@@ -301,6 +301,58 @@ impl<'a> Window<'a> {
         self.left -= length;
         self.bit += length as usize;
     }
+
+    /// The next Rice code with parameter `k`, not consumed: (gap, length). None where fewer than 16 bytes remain
+    /// or the code is longer than a window: the checked reader takes it.
+    #[inline(always)]
+    fn peek_rice(&mut self, k: u32) -> Option<(u64, u32)> {
+        let mut quotient = (!self.word).trailing_zeros();
+        if quotient + 1 + k > self.left {
+            if !self.refill() {
+                return None;
+            }
+            quotient = (!self.word).trailing_zeros();
+            if quotient + 1 + k > self.left {
+                return None;
+            }
+        }
+        let gap = (u64::from(quotient) << k) | ((self.word >> (quotient + 1)) & mask_bits(k));
+        Some((gap, quotient + 1 + k))
+    }
+
+    /// The next `diffbits` value of a `W`-byte element, not consumed: (value, length). None as for `peek_rice`
+    /// (an escaped 8-byte value is longer than a window).
+    #[inline(always)]
+    fn peek_difference<const W: usize>(&mut self) -> Option<(u64, u32)> {
+        loop {
+            // Every code but the escape in one table lookup on its first ten bits.
+            let (difference, mut length) = VALUE_CODES[(self.word & 0x3ff) as usize];
+            let mut value = (i64::from(difference) as u64) & mask(W);
+            if length == 0 {
+                // `11` and the escape byte: for one-byte elements the byte itself, else the full width follows.
+                (value, length) = if W == 1 { (0x80, 10) } else { ((self.word >> 10) & mask(W), 10 + 8 * W as u8) };
+            }
+            if u32::from(length) <= self.left {
+                return Some((value, u32::from(length)));
+            }
+            if self.left == 57 || !self.refill() {
+                return None;
+            }
+        }
+    }
+}
+
+/// Where a fast pass over a `rice` stream left off: the next allowed position after `decoded` codes whose gaps
+/// sum to `sum` (`wrapped` if that sum passed 2^64). Sets the reader to go on from there.
+fn resume_rice(reader: &mut RiceReader<'_>, bit: usize, decoded: u64, sum: u64, wrapped: bool) -> Result<(), String> {
+    // Each position is the previous one plus one plus its gap.
+    let next = sum.checked_add(decoded).filter(|&end| !wrapped && end <= reader.numel);
+    let Some(next) = next else {
+        return Err(format!("position out of range (tensor has {} elements)", reader.numel));
+    };
+    reader.bits.bit = bit;
+    reader.next_allowed = next;
+    Ok(())
 }
 
 /// The `diffbits` code starting each 10-bit pattern: (signed difference, length in bits); length 0 for `11` and
@@ -340,37 +392,10 @@ fn pairs_fast<const W: usize>(
     let (mut p, mut v) = (Window::new(positions, position_bit), Window::new(values, value_bit));
     let mut done = 0u64;
     while done < n {
-        let mut quotient = (!p.word).trailing_zeros();
-        if quotient + 1 + k > p.left {
-            if !p.refill() {
-                break;
-            }
-            quotient = (!p.word).trailing_zeros();
-            if quotient + 1 + k > p.left {
-                break;
-            }
-        }
-        let (value, length) = loop {
-            // Every code but the escape in one table lookup on its first ten bits.
-            let (difference, mut length) = VALUE_CODES[(v.word & 0x3ff) as usize];
-            let mut value = (i64::from(difference) as u64) & mask(W);
-            if length == 0 {
-                // `11` and the escape byte: for one-byte elements the byte itself, else the full width follows.
-                (value, length) = if W == 1 { (0x80, 10) } else { ((v.word >> 10) & mask(W), 10 + 8 * W as u8) };
-            }
-            if u32::from(length) <= v.left {
-                break (value, u32::from(length));
-            }
-            if v.left == 57 || !v.refill() {
-                break (0, 0); // longer than a window (escaped 8-byte values), or near the end
-            }
-        };
-        if length == 0 {
-            break;
-        }
-        let gap = (u64::from(quotient) << k) | ((p.word >> (quotient + 1)) & mask_bits(k));
-        p.take(quotient + 1 + k);
-        v.take(length);
+        let Some((gap, position_length)) = p.peek_rice(k) else { break };
+        let Some((value, value_length)) = v.peek_difference::<W>() else { break };
+        p.take(position_length);
+        v.take(value_length);
         sink(gap, value);
         done += 1;
     }
@@ -389,14 +414,9 @@ pub fn check_rice_diffbits<const W: usize>(positions: &[u8], values: &[u8], chan
             sum = total;
             carried |= wrapped;
         });
-    position_reader.bits.bit = position_bit;
+    resume_rice(&mut position_reader, position_bit, done, sum, carried)?;
     value_bits.bit = value_bit;
-    let next = sum.checked_add(done).filter(|&end| !carried && end <= numel);
-    let Some(next) = next else {
-        return Err(format!("position out of range (tensor has {numel} elements)"));
-    };
-    position_reader.next_allowed = next;
-    let mut last = next.checked_sub(1);
+    let mut last = position_reader.next_allowed.checked_sub(1);
     for _ in done..changed {
         last = Some(position_reader.next_position()?);
         read_difference::<W>(&mut value_bits)?;
@@ -455,45 +475,18 @@ pub fn read_pairs<const W: usize>(
 /// and returns the last position. The bulk is read without bounds checks while 16 bytes remain.
 pub fn check_rice(bytes: &[u8], changed: u64, numel: u64) -> Result<Option<u64>, String> {
     let mut reader = RiceReader::new(bytes, numel)?;
-    let (k, safe_bits) = (reader.k, bytes.len().saturating_sub(16) * 8);
+    let mut window = Window::new(bytes, reader.bits.bit);
     let (mut read, mut sum, mut carried) = (0u64, 0u64, false);
-    while read < changed && reader.bits.bit < safe_bits {
-        // SAFETY: `bit < safe_bits` leaves at least 16 bytes from `bit / 8` on.
-        let word = unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(reader.bits.bit >> 3).cast::<u64>()) };
-        let (mut word, mut left) = (u64::from_le(word) >> (reader.bits.bit & 7), 57u32);
-        // Every code that fits in the 57 bits at hand, shifting them along instead of reloading for each code.
-        let start = reader.bits.bit;
-        let mut used = 0u32;
-        loop {
-            let quotient = (!word).trailing_zeros();
-            let length = quotient + 1 + k;
-            if length > left {
-                break; // reload at this code (a code longer than 57 bits goes to the reader below)
-            }
-            let gap = (u64::from(quotient) << k) | ((word >> (quotient + 1)) & mask_bits(k));
-            let (total, wrapped) = sum.overflowing_add(gap);
-            sum = total;
-            carried |= wrapped;
-            used += length;
-            left -= length;
-            word = if length < 64 { word >> length } else { 0 };
-            read += 1;
-            if read == changed {
-                break;
-            }
-        }
-        if used == 0 {
-            break;
-        }
-        reader.bits.bit = start + used as usize;
+    while read < changed {
+        let Some((gap, length)) = window.peek_rice(reader.k) else { break };
+        window.take(length);
+        let (total, wrapped) = sum.overflowing_add(gap);
+        sum = total;
+        carried |= wrapped;
+        read += 1;
     }
-    // Positions so far: each the previous plus one plus its gap.
-    let next = sum.checked_add(read).filter(|&end| !carried && end <= numel);
-    let Some(next) = next else {
-        return Err(format!("position out of range (tensor has {numel} elements)"));
-    };
-    reader.next_allowed = next;
-    let mut last = next.checked_sub(1);
+    resume_rice(&mut reader, window.bit, read, sum, carried)?;
+    let mut last = reader.next_allowed.checked_sub(1);
     for _ in read..changed {
         last = Some(reader.next_position()?);
     }
@@ -506,45 +499,15 @@ pub fn check_rice(bytes: &[u8], changed: u64, numel: u64) -> Result<Option<u64>,
 /// Checks that a `diffbits` value stream of `W`-byte elements holds exactly `changed` values, as reading them one
 /// by one would. Values are skipped by their lengths, unchecked while 16 bytes remain.
 pub fn check_diffbits<const W: usize>(bytes: &[u8], changed: u64) -> Result<(), String> {
-    let mut bits = BitReader::new(bytes);
-    let safe_bits = bytes.len().saturating_sub(16) * 8;
+    let mut window = Window::new(bytes, 0);
     let mut read = 0u64;
-    while read < changed && bits.bit < safe_bits {
-        // Every value whose code fits in the 57 bits at hand, shifting them along instead of reloading.
-        let (mut word, mut left, mut used) = (bits.peek(), 57usize, 0usize);
-        loop {
-            // `0s`: 2 bits; `10s`: 3; `11` and a byte: 10, and the escape byte adds the full width.
-            let length = if word & 3 == 3 {
-                if W > 1 && (word >> 2) & 0xff == u64::from(ESCAPE) {
-                    10 + 8 * W
-                } else {
-                    10
-                }
-            } else {
-                2 + (word & 1) as usize
-            };
-            if length > left {
-                break;
-            }
-            used += length;
-            left -= length;
-            word >>= length;
-            read += 1;
-            if read == changed {
-                break;
-            }
-        }
-        if used == 0 {
-            // An escaped 8-byte value is longer than the window: skip it without looking inside.
-            used = 10 + 8 * W;
-            read += 1;
-        }
-        bits.bit += used;
+    while read < changed {
+        let Some((_, length)) = window.peek_difference::<W>() else { break };
+        window.take(length);
+        read += 1;
     }
-    let early = |e: String| format!("value {e}");
-    if bits.bit > bits.total_bits {
-        return Err(early("stream ends early".to_owned()));
-    }
+    let mut bits = BitReader::new(bytes);
+    bits.bit = window.bit;
     for _ in read..changed {
         read_difference::<W>(&mut bits)?;
     }
