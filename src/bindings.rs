@@ -1,13 +1,16 @@
 //! PyO3 bindings for `deltasync_rs._core`: convert, call the core with the GIL released, map errors.
 
 use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
 use std::path::PathBuf;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyByteArray, PyBytes, PyType};
+use pyo3::{ffi, intern};
 
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
@@ -63,22 +66,86 @@ impl RawSlice {
     }
 }
 
-fn export(obj: &Bound<'_, PyAny>, what: &str, writable: bool) -> PyResult<(PyBuffer<u8>, RawSlice)> {
-    let buffer = PyBuffer::<u8>::get(obj)
-        .map_err(|e| DeltaSyncError::new_err(format!("{what}: not a byte buffer ({e})")))?;
+/// What keeps exported memory alive: the exported buffer, or the torch tensor whose memory is read. Only held,
+/// never read.
+#[allow(dead_code)]
+pub(crate) enum Held {
+    Buffer(PyBuffer<u8>),
+    Tensor(Py<PyAny>),
+}
+
+/// `torch.Tensor`, once torch has been imported by someone (this module never imports it).
+static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn torch_tensor_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
+    if let Some(ty) = TORCH_TENSOR.get(py) {
+        return Some(ty.bind(py));
+    }
+    let torch = PyModule::import(py, "sys").ok()?.getattr("modules").ok()?.get_item("torch").ok()?;
+    let ty = torch.getattr("Tensor").ok()?.cast_into::<PyType>().ok()?.unbind();
+    Some(TORCH_TENSOR.get_or_init(py, || ty).bind(py))
+}
+
+/// The memory of a CPU, contiguous torch tensor (read through `data_ptr`/`nbytes`, the way torch documents
+/// them), or `None` when `obj` is not a torch tensor. Tensors with lazy negation or conjugation bits are refused:
+/// their memory does not hold their values.
+fn torch_memory(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<Option<RawSlice>> {
+    let Some(ty) = torch_tensor_type(obj.py()) else { return Ok(None) };
+    if !obj.is_instance(ty)? {
+        return Ok(None);
+    }
+    if !obj.getattr(intern!(obj.py(), "is_cpu"))?.is_truthy()? {
+        return Err(DeltaSyncError::new_err(format!("{}: tensor is not on the CPU", what())));
+    }
+    if !obj.call_method0(intern!(obj.py(), "is_contiguous"))?.is_truthy()? {
+        return Err(DeltaSyncError::new_err(format!("{}: tensor is not contiguous", what())));
+    }
+    if obj.call_method0(intern!(obj.py(), "is_neg"))?.is_truthy()? || obj.call_method0(intern!(obj.py(), "is_conj"))?.is_truthy()? {
+        return Err(DeltaSyncError::new_err(format!("{}: tensor has a lazy negation or conjugation bit; resolve it first", what())));
+    }
+    let len: usize = obj.getattr(intern!(obj.py(), "nbytes"))?.extract()?;
+    let address: usize = obj.call_method0(intern!(obj.py(), "data_ptr"))?.extract()?;
+    if len > 0 && address == 0 {
+        return Err(DeltaSyncError::new_err(format!("{}: tensor has no storage", what())));
+    }
+    Ok(Some(RawSlice { ptr: address as *mut u8, len }))
+}
+
+/// The bytes of a C-contiguous buffer (numpy array, bytes, bytearray, memoryview) or of a CPU contiguous torch
+/// tensor; `what` names it in errors. The returned `Held` must be kept while the slice is used.
+fn export(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String, writable: bool) -> PyResult<(Held, RawSlice)> {
+    if let Some(slice) = torch_memory(obj, what)? {
+        return Ok((Held::Tensor(obj.clone().unbind()), slice));
+    }
+    let buffer = PyBuffer::<u8>::get(obj).map_err(|e| DeltaSyncError::new_err(format!("{}: not a byte buffer ({e})", what())))?;
     if !buffer.is_c_contiguous() {
-        return Err(DeltaSyncError::new_err(format!("{what}: buffer is not contiguous")));
+        return Err(DeltaSyncError::new_err(format!("{}: buffer is not contiguous", what())));
     }
     if writable && buffer.readonly() {
-        return Err(DeltaSyncError::new_err(format!("{what}: buffer is read-only")));
+        return Err(DeltaSyncError::new_err(format!("{}: buffer is read-only", what())));
     }
     let slice = RawSlice { ptr: buffer.buf_ptr().cast::<u8>(), len: buffer.len_bytes() };
-    Ok((buffer, slice))
+    Ok((Held::Buffer(buffer), slice))
+}
+
+/// A new `bytes` object of `len` bytes, filled by `fill`, which must write every byte. Unlike
+/// `PyBytes::new_with` it does not zero the buffer first: for a large file that memset, on one thread, costs about
+/// as much as the parallel copy that follows.
+fn new_bytes_with<'py>(py: Python<'py>, len: usize, fill: impl FnOnce(&mut [MaybeUninit<u8>])) -> PyResult<Bound<'py, PyBytes>> {
+    let size = ffi::Py_ssize_t::try_from(len).map_err(|_| DeltaSyncError::new_err(format!("{len} bytes do not fit a bytes object")))?;
+    // SAFETY: a NULL source asks CPython for an uninitialised buffer of `size` bytes (plus its trailing NUL),
+    // which the new object owns; nobody else sees the object until it is returned, after `fill` wrote it all.
+    unsafe {
+        let bytes = Bound::from_owned_ptr_or_err(py, ffi::PyBytes_FromStringAndSize(std::ptr::null(), size))?.cast_into_unchecked::<PyBytes>();
+        let data = ffi::PyBytes_AsString(bytes.as_ptr()).cast::<MaybeUninit<u8>>();
+        fill(std::slice::from_raw_parts_mut(data, len));
+        Ok(bytes)
+    }
 }
 
 /// An exported immutable `bytes` object, kept alive for as long as a loaded delta reads from it.
 struct HeldBytes {
-    _buffer: PyBuffer<u8>,
+    _buffer: Held,
     slice: RawSlice,
 }
 
@@ -134,12 +201,12 @@ impl RawDelta {
 #[allow(clippy::type_complexity)]
 fn export_tensors<'a>(
     entries: &'a [FullEntry<'_>],
-) -> PyResult<(Vec<PyBuffer<u8>>, Vec<(&'a str, dtype::Dtype, &'a [u64], RawSlice)>)> {
+) -> PyResult<(Vec<Held>, Vec<(&'a str, dtype::Dtype, &'a [u64], RawSlice)>)> {
     let mut held = Vec::with_capacity(entries.len());
     let mut specs = Vec::with_capacity(entries.len());
     for (name, dtype_name, shape, data) in entries {
         let dtype = parse_dtype(dtype_name, name)?;
-        let (buffer, slice) = export(data, &format!("tensor {name:?}"), false)?;
+        let (buffer, slice) = export(data, &|| format!("tensor {name:?}"), false)?;
         held.push(buffer);
         specs.push((name.as_str(), dtype, shape.as_slice(), slice));
     }
@@ -165,8 +232,8 @@ impl RawDelta {
         let mut specs = Vec::with_capacity(entries.len());
         for (name, dtype_name, shape, old, new) in &entries {
             let dtype = parse_dtype(dtype_name, name)?;
-            let (old_buffer, old_slice) = export(old, &format!("tensor {name:?} (previous)"), false)?;
-            let (new_buffer, new_slice) = export(new, &format!("tensor {name:?} (current)"), false)?;
+            let (old_buffer, old_slice) = export(old, &|| format!("tensor {name:?} (previous)"), false)?;
+            let (new_buffer, new_slice) = export(new, &|| format!("tensor {name:?} (current)"), false)?;
             held.push(old_buffer);
             held.push(new_buffer);
             specs.push((name.clone(), dtype, shape.clone(), old_slice, new_slice));
@@ -278,10 +345,7 @@ impl RawDelta {
             other => return Err(DeltaSyncError::new_err(format!("format must be \"deltasync\" or \"trl\", not {other:?}"))),
         }
         .map_err(to_py)?;
-        PyBytes::new_with(py, encoded.len(), |out| {
-            py.detach(|| encoded.fill(out));
-            Ok(())
-        })
+        new_bytes_with(py, encoded.len(), |out| py.detach(|| encoded.fill_uninit(out)))
     }
 
     /// Writes the file atomically (temporary file, then rename).
@@ -300,7 +364,7 @@ impl RawDelta {
     #[staticmethod]
     #[pyo3(signature = (data, source_name = "<bytes>"))]
     fn from_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, source_name: &str) -> PyResult<RawDelta> {
-        let (buffer, slice) = export(data, source_name, false)?;
+        let (buffer, slice) = export(data, &|| source_name.to_owned(), false)?;
         let backing = if data.is_exact_instance_of::<PyBytes>() {
             // `bytes` never changes: keep it alive and read it in place instead of copying it.
             Backing::Borrowed(Box::new(HeldBytes { _buffer: buffer, slice }))
@@ -338,7 +402,7 @@ impl RawDelta {
         let mut slices = Vec::with_capacity(targets.len());
         for (index, target) in &targets {
             let tensor = self.tensor(*index)?;
-            let (buffer, slice) = export(target, &format!("target of tensor {:?}", tensor.name), true)?;
+            let (buffer, slice) = export(target, &|| format!("target of tensor {:?}", tensor.name), true)?;
             if slices.iter().any(|(_, other): &(usize, RawSlice)| {
                 let (a, b) = (other.ptr as usize, slice.ptr as usize);
                 a < b + slice.len && b < a + other.len

@@ -66,6 +66,59 @@ def test_non_contiguous_inputs_and_targets():
     assert np.array_equal(base[:, 1::2], prev_np[:, 1::2])
 
 
+def test_torch_tensors_are_read_and_written_in_place_at_their_offset():
+    """CPU contiguous tensors go to the core as themselves (data_ptr/nbytes): views into a larger storage must be
+    read and written at their own offset, and nothing outside them touched."""
+    prev, curr = _pair(shape=(300,), dtype=torch.bfloat16, every=4)
+    big_prev, big_curr = torch.zeros(1000, dtype=torch.bfloat16), torch.zeros(1000, dtype=torch.bfloat16)
+    big_prev[500:800], big_curr[500:800] = prev, curr
+    delta = ds.diff(big_prev[500:800], big_curr[500:800])
+    assert delta.num_changed == int((prev != curr).sum())
+    target = torch.full((1000,), 7.0, dtype=torch.bfloat16)
+    target[500:800] = prev
+    delta.apply_(target[500:800])
+    assert_bits_equal(target[500:800], curr)
+    assert torch.all(target[:500] == 7.0) and torch.all(target[800:] == 7.0)
+
+
+def test_lazily_negated_views_are_diffed_by_value():
+    prev, curr = _pair(dtype=torch.float32)
+    negated = torch._neg_view(prev)
+    assert negated.is_neg() and negated.is_contiguous()
+    delta = ds.diff(negated, -curr)  # the view's memory holds prev, its values are -prev
+    assert delta.num_changed == int((prev != curr).sum())
+    target = -prev
+    delta.apply_(target)
+    assert_bits_equal(target, -curr)
+
+
+def test_core_refuses_tensors_it_cannot_read_in_place():
+    """The private core binding names the tensor when handed a tensor whose memory is not its values."""
+    prev, curr = _pair(shape=(40, 30), dtype=torch.float32)
+    raw = ds._core.RawDelta()
+    with pytest.raises(ds.DeltaSyncError, match=r'tensor "w" \(current\): tensor is not contiguous'):
+        raw.add_diff([("w", "F32", [30, 40], prev.t().contiguous(), curr.t())], "diff")
+    with pytest.raises(ds.DeltaSyncError, match=r'tensor "w" \(previous\): tensor has a lazy negation'):
+        raw.add_diff([("w", "F32", [40, 30], torch._neg_view(prev), curr)], "diff")
+    with pytest.raises(ds.DeltaSyncError, match=r'tensor "w" \(current\): not a byte buffer'):
+        raw.add_diff([("w", "F32", [40, 30], prev, [1, 2, 3])], "diff")
+
+
+def test_large_file_bytes_match_the_saved_file(tmp_path):
+    """Files over 1 MiB are copied out by several threads, into a bytes object that is never zeroed first."""
+    g = torch.Generator().manual_seed(3)
+    prev = {f"w{i}": torch.randint(-2**15, 2**15, (300_000,), generator=g, dtype=torch.int16) for i in range(8)}
+    curr = {k: v ^ (torch.rand(v.shape, generator=g) < 0.5).to(torch.int16) for k, v in prev.items()}
+    delta = ds.diff(prev, curr, values="abs")
+    blob = delta.to_bytes()
+    assert len(blob) > 2 << 20
+    delta.save(tmp_path / "d.safetensors")
+    assert blob == (tmp_path / "d.safetensors").read_bytes()
+    target = clone_state(prev)
+    ds.load(blob).apply_(target)
+    assert_states_equal(target, curr)
+
+
 def test_mixed_torch_and_numpy():
     prev, curr = _pair()
     delta = ds.diff(prev.view(torch.int16).numpy(), curr.view(torch.int16))

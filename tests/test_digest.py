@@ -21,7 +21,8 @@ def reference_digest(state) -> str:
         inner = xxhash.xxh3_128()
         inner.update(dtype.encode() + b"\0")
         inner.update(struct.pack("<Q", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape))
-        inner.update(_arrays.host_bytes(tensor)[0].tobytes())
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy() if isinstance(tensor, torch.Tensor) else tensor
+        inner.update(raw.tobytes())
         outer.update(name.encode() + b"\0" + inner.intdigest().to_bytes(16, "little"))
     return f"{outer.intdigest():032x}"
 

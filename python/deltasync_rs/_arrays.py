@@ -63,12 +63,27 @@ def is_array(x: Any) -> bool:
     return is_torch(x) or isinstance(x, np.ndarray)
 
 
+_TORCH_DTYPES: dict[Any, str] = {}  # torch dtype object -> safetensors name, filled on first use
+
+
+def _torch_dtype_name(dtype: Any) -> str | None:
+    name = _TORCH_DTYPES.get(dtype)
+    if name is None:
+        name = _TORCH_NAMES.get(str(dtype))
+        if name is not None:
+            _TORCH_DTYPES[dtype] = name
+    return name
+
+
 def describe(x: Any, name: str) -> tuple[str, tuple[int, ...]]:
     """The safetensors dtype name and the shape of a tensor or array."""
     if is_torch(x):
-        dtype = _TORCH_NAMES.get(str(x.dtype))
-        shape = tuple(x.shape)
-    elif isinstance(x, np.ndarray):
+        dtype = _torch_dtype_name(x.dtype)
+        shape = tuple(x.shape)  # torch.Size holds Python ints
+        if dtype is None:
+            raise DeltaSyncError(f"tensor {name!r}: dtype {x.dtype} is not supported")
+        return dtype, shape
+    if isinstance(x, np.ndarray):
         if x.dtype.byteorder == ">" or (x.dtype.byteorder == "=" and sys.byteorder == "big"):
             raise DeltaSyncError(f"tensor {name!r}: big-endian arrays are not supported; use .astype('<...')")
         dtype = _NUMPY_NAMES.get(x.dtype.name)
@@ -80,32 +95,31 @@ def describe(x: Any, name: str) -> tuple[str, tuple[int, ...]]:
     return dtype, tuple(int(d) for d in shape)
 
 
-def host_bytes(x: Any) -> tuple[np.ndarray, int]:
-    """A C-contiguous uint8 view of the tensor's row-major bytes on the host, and how many bytes were copied
-    to make it (0 when the tensor's own memory is used)."""
+def _in_place(t: Any) -> bool:
+    """Whether the Rust core can read (and write) a torch tensor's own memory: on the CPU, contiguous, and with
+    no lazy negation or conjugation bit."""
+    return t.is_cpu and t.is_contiguous() and not t.is_neg() and not t.is_conj()
+
+
+def host_bytes(x: Any) -> tuple[Any, int]:
+    """The tensor's row-major bytes on the host, as something the Rust core reads in place (a CPU contiguous torch
+    tensor, read through its ``data_ptr``, or a C-contiguous uint8 numpy view), and how many bytes were copied to
+    make it (0 when the tensor's own memory is used)."""
     if is_torch(x):
-        t = x.detach()
-        if t.numel() == 0:
-            return np.empty(0, dtype=np.uint8), 0
-        copied = 0
-        if t.device.type != "cpu" or not t.is_contiguous():
-            t = t.to("cpu").contiguous()
-            copied = t.numel() * t.element_size()
-        return t.reshape(-1).view(_torch().uint8).numpy(), copied
+        if _in_place(x):
+            return x, 0
+        t = x.detach().to("cpu").contiguous().resolve_neg().resolve_conj()
+        return t, t.numel() * t.element_size()
     flat = np.ascontiguousarray(x)
     copied = 0 if flat is x or np.shares_memory(flat, x) else flat.nbytes
     return flat.reshape(-1).view(np.uint8), copied
 
 
-def writable_bytes(x: Any) -> np.ndarray | None:
-    """A uint8 view the Rust core may write into, or None when the target needs the tensor path."""
+def writable_bytes(x: Any) -> Any | None:
+    """Something the Rust core may write into (the tensor itself, or a uint8 numpy view), or None when the target
+    needs the tensor path."""
     if is_torch(x):
-        t = x.detach()
-        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-            return None
-        if t.numel() == 0:
-            return np.empty(0, dtype=np.uint8)
-        return t.reshape(-1).view(_torch().uint8).numpy()
+        return x if _in_place(x) else None
     if not x.flags.c_contiguous:
         return None
     if not x.flags.writeable:

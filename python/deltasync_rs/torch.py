@@ -150,7 +150,7 @@ class Mirror:
         self._staging: list[torch.Tensor] = []
         self.aliases: dict[str, str] = {}
         self._tensors: dict[str, torch.Tensor] = {}
-        self._bytes: dict[str, Any] = {}  # uint8 numpy views of the mirror tensors, for the core
+        self._bytes: dict[str, Any] = {}  # flat uint8 views of the mirror tensors, for the core
         first_by_memory: dict[tuple[Any, ...], str] = {}
         self._shards: dict[str, tuple[tuple[int, ...], int]] = {}  # name -> (whole shape, flat offset)
         for name, whole in _named_tensors(model).items():
@@ -170,7 +170,7 @@ class Mirror:
             for start, end, chunk in self._device_chunks(tensor, shipped):
                 flat[start:end].copy_(chunk)
             self._tensors[name] = mirror
-            self._bytes[name] = _arrays.writable_bytes(mirror)
+            self._bytes[name] = flat.view(torch.uint8)  # sliced by byte offsets; the core writes it in place
 
     def _shipped_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self.dtype if tensor.dtype.is_floating_point else tensor.dtype

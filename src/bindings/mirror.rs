@@ -55,8 +55,8 @@ impl MirrorDiff {
     fn update(&mut self, py: Python<'_>, mirror: &Bound<'_, PyAny>, new: &Bound<'_, PyAny>, first_element: u64) -> PyResult<()> {
         let tensor = self.open_tensor()?;
         let what = format!("tensor {:?}", tensor.name());
-        let (mirror_buffer, mirror_slice) = export(mirror, &format!("{what} (mirror)"), true)?;
-        let (new_buffer, new_slice) = export(new, &format!("{what} (new)"), false)?;
+        let (mirror_buffer, mirror_slice) = export(mirror, &|| format!("{what} (mirror)"), true)?;
+        let (new_buffer, new_slice) = export(new, &|| format!("{what} (new)"), false)?;
         if overlap(mirror_slice, new_slice) {
             return Err(DeltaSyncError::new_err(format!("{what}: the mirror and the new bytes overlap")));
         }
@@ -73,7 +73,7 @@ impl MirrorDiff {
     fn finish(&mut self, py: Python<'_>, whole_mirror: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let tensor = self.open.take().ok_or_else(|| DeltaSyncError::new_err("no tensor is open: call begin first"))?;
         let exported = match whole_mirror {
-            Some(obj) => Some(export(obj, &format!("tensor {:?} (mirror)", tensor.name()), false)?),
+            Some(obj) => Some(export(obj, &|| format!("tensor {:?} (mirror)", tensor.name()), false)?),
             None => None,
         };
         let slice = exported.as_ref().map(|(_, slice)| *slice);
@@ -95,8 +95,8 @@ impl MirrorDiff {
         let mut written: Vec<RawSlice> = Vec::with_capacity(entries.len());
         for (name, dtype_name, shape, mirror, new) in &entries {
             let dtype = parse_dtype(dtype_name, name)?;
-            let (mirror_buffer, mirror_slice) = export(mirror, &format!("tensor {name:?} (mirror)"), true)?;
-            let (new_buffer, new_slice) = export(new, &format!("tensor {name:?} (new)"), false)?;
+            let (mirror_buffer, mirror_slice) = export(mirror, &|| format!("tensor {name:?} (mirror)"), true)?;
+            let (new_buffer, new_slice) = export(new, &|| format!("tensor {name:?} (new)"), false)?;
             if overlap(mirror_slice, new_slice) || written.iter().any(|&other| overlap(other, mirror_slice)) {
                 return Err(DeltaSyncError::new_err(format!("tensor {name:?}: its mirror overlaps other memory of this call")));
             }

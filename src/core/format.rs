@@ -7,6 +7,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
+use std::mem::MaybeUninit;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -62,12 +63,35 @@ impl Encoded<'_> {
 
     /// Fills `out`, which must be exactly `len()` bytes.
     pub fn fill(&self, out: &mut [u8]) {
-        out[..8].copy_from_slice(&(self.header.len() as u64).to_le_bytes());
-        let mut at = 8 + self.header.len();
-        out[8..at].copy_from_slice(&self.header);
+        // SAFETY: `[u8]` and `[MaybeUninit<u8>]` have one layout, and `fill_uninit` writes only initialised bytes.
+        self.fill_uninit(unsafe { &mut *(out as *mut [u8] as *mut [MaybeUninit<u8>]) });
+    }
+
+    /// Fills `out` (which must be exactly `len()` bytes, initialised or not), so that the caller need not
+    /// zero a fresh buffer first. Large files are copied by the pool's threads piece by piece: the copy is mostly
+    /// the kernel handing out fresh pages, which threads do side by side.
+    pub fn fill_uninit(&self, out: &mut [MaybeUninit<u8>]) {
+        assert_eq!(out.len(), self.len(), "output buffer size");
+        fn copy(target: &mut [MaybeUninit<u8>], source: &[u8]) {
+            debug_assert_eq!(target.len(), source.len());
+            // SAFETY: same length, and a `&mut` target cannot overlap a `&` source.
+            unsafe { std::ptr::copy_nonoverlapping(source.as_ptr(), target.as_mut_ptr().cast::<u8>(), source.len()) };
+        }
+        let (length, rest) = out.split_at_mut(8);
+        copy(length, &(self.header.len() as u64).to_le_bytes());
+        let (header, mut rest) = rest.split_at_mut(self.header.len());
+        copy(header, &self.header);
+        let mut jobs: Vec<(&mut [MaybeUninit<u8>], &[u8])> = Vec::with_capacity(self.pieces.len());
         for piece in &self.pieces {
-            out[at..at + piece.len()].copy_from_slice(piece);
-            at += piece.len();
+            let (target, tail) = std::mem::take(&mut rest).split_at_mut(piece.len());
+            jobs.push((target, piece));
+            rest = tail;
+        }
+        if self.len() < PARALLEL_FILL_BYTES {
+            jobs.into_iter().for_each(|(target, piece)| copy(target, piece));
+        } else {
+            use rayon::prelude::*;
+            crate::core::pool::install(|| jobs.into_par_iter().for_each(|(target, piece)| copy(target, piece)));
         }
     }
 
@@ -95,6 +119,9 @@ impl Encoded<'_> {
         out
     }
 }
+
+/// Files smaller than this are copied on the calling thread.
+const PARALLEL_FILL_BYTES: usize = 1 << 20;
 
 fn entries(delta: &Delta) -> Vec<Entry<'_>> {
     // Whole tensors first, widest dtype first, so each lands aligned to its element size.
