@@ -236,10 +236,8 @@ pub fn diff_with(
         tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
             let (input, width) = (&inputs[index], widths[index]);
             let bytes = start * width..end * width;
-            let mut changes = scan::scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+            let changes = scan::scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
             compared(index, bytes);
-            changes.positions.shrink_to_fit();
-            changes.values.shrink_to_fit();
             *slots[task].lock().unwrap_or_else(|e| e.into_inner()) = Some(changes);
             if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {
                 return;

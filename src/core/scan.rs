@@ -415,8 +415,8 @@ fn scan_pieces<const W: usize, const COPY: bool>(
     codec: ValueCodec,
     piece: usize,
 ) -> Changes {
-    let mut out = Changes::default();
     if len > piece {
+        let mut out = Changes::default();
         let mut start = 0;
         while start < len {
             // SAFETY: `start < len`, inside both ranges.
@@ -427,22 +427,64 @@ fn scan_pieces<const W: usize, const COPY: bool>(
         }
         return out;
     }
-    // SAFETY: the callers pass two ranges of `len` bytes (the first writable when COPY), and each kernel runs
-    // only where the CPU reports its features.
-    unsafe {
+    with_scratch(|out| {
+        // SAFETY: the callers pass two ranges of `len` bytes (the first writable when COPY), and each kernel runs
+        // only where the CPU reports its features.
+        unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, out) }
+    })
+}
+
+/// Scratch streams kept beyond this many bytes of capacity are given back after use.
+const SCRATCH_KEEP_BYTES: usize = 8 << 20;
+
+/// Runs `scan` on this thread's scratch `Changes`, whose streams keep their capacity from call to call, and
+/// returns a copy with streams of exactly their length.
+fn with_scratch(scan: impl FnOnce(&mut Changes)) -> Changes {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Changes> = std::cell::RefCell::new(Changes::default());
+    }
+    SCRATCH.with(|cell| {
+        let Ok(mut scratch) = cell.try_borrow_mut() else {
+            let mut out = Changes::default();
+            scan(&mut out);
+            return out;
+        };
+        scratch.count = 0;
+        scratch.positions.clear();
+        scratch.values.clear();
+        scan(&mut scratch);
+        let out = Changes {
+            count: scratch.count,
+            first_position: scratch.first_position,
+            last_position: scratch.last_position,
+            positions: scratch.positions.as_slice().to_vec(),
+            values: scratch.values.as_slice().to_vec(),
+        };
+        if scratch.positions.capacity() + scratch.values.capacity() > SCRATCH_KEEP_BYTES {
+            *scratch = Changes::default();
+        }
+        out
+    })
+}
+
+/// Appends the changes of one range of at most `PIECE_BYTES` to `out`, with the best kernel.
+///
+/// # Safety
+/// As `scan_blocks`.
+unsafe fn dispatch<const W: usize, const COPY: bool>(old: *mut u8, new: *const u8, len: usize, first_element: u64, codec: ValueCodec, out: &mut Changes) {
+    {
         #[cfg(target_arch = "x86_64")]
         {
             match kernel() {
-                Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, &mut out),
-                Kernel::Avx2 => x86::scan_avx2::<W, COPY>(old, new, len, first_element, codec, &mut out),
-                Kernel::Sse2 => scan_blocks::<W, COPY, x86::Sse2>(old, new, len, first_element, codec, &mut out),
-                Kernel::Portable => scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, &mut out),
+                Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, out),
+                Kernel::Avx2 => x86::scan_avx2::<W, COPY>(old, new, len, first_element, codec, out),
+                Kernel::Sse2 => scan_blocks::<W, COPY, x86::Sse2>(old, new, len, first_element, codec, out),
+                Kernel::Portable => scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, &mut out);
+        scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out);
     }
-    out
 }
 
 /// Which block kernel runs.
