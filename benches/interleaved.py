@@ -62,6 +62,9 @@ def main() -> None:
     print(f"density {density:.2%}, {rounds} rounds, round-robin; medians in ms")
     for name, value in med.items():
         print(f"  {name:<24} {value:8.1f}")
+    # The ceiling on "TRL v1 encode / this" for any encoder that reads both states: reading them is all it costs.
+    print(f"  TRL v1 encode / read floor {med['encode TRL v1 torch'] / med['read floor, 2 thr']:.2f} "
+          "(the most any encoder that reads both states can reach)")
     for codec in blobs:
         print(f"  {codec}: {len(blobs[codec]) / w.num_changed:.3f} B/changed; "
               f"TRL v1 encode / this {med['encode TRL v1 torch'] / med[f'encode {codec}, 2 thr']:.2f}; "
