@@ -1,7 +1,7 @@
 //! Parallel bit-compare of old and new tensors, encoding the changed positions and values in one pass.
 //!
 //! Each tensor is cut into chunks that rayon scans independently. A chunk's position stream omits its
-//! first gap, which depends on the previous chunk's last change; assembly writes that gap in.
+//! first gap, which depends on the previous chunk's last change; joining the chunks writes that gap in.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -13,7 +13,7 @@ use crate::core::codec::{varint, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
-use crate::core::scan::{self, Changes};
+use crate::core::scan::{self, Changes, Joined};
 use crate::core::stream::Stream;
 
 /// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads.
@@ -130,19 +130,9 @@ fn assemble(
 ) -> TensorDelta {
     let changed: u64 = chunks.iter().map(|c| c.count).sum();
     let (positions_len, values_len) = scan::joined_lens(&chunks);
-    let dense_len = input.new.len();
     let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
-    let mut tensor = TensorDelta {
-        name: input.name.clone(),
-        dtype: input.dtype,
-        shape: Some(input.shape.clone()),
-        changed,
-        positions_codec: PositionCodec::Varint,
-        values_codec: scanned_values,
-        positions: Stream::empty(),
-        values: Stream::empty(),
-        last_position: chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position),
-    };
+    let last_position = chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position);
+    let mut tensor = tensor_shell(input, scanned_values, changed, last_position);
     if changed == 0 {
         return tensor;
     }
@@ -168,13 +158,8 @@ fn assemble(
     }
     let positions_len = rice.as_ref().map_or(positions_len, Vec::len);
     let values_len = diffbits.as_ref().map_or(values_len, Vec::len);
-    if positions_len + values_len >= dense_len {
-        tensor.positions_codec = PositionCodec::All;
-        tensor.values_codec = ValueCodec::Abs;
-        tensor.changed = (dense_len / width) as u64;
-        tensor.values = input.new.to_vec().into();
-        tensor.last_position = tensor.changed.checked_sub(1);
-        return tensor;
+    if positions_len + values_len >= input.new.len() {
+        return store_whole(tensor, input, width);
     }
     if rice.is_some() {
         tensor.positions_codec = PositionCodec::Rice;
@@ -220,32 +205,53 @@ pub fn diff_with(
             tasks.push((index, start, (start + CHUNK_ELEMENTS).min(elements)));
         }
     }
-    // A tensor is assembled by whichever task compares its last chunk, and its chunk streams are freed then: the
-    // streams alive at once are the output so far plus those of the tensors still being compared.
     let mut first_task = vec![0usize; inputs.len()];
     let mut chunk_counts = vec![0usize; inputs.len()];
     for (task, &(index, _, _)) in tasks.iter().enumerate().rev() {
         first_task[index] = task;
         chunk_counts[index] += 1;
     }
-    let remaining: Vec<AtomicUsize> = chunk_counts.iter().map(|&n| AtomicUsize::new(n)).collect();
-    let slots: Vec<Mutex<Option<Changes>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
     let results: Vec<Mutex<Option<TensorDelta>>> = inputs.iter().map(|_| Mutex::new(None)).collect();
-    let lock = |m: &'_ Mutex<Option<Changes>>| m.lock().unwrap_or_else(|e| e.into_inner()).take();
-    crate::core::pool::install(|| {
-        tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
-            let (input, width) = (&inputs[index], widths[index]);
-            let bytes = start * width..end * width;
-            let changes = scan::scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
-            compared(index, bytes);
-            *slots[task].lock().unwrap_or_else(|e| e.into_inner()) = Some(changes);
-            if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {
-                return;
-            }
-            let chunks: Vec<Changes> = (first_task[index]..first_task[index] + chunk_counts[index])
-                .map(|slot| lock(&slots[slot]).expect("every chunk of the tensor is in"))
-                .collect();
-            let compact = (codec == Codec::Compact).then(|| {
+    let store = |index: usize, tensor: TensorDelta| *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(tensor);
+    if codec == Codec::Varint {
+        // Chunks are appended to their tensor's streams straight from the scan's buffer as soon as every chunk
+        // before them is in (a thread mostly takes a tensor's chunks in order); a chunk that finishes early waits
+        // as a copy. The task that appends a tensor's last chunk assembles it.
+        let builds: Vec<Mutex<Build>> =
+            chunk_counts.iter().zip(inputs).map(|(&n, input)| Mutex::new(Build::new(n, input.new.len()))).collect();
+        crate::core::pool::install(|| {
+            tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
+                let (input, width) = (&inputs[index], widths[index]);
+                let bytes = start * width..end * width;
+                let chunk = task - first_task[index];
+                let complete = scan::scan_then(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values, |changes| {
+                    builds[index].lock().unwrap_or_else(|e| e.into_inner()).add(chunk, changes)
+                });
+                compared(index, bytes);
+                if let Some(joined) = complete {
+                    store(index, assemble_joined(input, width, joined, scanned_values));
+                }
+            });
+        });
+    } else {
+        // The compact codec needs every chunk of a tensor before it can pick the tensor's Rice parameter: the task
+        // that compares a tensor's last chunk assembles it, and the tensor's chunk streams are freed then.
+        let remaining: Vec<AtomicUsize> = chunk_counts.iter().map(|&n| AtomicUsize::new(n)).collect();
+        let slots: Vec<Mutex<Option<Changes>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
+        let lock = |m: &'_ Mutex<Option<Changes>>| m.lock().unwrap_or_else(|e| e.into_inner()).take();
+        crate::core::pool::install(|| {
+            tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
+                let (input, width) = (&inputs[index], widths[index]);
+                let bytes = start * width..end * width;
+                let changes = scan::scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+                compared(index, bytes);
+                *slots[task].lock().unwrap_or_else(|e| e.into_inner()) = Some(changes);
+                if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {
+                    return;
+                }
+                let chunks: Vec<Changes> = (first_task[index]..first_task[index] + chunk_counts[index])
+                    .map(|slot| lock(&slots[slot]).expect("every chunk of the tensor is in"))
+                    .collect();
                 let (k, previous_ends) = rice_plan(&chunks);
                 let differences = scanned_values == ValueCodec::Diff;
                 let compacts = chunks
@@ -253,12 +259,10 @@ pub fn diff_with(
                     .zip(previous_ends)
                     .map(|(chunk, previous_end)| compact_chunk(chunk, k, previous_end, width, differences))
                     .collect();
-                (k, compacts)
+                store(index, assemble(input, width, chunks, scanned_values, Some((k, compacts))));
             });
-            let tensor = assemble(input, width, chunks, scanned_values, compact);
-            *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(tensor);
         });
-    });
+    }
     Ok(results
         .into_iter()
         .enumerate()
@@ -269,6 +273,84 @@ pub fn diff_with(
             })
         })
         .collect())
+}
+
+/// A tensor's `varint` streams while its chunks come in: those appended so far, and copies of chunks that came in
+/// before an earlier one.
+struct Build {
+    next: usize,
+    joined: Joined,
+    waiting: Vec<Option<Changes>>,
+    /// The tensor's size: streams larger than this are not kept (it is stored whole), so none is reserved.
+    dense_len: usize,
+}
+
+impl Build {
+    fn new(chunks: usize, dense_len: usize) -> Self {
+        Build { next: 0, joined: Joined::default(), waiting: (0..chunks).map(|_| None).collect(), dense_len }
+    }
+
+    /// Takes chunk `chunk`'s changes; returns the tensor's streams once its last chunk is appended.
+    fn add(&mut self, chunk: usize, changes: &Changes) -> Option<Joined> {
+        if chunk != self.next {
+            self.waiting[chunk] = Some(changes.clone());
+            return None;
+        }
+        if self.next == 0 {
+            // Room for the tensor, guessed from its first chunk, so that the streams rarely grow by copying.
+            let left = self.waiting.len() as u64;
+            let guess = |len: usize| (len as u64 * left + len as u64 * left / 8 + 64).min(self.dense_len as u64) as usize;
+            self.joined.positions.reserve(guess(changes.positions.len()));
+            self.joined.values.reserve(guess(changes.values.len()));
+        }
+        self.joined.append(changes);
+        self.next += 1;
+        while let Some(waiting) = self.waiting.get_mut(self.next).and_then(Option::take) {
+            self.joined.append(&waiting);
+            self.next += 1;
+        }
+        (self.next == self.waiting.len()).then(|| std::mem::take(&mut self.joined))
+    }
+}
+
+/// A tensor's fields but its streams, for `changed` changes ending at `last_position`.
+fn tensor_shell(input: &DiffInput<'_>, scanned_values: ValueCodec, changed: u64, last_position: Option<u64>) -> TensorDelta {
+    TensorDelta {
+        name: input.name.clone(),
+        dtype: input.dtype,
+        shape: Some(input.shape.clone()),
+        changed,
+        positions_codec: PositionCodec::Varint,
+        values_codec: scanned_values,
+        positions: Stream::empty(),
+        values: Stream::empty(),
+        last_position,
+    }
+}
+
+/// `tensor` stored whole instead: positions `all`, values `abs`.
+fn store_whole(mut tensor: TensorDelta, input: &DiffInput<'_>, width: usize) -> TensorDelta {
+    tensor.positions_codec = PositionCodec::All;
+    tensor.values_codec = ValueCodec::Abs;
+    tensor.changed = (input.new.len() / width) as u64;
+    tensor.positions = Stream::empty();
+    tensor.values = input.new.to_vec().into();
+    tensor.last_position = tensor.changed.checked_sub(1);
+    tensor
+}
+
+/// A `varint` tensor from its joined streams, or stored whole when that is no larger.
+fn assemble_joined(input: &DiffInput<'_>, width: usize, mut joined: Joined, scanned_values: ValueCodec) -> TensorDelta {
+    let tensor = tensor_shell(input, scanned_values, joined.count, joined.last_position);
+    if joined.count == 0 {
+        return tensor;
+    }
+    if joined.positions.len() + joined.values.len() >= input.new.len() {
+        return store_whole(tensor, input, width);
+    }
+    joined.positions.shrink_to_fit();
+    joined.values.shrink_to_fit();
+    TensorDelta { positions: joined.positions.into(), values: joined.values.into(), ..tensor }
 }
 
 /// Stores each tensor whole: positions `all`, values `abs`.
@@ -300,6 +382,40 @@ mod tests {
 
     fn input<'a>(old: &'a [u8], new: &'a [u8], dtype: Dtype, shape: Vec<u64>) -> DiffInput<'a> {
         DiffInput { name: "t".into(), dtype, shape, old, new }
+    }
+
+    #[test]
+    fn chunks_in_any_order_join_as_in_order() {
+        // Nine chunks of 1000 two-byte elements; some empty, the fourth dense.
+        let n = 1000usize;
+        let old: Vec<u8> = (0..9 * n * 2).map(|i| (i * 31 % 251) as u8).collect();
+        let mut new = old.clone();
+        for (chunk, every) in [(0usize, 7usize), (1, 0), (2, 13), (3, 1), (4, 0), (5, 0), (6, 97), (7, 3), (8, 500)] {
+            if every > 0 {
+                for element in (chunk * n..(chunk + 1) * n).step_by(every) {
+                    new[element * 2] ^= 0x11;
+                }
+            }
+        }
+        let chunks: Vec<Changes> = (0..9)
+            .map(|c| scan::scan(&old[c * n * 2..(c + 1) * n * 2], &new[c * n * 2..(c + 1) * n * 2], (c * n) as u64, 2, ValueCodec::Diff))
+            .collect();
+        let want = scan::join_streams(&chunks);
+        let orders: [[usize; 9]; 4] =
+            [[0, 1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1, 0], [4, 0, 8, 2, 6, 1, 3, 7, 5], [1, 2, 3, 4, 5, 6, 7, 8, 0]];
+        for order in orders {
+            let mut build = Build::new(9, old.len());
+            let mut finished = None;
+            for (seen, &chunk) in order.iter().enumerate() {
+                let got = build.add(chunk, &chunks[chunk]);
+                assert_eq!(got.is_some(), seen == 8, "{order:?}: the tensor completes with its last chunk only");
+                finished = finished.or(got);
+            }
+            let joined = finished.unwrap();
+            assert_eq!((&joined.positions, &joined.values), (&want.0, &want.1), "{order:?}");
+            assert_eq!(joined.count, chunks.iter().map(|c| c.count).sum::<u64>());
+            assert_eq!(joined.last_position, chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position));
+        }
     }
 
     fn changes(tensor: &TensorDelta) -> Vec<(u64, u64)> {

@@ -14,7 +14,8 @@ use crate::core::codec::{varint, ValueCodec};
 pub const BLOCK_BYTES: usize = 64;
 
 /// The changes found in one range of elements, in the `varint` position codec and the `abs` or `diff` value codec.
-#[derive(Default)]
+/// A clone's streams are exactly their length.
+#[derive(Default, Clone)]
 pub struct Changes {
     pub count: u64,
     /// Position of the first change; its gap is not in `positions` (it depends on the range before this one).
@@ -415,6 +416,22 @@ fn scan_pieces<const W: usize, const COPY: bool>(
     codec: ValueCodec,
     piece: usize,
 ) -> Changes {
+    scan_pieces_then::<W, COPY, _>(old, new, len, first_element, codec, piece, Changes::clone)
+}
+
+/// Scans in pieces of at most `piece` bytes and hands the joined changes to `take`. A range of one piece is
+/// scanned into this thread's scratch `Changes`, whose streams keep their capacity from call to call, so that
+/// the encoder writes into lines already in cache and streams never grow by reallocation; `take` copies out what
+/// it keeps.
+fn scan_pieces_then<const W: usize, const COPY: bool, R>(
+    old: *mut u8,
+    new: *const u8,
+    len: usize,
+    first_element: u64,
+    codec: ValueCodec,
+    piece: usize,
+    take: impl FnOnce(&Changes) -> R,
+) -> R {
     if len > piece {
         let mut out = Changes::default();
         let mut start = 0;
@@ -425,47 +442,34 @@ fn scan_pieces<const W: usize, const COPY: bool>(
             join(&mut out, part);
             start += piece;
         }
-        return out;
+        return take(&out);
     }
-    with_scratch(|out| {
-        // SAFETY: the callers pass two ranges of `len` bytes (the first writable when COPY), and each kernel runs
-        // only where the CPU reports its features.
-        unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, out) }
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Changes> = std::cell::RefCell::new(Changes::default());
+    }
+    // SAFETY (both calls): the callers pass two ranges of `len` bytes (the first writable when COPY), and each
+    // kernel runs only where the CPU reports its features.
+    SCRATCH.with(|cell| {
+        let Ok(mut scratch) = cell.try_borrow_mut() else {
+            // Only if `take` itself scans on this thread: use a fresh buffer.
+            let mut out = Changes::default();
+            unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, &mut out) };
+            return take(&out);
+        };
+        scratch.count = 0;
+        scratch.positions.clear();
+        scratch.values.clear();
+        unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, &mut scratch) };
+        let result = take(&scratch);
+        if scratch.positions.capacity() + scratch.values.capacity() > SCRATCH_KEEP_BYTES {
+            *scratch = Changes::default();
+        }
+        result
     })
 }
 
 /// Scratch streams kept beyond this many bytes of capacity are given back after use.
 const SCRATCH_KEEP_BYTES: usize = 8 << 20;
-
-/// Runs `scan` on this thread's scratch `Changes`, whose streams keep their capacity from call to call, and
-/// returns a copy with streams of exactly their length.
-fn with_scratch(scan: impl FnOnce(&mut Changes)) -> Changes {
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<Changes> = std::cell::RefCell::new(Changes::default());
-    }
-    SCRATCH.with(|cell| {
-        let Ok(mut scratch) = cell.try_borrow_mut() else {
-            let mut out = Changes::default();
-            scan(&mut out);
-            return out;
-        };
-        scratch.count = 0;
-        scratch.positions.clear();
-        scratch.values.clear();
-        scan(&mut scratch);
-        let out = Changes {
-            count: scratch.count,
-            first_position: scratch.first_position,
-            last_position: scratch.last_position,
-            positions: scratch.positions.as_slice().to_vec(),
-            values: scratch.values.as_slice().to_vec(),
-        };
-        if scratch.positions.capacity() + scratch.values.capacity() > SCRATCH_KEEP_BYTES {
-            *scratch = Changes::default();
-        }
-        out
-    })
-}
 
 /// Appends the changes of one range of at most `PIECE_BYTES` to `out`, with the best kernel.
 ///
@@ -559,15 +563,38 @@ pub fn joined_lens(parts: &[Changes]) -> (usize, usize) {
 /// (each range's first gap, which depends on the range before it, written in here).
 pub fn join_streams(parts: &[Changes]) -> (Vec<u8>, Vec<u8>) {
     let (positions_len, values_len) = joined_lens(parts);
-    let (mut positions, mut values) = (Vec::with_capacity(positions_len), Vec::with_capacity(values_len));
-    let mut previous_end = 0u64;
-    for part in parts.iter().filter(|p| p.count > 0) {
-        varint::write(&mut positions, part.first_position - previous_end);
-        positions.extend_from_slice(&part.positions);
-        values.extend_from_slice(&part.values);
-        previous_end = part.last_position + 1;
+    let mut joined = Joined::default();
+    joined.positions.reserve_exact(positions_len);
+    joined.values.reserve_exact(values_len);
+    for part in parts {
+        joined.append(part);
     }
-    (positions, values)
+    (joined.positions, joined.values)
+}
+
+/// A tensor's `varint` position stream and value stream, built by appending the changes of its consecutive ranges
+/// in order.
+#[derive(Default)]
+pub struct Joined {
+    pub count: u64,
+    pub last_position: Option<u64>,
+    pub positions: Vec<u8>,
+    pub values: Vec<u8>,
+}
+
+impl Joined {
+    /// Appends the changes of the range after the last one appended, writing their first gap.
+    pub fn append(&mut self, part: &Changes) {
+        if part.count == 0 {
+            return;
+        }
+        let previous_end = self.last_position.map_or(0, |last| last + 1);
+        varint::write(&mut self.positions, part.first_position - previous_end);
+        self.positions.extend_from_slice(&part.positions);
+        self.values.extend_from_slice(&part.values);
+        self.count += part.count;
+        self.last_position = Some(part.last_position);
+    }
 }
 
 /// Appends the changes of the range after `out`'s to `out`.
@@ -588,6 +615,20 @@ fn join(out: &mut Changes, next: Changes) {
 
 fn check(old: usize, new: usize, width: usize) {
     assert!(old == new && old.is_multiple_of(width), "scan of {old} and {new} bytes of {width}-byte elements");
+}
+
+/// The changes from `old` to `new` (element `first_element` at their start), handed to `take` before their
+/// buffer is reused: `scan` without the copy, for a caller that appends them somewhere at once.
+pub fn scan_then<R>(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
+    check(old.len(), new.len(), width);
+    // `COPY` is false: nothing is written through this pointer.
+    let old_ptr = old.as_ptr().cast_mut();
+    match width {
+        1 => scan_pieces_then::<1, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
+        2 => scan_pieces_then::<2, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
+        4 => scan_pieces_then::<4, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
+        _ => scan_pieces_then::<8, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
+    }
 }
 
 /// The changes from `old` to `new` (element `first_element` at their start).
