@@ -95,7 +95,7 @@ def describe(x: Any, name: str) -> tuple[str, tuple[int, ...]]:
     return dtype, tuple(int(d) for d in shape)
 
 
-def _in_place(t: Any) -> bool:
+def readable_in_place(t: Any) -> bool:
     """Whether the Rust core can read (and write) a torch tensor's own memory: on the CPU, contiguous, and with
     no lazy negation or conjugation bit."""
     return t.is_cpu and t.is_contiguous() and not t.is_neg() and not t.is_conj()
@@ -106,7 +106,7 @@ def host_bytes(x: Any) -> tuple[Any, int]:
     tensor, read through its ``data_ptr``, or a C-contiguous uint8 numpy view), and how many bytes were copied to
     make it (0 when the tensor's own memory is used)."""
     if is_torch(x):
-        if _in_place(x):
+        if readable_in_place(x):
             return x, 0
         t = x.detach().to("cpu").contiguous().resolve_neg().resolve_conj()
         return t, t.numel() * t.element_size()
@@ -119,7 +119,7 @@ def writable_bytes(x: Any) -> Any | None:
     """Something the Rust core may write into (the tensor itself, or a uint8 numpy view), or None when the target
     needs the tensor path."""
     if is_torch(x):
-        return x if _in_place(x) else None
+        return x if readable_in_place(x) else None
     if not x.flags.c_contiguous:
         return None
     if not x.flags.writeable:

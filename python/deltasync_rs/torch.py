@@ -272,8 +272,23 @@ class Mirror:
                 # A shard cannot judge whether the whole tensor is better stored whole, so it keeps its streams.
                 builder.finish(None if whole_shape else self._bytes[name])
 
+        # Without a device in play, runs of tensors that need no cast are compared in one call, side by side (as
+        # ds.diff does), instead of one tensor at a time; the delta lists tensors in the same order either way.
+        batch: list[tuple[str, str, list[int], Any, torch.Tensor]] = []
+
+        def flush() -> None:
+            if batch:
+                builder.advance(batch)
+                batch.clear()
+
         for name, tensor in live.items():
             mirror = self._tensors[name]
+            if stream is None and name not in self._shards and tensor.dtype == mirror.dtype \
+                    and _arrays.readable_in_place(tensor):
+                dtype_name, shape = _arrays.describe(mirror, name)
+                batch.append((name, dtype_name, list(shape), self._bytes[name], tensor))
+                continue
+            flush()
             width = mirror.element_size()
             chunks = list(self._chunk_bounds(tensor.numel(), width)) or [(0, 0)]
             flat = tensor.detach().reshape(-1)  # a view when contiguous; one copy on the device otherwise
@@ -288,6 +303,7 @@ class Mirror:
                 pending.append(job)
                 if len(pending) == 2:  # the copy just queued overlaps the scan of the one before
                     scan(pending.pop(0))
+        flush()
         for job in pending:
             scan(job)
         delta = _finish(builder.take(), step, self.current_step, None)
