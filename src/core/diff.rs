@@ -13,7 +13,7 @@ use crate::core::codec::{varint, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
-use crate::core::scan::{self, Changes, Joined};
+use crate::core::scan::{self, Changes, InOrder, Joined};
 use crate::core::stream::Stream;
 
 /// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads.
@@ -217,8 +217,8 @@ pub fn diff_with(
         // Chunks are appended to their tensor's streams straight from the scan's buffer as soon as every chunk
         // before them is in (a thread mostly takes a tensor's chunks in order); a chunk that finishes early waits
         // as a copy. The task that appends a tensor's last chunk assembles it.
-        let builds: Vec<Mutex<Build>> =
-            chunk_counts.iter().zip(inputs).map(|(&n, input)| Mutex::new(Build::new(n, input.new.len()))).collect();
+        let builds: Vec<Mutex<InOrder>> =
+            chunk_counts.iter().zip(inputs).map(|(&n, input)| Mutex::new(InOrder::new(Joined::default(), n, input.new.len()))).collect();
         crate::core::pool::install(|| {
             tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
                 let (input, width) = (&inputs[index], widths[index]);
@@ -273,44 +273,6 @@ pub fn diff_with(
             })
         })
         .collect())
-}
-
-/// A tensor's `varint` streams while its chunks come in: those appended so far, and copies of chunks that came in
-/// before an earlier one.
-struct Build {
-    next: usize,
-    joined: Joined,
-    waiting: Vec<Option<Changes>>,
-    /// The tensor's size: streams larger than this are not kept (it is stored whole), so none is reserved.
-    dense_len: usize,
-}
-
-impl Build {
-    fn new(chunks: usize, dense_len: usize) -> Self {
-        Build { next: 0, joined: Joined::default(), waiting: (0..chunks).map(|_| None).collect(), dense_len }
-    }
-
-    /// Takes chunk `chunk`'s changes; returns the tensor's streams once its last chunk is appended.
-    fn add(&mut self, chunk: usize, changes: &Changes) -> Option<Joined> {
-        if chunk != self.next {
-            self.waiting[chunk] = Some(changes.clone());
-            return None;
-        }
-        if self.next == 0 {
-            // Room for the tensor, guessed from its first chunk, so that the streams rarely grow by copying.
-            let left = self.waiting.len() as u64;
-            let guess = |len: usize| (len as u64 * left + len as u64 * left / 8 + 64).min(self.dense_len as u64) as usize;
-            self.joined.positions.reserve(guess(changes.positions.len()));
-            self.joined.values.reserve(guess(changes.values.len()));
-        }
-        self.joined.append(changes);
-        self.next += 1;
-        while let Some(waiting) = self.waiting.get_mut(self.next).and_then(Option::take) {
-            self.joined.append(&waiting);
-            self.next += 1;
-        }
-        (self.next == self.waiting.len()).then(|| std::mem::take(&mut self.joined))
-    }
 }
 
 /// A tensor's fields but its streams, for `changed` changes ending at `last_position`.
@@ -404,7 +366,7 @@ mod tests {
         let orders: [[usize; 9]; 4] =
             [[0, 1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1, 0], [4, 0, 8, 2, 6, 1, 3, 7, 5], [1, 2, 3, 4, 5, 6, 7, 8, 0]];
         for order in orders {
-            let mut build = Build::new(9, old.len());
+            let mut build = InOrder::new(Joined::default(), 9, old.len());
             let mut finished = None;
             for (seen, &chunk) in order.iter().enumerate() {
                 let got = build.add(chunk, &chunks[chunk]);

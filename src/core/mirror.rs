@@ -12,7 +12,9 @@ use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
 use crate::core::format::{POSITIONS_SUFFIX, VALUES_SUFFIX};
-use crate::core::scan::{self, Changes};
+use std::sync::Mutex;
+
+use crate::core::scan::{self, InOrder, Joined};
 use crate::core::stream::Stream;
 
 /// Elements scanned by one rayon task.
@@ -27,7 +29,8 @@ pub struct MirrorTensor {
     codec: ValueCodec,
     /// Elements before this one have been seen (or skipped); chunks must start at or after it.
     next_element: u64,
-    parts: Vec<Changes>,
+    /// The streams of the chunks compared so far.
+    joined: Joined,
 }
 
 impl MirrorTensor {
@@ -50,7 +53,7 @@ impl MirrorTensor {
             numel,
             codec,
             next_element: 0,
-            parts: Vec::new(),
+            joined: Joined::default(),
         })
     }
 
@@ -82,17 +85,25 @@ impl MirrorTensor {
         self.next_element = first_element + elements;
         let (width, codec) = (self.width, self.codec);
         let task_bytes = TASK_ELEMENTS * width;
-        let found: Vec<Changes> = crate::core::pool::install(|| {
+        let tasks = new.len().div_ceil(task_bytes);
+        if tasks == 0 {
+            return Ok(());
+        }
+        // Each task's changes are appended to the tensor's streams as soon as the tasks before it are done.
+        let order = Mutex::new(InOrder::new(std::mem::take(&mut self.joined), tasks, self.numel as usize * width));
+        let joined = crate::core::pool::install(|| {
             mirror
                 .par_chunks_mut(task_bytes)
                 .zip(new.par_chunks(task_bytes))
                 .enumerate()
-                .map(|(task, (old, new))| {
-                    scan::scan_update(old, new, first_element + (task * TASK_ELEMENTS) as u64, width, codec)
+                .filter_map(|(task, (old, new))| {
+                    scan::scan_update_then(old, new, first_element + (task * TASK_ELEMENTS) as u64, width, codec, |changes| {
+                        order.lock().unwrap_or_else(|e| e.into_inner()).add(task, changes)
+                    })
                 })
-                .collect()
+                .reduce_with(|a, _| a)
         });
-        self.parts.extend(found.into_iter().filter(|c| c.count > 0));
+        self.joined = joined.expect("the last task completes the streams");
         Ok(())
     }
 
@@ -100,7 +111,7 @@ impl MirrorTensor {
     /// holding the new bits): given, the tensor is stored whole when that is no larger, as `diff::diff` does;
     /// without it (a shard that mirrors only part of the tensor) the streams are kept.
     pub fn finish(self, whole_mirror: Option<&[u8]>) -> Result<TensorDelta> {
-        let changed: u64 = self.parts.iter().map(|c| c.count).sum();
+        let Joined { count: changed, last_position, mut positions, mut values } = self.joined;
         let mut tensor = TensorDelta {
             name: self.name,
             dtype: self.dtype,
@@ -110,12 +121,11 @@ impl MirrorTensor {
             values_codec: self.codec,
             positions: Stream::empty(),
             values: Stream::empty(),
-            last_position: self.parts.last().map(|c| c.last_position),
+            last_position,
         };
         if changed == 0 {
             return Ok(tensor);
         }
-        let (positions_len, values_len) = scan::joined_lens(&self.parts);
         if let Some(whole) = whole_mirror {
             let dense_len = self.numel as usize * self.width;
             if whole.len() != dense_len {
@@ -125,7 +135,7 @@ impl MirrorTensor {
                     whole.len()
                 )));
             }
-            if positions_len + values_len >= dense_len {
+            if positions.len() + values.len() >= dense_len {
                 tensor.positions_codec = PositionCodec::All;
                 tensor.values_codec = ValueCodec::Abs;
                 tensor.changed = self.numel;
@@ -134,7 +144,8 @@ impl MirrorTensor {
                 return Ok(tensor);
             }
         }
-        let (positions, values) = scan::join_streams(&self.parts);
+        positions.shrink_to_fit();
+        values.shrink_to_fit();
         tensor.positions = positions.into();
         tensor.values = values.into();
         Ok(tensor)

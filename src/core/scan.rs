@@ -597,6 +597,46 @@ impl Joined {
     }
 }
 
+/// A tensor's streams while the changes of its consecutive ranges ("chunks") come in, in any order: a chunk is
+/// appended as soon as every chunk before it is in, straight from the caller's buffer; one that comes early waits
+/// as a copy.
+pub struct InOrder {
+    next: usize,
+    joined: Joined,
+    waiting: Vec<Option<Changes>>,
+    /// Streams are not reserved beyond this many bytes (the tensor's size: larger streams are not kept).
+    cap: usize,
+}
+
+impl InOrder {
+    /// Appends `chunks` chunks to `joined` (empty, or the streams of the ranges before them).
+    pub fn new(joined: Joined, chunks: usize, cap: usize) -> Self {
+        InOrder { next: 0, joined, waiting: (0..chunks).map(|_| None).collect(), cap }
+    }
+
+    /// Takes chunk `chunk`'s changes; returns the streams once the last chunk is appended (to exactly one caller).
+    pub fn add(&mut self, chunk: usize, changes: &Changes) -> Option<Joined> {
+        if chunk != self.next {
+            self.waiting[chunk] = Some(changes.clone());
+            return None;
+        }
+        if self.next == 0 {
+            // Room for every chunk, guessed from the first, so that the streams rarely grow by copying.
+            let left = self.waiting.len() as u64;
+            let guess = |len: usize| (len as u64 * left + len as u64 * left / 8 + 64).min(self.cap as u64) as usize;
+            self.joined.positions.reserve(guess(changes.positions.len()));
+            self.joined.values.reserve(guess(changes.values.len()));
+        }
+        self.joined.append(changes);
+        self.next += 1;
+        while let Some(waiting) = self.waiting.get_mut(self.next).and_then(Option::take) {
+            self.joined.append(&waiting);
+            self.next += 1;
+        }
+        (self.next == self.waiting.len()).then(|| std::mem::take(&mut self.joined))
+    }
+}
+
 /// Appends the changes of the range after `out`'s to `out`.
 fn join(out: &mut Changes, next: Changes) {
     if next.count == 0 {
@@ -641,6 +681,18 @@ pub fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: Val
         2 => scan_raw::<2, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
         4 => scan_raw::<4, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
         _ => scan_raw::<8, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
+    }
+}
+
+/// `scan_update` handing the changes to `take` before their buffer is reused, as `scan_then`.
+pub fn scan_update_then<R>(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
+    check(mirror.len(), new.len(), width);
+    let (old, len) = (mirror.as_mut_ptr(), mirror.len());
+    match width {
+        1 => scan_pieces_then::<1, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
+        2 => scan_pieces_then::<2, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
+        4 => scan_pieces_then::<4, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
+        _ => scan_pieces_then::<8, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
     }
 }
 
