@@ -52,6 +52,24 @@ __all__ = [
 ]
 
 
+def _check_environment() -> None:
+    """Warns about settings the core would silently ignore (it falls back to its defaults)."""
+    import os
+    import warnings
+
+    threads = os.environ.get("DELTASYNC_NUM_THREADS", "").strip()
+    if threads and not (threads.isdigit() and int(threads) > 0):
+        warnings.warn(f"DELTASYNC_NUM_THREADS={threads!r} is not a positive integer; using one thread per CPU",
+                      RuntimeWarning, stacklevel=3)
+    kernel = os.environ.get("DELTASYNC_SCAN_KERNEL", "").strip()
+    if kernel and kernel not in ("portable", "sse2", "avx2", "avx512"):
+        warnings.warn(f"DELTASYNC_SCAN_KERNEL={kernel!r} is not one of portable, sse2, avx2, avx512; using the "
+                      "fastest kernel this CPU has", RuntimeWarning, stacklevel=3)
+
+
+_check_environment()
+
+
 def __getattr__(name: str):
     # `ds.torch` and `ds.integrations` import torch (or transformers) on first use, not with the package.
     if name in ("torch", "integrations"):
