@@ -2,8 +2,9 @@
 //! ordinary `TensorDelta`, and writes the new bits into the mirror in the same pass.
 //!
 //! A tensor may arrive in several chunks (as from a staging buffer): `MirrorTensor::update` takes each chunk
-//! at its element offset, in ascending order, and `finish` joins them. Streams are canonical, so the result
-//! equals `diff::diff` of the same old and new bytes whatever the chunking.
+//! at its element offset, in ascending order, and appends its changes to the tensor's streams; `finish` hands
+//! them out. Streams are canonical, so the result equals `diff::diff` of the same old and new bytes whatever the
+//! chunking.
 
 use rayon::prelude::*;
 
