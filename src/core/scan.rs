@@ -403,22 +403,6 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
 /// Batches hold 32-bit offsets: longer ranges are scanned piece by piece.
 const PIECE_BYTES: usize = 1 << 30;
 
-fn scan_raw<const W: usize, const COPY: bool>(old: *mut u8, new: *const u8, len: usize, first_element: u64, codec: ValueCodec) -> Changes {
-    scan_pieces::<W, COPY>(old, new, len, first_element, codec, PIECE_BYTES)
-}
-
-/// `scan_raw` in pieces of at most `piece` bytes (a multiple of 64), joined.
-fn scan_pieces<const W: usize, const COPY: bool>(
-    old: *mut u8,
-    new: *const u8,
-    len: usize,
-    first_element: u64,
-    codec: ValueCodec,
-    piece: usize,
-) -> Changes {
-    scan_pieces_then::<W, COPY, _>(old, new, len, first_element, codec, piece, Changes::clone)
-}
-
 /// Scans in pieces of at most `piece` bytes and hands the joined changes to `take`. A range of one piece is
 /// scanned into this thread's scratch `Changes`, whose streams keep their capacity from call to call, so that
 /// the encoder writes into lines already in cache and streams never grow by reallocation; `take` copies out what
@@ -438,7 +422,7 @@ fn scan_pieces_then<const W: usize, const COPY: bool, R>(
         while start < len {
             // SAFETY: `start < len`, inside both ranges.
             let (old, new) = unsafe { (old.add(start), new.add(start)) };
-            let part = scan_pieces::<W, COPY>(old, new, (len - start).min(piece), first_element + (start / W) as u64, codec, piece);
+            let part = scan_pieces_then::<W, COPY, _>(old, new, (len - start).min(piece), first_element + (start / W) as u64, codec, piece, Changes::clone);
             join(&mut out, part);
             start += piece;
         }
@@ -673,15 +657,7 @@ pub fn scan_then<R>(old: &[u8], new: &[u8], first_element: u64, width: usize, co
 
 /// The changes from `old` to `new` (element `first_element` at their start).
 pub fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
-    check(old.len(), new.len(), width);
-    // `COPY` is false: nothing is written through this pointer.
-    let old_ptr = old.as_ptr().cast_mut();
-    match width {
-        1 => scan_raw::<1, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
-        2 => scan_raw::<2, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
-        4 => scan_raw::<4, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
-        _ => scan_raw::<8, false>(old_ptr, new.as_ptr(), old.len(), first_element, codec),
-    }
+    scan_then(old, new, first_element, width, codec, Changes::clone)
 }
 
 /// `scan_update` handing the changes to `take` before their buffer is reused, as `scan_then`.
@@ -698,13 +674,7 @@ pub fn scan_update_then<R>(mirror: &mut [u8], new: &[u8], first_element: u64, wi
 
 /// `scan`, also copying `new` into `mirror` wherever they differ, so that `mirror` ends equal to `new`.
 pub fn scan_update(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
-    check(mirror.len(), new.len(), width);
-    match width {
-        1 => scan_raw::<1, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
-        2 => scan_raw::<2, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
-        4 => scan_raw::<4, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
-        _ => scan_raw::<8, true>(mirror.as_mut_ptr(), new.as_ptr(), mirror.len(), first_element, codec),
-    }
+    scan_update_then(mirror, new, first_element, width, codec, Changes::clone)
 }
 
 #[cfg(test)]
@@ -854,7 +824,7 @@ mod tests {
             let whole = reference(&old, &new, 2, codec);
             for piece in [64usize, 4096, 1 << 16] {
                 let mut mirror = old.clone();
-                let got = scan_pieces::<2, true>(mirror.as_mut_ptr(), new.as_ptr(), old.len(), 0, codec, piece);
+                let got = scan_pieces_then::<2, true, _>(mirror.as_mut_ptr(), new.as_ptr(), old.len(), 0, codec, piece, Changes::clone);
                 assert_eq!((got.count, got.first_position, got.last_position), (whole.count, whole.first_position, whole.last_position));
                 assert_eq!((&got.positions, &got.values), (&whole.positions, &whole.values), "piece {piece}");
                 assert_eq!(mirror, new);
