@@ -46,6 +46,21 @@ impl TensorDelta {
         (self.positions.len() + self.values.len()) as u64
     }
 
+    /// This tensor stored whole instead of as changes: positions `all`, values `abs` (`data`, the whole new
+    /// tensor's bytes).
+    pub fn into_whole(self, data: &[u8]) -> TensorDelta {
+        let changed = (data.len() / self.width()) as u64;
+        TensorDelta {
+            changed,
+            positions_codec: PositionCodec::All,
+            values_codec: ValueCodec::Abs,
+            positions: Stream::empty(),
+            values: data.to_vec().into(),
+            last_position: changed.checked_sub(1),
+            ..self
+        }
+    }
+
     /// True when the tensor is stored whole: every element, new raw values.
     pub fn is_dense(&self) -> bool {
         self.positions_codec == PositionCodec::All && self.values_codec == ValueCodec::Abs

@@ -123,7 +123,6 @@ fn check_name(name: &str) -> Result<()> {
 /// codec each stream is re-encoded (`rice`, `diffbits`) and kept only where that is smaller.
 fn assemble(
     input: &DiffInput<'_>,
-    width: usize,
     chunks: Vec<Changes>,
     values_codec: ValueCodec,
     compact: Option<(u32, Vec<CompactChunk>)>,
@@ -159,7 +158,7 @@ fn assemble(
     let positions_len = rice.as_ref().map_or(positions_len, Vec::len);
     let values_len = diffbits.as_ref().map_or(values_len, Vec::len);
     if positions_len + values_len >= input.new.len() {
-        return store_whole(tensor, input, width);
+        return tensor.into_whole(input.new);
     }
     if rice.is_some() {
         tensor.positions_codec = PositionCodec::Rice;
@@ -229,7 +228,7 @@ pub fn diff_with(
                 });
                 compared(index, bytes);
                 if let Some(joined) = complete {
-                    store(index, assemble_joined(input, width, joined, scanned_values));
+                    store(index, assemble_joined(input, joined, scanned_values));
                 }
             });
         });
@@ -259,7 +258,7 @@ pub fn diff_with(
                     .zip(previous_ends)
                     .map(|(chunk, previous_end)| compact_chunk(chunk, k, previous_end, width, differences))
                     .collect();
-                store(index, assemble(input, width, chunks, scanned_values, Some((k, compacts))));
+                store(index, assemble(input, chunks, scanned_values, Some((k, compacts))));
             });
         });
     }
@@ -269,7 +268,7 @@ pub fn diff_with(
         .map(|(index, result)| {
             // A tensor without elements has no chunk, hence no task.
             result.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| {
-                assemble(&inputs[index], widths[index], Vec::new(), scanned_values, None)
+                assemble(&inputs[index], Vec::new(), scanned_values, None)
             })
         })
         .collect())
@@ -290,29 +289,17 @@ fn tensor_shell(input: &DiffInput<'_>, scanned_values: ValueCodec, changed: u64,
     }
 }
 
-/// `tensor` stored whole instead: positions `all`, values `abs`.
-fn store_whole(mut tensor: TensorDelta, input: &DiffInput<'_>, width: usize) -> TensorDelta {
-    tensor.positions_codec = PositionCodec::All;
-    tensor.values_codec = ValueCodec::Abs;
-    tensor.changed = (input.new.len() / width) as u64;
-    tensor.positions = Stream::empty();
-    tensor.values = input.new.to_vec().into();
-    tensor.last_position = tensor.changed.checked_sub(1);
-    tensor
-}
-
 /// A `varint` tensor from its joined streams, or stored whole when that is no larger.
-fn assemble_joined(input: &DiffInput<'_>, width: usize, mut joined: Joined, scanned_values: ValueCodec) -> TensorDelta {
+fn assemble_joined(input: &DiffInput<'_>, joined: Joined, scanned_values: ValueCodec) -> TensorDelta {
     let tensor = tensor_shell(input, scanned_values, joined.count, joined.last_position);
     if joined.count == 0 {
         return tensor;
     }
     if joined.positions.len() + joined.values.len() >= input.new.len() {
-        return store_whole(tensor, input, width);
+        return tensor.into_whole(input.new);
     }
-    joined.positions.shrink_to_fit();
-    joined.values.shrink_to_fit();
-    TensorDelta { positions: joined.positions.into(), values: joined.values.into(), ..tensor }
+    let (positions, values) = joined.into_streams();
+    TensorDelta { positions: positions.into(), values: values.into(), ..tensor }
 }
 
 /// Stores each tensor whole: positions `all`, values `abs`.

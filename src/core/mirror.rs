@@ -6,6 +6,8 @@
 //! them out. Streams are canonical, so the result equals `diff::diff` of the same old and new bytes whatever the
 //! chunking.
 
+use std::sync::Mutex;
+
 use rayon::prelude::*;
 
 use crate::core::codec::{PositionCodec, ValueCodec};
@@ -13,8 +15,6 @@ use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
 use crate::core::format::{POSITIONS_SUFFIX, VALUES_SUFFIX};
-use std::sync::Mutex;
-
 use crate::core::scan::{self, InOrder, Joined};
 use crate::core::stream::Stream;
 
@@ -112,19 +112,18 @@ impl MirrorTensor {
     /// holding the new bits): given, the tensor is stored whole when that is no larger, as `diff::diff` does;
     /// without it (a shard that mirrors only part of the tensor) the streams are kept.
     pub fn finish(self, whole_mirror: Option<&[u8]>) -> Result<TensorDelta> {
-        let Joined { count: changed, last_position, mut positions, mut values } = self.joined;
-        let mut tensor = TensorDelta {
+        let tensor = TensorDelta {
             name: self.name,
             dtype: self.dtype,
             shape: Some(self.shape),
-            changed,
+            changed: self.joined.count,
             positions_codec: PositionCodec::Varint,
             values_codec: self.codec,
             positions: Stream::empty(),
             values: Stream::empty(),
-            last_position,
+            last_position: self.joined.last_position,
         };
-        if changed == 0 {
+        if tensor.changed == 0 {
             return Ok(tensor);
         }
         if let Some(whole) = whole_mirror {
@@ -136,20 +135,12 @@ impl MirrorTensor {
                     whole.len()
                 )));
             }
-            if positions.len() + values.len() >= dense_len {
-                tensor.positions_codec = PositionCodec::All;
-                tensor.values_codec = ValueCodec::Abs;
-                tensor.changed = self.numel;
-                tensor.values = whole.to_vec().into();
-                tensor.last_position = self.numel.checked_sub(1);
-                return Ok(tensor);
+            if self.joined.positions.len() + self.joined.values.len() >= dense_len {
+                return Ok(tensor.into_whole(whole));
             }
         }
-        positions.shrink_to_fit();
-        values.shrink_to_fit();
-        tensor.positions = positions.into();
-        tensor.values = values.into();
-        Ok(tensor)
+        let (positions, values) = self.joined.into_streams();
+        Ok(TensorDelta { positions: positions.into(), values: values.into(), ..tensor })
     }
 }
 

@@ -579,6 +579,13 @@ impl Joined {
         self.count += part.count;
         self.last_position = Some(part.last_position);
     }
+
+    /// The position and value streams, shrunk to their length.
+    pub fn into_streams(mut self) -> (Vec<u8>, Vec<u8>) {
+        self.positions.shrink_to_fit();
+        self.values.shrink_to_fit();
+        (self.positions, self.values)
+    }
 }
 
 /// A tensor's streams while the changes of its consecutive ranges ("chunks") come in, in any order: a chunk is
