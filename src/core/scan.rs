@@ -460,19 +460,15 @@ const SCRATCH_KEEP_BYTES: usize = 8 << 20;
 /// # Safety
 /// As `scan_blocks`.
 unsafe fn dispatch<const W: usize, const COPY: bool>(old: *mut u8, new: *const u8, len: usize, first_element: u64, codec: ValueCodec, out: &mut Changes) {
-    {
-        #[cfg(target_arch = "x86_64")]
-        {
-            match kernel() {
-                Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, out),
-                Kernel::Avx2 => x86::scan_avx2::<W, COPY>(old, new, len, first_element, codec, out),
-                Kernel::Sse2 => scan_blocks::<W, COPY, x86::Sse2>(old, new, len, first_element, codec, out),
-                Kernel::Portable => scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out),
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out);
+    #[cfg(target_arch = "x86_64")]
+    match kernel() {
+        Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, out),
+        Kernel::Avx2 => x86::scan_avx2::<W, COPY>(old, new, len, first_element, codec, out),
+        Kernel::Sse2 => scan_blocks::<W, COPY, x86::Sse2>(old, new, len, first_element, codec, out),
+        Kernel::Portable => scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out),
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out);
 }
 
 /// Which block kernel runs.
@@ -648,18 +644,23 @@ fn check(old: usize, new: usize, width: usize) {
     assert!(old == new && old.is_multiple_of(width), "scan of {old} and {new} bytes of {width}-byte elements");
 }
 
+/// `scan_pieces_then` for an element width known at run time, over the whole range.
+fn scan_width<const COPY: bool, R>(old: *mut u8, new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
+    let (new, len) = (new.as_ptr(), new.len());
+    match width {
+        1 => scan_pieces_then::<1, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
+        2 => scan_pieces_then::<2, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
+        4 => scan_pieces_then::<4, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
+        _ => scan_pieces_then::<8, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
+    }
+}
+
 /// The changes from `old` to `new` (element `first_element` at their start), handed to `take` before their
 /// buffer is reused: `scan` without the copy, for a caller that appends them somewhere at once.
 pub fn scan_then<R>(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
     check(old.len(), new.len(), width);
     // `COPY` is false: nothing is written through this pointer.
-    let old_ptr = old.as_ptr().cast_mut();
-    match width {
-        1 => scan_pieces_then::<1, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
-        2 => scan_pieces_then::<2, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
-        4 => scan_pieces_then::<4, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
-        _ => scan_pieces_then::<8, false, R>(old_ptr, new.as_ptr(), old.len(), first_element, codec, PIECE_BYTES, take),
-    }
+    scan_width::<false, R>(old.as_ptr().cast_mut(), new, first_element, width, codec, take)
 }
 
 /// The changes from `old` to `new` (element `first_element` at their start).
@@ -670,13 +671,7 @@ pub fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: Val
 /// `scan_update` handing the changes to `take` before their buffer is reused, as `scan_then`.
 pub fn scan_update_then<R>(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
     check(mirror.len(), new.len(), width);
-    let (old, len) = (mirror.as_mut_ptr(), mirror.len());
-    match width {
-        1 => scan_pieces_then::<1, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
-        2 => scan_pieces_then::<2, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
-        4 => scan_pieces_then::<4, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
-        _ => scan_pieces_then::<8, true, R>(old, new.as_ptr(), len, first_element, codec, PIECE_BYTES, take),
-    }
+    scan_width::<true, R>(mirror.as_mut_ptr(), new, first_element, width, codec, take)
 }
 
 /// `scan`, also copying `new` into `mirror` wherever they differ, so that `mirror` ends equal to `new`.
