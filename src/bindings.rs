@@ -9,7 +9,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyByteArray, PyBytes, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyType};
 use pyo3::{ffi, intern};
 
 use crate::core::codec::{Codec, ValueCodec};
@@ -76,12 +76,18 @@ pub(crate) enum Held {
 
 /// `torch.Tensor`, once torch has been imported by someone (this module never imports it).
 static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+/// `sys.modules`, looked up once: until torch is imported each export checks it for torch.
+static SYS_MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
 
 fn torch_tensor_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
     if let Some(ty) = TORCH_TENSOR.get(py) {
         return Some(ty.bind(py));
     }
-    let torch = PyModule::import(py, "sys").ok()?.getattr("modules").ok()?.get_item("torch").ok()?;
+    let modules = SYS_MODULES
+        .get_or_try_init(py, || PyResult::Ok(PyModule::import(py, "sys")?.getattr("modules")?.cast_into::<PyDict>()?.unbind()))
+        .ok()?;
+    // A dict lookup without raising: no exception is made for a process without torch.
+    let torch = modules.bind(py).get_item("torch").ok()??;
     let ty = torch.getattr("Tensor").ok()?.cast_into::<PyType>().ok()?.unbind();
     Some(TORCH_TENSOR.get_or_init(py, || ty).bind(py))
 }
