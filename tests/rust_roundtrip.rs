@@ -6,6 +6,7 @@ use deltasync_rs::core::codec::{Codec, ValueCodec};
 use deltasync_rs::core::diff::{diff, DiffInput};
 use deltasync_rs::core::dtype::Dtype;
 use deltasync_rs::core::format::{from_bytes, to_bytes};
+use deltasync_rs::core::delta::TensorDelta;
 use deltasync_rs::core::Delta;
 use proptest::prelude::*;
 
@@ -125,18 +126,33 @@ proptest! {
         }
         tensor.positions = positions.into();
         tensor.values = values.into();
-        let mut changes = Vec::new();
-        let walked = tensor.for_each_change(|position, value| changes.push((position, value))).is_ok();
-        // The batched decoder (used by apply) agrees with the walk, change for change and on every error.
-        let mut batched = Vec::new();
-        let batch_ok = tensor.for_each_batch(|p, v| batched.extend(p.iter().copied().zip(v.iter().copied()))).is_ok();
-        prop_assert_eq!(batch_ok, walked);
-        prop_assert_eq!(tensor.validate("prop").is_ok(), walked);
-        if walked {
-            prop_assert_eq!(tensor.last_position, changes.last().map(|c| c.0));
-            prop_assert_eq!(batched, changes);
+        if let Err(disagreement) = fast_paths_agree_with_the_walk(&mut tensor) {
+            prop_assert!(false, "{}", disagreement);
         }
     }
+}
+
+/// Validation and the batched decoder (used by apply) agree with the one-by-one walk, change for change and on
+/// every error; after a successful validation the last position is the walk's.
+fn fast_paths_agree_with_the_walk(tensor: &mut TensorDelta) -> Result<(), String> {
+    let mut changes = Vec::new();
+    let walked = tensor.for_each_change(|position, value| changes.push((position, value))).is_ok();
+    let mut batched = Vec::new();
+    let batch_ok = tensor.for_each_batch(|p, v| batched.extend(p.iter().copied().zip(v.iter().copied()))).is_ok();
+    if batch_ok != walked {
+        return Err(format!("batched decoder ok: {batch_ok}, walk ok: {walked}"));
+    }
+    let valid = tensor.validate("t").is_ok();
+    if valid != walked {
+        return Err(format!("validation ok: {valid}, walk ok: {walked}"));
+    }
+    if walked && batched != changes {
+        return Err("the batched decoder's changes differ from the walk's".to_owned());
+    }
+    if walked && tensor.last_position != changes.last().map(|c| c.0) {
+        return Err(format!("last position {:?}, walk's {:?}", tensor.last_position, changes.last().map(|c| c.0)));
+    }
+    Ok(())
 }
 
 /// A large compact tensor (Rice positions, `diffbits` values, streams far longer than the decoders' 16-byte
@@ -187,16 +203,7 @@ fn compact_fast_paths_agree_with_the_walk_under_corruption() {
             }
             tensor.positions = positions.into();
             tensor.values = values.into();
-            let mut changes = Vec::new();
-            let walked = tensor.for_each_change(|p, v| changes.push((p, v))).is_ok();
-            let mut batched = Vec::new();
-            let batch_ok = tensor.for_each_batch(|p, v| batched.extend(p.iter().copied().zip(v.iter().copied()))).is_ok();
-            assert_eq!(batch_ok, walked, "width {width} round {round}");
-            assert_eq!(tensor.validate("t").is_ok(), walked, "width {width} round {round}");
-            if walked {
-                assert_eq!(batched, changes);
-                assert_eq!(tensor.last_position, changes.last().map(|c| c.0));
-            }
+            fast_paths_agree_with_the_walk(&mut tensor).unwrap_or_else(|e| panic!("width {width} round {round}: {e}"));
         }
     }
 }
