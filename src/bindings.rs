@@ -9,7 +9,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyTuple, PyType};
 use pyo3::{ffi, intern};
 
 use crate::core::codec::{Codec, ValueCodec};
@@ -548,6 +548,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", format::FORMAT_VERSION)?;
+    m.add("SCAN_KERNELS", PyTuple::new(py, crate::core::scan::Kernel::ALL.map(crate::core::scan::Kernel::name))?)?;
     m.add("DeltaSyncError", py.get_type::<DeltaSyncError>())?;
     m.add("DeltaFormatError", py.get_type::<DeltaFormatError>())?;
     m.add("BaseMismatchError", py.get_type::<BaseMismatchError>())?;

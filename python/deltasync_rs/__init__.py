@@ -57,13 +57,15 @@ def _check_environment() -> None:
     import os
     import warnings
 
+    from ._core import SCAN_KERNELS
+
     threads = os.environ.get("DELTASYNC_NUM_THREADS", "").strip()
     if threads and not (threads.isdigit() and int(threads) > 0):
         warnings.warn(f"DELTASYNC_NUM_THREADS={threads!r} is not a positive integer; using one thread per CPU",
                       RuntimeWarning, stacklevel=3)
     kernel = os.environ.get("DELTASYNC_SCAN_KERNEL", "").strip()
-    if kernel and kernel not in ("portable", "sse2", "avx2", "avx512"):
-        warnings.warn(f"DELTASYNC_SCAN_KERNEL={kernel!r} is not one of portable, sse2, avx2, avx512; using the "
+    if kernel and kernel not in SCAN_KERNELS:
+        warnings.warn(f"DELTASYNC_SCAN_KERNEL={kernel!r} is not one of {', '.join(SCAN_KERNELS)}; using the "
                       "fastest kernel this CPU has", RuntimeWarning, stacklevel=3)
 
 

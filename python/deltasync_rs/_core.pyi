@@ -11,6 +11,7 @@ __all__ = [
     "DeltaFormatError",
     "DeltaSyncError",
     "FORMAT_VERSION",
+    "SCAN_KERNELS",
     "MirrorDiff",
     "RawDelta",
     "__version__",
@@ -24,6 +25,8 @@ __all__ = [
 ]
 __version__: str
 FORMAT_VERSION: str
+SCAN_KERNELS: tuple[str, ...]
+"""The names DELTASYNC_SCAN_KERNEL accepts, slowest first."""
 
 class DeltaSyncError(Exception):
     """Base class of every deltasync error."""

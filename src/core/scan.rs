@@ -481,6 +481,9 @@ pub enum Kernel {
 }
 
 impl Kernel {
+    /// Every kernel, slowest first.
+    pub const ALL: [Kernel; 4] = [Kernel::Portable, Kernel::Sse2, Kernel::Avx2, Kernel::Avx512];
+
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Portable => "portable",
@@ -497,13 +500,8 @@ pub fn kernel() -> Kernel {
     static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
     *KERNEL.get_or_init(|| {
         let best = best_kernel();
-        let asked = match std::env::var("DELTASYNC_SCAN_KERNEL").ok().as_deref().map(str::trim) {
-            Some("portable") => Kernel::Portable,
-            Some("sse2") => Kernel::Sse2,
-            Some("avx2") => Kernel::Avx2,
-            Some("avx512") => Kernel::Avx512,
-            _ => best,
-        };
+        let wanted = std::env::var("DELTASYNC_SCAN_KERNEL").unwrap_or_default();
+        let asked = Kernel::ALL.into_iter().find(|k| k.name() == wanted.trim()).unwrap_or(best);
         // Never more than the CPU has.
         if (asked as u8) <= (best as u8) {
             asked
@@ -711,7 +709,7 @@ mod tests {
 
     fn kernels() -> Vec<Kernel> {
         let best = best_kernel();
-        [Kernel::Portable, Kernel::Sse2, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| *k as u8 <= best as u8).collect()
+        Kernel::ALL.into_iter().filter(|k| *k as u8 <= best as u8).collect()
     }
 
     /// Scans with one kernel; `copy` scans a copy of `old` as a mirror. Returns the changes and that copy.
