@@ -454,6 +454,12 @@ impl RawDelta {
         Ok(out)
     }
 
+    /// True when tensor `index`'s decoded values are wrapping bit-pattern differences to add to the base
+    /// (`diff`, `diffbits`), false when they are the new bits (`abs`).
+    fn holds_differences(&self, index: usize) -> PyResult<bool> {
+        Ok(self.tensor(index)?.values_codec.holds_differences())
+    }
+
     /// True when tensors `a` and `b` carry the same changes (as tied weights do).
     fn same_changes(&self, a: usize, b: usize) -> PyResult<bool> {
         let (x, y) = (self.tensor(a)?, self.tensor(b)?);

@@ -43,6 +43,14 @@ pub enum ValueCodec {
     DiffBits,
 }
 
+impl ValueCodec {
+    /// True when the decoded values are wrapping bit-pattern differences to add to the base, false when they
+    /// are the new bits. Every writer of changes, in Rust and in Python, takes this rule from here.
+    pub fn holds_differences(self) -> bool {
+        matches!(self, ValueCodec::Diff | ValueCodec::DiffBits)
+    }
+}
+
 /// A decoder of a position stream: strictly increasing positions, each checked against the element count.
 pub trait PositionSource {
     fn next_position(&mut self) -> Result<u64, String>;

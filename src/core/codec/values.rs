@@ -143,10 +143,7 @@ impl<'a, const W: usize> ValueReader<'a, W> {
 /// Applies one decoded value to the element bytes `target`.
 #[inline(always)]
 pub fn apply<const W: usize>(target: &mut [u8], codec: ValueCodec, value: u64) {
-    let new = match codec {
-        ValueCodec::Abs => value,
-        ValueCodec::Diff | ValueCodec::DiffBits => load_const::<W>(target).wrapping_add(value),
-    };
+    let new = if codec.holds_differences() { load_const::<W>(target).wrapping_add(value) } else { value };
     store_const::<W>(target, new);
 }
 
