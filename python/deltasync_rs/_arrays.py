@@ -141,13 +141,6 @@ def _torch():
     return torch
 
 
-def storage_key(x: Any) -> tuple[int, int]:
-    """(address, bytes) of the tensor's memory, to find targets that alias each other."""
-    if is_torch(x):
-        return int(x.data_ptr()), int(x.numel() * x.element_size())
-    return int(x.__array_interface__["data"][0]), int(x.nbytes)
-
-
 def check_same_kind(prev: Any, curr: Any, name: str) -> tuple[str, tuple[int, ...]]:
     prev_dtype, prev_shape = describe(prev, name)
     curr_dtype, curr_shape = describe(curr, name)
@@ -156,30 +149,3 @@ def check_same_kind(prev: Any, curr: Any, name: str) -> tuple[str, tuple[int, ..
             f"tensor {name!r}: previous is {prev_dtype}{list(prev_shape)} but current is {curr_dtype}{list(curr_shape)}"
         )
     return curr_dtype, curr_shape
-
-
-_NUMPY_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def stage_numpy_write(raw: Any, index: int, target: np.ndarray, *, width: int, changed: int, values: str,
-                      dense: bool):
-    """The numpy path for arrays the core cannot write directly (strided): decode, compute, return the write."""
-    if not target.flags.writeable:
-        raise DeltaSyncError(f"target of tensor {raw.tensors()[index][0]!r} is read-only")
-    if changed == 0:
-        return None
-    decoded = np.frombuffer(raw.decode(index), dtype=np.uint8)
-    view = target.view(_NUMPY_UINT[width])
-    if dense:
-        new = decoded.view(f"<u{width}").reshape(target.shape)
-        return lambda: np.copyto(view, new)
-    positions = decoded[: changed * 8].view("<i8")
-    new_values = decoded[changed * 8:].view(f"<u{width}").astype(_NUMPY_UINT[width])
-    coordinates = np.unravel_index(positions, target.shape)
-    if values != "abs":  # "diff" and "diffbits" both hold differences
-        new_values = view[coordinates] + new_values  # unsigned array arithmetic wraps modulo 2**bits
-
-    def write() -> None:
-        view[coordinates] = new_values
-
-    return write

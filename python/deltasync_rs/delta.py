@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Union
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _write
 from ._core import BaseMismatchError, DeltaSyncError, RawDelta
 from ._core import state_digest as _state_digest
 
@@ -128,46 +128,36 @@ class Delta:
         """Writes the file atomically: a temporary file in the same folder, then a rename."""
         self._raw.save(os.fspath(path), format)
 
-    def apply_(self, state: State) -> State:
-        """Applies the delta in place to a tensor, an array, or a mapping of them; returns ``state``.
+    def apply_(self, state: State, *, check_base: bool = False) -> None:
+        """Applies the delta in place to a tensor, an array, or a mapping of them.
 
         Every name, dtype and shape is checked, and everything that can fail is done, before the first write:
         on an error the target is untouched. CPU tensors and arrays are written by the Rust core; tensors on
         other devices get their changes decoded on the CPU, moved over once and written with ``index_copy_``.
+        With ``check_base=True`` every target must first hold the exact base the delta was made against (the
+        ``base`` identity the writer records per tensor), or BaseMismatchError names the tensor: a wrong base, or
+        a delta applied twice, is refused instead of producing wrong weights.
         """
-        targets = self._resolve_targets(state)
-        raw = self._raw
-        infos = self.tensors
-        for index, target in targets:
-            dtype, shape = _arrays.describe(target, infos[index].name)
-            raw.check_target(index, dtype, list(shape))
-        targets = self._drop_aliases(targets)
-
-        in_core, staged = [], []
-        for index, target in targets:
-            view = _arrays.writable_bytes(target)
-            if view is not None:
-                in_core.append((index, view))
-            else:
-                staged.append(self._stage(index, target, infos[index]))
-        raw.apply(in_core)
-        for write in staged:
-            if write is not None:
-                write()
-        return state
+        writes = _write.Writes(self._raw)
+        writes.add_all(self._resolve_targets(state), check_base=check_base)
+        writes.commit()
 
     def decoded(self, index: int, device: Any = None) -> tuple[Any, Any]:
         """The changes of tensor ``index`` as torch tensors on ``device``, decoded on the CPU and moved in one transfer.
 
         Returns ``(positions, values)``: ``positions`` is int64, flat row-major (``None`` when the tensor is stored
-        whole and stored as new values); ``values`` has the integer type of the element width and holds bit patterns: the new bits for
-        ``values="abs"``, the wrapping bit-pattern difference for ``values="diff"`` (see docs/format.md).
+        whole as new values); ``values`` has the integer type of the element width and holds bit patterns: the new
+        bits for ``values="abs"``, the wrapping bit-pattern difference for ``values="diff"`` (see docs/format.md).
         """
-        from . import torch as _ds_torch
+        return _write.decode(self._raw, index, device=device)
 
-        info = self.tensors[index]
-        return _ds_torch.decode_to(self._raw, index, width=_arrays.WIDTHS[info.dtype], changed=info.changed,
-                                   dense=info.positions == "all" and info.values == "abs", device=device)
+    def holds_differences(self, index: int) -> bool:
+        """True when tensor ``index``'s values are bit-pattern differences to add to the base, not new bits."""
+        return self._raw.holds_differences(index)
+
+    def base_identity(self, index: int) -> str | None:
+        """The identity of the base tensor ``index`` was diffed against (docs/format.md §3), or None if unrecorded."""
+        return self._raw.base_identity(index)
 
     def _resolve_targets(self, state: State) -> list[tuple[int, Tensor]]:
         names = self.names
@@ -182,38 +172,6 @@ class Delta:
             shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise BaseMismatchError(f"{len(missing)} tensors of the delta are not in the target: {shown}")
         return [(index, state[name]) for index, name in enumerate(names)]
-
-    def _drop_aliases(self, targets: list[tuple[int, Tensor]]) -> list[tuple[int, Tensor]]:
-        """Tied weights appear under several names with one memory; apply their (identical) changes once."""
-        first_by_memory: dict[tuple[int, int], int] = {}
-        kept = []
-        names = self.names
-        for index, target in targets:
-            key = _arrays.storage_key(target)
-            if key[1] == 0:
-                kept.append((index, target))
-                continue
-            first = first_by_memory.setdefault(key, index)
-            if first == index:
-                kept.append((index, target))
-            elif not self._raw.same_changes(first, index):
-                raise DeltaSyncError(
-                    f"tensors {names[first]!r} and {names[index]!r} share memory in the target but the delta "
-                    "changes them differently"
-                )
-        return kept
-
-    def _stage(self, index: int, target: Tensor, info: TensorInfo):
-        width = _arrays.WIDTHS[info.dtype]
-        dense = info.positions == "all" and info.values == "abs"
-        if _arrays.is_torch(target):
-            from . import torch as _ds_torch
-
-            return _ds_torch.stage_write(
-                self._raw, index, target, width=width, changed=info.changed, values=info.values, dense=dense
-            )
-        return _arrays.stage_numpy_write(self._raw, index, target, width=width, changed=info.changed,
-                                         values=info.values, dense=dense)
 
 
 def in_batches(entries: Iterable[tuple[Any, int]], flush: Callable[[list], object]) -> None:

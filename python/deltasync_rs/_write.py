@@ -1,0 +1,332 @@
+"""The one place that writes a delta's changes into targets: CPU memory through the Rust core, other tensors and
+arrays through staged torch/numpy writes, and regions of larger parameters (vLLM shards). Everything that can fail
+is checked and staged first; only then is anything written."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import _arrays
+from ._core import DeltaSyncError, RawDelta
+
+_NUMPY_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _torch() -> Any:
+    return sys.modules["torch"]  # only reached with a torch target or device, so torch is imported
+
+
+def int_dtype(width: int) -> Any:
+    """The torch integer dtype that holds bit patterns of ``width`` bytes."""
+    torch = _torch()
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+
+
+def wrapping_add(old: Any, difference: Any, width: int) -> Any:
+    """``old + difference`` modulo 2**(8*width) on torch integer tensors, exact on every backend."""
+    torch = _torch()
+    if width == 8:
+        return old + difference  # int64 addition wraps in two's complement
+    wide = {1: torch.int16, 2: torch.int32, 4: torch.int64}[width]
+    bits = 8 * width
+    total = (old.to(wide) + difference.to(wide)) & ((1 << bits) - 1)
+    if width > 1:
+        total = torch.where(total >= (1 << (bits - 1)), total - (1 << bits), total)
+    return total.to(old.dtype)
+
+
+def new_bits(raw: RawDelta, index: int, old: Any, values: Any, width: int) -> Any:
+    """The new bit patterns of the changed elements, given their ``old`` bit patterns: the values themselves, or
+    old plus the values, as the core's metadata for tensor ``index`` says. Every staged write goes through here."""
+    if not raw.holds_differences(index):
+        return values
+    if isinstance(values, np.ndarray):
+        return old + values  # unsigned numpy arithmetic wraps modulo 2**bits
+    return wrapping_add(old, values, width)
+
+
+def is_dense(raw: RawDelta, index: int) -> bool:
+    """Stored whole as new bits: the core decodes such a tensor to its data alone, without positions."""
+    return raw.tensors()[index][4] == "all" and not raw.holds_differences(index)
+
+
+def decode(raw: RawDelta, index: int, *, device: Any = None) -> tuple[Any, Any]:
+    """Tensor ``index``'s changes decoded on the CPU and moved to ``device`` (a torch device) in one transfer.
+
+    Returns ``(positions, values)``: int64 flat row-major positions (``None`` for a tensor stored whole as new
+    bits, whose values are then every element in order), and the values as the torch integer type of the element
+    width, holding bit patterns: new bits or differences, as :func:`new_bits` applies them."""
+    torch = _torch()
+    info = raw.tensors()[index]
+    width, changed = _arrays.WIDTHS[info[1]], int(info[3])
+    if changed == 0:
+        return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=int_dtype(width), device=device)
+    staged = torch.frombuffer(raw.decode(index), dtype=torch.uint8)
+    if device is not None:
+        staged = staged.to(device)
+    if is_dense(raw, index):
+        return None, staged.view(int_dtype(width))
+    return staged[: changed * 8].view(torch.int64), staged[changed * 8:].view(int_dtype(width))
+
+
+def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, bool]:
+    """(elements spanned from the lowest element, whether no two elements can share memory). The second is proven
+    by sorting dimensions by stride: each stride must pass the span of all smaller ones."""
+    if any(size == 0 for size in shape):
+        return 0, True
+    span, disjoint = 1, True
+    for size, stride in sorted(((n, abs(s)) for n, s in zip(shape, strides) if n > 1), key=lambda d: d[1]):
+        if stride < span:
+            disjoint = False
+        span = max(span, stride * (size - 1) + 1)
+    return span, disjoint
+
+
+@dataclass
+class _Memory:
+    """One target and the memory it spans, for the overlap check."""
+
+    index: int
+    target: Any
+    device: str
+    start: int
+    end: int
+    layout: tuple[Any, ...]
+
+
+class Region(Protocol):
+    """This rank's slice of a tensor inside a larger parameter (``deltasync_rs.vllm.ShardMap`` is one)."""
+
+    param: Any
+    hf_shape: tuple[int, ...]
+    row_start: int
+    row_count: int
+    col_start: int
+    col_count: int
+    param_row_offset: int
+
+
+class Writes:
+    """Stages the changes of one delta into any mix of targets, then writes them all with :meth:`commit`.
+
+    :meth:`add_all` checks every target's dtype and shape, refuses targets that cannot be written (read-only arrays,
+    expanded or self-overlapping views, meta and sparse tensors), optionally checks the base identity, then decodes,
+    gathers on each target's device and computes the new bits; nothing is written before :meth:`commit`. Targets
+    that are the same memory (tied weights) are written once, when their changes agree; any other overlap is
+    refused. :meth:`commit` writes contiguous CPU memory through the core and the rest with torch/numpy index
+    writes, and moves autograd's version counter of every torch tensor it writes, as torch's in-place ops do."""
+
+    def __init__(self, raw: RawDelta) -> None:
+        self._raw = raw
+        self._infos = raw.tensors()
+        self._in_core: list[tuple[int, Any]] = []
+        self._core_tensors: list[Any] = []  # torch tensors the core writes, for their version counters
+        self._staged: list[Callable[[], object]] = []
+        self.elements = 0  # elements staged for writing
+
+    def _name(self, index: int) -> str:
+        return self._infos[index][0]
+
+    def _width(self, index: int) -> int:
+        return _arrays.WIDTHS[self._infos[index][1]]
+
+    def _changed(self, index: int) -> int:
+        return int(self._infos[index][3])
+
+    # -- whole targets ------------------------------------------------------------------------------------------------
+    def add_all(self, targets: list[tuple[int, Any]], *, check_base: bool = False) -> None:
+        """Stages tensor ``index`` into ``target`` for each pair: torch tensors or numpy arrays of the tensor's
+        dtype and shape. Everything is checked before anything is staged. With ``check_base`` each target must
+        hold the exact base recorded for its tensor (docs/format.md §3, ``base``), else BaseMismatchError."""
+        described = []
+        for index, target in targets:
+            name = self._name(index)
+            dtype, shape = _arrays.describe(target, name)
+            self._raw.check_target(index, dtype, list(shape))
+            described.append(self._memory(index, target, name))
+        kept = self._without_aliases(described)
+        if check_base:
+            self._check_base(kept)
+        for memory in kept:
+            index, target = memory.index, memory.target
+            self.elements += self._changed(index)
+            if self._changed(index) == 0:
+                continue
+            if _arrays.is_torch(target):
+                if _arrays.readable_in_place(target):
+                    self._in_core.append((index, target))
+                    self._core_tensors.append(target)
+                else:
+                    self._staged.append(self._stage_torch(index, target))
+            elif target.flags.c_contiguous:
+                self._in_core.append((index, target.reshape(-1).view(np.uint8)))
+            else:
+                self._staged.append(self._stage_numpy(index, target))
+
+    def _memory(self, index: int, target: Any, name: str) -> _Memory:
+        """The target's memory extent, after refusing targets that cannot be written."""
+        if _arrays.is_torch(target):
+            torch = _torch()
+            if target.layout != torch.strided:
+                raise DeltaSyncError(f"target of tensor {name!r}: {target.layout} tensors cannot be written in place")
+            if target.is_meta:
+                raise DeltaSyncError(f"target of tensor {name!r}: a meta tensor has no data to write")
+            span, disjoint = _extent(tuple(target.shape), tuple(target.stride()))
+            start, itemsize = int(target.data_ptr()), target.element_size()
+            layout: tuple[Any, ...] = (target.dtype, tuple(target.shape), tuple(target.stride()))
+            device = str(target.device)
+        else:
+            if not target.flags.writeable:
+                raise DeltaSyncError(f"target of tensor {name!r} is a read-only array")
+            itemsize = max(1, target.itemsize)
+            if any(stride % itemsize for stride in target.strides):
+                raise DeltaSyncError(f"target of tensor {name!r}: its strides are not whole elements")
+            span, disjoint = _extent(target.shape, tuple(stride // itemsize for stride in target.strides))
+            start = int(target.__array_interface__["data"][0])
+            start += sum(min(0, (n - 1) * stride) for n, stride in zip(target.shape, target.strides) if n)
+            layout = (target.dtype, target.shape, target.strides)
+            device = "cpu"
+        if not disjoint:
+            raise DeltaSyncError(f"target of tensor {name!r}: several of its elements share memory (an expanded, "
+                                 "broadcast or overlapping view); write into a tensor that owns its elements")
+        return _Memory(index, target, device, start, start + span * itemsize, layout)
+
+    def _without_aliases(self, targets: list[_Memory]) -> list[_Memory]:
+        """Targets that are one memory with one layout (tied weights) are written once, when their changes agree;
+        any other overlap is refused. One sort and one sweep, so 100k tensors cost milliseconds, not minutes."""
+        aliases: set[int] = set()
+        ordered = sorted((t for t in targets if t.end > t.start), key=lambda t: (t.device, t.start, -t.end))
+        reach: _Memory | None = None  # the target reaching furthest so far on this device
+        for memory in ordered:
+            if reach is not None and reach.device == memory.device and memory.start < reach.end:
+                if (reach.start, reach.end, reach.layout) != (memory.start, memory.end, memory.layout):
+                    raise DeltaSyncError(f"targets of tensors {self._name(reach.index)!r} and "
+                                         f"{self._name(memory.index)!r} overlap in memory")
+                if not self._raw.same_changes(reach.index, memory.index):
+                    raise DeltaSyncError(f"tensors {self._name(reach.index)!r} and {self._name(memory.index)!r} "
+                                         "share memory in the target but the delta changes them differently")
+                aliases.add(id(memory))
+                continue
+            if reach is None or reach.device != memory.device or memory.end > reach.end:
+                reach = memory
+        return [t for t in targets if id(t) not in aliases]
+
+    def _check_base(self, targets: list[_Memory]) -> None:
+        """Every target holds the base its tensor was diffed against (its base identity, computed on the host:
+        free for CPU memory, one copy of the tensor for any other device)."""
+        host = []
+        for memory in targets:
+            if self._raw.base_identity(memory.index) is not None:
+                host.append((memory.index, _arrays.host_bytes(memory.target)[0]))
+        if host:
+            self._raw.check_base(host)
+
+    def _stage_torch(self, index: int, target: Any) -> Callable[[], object]:
+        torch = _torch()
+        width = self._width(index)
+        view = target.detach().view(int_dtype(width))
+        positions, values = decode(self._raw, index, device=view.device)
+        if positions is None:
+            new = values.view(view.shape)
+            write: Callable[[], object] = lambda: view.copy_(new)  # noqa: E731
+        elif view.is_contiguous():
+            flat = view.view(-1)
+            new = new_bits(self._raw, index, flat.index_select(0, positions), values, width)
+            write = lambda: flat.index_copy_(0, positions, new)  # noqa: E731
+        else:
+            coordinates = torch.unravel_index(positions, tuple(view.shape))
+            new = new_bits(self._raw, index, view[coordinates], values, width)
+            write = lambda: view.index_put_(coordinates, new)  # noqa: E731
+        if not target.is_inference():
+            return write
+
+        def write_inference() -> None:
+            with torch.inference_mode():  # in-place writes to inference tensors are allowed only there
+                write()
+
+        return write_inference
+
+    def _stage_numpy(self, index: int, target: np.ndarray) -> Callable[[], object]:
+        width = self._width(index)
+        view = target.view(_NUMPY_UINT[width])
+        decoded = np.frombuffer(self._raw.decode(index), dtype=np.uint8)
+        if is_dense(self._raw, index):
+            whole = decoded.view(f"<u{width}").astype(_NUMPY_UINT[width]).reshape(target.shape)
+            return lambda: np.copyto(view, whole)
+        changed = self._changed(index)
+        positions = decoded[: changed * 8].view("<i8")
+        values = decoded[changed * 8:].view(f"<u{width}").astype(_NUMPY_UINT[width])
+        coordinates = np.unravel_index(positions, target.shape)
+        new = new_bits(self._raw, index, view[coordinates], values, width)
+
+        def write() -> None:
+            view[coordinates] = new
+
+        return write
+
+    # -- regions of larger parameters (vLLM) ----------------------------------------------------------------------
+    def add_region(self, index: int, region: Region) -> None:
+        """Stages tensor ``index`` (in its own coordinates, viewed as ``[rows, cols]``) into this rank's slice of a
+        larger parameter: rows ``row_start ..+ row_count`` and columns ``col_start ..+ col_count`` land at
+        parameter row ``param_row_offset + i``, column ``j``. The caller checks that regions do not collide."""
+        torch = _torch()
+        width = self._width(index)
+        param = region.param.data
+        if not param.is_contiguous():
+            raise DeltaSyncError(f"tensor {self._name(index)!r}: the target parameter is not contiguous")
+        hf_rows = region.hf_shape[0] if region.hf_shape else 1
+        hf_cols = region.hf_shape[1] if len(region.hf_shape) == 2 else 1
+        param_cols = param.shape[1] if param.dim() == 2 else 1
+        covers_all = (region.row_start == 0 and region.row_count == hf_rows and region.col_start == 0
+                      and region.col_count == hf_cols)
+        changed = self._changed(index)
+        if changed == 0:
+            return
+        if covers_all and param.device.type == "cpu":
+            # The whole tensor is one contiguous run of this CPU parameter: the core writes into it directly.
+            start = region.param_row_offset * param_cols
+            self._in_core.append((index, param.view(-1)[start: start + hf_rows * hf_cols]))
+            self._core_tensors.append(region.param)
+            self.elements += changed
+            return
+        flat = param.view(int_dtype(width)).view(-1)
+        positions, values = decode(self._raw, index, device=param.device)
+        if positions is None:
+            positions = torch.arange(hf_rows * hf_cols, device=param.device)
+        if covers_all:
+            positions = positions + region.param_row_offset * param_cols
+        else:
+            rows = torch.div(positions, hf_cols, rounding_mode="floor")
+            cols = positions - rows * hf_cols
+            keep = ((rows >= region.row_start) & (rows < region.row_start + region.row_count)
+                    & (cols >= region.col_start) & (cols < region.col_start + region.col_count))
+            positions = ((rows[keep] - region.row_start + region.param_row_offset) * param_cols
+                         + cols[keep] - region.col_start)
+            values = values[keep]
+        new = new_bits(self._raw, index, flat.index_select(0, positions), values, width)
+        self.elements += int(positions.numel())
+        self._staged.append(lambda: flat.index_copy_(0, positions, new))
+
+    # -- writing ----------------------------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Writes everything staged: the core's targets first, then the staged index writes."""
+        if self._in_core:
+            self._raw.apply(self._in_core)
+        torch = sys.modules.get("torch")
+        if torch is None:
+            for write in self._staged:
+                write()
+            return
+        with torch.no_grad():
+            for write in self._staged:
+                write()
+        # Writes through memory (the core) are invisible to autograd: a graph that saved one of these tensors must
+        # see that it changed, as after any in-place op (torch's own index writes move the counter themselves).
+        for tensor in self._core_tensors:
+            if not tensor.is_inference():
+                torch.autograd.graph.increment_version(tensor)

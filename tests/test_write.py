@@ -1,0 +1,186 @@
+"""Writing changes into targets (deltasync_rs/_write.py): every kind of target, all-or-nothing over any mix of them,
+autograd's version counter, and regions of larger parameters (tensor-parallel shards) for every codec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import deltasync_rs as ds
+from deltasync_rs import _write
+from tests.helpers import assert_bits_equal
+
+
+def _pair(shape, seed=0, dtype=torch.bfloat16, every=5):
+    g = torch.Generator().manual_seed(seed)
+    prev = torch.randn(shape, generator=g).to(dtype)
+    curr = prev.clone()
+    flat = curr.view(-1)
+    # mostly +-1 steps of the bit pattern, as on training steps, so that compact picks rice/diffbits
+    bits = flat.view(torch.int16) if dtype == torch.bfloat16 else None
+    if bits is not None:
+        bits[::every] += 1
+        bits[2::every * 3] -= 2
+    else:
+        flat[::every] = flat[::every] * 1.5 + 0.25
+    return prev, curr
+
+
+def test_the_issue_example_mixed_targets_refused_before_any_write():
+    prev = {"a": torch.zeros(16), "b": torch.zeros(4, 4)}
+    curr = {"a": torch.ones(16), "b": torch.ones(4, 4)}
+    state = {"a": torch.zeros(16), "b": torch.zeros(4).expand(4, 4)}
+    with pytest.raises(ds.DeltaSyncError, match="'b'.*share memory"):
+        ds.diff(prev, curr).apply_(state)
+    assert torch.equal(state["a"], torch.zeros(16))
+
+
+def test_refusals_come_before_writes_whatever_the_order():
+    prev, curr = _pair((8, 8))
+    for bad in (np.zeros((8, 8), dtype=np.float32), torch.zeros(8, 8, device="meta", dtype=torch.bfloat16)):
+        names = ["a", "b", "c"]
+        delta = ds.diff({n: prev for n in names}, {n: curr for n in names})
+        state = {"a": prev.clone(), "b": bad, "c": prev.clone().t().contiguous().t()}
+        with pytest.raises(ds.DeltaSyncError, match="[\"']b[\"']"):
+            delta.apply_(state)
+        assert_bits_equal(state["a"], prev) and assert_bits_equal(state["c"], prev)
+
+
+def test_read_only_and_broadcast_arrays_are_refused():
+    prev, curr = np.zeros((4, 4), np.float32), np.ones((4, 4), np.float32)
+    delta = ds.diff(prev, curr)
+    frozen = prev.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ds.DeltaSyncError, match="read-only"):
+        delta.apply_(frozen)
+    broadcast = np.broadcast_to(np.zeros(4, np.float32), (4, 4))
+    with pytest.raises(ds.DeltaSyncError):
+        delta.apply_(broadcast)
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+@pytest.mark.parametrize("values", ["diff", "abs"])
+def test_every_kind_of_target_in_one_apply(codec, values):
+    """Contiguous CPU, strided and transposed views, inference tensors (contiguous or not), numpy (contiguous or
+    strided), a view at an offset: one delta, one apply, every target bit-exact."""
+    shapes = {"contig": (16, 12), "strided": (16, 12), "transposed": (12, 16), "inference": (16, 12),
+              "inference_t": (12, 16), "numpy": (16, 12), "numpy_strided": (16, 12), "offset": (50,)}
+    prev, curr = {}, {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        prev[name], curr[name] = _pair(shape, seed=i, dtype=torch.bfloat16 if "numpy" not in name else torch.float32)
+    delta = ds.load(ds.diff(prev, curr, codec=codec, values=values).to_bytes())
+    if codec == "compact" and values == "diff":
+        assert "diffbits" in {t.values for t in delta.tensors}
+    wide = torch.zeros(16, 24, dtype=torch.bfloat16)
+    wide[:, ::2] = prev["strided"]
+    with torch.inference_mode():
+        inference = prev["inference"].clone()
+        inference_t = prev["inference_t"].t().contiguous().t()
+    big = torch.zeros(200, dtype=torch.bfloat16)
+    big[100:150] = prev["offset"]
+    np_big = np.zeros((16, 24), np.float32)
+    np_big[:, ::2] = prev["numpy_strided"].numpy()
+    state = {"contig": prev["contig"].clone(), "strided": wide[:, ::2], "transposed": prev["transposed"].t().contiguous().t(),
+             "inference": inference, "inference_t": inference_t, "numpy": prev["numpy"].numpy().copy(),
+             "numpy_strided": np_big[:, ::2], "offset": big[100:150]}
+    assert not state["strided"].is_contiguous() and not state["transposed"].is_contiguous()
+    assert state["inference_t"].is_inference() and not state["inference_t"].is_contiguous()
+    delta.apply_(state)
+    for name in shapes:
+        target = state[name]
+        got = torch.from_numpy(np.ascontiguousarray(target)) if isinstance(target, np.ndarray) else target
+        assert_bits_equal(got, curr[name])
+    assert torch.equal(big[:100], torch.zeros(100, dtype=torch.bfloat16))
+    assert np.array_equal(np_big[:, 1::2], np.zeros((16, 12), np.float32))
+
+
+def test_autograd_sees_the_write_as_an_in_place_change():
+    prev, curr = _pair((8, 8), dtype=torch.float32)
+    for make in (lambda t: t.clone(), lambda t: t.t().contiguous().t()):  # the core's path and the staged path
+        weight = make(prev).requires_grad_(True)
+        loss = (weight * weight).sum()  # saves `weight` for backward
+        version = weight._version
+        ds.diff(prev, curr).apply_({"tensor": weight})
+        assert weight._version > version
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        assert_bits_equal(weight.detach(), curr)
+
+
+def test_tied_targets_written_once_and_partial_overlaps_refused():
+    prev, curr = _pair((10, 6))
+    shared = prev.clone()
+    delta = ds.diff({"embed": prev, "head": prev}, {"embed": curr, "head": curr}, codec="compact")
+    delta.apply_({"embed": shared, "head": shared})
+    assert_bits_equal(shared, curr)
+    other = curr.clone()
+    other.view(torch.int16)[0, 0] += 3
+    differing = ds.diff({"embed": prev, "head": prev}, {"embed": curr, "head": other})
+    target = prev.clone()
+    with pytest.raises(ds.DeltaSyncError, match="changes them differently"):
+        differing.apply_({"embed": target, "head": target})
+    assert_bits_equal(target, prev)
+    base = torch.cat([prev.view(-1), prev.view(-1)])
+    halves = ds.diff({"x": prev.view(-1)[:40], "y": prev.view(-1)[20:]}, {"x": curr.view(-1)[:40], "y": curr.view(-1)[20:]})
+    with pytest.raises(ds.DeltaSyncError, match="overlap"):
+        halves.apply_({"x": base[:40], "y": base[20:60]})
+
+
+def test_many_targets_are_checked_for_overlap_in_one_sort():
+    n = 20000
+    prev = {f"t{i}": torch.zeros(3) for i in range(n)}
+    curr = {f"t{i}": torch.ones(3) for i in range(n)}
+    storage = torch.zeros(3 * n)
+    state = {f"t{i}": storage[3 * i: 3 * i + 3] for i in range(n)}
+    ds.diff(prev, curr).apply_(state)
+    assert torch.equal(storage, torch.ones(3 * n))
+
+
+@dataclass
+class _Region:
+    param: torch.Tensor
+    hf_shape: tuple
+    row_start: int
+    row_count: int
+    col_start: int
+    col_count: int
+    param_row_offset: int
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+@pytest.mark.parametrize("values", ["diff", "abs"])
+@pytest.mark.parametrize("device", ["cpu", "strided-copy"])
+def test_regions_of_a_larger_parameter_are_bit_exact(codec, values, device):
+    """A tensor-parallel rank's slices: rows 32..63 of a [64, 32] tensor at row 8 of a fused parameter (the issue's
+    reproduction), and columns 16..31 (a row-parallel split); both through the staged path, which the core's
+    direct path would hide."""
+    prev, curr = _pair((64, 32))
+    delta = ds.load(ds.diff({"w": prev}, {"w": curr}, codec=codec, values=values).to_bytes())
+    if codec == "compact" and values == "diff":
+        assert delta.tensors[0].values == "diffbits"
+    fused = torch.zeros(8 + 32, 32, dtype=torch.bfloat16)
+    fused[8:] = prev[32:]
+    writes = _write.Writes(delta._raw)
+    writes.add_region(0, _Region(fused, (64, 32), 32, 32, 0, 32, 8))
+    writes.commit()
+    assert_bits_equal(fused[8:], curr[32:])
+    assert torch.equal(fused[:8], torch.zeros(8, 32, dtype=torch.bfloat16))
+    columns = prev[:, 16:].clone()
+    writes = _write.Writes(delta._raw)
+    writes.add_region(0, _Region(columns, (64, 32), 0, 64, 16, 16, 0))
+    writes.commit()
+    assert_bits_equal(columns, curr[:, 16:])
+    assert writes.elements == int((prev[:, 16:].view(torch.int16) != curr[:, 16:].view(torch.int16)).sum())
+
+
+def test_holds_differences_comes_from_the_core():
+    prev, curr = _pair((64, 32))
+    kinds = {}
+    for codec in ("varint", "compact"):
+        for values in ("diff", "abs"):
+            delta = ds.diff(prev, curr, codec=codec, values=values)
+            kinds[delta.tensors[0].values] = delta.holds_differences(0)
+    assert kinds == {"diff": True, "diffbits": True, "abs": False}
