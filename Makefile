@@ -50,15 +50,15 @@ lint: setup
 	$(PY) -m mypy.stubtest deltasync_rs._core
 
 ## bench: the CPU comparison on the full Qwen3-0.6B-shaped workload (see docs/benchmarks.md)
-bench:
+bench: setup
 	$(PY) -m pytest benches --benchmark-only --benchmark-columns=median,min,max,rounds
 
 ## demo: train a small model, publish every step to ./deltasync-store, pull with a subscriber, check bit-exactness
-demo:
+demo: setup
 	$(PY) examples/quickstart.py --store deltasync-store
 
 ## soak: 1000 publish/pull steps through a fault-injecting store (CI runs 300 in the tests)
-soak:
+soak: setup
 	$(PY) -m tests.faults --steps 1000
 
 ## wheel: an abi3 wheel for CPython >= 3.11 in target/wheels/
