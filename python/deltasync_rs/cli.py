@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_file, diff_files
-from .delta import Delta, load
-from .sync import Publisher, Subscriber, log_entries, verify_store
+from .delta import Delta, load, state_digest
+from .errors import IntegrityError
+from .sync import Publisher, Subscriber, entry_key, log_entries, verify_store
 
 
 def _human(nbytes: float) -> str:
@@ -127,10 +128,10 @@ def _save_checkpoint(state: dict, path: str) -> None:
 
 def _cmd_publish(args: argparse.Namespace) -> int:
     state = _load_checkpoint(args.checkpoint)
-    subscriber = Subscriber(args.store)
-    latest = subscriber.latest_step()
     with Publisher(args.store, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors, values=args.values,
                    background=False) as publisher:
+        subscriber = Subscriber(publisher.store)
+        latest = subscriber.latest_step()
         if latest is not None and not args.anchor:
             # Rebuild the last published state, so this step is a delta against it.
             base = {name: tensor.clone() for name, tensor in state.items()}
@@ -146,10 +147,15 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_pull(args: argparse.Namespace) -> int:
     import torch
 
-    deltas = Subscriber(args.store).fetch(None, until=args.step)
+    subscriber = Subscriber(args.store)
+    deltas = subscriber.fetch(None, until=args.step)
     state = {t.name: torch.empty(t.shape, dtype=_arrays.torch_dtype(t.dtype)) for t in deltas[0].tensors}
     for delta in deltas:
         delta.apply_(state)
+    step = deltas[-1].step
+    if state_digest(state) != subscriber.entry(step).state_digest:
+        raise IntegrityError(f"{args.store}: the state rebuilt at step {step} does not match the state digest in "
+                             f"{entry_key(step)}; nothing was written")
     _save_checkpoint(state, args.output)
     print(f"{args.output}: step {deltas[-1].step} from {len(deltas)} files")
     return 0
