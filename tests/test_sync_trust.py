@@ -310,3 +310,20 @@ def test_readers_never_create_a_mistyped_store(tmp_path, capsys):
     with pytest.raises(ds.StoreError, match="no such store folder"):
         ds.Subscriber(typo).pull(_state())
     assert not typo.exists()
+
+
+def test_a_link_planted_in_the_store_never_lets_publishing_or_retention_reach_outside(tmp_path):
+    store = ds.LocalStore(tmp_path / "store")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "step_000000000000.safetensors"
+    victim.write_bytes(b"not the store's")
+    history = _publish(store, 1, key=None)
+    with ds.Publisher(store, anchor_every=1, keep_anchors=1, background=False) as publisher:
+        publisher.resume(history[0], step=0)
+        (tmp_path / "store" / "anchors" / "step_000000000000.safetensors").unlink()
+        (tmp_path / "store" / "anchors").rmdir()
+        (tmp_path / "store" / "anchors").symlink_to(elsewhere)
+        with pytest.raises(ds.StoreError, match="symbolic link"):
+            publisher.publish(1, history[0])  # an anchor is due, then retention of step 0's anchor
+    assert sorted(p.name for p in elsewhere.iterdir()) == [victim.name] and victim.read_bytes() == b"not the store's"
