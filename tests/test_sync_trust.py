@@ -327,3 +327,27 @@ def test_a_link_planted_in_the_store_never_lets_publishing_or_retention_reach_ou
         with pytest.raises(ds.StoreError, match="symbolic link"):
             publisher.publish(1, history[0])  # an anchor is due, then retention of step 0's anchor
     assert sorted(p.name for p in elsewhere.iterdir()) == [victim.name] and victim.read_bytes() == b"not the store's"
+
+
+def test_a_store_written_before_run_ids_reads_unsigned_and_moves_on_with_an_anchor(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 3, key=None)
+    store.delete([RUN_KEY])
+    for step in range(3):  # what an older publisher wrote: no run, no base entry hash
+        entry = json.loads(store.get(entry_key(step)))
+        del entry["run"], entry["base_entry_sha256"]
+        store.put(entry_key(step), json.dumps(entry).encode())
+    store.put(LATEST_KEY, json.dumps({"format": "deltasync-latest", "version": 1, "step": 2, "entry_sha256":
+                                      hashlib.sha256(store.get(entry_key(2))).hexdigest()}).encode())
+    replica = _fresh(history[2])
+    assert ds.Subscriber(store).pull(replica) == 2
+    assert_states_equal(replica, history[2])
+    with pytest.raises(ds.IntegrityError):
+        ds.Subscriber(store, signing_key=KEY).pull(_fresh(history[2]))
+    with ds.Publisher(store, background=False) as publisher:
+        publisher.resume(history[2], step=2)
+        publisher.publish(3, history[2])
+    assert ds.Subscriber(store).entry(3).anchor is not None
+    fresh = _fresh(history[2])
+    assert ds.Subscriber(store).pull(fresh) == 3
+    assert_states_equal(fresh, history[2])

@@ -295,10 +295,6 @@ class Publisher:
             errors, self._errors = self._errors, []
             raise DeltaSyncError(f"{len(errors)} publish(es) failed; the first: {errors[0]}") from errors[0]
 
-    def pending(self) -> int:
-        """Uploads queued or running."""
-        return self._queue.unfinished_tasks if self._queue is not None else 0
-
     def flush(self, timeout: float | None = None) -> None:
         """Waits for every queued upload (at most ``timeout`` seconds); raises if any failed, if the wait ran out,
         or if the upload thread is gone with uploads still pending."""

@@ -200,7 +200,11 @@ class Subscriber:
         while step is not None and step >= floor:
             entry = self.entry(step)
             if chain:
-                _check_link(entry, chain[-1])
+                try:
+                    _check_link(entry, chain[-1])
+                except IntegrityError:
+                    self._entries.pop(step, None)  # it may have been replaced since: read it again next time
+                    raise
             chain.append(entry)
             if stop(entry):
                 return chain[::-1]
