@@ -351,3 +351,23 @@ def test_a_store_written_before_run_ids_reads_unsigned_and_moves_on_with_an_anch
     fresh = _fresh(history[2])
     assert ds.Subscriber(store).pull(fresh) == 3
     assert_states_equal(fresh, history[2])
+
+
+def test_one_corrupted_read_of_an_unsigned_run_id_does_not_stick(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 2, key=None)
+
+    class OneBadRunRead(ds.LocalStore):
+        bad_reads = 1
+
+        def get_small(self, key, max_bytes):
+            data = super().get_small(key, max_bytes)
+            if key == RUN_KEY and self.bad_reads:
+                self.bad_reads -= 1
+                run = json.loads(data)["run"]
+                data = data.replace(run.encode(), ("0" if run[0] != "0" else "1").encode() + run[1:].encode())
+            return data
+
+    replica = _fresh(history[1])
+    assert ds.Subscriber(OneBadRunRead(tmp_path), retry_delay=0).pull(replica) == 1
+    assert_states_equal(replica, history[1])

@@ -123,7 +123,7 @@ class Subscriber:
         if document.run != run and not self._run_confirmed:
             self._run = None
         check_run(document.run, run, key)
-        if isinstance(document, Entry):
+        if isinstance(document, Entry) and run is not None:
             self._run_confirmed = True
         return document
 
