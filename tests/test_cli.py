@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -400,3 +403,67 @@ def test_bench_prints_a_table_and_plots(tmp_path, capsys):
     sizes = {(row[0], row[2]): float(row[3]) for row in rows}
     assert sizes[("1.00%", "compact")] < sizes[("1.00%", "varint")]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_outputs_honour_the_umask_and_apply_keeps_the_base_mode(tmp_path, capsys, ckpts):
+    _, _, prev_path, curr_path = ckpts
+    delta_path, out_path, work = tmp_path / "d.safetensors", tmp_path / "out.safetensors", tmp_path / "work.safetensors"
+    old = os.umask(0o022)
+    try:
+        assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)[0] == 0
+        assert _run(capsys, "apply", prev_path, delta_path, "-o", out_path)[0] == 0
+        shutil.copyfile(prev_path, work)
+        work.chmod(0o640)
+        assert _run(capsys, "apply", work, delta_path, "-o", work)[0] == 0
+        store = tmp_path / "store"
+        assert _run(capsys, "publish", curr_path, "--store", store, "--step", "0")[0] == 0
+        assert _run(capsys, "pull", "--store", store, "-o", tmp_path / "pulled.safetensors")[0] == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (delta_path, out_path, work, tmp_path / "pulled.safetensors",
+                                                             store / "manifest" / "step_000000000000.json")}
+    assert modes == {"d.safetensors": 0o644, "out.safetensors": 0o644, "work.safetensors": 0o640,
+                     "pulled.safetensors": 0o644, "step_000000000000.json": 0o644}
+    assert work.read_bytes() == curr_path.read_bytes()
+
+
+def test_an_output_that_is_one_of_the_inputs_is_refused(tmp_path, capsys, ckpts):
+    _, _, prev_path, curr_path = ckpts
+    delta_path = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)[0] == 0
+    alias = tmp_path / "alias.safetensors"
+    alias.symlink_to(prev_path)
+    before = {p: p.read_bytes() for p in (prev_path, curr_path, delta_path)}
+    for argv in (["diff", prev_path, curr_path, "-o", prev_path], ["diff", prev_path, curr_path, "-o", curr_path],
+                 ["diff", prev_path, curr_path, "-o", alias], ["apply", prev_path, delta_path, "-o", delta_path]):
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 1 and out == "", argv
+        assert "is also the input" in err, err
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_stale_temp_files_of_killed_runs_are_removed(tmp_path, capsys, ckpts):
+    _, _, prev_path, curr_path = ckpts
+    stale, live = tmp_path / ".deltasync-1234-abcd.tmp", tmp_path / ".deltasync-5678-ef01.tmp"
+    for path in (stale, live):
+        path.write_bytes(b"half a checkpoint")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", tmp_path / "d.safetensors")[0] == 0
+    assert not stale.exists() and live.exists()
+
+
+def test_non_regular_inputs_are_refused_without_hanging(tmp_path, capsys, ckpts):
+    _, _, prev_path, _ = ckpts
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    results = []
+    runs = [["inspect", fifo], ["diff", prev_path, fifo, "-o", tmp_path / "d.safetensors"],
+            ["apply", prev_path, fifo, "-o", tmp_path / "o.safetensors"], ["inspect", tmp_path]]
+    worker = threading.Thread(target=lambda: results.extend(main([str(a) for a in argv]) for argv in runs),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "a command waits on a FIFO"
+    assert results == [1, 1, 1, 1]
+    assert capsys.readouterr().err.count("not a regular file") == 4

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import os
+import stat
 
 import pytest
 
@@ -101,3 +103,67 @@ def test_hf_store_uploads_large_objects_from_a_path():
     source, remote = hub.calls[0][1]["add"][0]
     assert isinstance(source, str) and remote == "anchors/step_000000000000.safetensors"
     assert store.get("anchors/step_000000000000.safetensors") == big
+
+
+def test_local_store_never_follows_a_link_out_of_its_root(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "step_000000000001.safetensors").write_bytes(b"outside")
+    (tmp_path / "s" / "anchors").symlink_to(elsewhere)
+    with pytest.raises(ds.StoreError, match="symbolic link"):
+        store.put("anchors/step_000000000002.safetensors", b"x")
+    with pytest.raises(ds.StoreError, match="symbolic link"):
+        store.delete(["anchors/step_000000000001.safetensors"])
+    with pytest.raises(ds.StoreError, match="symbolic link"):
+        store.get("anchors/step_000000000001.safetensors")
+    with pytest.raises(ds.StoreError, match="symbolic link"):
+        store.list("anchors/")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["step_000000000001.safetensors"]
+    assert store.list() == []  # the linked folder is not entered
+    (tmp_path / "s" / "latest.json").symlink_to(elsewhere / "step_000000000001.safetensors")
+    with pytest.raises(ds.StoreError, match="symbolic link"):
+        store.get("latest.json")
+
+
+def test_local_store_refuses_devices_and_caps_small_reads(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    (tmp_path / "s" / "latest.json").symlink_to("/dev/zero")
+    with pytest.raises(ds.StoreError):
+        store.get_small("latest.json", 1 << 20)
+    (tmp_path / "s" / "latest.json").unlink()
+    os.mkfifo(tmp_path / "s" / "latest.json")
+    with pytest.raises(ds.StoreError, match="not a regular file"):
+        store.get("latest.json")  # and does not wait for a writer
+    store.put("big.json", b"x" * 101)
+    with pytest.raises(ds.StoreError, match="larger than 100 bytes"):
+        store.get_small("big.json", 100)
+    assert store.get_small("big.json", 101) == b"x" * 101
+
+
+def test_get_small_caps_every_backend(store):
+    store.put("manifest/step_000000000001.json", b"{" * 2000)
+    with pytest.raises(ds.StoreError, match="larger than 1000 bytes"):
+        store.get_small("manifest/step_000000000001.json", 1000)
+    assert store.get_small("manifest/step_000000000001.json", 2000) == b"{" * 2000
+
+
+def test_local_objects_honour_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        store = LocalStore(tmp_path / "s")
+        store.put("manifest/step_000000000001.json", b"{}")
+        mode = stat.S_IMODE((tmp_path / "s" / "manifest" / "step_000000000001.json").stat().st_mode)
+    finally:
+        os.umask(old)
+    assert mode == 0o640
+
+
+def test_readers_never_create_a_store_folder(tmp_path):
+    typo = tmp_path / "no-such-store"
+    store = open_store(typo, create=False)
+    for read in (lambda: store.get("latest.json"), lambda: store.list("manifest/")):
+        with pytest.raises(ds.StoreError, match="no such store folder") as caught:
+            read()
+        assert not isinstance(caught.value, ds.MissingObjectError) and str(typo) in str(caught.value)
+    assert not typo.exists()

@@ -160,6 +160,7 @@ def test_bad_publishes_are_refused(tmp_path):
             publisher.publish(4, _state())
     with pytest.raises(ds.DeltaSyncError):
         ds.Publisher(store, anchor_every=0)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ds.ChainError, match="nothing has been published"):
         ds.Subscriber(tmp_path / "empty").pull(_state())
 
@@ -185,7 +186,13 @@ def test_signed_store_rejects_unsigned_and_tampered_files(tmp_path):
     assert delta.num_changed > 0
     with pytest.raises(ds.ChainError, match="bad signature"):
         ds.Subscriber(store, signing_key="s3cret").fetch(1)
-    # Without a key the recomputed digests pass: this is what signing is for.
+    # Without a key, step 3's entry still names the old entry 2 by hash, so only step 2 is reachable; rewrite that
+    # link too and the forgery passes: this is what signing is for.
+    assert [d.step for d in ds.Subscriber(store).fetch(1)] == [2]
+    successor = json.loads(store.get(entry_key(3)))
+    successor["base_entry_sha256"] = hashlib.sha256(store.get(entry_key(2))).hexdigest()
+    store.put(entry_key(3), json.dumps(successor).encode())
+    store.delete(["latest.json"])
     assert [d.step for d in ds.Subscriber(store).fetch(1)] == [2, 3]
 
     unsigned = tmp_path / "unsigned"

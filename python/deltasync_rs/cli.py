@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_file, diff_files
-from .delta import Delta, load
-from .sync import Publisher, Subscriber, log_entries, verify_store
+from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file, write_atomically
+from .delta import Delta, load, state_digest
+from .errors import IntegrityError
+from .sync import Publisher, Subscriber, entry_key, log_entries, verify_store
 
 
 def _human(nbytes: float) -> str:
@@ -37,6 +37,10 @@ def _progress_bar(description: str):
 
 def _cmd_diff(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    for path in (args.prev, args.curr):
+        require_regular_file(path)
+    refuse_overwriting_inputs(args.output, [args.prev, args.curr])
+    remove_stale_temps(args.output)
     bar = _progress_bar("diff")
 
     def progress(done: int, total: int) -> None:
@@ -62,6 +66,10 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    for path in (args.base, args.delta):
+        require_regular_file(path)
+    refuse_overwriting_inputs(args.output, [args.delta])  # BASE itself may be replaced: it keeps its mode
+    remove_stale_temps(args.output)
     delta = load(args.delta)
     apply_file(args.base, delta._raw, args.output)
     print(f"{args.output}: applied {delta.num_changed} changes to {len(delta)} tensors in {time.perf_counter() - start:.2f} s")
@@ -69,6 +77,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    require_regular_file(args.delta)
     delta = load(args.delta)
     raw: RawDelta = delta._raw
     if args.json:
@@ -103,6 +112,7 @@ def _load_checkpoint(path: str) -> dict:
     """A safetensors checkpoint as CPU torch tensors (every dtype, bf16 and fp8 included)."""
     from safetensors.torch import load_file
 
+    require_regular_file(path)
     try:
         return load_file(path)
     except FileNotFoundError:
@@ -115,22 +125,16 @@ def _save_checkpoint(state: dict, path: str) -> None:
     """Writes a checkpoint atomically: a temporary file beside it, then a rename."""
     from safetensors.torch import save_file
 
-    fd, temp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".deltasync-", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(state, temp)
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
+    remove_stale_temps(path)
+    write_atomically(path, lambda temp: save_file(state, temp))
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
     state = _load_checkpoint(args.checkpoint)
-    subscriber = Subscriber(args.store)
-    latest = subscriber.latest_step()
     with Publisher(args.store, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors, values=args.values,
                    background=False) as publisher:
+        subscriber = Subscriber(publisher.store)
+        latest = subscriber.latest_step()
         if latest is not None and not args.anchor:
             # Rebuild the last published state, so this step is a delta against it.
             base = {name: tensor.clone() for name, tensor in state.items()}
@@ -146,10 +150,15 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_pull(args: argparse.Namespace) -> int:
     import torch
 
-    deltas = Subscriber(args.store).fetch(None, until=args.step)
+    subscriber = Subscriber(args.store)
+    deltas = subscriber.fetch(None, until=args.step)
     state = {t.name: torch.empty(t.shape, dtype=_arrays.torch_dtype(t.dtype)) for t in deltas[0].tensors}
     for delta in deltas:
         delta.apply_(state)
+    step = deltas[-1].step
+    if state_digest(state) != subscriber.entry(step).state_digest:
+        raise IntegrityError(f"{args.store}: the state rebuilt at step {step} does not match the state digest in "
+                             f"{entry_key(step)}; nothing was written")
     _save_checkpoint(state, args.output)
     print(f"{args.output}: step {deltas[-1].step} from {len(deltas)} files")
     return 0

@@ -4,7 +4,7 @@ from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 
 
 class IntegrityError(DeltaSyncError):
-    """A file's digest, a manifest signature or a state digest does not match."""
+    """A file's digest, a signature, a run id, an entry's link to its base entry or a state digest does not match."""
 
 
 class ChainError(DeltaSyncError):

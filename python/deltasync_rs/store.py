@@ -3,10 +3,14 @@ folder (the embedded default), anything fsspec serves (s3://, gs://, ...), and H
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import secrets
+import stat
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,14 @@ class Store(ABC):
     def get(self, key: str) -> bytes:
         """The object's bytes; raises MissingObjectError when absent."""
 
+    def get_small(self, key: str, max_bytes: int) -> bytes:
+        """The bytes of an object that may hold at most ``max_bytes`` (a manifest document); a larger one is a
+        StoreError. Backends override this to stop reading at the cap; this fallback reads the whole object."""
+        data = self.get(key)
+        if len(data) > max_bytes:
+            raise too_large(f"{self.url}/{key}", max_bytes)
+        return data
+
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Keys under `prefix` (a folder-like prefix ending in '/', or ''), sorted."""
@@ -56,65 +68,182 @@ class Store(ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
-class LocalStore(Store):
-    """A folder on a local filesystem. Writes go to a temporary file in the same folder, then are renamed."""
+TEMP_PREFIX = ".deltasync-"
+_NO_LINK_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+
+def too_large(where: str, max_bytes: int) -> StoreError:
+    return StoreError(f"{where}: larger than {max_bytes} bytes, the most this read accepts")
+
+
+class LocalStore(Store):
+    """A folder on a local filesystem. Writes go to a temporary file in the same folder, then are renamed.
+
+    Every path below the root is opened one component at a time relative to its folder, never following a
+    symbolic link, so a link planted in the store cannot make a read, write or delete reach outside it; only
+    regular files are read. ``create=False`` (readers) never creates the root: a missing root is a StoreError.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         self.root = Path(root).expanduser().resolve()
         self.url = str(self.root)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise StoreError(f"{self.root}: cannot create the store folder: {error}") from error
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise StoreError(f"{self.root}: cannot create the store folder: {error}") from error
 
-    def _path(self, key: str) -> Path:
-        path = self.root.joinpath(*check_key(key).split("/"))
-        if self.root not in path.parents:
-            raise StoreError(f"invalid store key {key!r}")
-        return path
+    def _open_folder(self, parts: list[str], *, create: bool) -> int:
+        """A descriptor of the folder root/parts; FileNotFoundError when a part is absent and ``create`` is False."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise StoreError(f"{self.root}: no such store folder") from None
+        except OSError as error:
+            raise StoreError(f"{self.root}: cannot open the store folder: {error}") from error
+        for depth, part in enumerate(parts):
+            try:
+                if create:
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                child = os.open(part, _NO_LINK_DIRECTORY, dir_fd=fd)
+            except FileNotFoundError:
+                os.close(fd)
+                raise
+            except OSError as error:
+                os.close(fd)
+                where = self.root.joinpath(*parts[: depth + 1])
+                if error.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise StoreError(f"{where}: a symbolic link or not a folder; the store never follows links "
+                                     "out of its root") from None
+                raise StoreError(f"{where}: cannot open: {error}") from error
+            os.close(fd)
+            fd = child
+        return fd
+
+    def _split(self, key: str) -> tuple[list[str], str]:
+        parts = check_key(key).split("/")
+        return parts[:-1], parts[-1]
 
     def put(self, key: str, data: bytes) -> None:
-        path = self._path(key)
+        folder, name = self._split(key)
+        path = self.root / key
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".deltasync-", suffix=".tmp")
+            dir_fd = self._open_folder(folder, create=True)
+        except OSError as error:
+            raise StoreError(f"{path}: cannot write: {error}") from error
+        temp = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp"
+        try:
+            # Mode 0o666 less the umask, as any new file gets (mkstemp's 0o600 would survive the rename).
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dir_fd)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(temp, path)
+                os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except BaseException:
-                Path(temp).unlink(missing_ok=True)
+                try:
+                    os.unlink(temp, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
                 raise
         except OSError as error:
             raise StoreError(f"{path}: cannot write: {error}") from error
+        finally:
+            os.close(dir_fd)
 
-    def get(self, key: str) -> bytes:
-        path = self._path(key)
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
+        folder, name = self._split(key)
+        path = self.root / key
         try:
-            return path.read_bytes()
+            dir_fd = self._open_folder(folder, create=False)
+        except FileNotFoundError:
+            raise MissingObjectError(f"{path}: no such object") from None
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below like any non-regular file.
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
             raise MissingObjectError(f"{path}: no such object") from None
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise StoreError(f"{path}: a symbolic link; the store reads only regular files") from None
             raise StoreError(f"{path}: cannot read: {error}") from error
+        finally:
+            os.close(dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise StoreError(f"{path}: not a regular file; the store reads only regular files")
+            try:
+                data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+            except OSError as error:
+                raise StoreError(f"{path}: cannot read: {error}") from error
+        if max_bytes is not None and len(data) > max_bytes:
+            raise too_large(str(path), max_bytes)
+        return data
+
+    def get(self, key: str) -> bytes:
+        return self._read(key, None)
+
+    def get_small(self, key: str, max_bytes: int) -> bytes:
+        return self._read(key, max_bytes)
 
     def list(self, prefix: str = "") -> list[str]:
-        base = self.root.joinpath(*[p for p in prefix.split("/") if p]) if prefix else self.root
-        if not base.is_dir():
+        parts = [p for p in prefix.split("/") if p]
+        if parts:
+            check_key("/".join(parts))
+        try:
+            fd = self._open_folder(parts, create=False)
+        except FileNotFoundError:
             return []
-        keys = []
-        for path in base.rglob("*"):
-            if path.is_file() and not path.name.startswith(".deltasync-"):
-                keys.append(path.relative_to(self.root).as_posix())
-        return sorted(keys)
+        except StoreError:
+            target = self.root.joinpath(*parts)
+            if self.root.is_dir() and parts and not target.is_symlink() and not target.is_dir():
+                return []  # a prefix that names a file holds no keys
+            raise
+        try:
+            return sorted("/".join(parts + found) for found in _regular_files(fd))
+        except OSError as error:
+            raise StoreError(f"{self.root.joinpath(*parts)}: cannot list: {error}") from error
+        finally:
+            os.close(fd)
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
+            folder, name = self._split(key)
             try:
-                self._path(key).unlink(missing_ok=True)
+                dir_fd = self._open_folder(folder, create=False)
+            except FileNotFoundError:
+                continue
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
             except OSError as error:
-                raise StoreError(f"{self._path(key)}: cannot delete: {error}") from error
+                raise StoreError(f"{self.root / key}: cannot delete: {error}") from error
+            finally:
+                os.close(dir_fd)
+
+
+def _regular_files(dir_fd: int) -> Iterator[list[str]]:
+    """The regular files below a folder descriptor as lists of name parts, not entering linked folders and
+    skipping temporary files."""
+    with os.scandir(dir_fd) as entries:
+        listed = list(entries)
+    for entry in listed:
+        if entry.name.startswith(TEMP_PREFIX):
+            continue
+        if entry.is_file(follow_symlinks=False):
+            yield [entry.name]
+        elif entry.is_dir(follow_symlinks=False):
+            child = os.open(entry.name, _NO_LINK_DIRECTORY, dir_fd=dir_fd)
+            try:
+                for below in _regular_files(child):
+                    yield [entry.name, *below]
+            finally:
+                os.close(child)
 
 
 class FsspecStore(Store):
@@ -148,6 +277,17 @@ class FsspecStore(Store):
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot read: {error}") from error
+
+    def get_small(self, key: str, max_bytes: int) -> bytes:
+        try:
+            data = self.fs.cat_file(self._path(key), start=0, end=max_bytes + 1)
+        except FileNotFoundError:
+            raise MissingObjectError(f"{self.url}/{key}: no such object") from None
+        except Exception as error:
+            raise StoreError(f"{self.url}/{key}: cannot read: {error}") from error
+        if len(data) > max_bytes:
+            raise too_large(f"{self.url}/{key}", max_bytes)
+        return data
 
     def list(self, prefix: str = "") -> list[str]:
         base = f"{self.root}/{prefix}".rstrip("/")
@@ -211,7 +351,7 @@ class HFBucketStore(Store):
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot upload: {error}") from error
 
-    def get(self, key: str) -> bytes:
+    def _download(self, key: str, max_bytes: int | None) -> bytes:
         remote = self._remote(key)
         with tempfile.TemporaryDirectory(prefix="deltasync-") as folder:
             local = Path(folder) / "object"
@@ -226,7 +366,15 @@ class HFBucketStore(Store):
                 raise StoreError(f"{self.url}/{key}: cannot download: {error}") from error
             if not local.exists():
                 raise MissingObjectError(f"{self.url}/{key}: no such object")
+            if max_bytes is not None and local.stat().st_size > max_bytes:
+                raise too_large(f"{self.url}/{key}", max_bytes)
             return local.read_bytes()
+
+    def get(self, key: str) -> bytes:
+        return self._download(key, None)
+
+    def get_small(self, key: str, max_bytes: int) -> bytes:
+        return self._download(key, max_bytes)
 
     def list(self, prefix: str = "") -> list[str]:
         remote_prefix = self._remote(prefix.rstrip("/")) if prefix else self.prefix
@@ -249,8 +397,9 @@ class HFBucketStore(Store):
             raise StoreError(f"{self.url}: cannot delete {len(keys)} objects: {error}") from error
 
 
-def open_store(store: str | os.PathLike[str] | Store, **options: Any) -> Store:
-    """A Store from a URL or path: hf://buckets/... → HFBucketStore, scheme:// → FsspecStore, else a LocalStore."""
+def open_store(store: str | os.PathLike[str] | Store, *, create: bool = True, **options: Any) -> Store:
+    """A Store from a URL or path: hf://buckets/... → HFBucketStore, scheme:// → FsspecStore, else a LocalStore
+    (created when missing unless ``create`` is False: readers pass False, so a mistyped path is an error)."""
     if isinstance(store, Store):
         return store
     text = os.fspath(store)
@@ -258,7 +407,7 @@ def open_store(store: str | os.PathLike[str] | Store, **options: Any) -> Store:
         return HFBucketStore(text, **options)
     if "://" in text and not text.startswith("file://"):
         return FsspecStore(text, **options)
-    return LocalStore(text.removeprefix("file://"))
+    return LocalStore(text.removeprefix("file://"), create=create)
 
 
 __all__ = ["FsspecStore", "HFBucketStore", "LocalStore", "Store", "check_key", "open_store"]

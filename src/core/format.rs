@@ -219,17 +219,21 @@ pub fn to_bytes(delta: &Delta) -> Result<Vec<u8>> {
 }
 
 /// Writes `write` to a temporary file beside `path`, then renames it into place, so readers never see
-/// half a file.
+/// half a file. The result has the mode of the file it replaces, or for a new file 0o666 less the umask, as
+/// any plain `open` would give (the temp file alone would be 0o600).
 pub fn write_atomically(path: &Path, write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>) -> Result<()> {
     let dir = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
     };
-    let mut temp = tempfile::Builder::new()
-        .prefix(".deltasync-")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(|e| Error::io(path, e))?;
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".deltasync-").suffix(".tmp");
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let mut temp = builder.tempfile_in(dir).map_err(|e| Error::io(path, e))?;
+    if let Ok(existing) = std::fs::metadata(path) {
+        temp.as_file().set_permissions(existing.permissions()).map_err(|e| Error::io(path, e))?;
+    }
     write(temp.as_file_mut()).map_err(|e| Error::io(path, e))?;
     temp.as_file().sync_all().map_err(|e| Error::io(path, e))?;
     temp.persist(path).map_err(|e| Error::io(path, e.error))?;

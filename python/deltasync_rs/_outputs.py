@@ -1,0 +1,81 @@
+"""The command line's local files: inputs must be regular files, an output is never one of its inputs, outputs are
+written atomically with the mode any new file gets, and temporary files left by a killed run are removed."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+
+from .errors import DeltaSyncError
+from .store import TEMP_PREFIX
+
+# A temporary file untouched this long belongs to a run that was killed: live writers keep touching theirs.
+STALE_TEMP_SECONDS = 15 * 60
+
+
+def require_regular_file(path: str) -> None:
+    """Refuses FIFOs, devices and folders before anything opens them (a FIFO would block the reader)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DeltaSyncError(f"{path}: no such file") from None
+    except OSError as error:
+        raise DeltaSyncError(f"{path}: cannot read: {error}") from error
+    if not stat.S_ISREG(mode):
+        raise DeltaSyncError(f"{path}: not a regular file")
+
+
+def refuse_overwriting_inputs(output: str, inputs: list[str]) -> None:
+    for source in inputs:
+        same = os.path.realpath(output) == os.path.realpath(source)
+        if not same and os.path.exists(output):
+            same = os.path.samefile(output, source)
+        if same:
+            raise DeltaSyncError(f"{output}: this output is also the input {source}; write it to another path")
+
+
+def remove_stale_temps(output: str) -> None:
+    """Removes `.deltasync-*.tmp` files in the output's folder untouched for STALE_TEMP_SECONDS (a kill -9 during
+    a write leaves one behind; nothing else would ever remove it)."""
+    folder = os.path.dirname(os.path.abspath(output))
+    cutoff = time.time() - STALE_TEMP_SECONDS
+    try:
+        with os.scandir(folder) as entries:
+            stale = [e for e in entries if e.name.startswith(TEMP_PREFIX) and e.name.endswith(".tmp")
+                     and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff]
+    except OSError:
+        return
+    for entry in stale:
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """Calls ``write(temp)`` on a new file beside ``path``, then renames it over ``path``. The result has the mode
+    of the file it replaces, or 0o666 less the umask."""
+    folder = os.path.dirname(os.path.abspath(path))
+    temp = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}.tmp")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        new_file_mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 less the umask, read without changing it
+        os.close(fd)
+    except OSError as error:
+        raise DeltaSyncError(f"{path}: cannot write: {error}") from error
+    try:
+        write(temp)  # a writer may replace the file (safetensors does), so the mode is set afterwards
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = new_file_mode
+        os.chmod(temp, mode)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise

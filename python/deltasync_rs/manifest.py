@@ -1,0 +1,320 @@
+"""docs/format.md §10 as code: store keys, signing keys and signatures, capped depth-safe JSON documents, manifest
+entries, the `latest.json` pointer and the store's run id (`run.json`)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
+from .store import Store
+
+MANIFEST_FORMAT = "deltasync-manifest"
+LATEST_FORMAT = "deltasync-latest"
+RUN_FORMAT = "deltasync-run"
+PROTOCOL_VERSION = 1
+LATEST_KEY = "latest.json"
+RUN_KEY = "run.json"
+MAX_DOCUMENT_BYTES = 1 << 20
+MAX_DEPTH = 32
+_STEP_KEY = re.compile(r"^(manifest|deltas|anchors)/step_(\d{12})\.(json|safetensors)$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def entry_key(step: int) -> str:
+    return f"manifest/step_{step:012d}.json"
+
+
+def delta_key(step: int) -> str:
+    return f"deltas/step_{step:012d}.safetensors"
+
+
+def anchor_key(step: int) -> str:
+    return f"anchors/step_{step:012d}.safetensors"
+
+
+def step_of(key: str) -> int | None:
+    match = _STEP_KEY.match(key)
+    return int(match.group(2)) if match else None
+
+
+def listed_steps(store: Store) -> list[int]:
+    """The steps that have a manifest entry in the store, oldest first."""
+    return sorted({s for k in store.list("manifest/") if (s := step_of(k)) is not None})
+
+
+def resolve_signing_key(key: bytes | str | None) -> bytes | None:
+    """The HMAC key: ``key``, else ``DELTASYNC_SIGNING_KEY``, else None (unsigned). An empty key is an error, so
+    a variable that is set but empty never turns verification off without a word."""
+    if key is None:
+        key = os.environ.get("DELTASYNC_SIGNING_KEY")
+        if key is None:
+            return None
+        if not key:
+            raise DeltaSyncError("DELTASYNC_SIGNING_KEY is set but empty: set a key, or unset it to work unsigned")
+    if isinstance(key, str):
+        key = key.encode()
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        key = bytes(key)
+    else:
+        raise DeltaSyncError(f"signing_key must be bytes or str, not {type(key).__name__}")
+    if not key:
+        raise DeltaSyncError("signing_key is empty: pass a key, or None to work unsigned")
+    return key
+
+
+def _canonical(document: Mapping[str, Any]) -> bytes:
+    body = {k: v for k, v in document.items() if k != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(document: dict[str, Any], key: bytes | None) -> dict[str, Any]:
+    """Adds an HMAC-SHA256 `signature` over the canonical JSON of every other field."""
+    if key is not None:
+        document["signature"] = hmac.new(key, _canonical(document), hashlib.sha256).hexdigest()
+    return document
+
+
+def verify_signature(document: Mapping[str, Any], key: bytes | None, what: str) -> None:
+    if key is None:
+        return
+    signature = document.get("signature")
+    if not isinstance(signature, str):
+        raise IntegrityError(f"{what} is not signed, but a signing key is set")
+    expected = hmac.new(key, _canonical(document), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(signature, expected):
+        raise IntegrityError(f"{what} has a bad signature")
+
+
+# A JSON string, read possessively so that no input backtracks; brackets inside strings do not nest.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_INNERMOST = re.compile(rb"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_document(raw: bytes, key: str, expected_format: str) -> dict[str, Any]:
+    """A manifest document's JSON object: at most MAX_DOCUMENT_BYTES, nested at most MAX_DEPTH deep (checked before
+    parsing, so no input reaches the parser's recursion limit), with the expected `format` and `version`."""
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise DeltaFormatError(f"{key}: larger than {MAX_DOCUMENT_BYTES} bytes")
+    # Each pass removes the innermost bracket pairs: whatever is left after MAX_DEPTH passes nests deeper.
+    skeleton = _JSON_STRING.sub(b'""', raw)
+    for _ in range(MAX_DEPTH):
+        skeleton, removed = _INNERMOST.subn(b"", skeleton)
+        if not removed:
+            break
+    if _BRACKET.search(skeleton):
+        raise DeltaFormatError(f"{key}: not JSON nested at most {MAX_DEPTH} deep")
+    try:
+        document = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as error:
+        raise DeltaFormatError(f"{key}: not valid JSON: {error}") from None
+    if not isinstance(document, dict) or document.get("format") != expected_format:
+        raise DeltaFormatError(f"{key}: not a {expected_format} document")
+    if document.get("version") != PROTOCOL_VERSION:
+        raise DeltaFormatError(f"{key}: unsupported version {document.get('version')!r}")
+    return document
+
+
+def _field(document: Mapping[str, Any], name: str, kind: type | tuple[type, ...], key: str,
+           optional: bool = False) -> Any:
+    if name not in document:
+        raise DeltaFormatError(f"{key}: the field {name!r} is missing")
+    value = document[name]
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise DeltaFormatError(f"{key}: the field {name!r} is {value!r}, not a {_kind_name(kind)}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({int: "integer", float: "number", str: "string", dict: "JSON object"}[k] for k in kinds)
+
+
+def _count(document: Mapping[str, Any], name: str, key: str, optional: bool = False) -> int | None:
+    value = _field(document, name, int, key, optional)
+    if value is not None and not 0 <= value < 2**64:
+        raise DeltaFormatError(f"{key}: the field {name!r} is {value}, outside 0 to 2**64-1")
+    return value
+
+
+def _hex_digest(document: Mapping[str, Any], name: str, key: str, optional: bool = False) -> str | None:
+    value = _field(document, name, str, key, optional)
+    if value is not None and not _HEX64.match(value):
+        raise DeltaFormatError(f"{key}: the field {name!r} is not a lowercase hex SHA-256")
+    return value
+
+
+def _run_id(document: Mapping[str, Any], key: str) -> str | None:
+    value = _field(document, "run", str, key, optional=True) if "run" in document else None
+    if value is not None and not _RUN_ID.match(value):
+        raise DeltaFormatError(f"{key}: the field 'run' is not 32 lowercase hex digits")
+    return value
+
+
+def _file_ref(document: Mapping[str, Any], name: str, expected_key: str, key: str) -> dict[str, Any] | None:
+    ref = _field(document, name, dict, key, optional=True)
+    if ref is None:
+        return None
+    where = f"{key} ({name})"
+    if _field(ref, "key", str, where) != expected_key:
+        raise DeltaFormatError(f"{where}: names {ref['key']!r}, not {expected_key!r}")
+    _count(ref, "size", where)
+    _hex_digest(ref, "sha256", where)
+    return ref
+
+
+def file_ref(key: str, blob: bytes) -> dict[str, Any]:
+    return {"key": key, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+def check_run(found: str | None, expected: str | None, key: str) -> None:
+    if found != expected:
+        raise IntegrityError(f"{key}: belongs to run {found!r}, not to this store's run {expected!r} ({RUN_KEY})")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One manifest entry: a published step, its files, the digest of the state it produces, the run it belongs to
+    and the SHA-256 of its base step's entry. ``sha256`` is that of the entry's own bytes (not a field of it)."""
+
+    step: int
+    base_step: int | None
+    delta: dict[str, Any] | None
+    anchor: dict[str, Any] | None
+    state_digest: str
+    num_changed: int
+    num_elements: int
+    created: float
+    run: str | None = None
+    base_entry_sha256: str | None = None
+    sha256: str = field(default="", compare=False)
+
+    @classmethod
+    def parse(cls, raw: bytes, key: str, signing_key: bytes | None) -> Entry:
+        """The entry in ``raw`` (read from ``key``), checked field by field and by signature; the caller checks
+        its run with :func:`check_run`."""
+        document = parse_document(raw, key, MANIFEST_FORMAT)
+        verify_signature(document, signing_key, key)
+        step = _count(document, "step", key)
+        if entry_key(step) != key:
+            raise DeltaFormatError(f"{key}: the entry is for step {step}")
+        try:
+            created = float(_field(document, "created", (int, float), key))
+        except OverflowError:
+            created = math.inf
+        if not math.isfinite(created):
+            raise DeltaFormatError(f"{key}: the field 'created' is not a finite number")
+        entry = cls(
+            step=step,
+            base_step=_count(document, "base_step", key, optional=True),
+            delta=_file_ref(document, "delta", delta_key(step), key),
+            anchor=_file_ref(document, "anchor", anchor_key(step), key),
+            state_digest=_field(document, "state_digest", str, key),
+            num_changed=_count(document, "num_changed", key),
+            num_elements=_count(document, "num_elements", key),
+            created=created,
+            run=_run_id(document, key),
+            base_entry_sha256=(_hex_digest(document, "base_entry_sha256", key, optional=True)
+                               if "base_entry_sha256" in document else None),
+            sha256=hashlib.sha256(raw).hexdigest(),
+        )
+        if entry.delta is None and entry.anchor is None:
+            raise DeltaFormatError(f"{key}: the entry names no file")
+        if entry.delta is not None and entry.base_step is None:
+            raise DeltaFormatError(f"{key}: a delta entry needs a base step")
+        if entry.base_step is not None and entry.base_step >= step:
+            raise DeltaFormatError(f"{key}: base step {entry.base_step} is not before step {step}")
+        return entry
+
+    def to_json(self, signing_key: bytes | None) -> bytes:
+        document = {
+            "format": MANIFEST_FORMAT,
+            "version": PROTOCOL_VERSION,
+            "step": self.step,
+            "base_step": self.base_step,
+            "delta": self.delta,
+            "anchor": self.anchor,
+            "state_digest": self.state_digest,
+            "num_changed": self.num_changed,
+            "num_elements": self.num_elements,
+            "created": self.created,
+            "run": self.run,
+            "base_entry_sha256": self.base_entry_sha256,
+        }
+        return json.dumps(sign(document, signing_key), indent=1, sort_keys=True).encode()
+
+
+class Pointer(NamedTuple):
+    """What `latest.json` claims: the newest step, the SHA-256 of its entry's bytes, and the run."""
+
+    step: int
+    entry_sha256: str
+    run: str | None
+
+
+def latest_document(step: int, entry_blob: bytes, run: str | None, signing_key: bytes | None) -> bytes:
+    document = {"format": LATEST_FORMAT, "version": PROTOCOL_VERSION, "step": step, "run": run,
+                "entry_sha256": hashlib.sha256(entry_blob).hexdigest()}
+    return json.dumps(sign(document, signing_key), sort_keys=True).encode()
+
+
+def parse_latest(raw: bytes, signing_key: bytes | None) -> Pointer:
+    document = parse_document(raw, LATEST_KEY, LATEST_FORMAT)
+    verify_signature(document, signing_key, LATEST_KEY)
+    return Pointer(_count(document, "step", LATEST_KEY), _hex_digest(document, "entry_sha256", LATEST_KEY),
+                   _run_id(document, LATEST_KEY))
+
+
+def run_document(signing_key: bytes | None) -> bytes:
+    """A new `run.json`: a random run id that every entry of this store will carry."""
+    document = {"format": RUN_FORMAT, "version": PROTOCOL_VERSION, "run": secrets.token_hex(16),
+                "created": time.time()}
+    return json.dumps(sign(document, signing_key), sort_keys=True).encode()
+
+
+def parse_run(raw: bytes, signing_key: bytes | None) -> str:
+    document = parse_document(raw, RUN_KEY, RUN_FORMAT)
+    verify_signature(document, signing_key, RUN_KEY)
+    run = _run_id(document, RUN_KEY)
+    if run is None:
+        raise DeltaFormatError(f"{RUN_KEY}: the field 'run' is missing")
+    return run
+
+
+__all__ = [
+    "LATEST_KEY",
+    "MAX_DEPTH",
+    "MAX_DOCUMENT_BYTES",
+    "RUN_KEY",
+    "Entry",
+    "Pointer",
+    "anchor_key",
+    "delta_key",
+    "entry_key",
+    "listed_steps",
+    "parse_latest",
+    "parse_run",
+    "check_run",
+    "file_ref",
+    "latest_document",
+    "run_document",
+    "resolve_signing_key",
+    "step_of",
+]

@@ -1,0 +1,358 @@
+"""The writing side of the sync protocol: a Publisher turns a training run's states into anchors, deltas, manifest
+entries and the `latest.json` pointer of one run in a store (docs/format.md §10), uploading in the background."""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import _arrays
+from .delta import Delta, anchor, state_digest
+from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
+from .manifest import (
+    LATEST_KEY,
+    MAX_DOCUMENT_BYTES,
+    RUN_KEY,
+    Entry,
+    anchor_key,
+    delta_key,
+    entry_key,
+    file_ref,
+    latest_document,
+    parse_run,
+    resolve_signing_key,
+    run_document,
+    step_of,
+)
+from .mirror import Mirror
+from .store import Store, open_store
+from .subscriber import Subscriber
+
+log = logging.getLogger("deltasync_rs.sync")
+
+
+class Publisher:
+    """Publishes a training run's states to a store: an anchor first and every ``anchor_every`` publishes, and a
+    delta against the last published state for every publish after the first (anchor steps get both, so no
+    delta is ever dropped). Uploads run in a background thread; ``flush()`` waits and raises any upload error.
+
+    ``store`` is a path (the local-folder default), an ``s3://``/``gs://`` URL, ``hf://buckets/ORG/NAME/PREFIX``,
+    or a :class:`Store`. ``signing_key`` (or ``DELTASYNC_SIGNING_KEY``) signs every manifest entry with
+    HMAC-SHA256, and with a key what the publisher reads back (run.json, the newest step) is verified too.
+    ``keep_anchors`` anchors are kept, with the deltas after the oldest of them; older files are deleted.
+
+    Every entry carries the store's run id (``run.json``, made by the first publisher of the store) and the
+    SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
+    interpreter exit are waited for up to ``exit_timeout`` seconds, and any that are lost are reported on stderr.
+    """
+
+    def __init__(self, store: str | os.PathLike[str] | Store, *, anchor_every: int = 10, keep_anchors: int = 2,
+                 values: str = "diff", signing_key: bytes | str | None = None, background: bool = True,
+                 max_pending: int = 2, retries: int = 3, exit_timeout: float = 60.0) -> None:
+        if anchor_every < 1 or keep_anchors < 1:
+            raise DeltaSyncError("anchor_every and keep_anchors must be at least 1")
+        if values not in ("diff", "abs"):
+            raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        self.store = open_store(store)
+        self.anchor_every = anchor_every
+        self.keep_anchors = keep_anchors
+        self.values = values
+        self.retries = max(1, retries)
+        self.exit_timeout = exit_timeout
+        self._key = resolve_signing_key(signing_key)
+        self._mirror = Mirror()
+        self._since_anchor = 0
+        self._errors: list[BaseException] = []
+        self.run = self._open_run()
+        self._reader = Subscriber(self.store, signing_key=self._key, retries=self.retries)
+        self._last_step = self._store_latest_step()
+        self._base_entry: tuple[int, str] | None = None  # (step, SHA-256) of the last entry written
+        self._closed = False
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=max(1, max_pending))
+            self._worker = threading.Thread(target=self._drain, name="deltasync-publisher", daemon=True)
+            self._worker.start()
+            _open_publishers.add(self)
+
+    def _open_run(self) -> str:
+        """The store's run id: read from run.json (verified with a key), or made and written by this publisher.
+        The same bytes are written again until they read back, so a delayed write cannot change the run."""
+        document: bytes | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                return parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES), self._key)
+            except MissingObjectError:
+                if attempt == self.retries:
+                    break
+            except (DeltaFormatError, StoreError):
+                if document is None or attempt == self.retries:
+                    raise
+            document = document or run_document(self._key)
+            self._put(RUN_KEY, document)
+        raise StoreError(f"{self.store.url}/{RUN_KEY}: written {self.retries} times, but never read back")
+
+    def _store_latest_step(self) -> int | None:
+        """The newest step in the store that verifies; a bad `latest.json` is logged and then overwritten."""
+        try:
+            return self._reader.latest_step()
+        except (DeltaFormatError, IntegrityError) as error:
+            log.error("%s: ignoring what the store says about its newest step: %s", self.store.url, error)
+            return None
+
+    @property
+    def step(self) -> int | None:
+        """The last step handed to publish (uploaded, or queued for upload)."""
+        return self._mirror.step
+
+    def _check_step(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise DeltaSyncError(f"step must be a non-negative integer, not {step!r}")
+        last = self._mirror.step if self._mirror.step is not None else self._last_step
+        if last is not None and step <= last:
+            raise DeltaSyncError(f"step {step} is not after the last published step {last}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeltaSyncError(f"{self.store.url}: the publisher is closed; make a new one to publish again")
+
+    def publish(self, step: int, state: Mapping[str, Any]) -> None:
+        """Publishes ``state`` as ``step``: a delta against the last published state, and an anchor when due.
+        The state is diffed (or copied) before this returns, so training may change it right after."""
+        self._check_open()
+        self._raise_errors()
+        self._check_step(step)
+        if self._mirror.is_empty:
+            self._mirror.reset(state, step=step)
+            self._enqueue(step, None)
+            return
+        delta = self._mirror.advance(state, step=step, values=self.values)
+        self._enqueue(step, delta)
+
+    def resume(self, state: Mapping[str, Any], *, step: int) -> None:
+        """Starts from ``state`` as already published at ``step`` (e.g. pulled back from the store), so the next
+        publish is a delta against it rather than a first anchor."""
+        self._check_open()
+        if not self._mirror.is_empty:
+            raise DeltaSyncError("resume must come before the first publish")
+        self._mirror.reset(state, step=step)
+        self._last_step = step
+        try:
+            self._base_entry = (step, self._reader.entry(step).sha256)
+        except DeltaSyncError as error:
+            log.warning("resuming at step %d without its entry (%s): the next publish is an anchor", step, error)
+            self._base_entry = None
+        # Keep the anchor cadence across publisher restarts: count the steps published since the newest anchor.
+        anchors = [s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= step]
+        newest = max(anchors, default=None)
+        if newest is None or self._base_entry is None:
+            self._since_anchor = self.anchor_every
+        else:
+            entries = {s for k in self.store.list("manifest/") if (s := step_of(k)) is not None}
+            self._since_anchor = sum(1 for s in entries if newest < s <= step)
+
+    def publish_delta(self, step: int, delta: Delta) -> None:
+        """Publishes a delta made elsewhere (e.g. by the trainer's mirror) against the last published state."""
+        self._check_open()
+        self._raise_errors()
+        self._check_step(step)
+        if self._mirror.is_empty:
+            raise DeltaSyncError("publish a full state first: the publisher has no state to apply a delta to")
+        if delta.base_step is None:
+            delta.base_step = self._mirror.step
+        self._mirror.apply(delta)
+        self._mirror.step = step
+        delta.step = step
+        self._enqueue(step, delta)
+
+    def publish_shared(self, step: int, tensors: Mapping[str, Any], advance: Callable[[], Delta] | None = None) -> None:
+        """Publishes from a mirror the caller keeps (ds.torch.Mirror), shared rather than copied.
+
+        The first call (the publisher has no state yet) publishes ``tensors`` as ``step``. Later calls run
+        ``advance()`` only once the step is checked and earlier uploads are known good; it must move ``tensors`` to
+        ``step`` and return the delta from the last published state. If the publisher holds its own copy (after
+        ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
+        self._check_open()
+        self._raise_errors()
+        if self._mirror.is_empty:
+            self._check_step(step)
+            self._mirror.share(tensors, step=step)
+            self._enqueue(step, None)
+            return
+        if self._mirror.tensors is not tensors:
+            if state_digest(tensors) != self._mirror.digest():
+                raise DeltaSyncError("the shared mirror does not hold the last published state")
+            self._mirror.share(tensors, step=self._mirror.step)
+        if advance is None:
+            if step != self._mirror.step:
+                raise DeltaSyncError(f"the shared mirror is at step {self._mirror.step}, not {step}: pass advance()")
+            return
+        self._check_step(step)
+        delta = advance()
+        delta.base_step = self._mirror.step
+        delta.step = step
+        self._mirror.step = step
+        self._enqueue(step, delta)
+
+    def _enqueue(self, step: int, delta: Delta | None) -> None:
+        due = delta is None or self._since_anchor + 1 >= self.anchor_every
+        full = anchor(self._mirror.tensors, step=step) if due else None
+        self._since_anchor = 0 if due else self._since_anchor + 1
+        job = (step, delta, full, self._mirror.digest(), self._mirror_elements())
+        if self._queue is None:
+            self._upload(*job)
+            return
+        while True:  # never wait on a full queue that no thread drains any more
+            if self._worker is None or not self._worker.is_alive():
+                raise DeltaSyncError(f"{self.store.url}: the upload thread stopped; step {step} was not published")
+            try:
+                self._queue.put(job, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _mirror_elements(self) -> int:
+        return sum(math.prod(_arrays.describe(t, name)[1]) for name, t in self._mirror.tensors.items())
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._upload(*job)
+            except BaseException as error:  # kept for flush(); the next publish re-anchors
+                log.error("publishing step %s failed: %s", job[0] if job else "?", error)
+                self._errors.append(error)
+                self._since_anchor = self.anchor_every
+            finally:
+                self._queue.task_done()
+
+    def _put(self, key: str, blob: bytes) -> None:
+        for attempt in range(self.retries):
+            try:
+                self.store.put(key, blob)
+                return
+            except StoreError as error:
+                if attempt + 1 == self.retries:
+                    raise
+                log.warning("writing %s failed (%s); retrying", key, error)
+                time.sleep(0.05 * 2**attempt)
+
+    def _upload(self, step: int, delta: Delta | None, full: Delta | None, digest: str, elements: int) -> None:
+        started = time.perf_counter()
+        delta_ref = anchor_ref = None
+        if delta is not None:
+            blob = delta.to_bytes()
+            delta_ref = file_ref(delta_key(step), blob)
+            self._put(delta_key(step), blob)
+        if full is not None:
+            blob = full.to_bytes()
+            anchor_ref = file_ref(anchor_key(step), blob)
+            self._put(anchor_key(step), blob)
+        base_step = delta.base_step if delta is not None else None
+        # A base entry that was never written (its upload failed) leaves the link empty: subscribers then take
+        # the anchor that follows such a failure.
+        base_entry = self._base_entry[1] if self._base_entry and self._base_entry[0] == base_step else None
+        entry = Entry(step=step, base_step=base_step, delta=delta_ref, anchor=anchor_ref, state_digest=digest,
+                      num_changed=delta.num_changed if delta else elements, num_elements=elements,
+                      created=time.time(), run=self.run, base_entry_sha256=base_entry)
+        entry_blob = entry.to_json(self._key)
+        self._put(entry_key(step), entry_blob)
+        self._base_entry = (step, hashlib.sha256(entry_blob).hexdigest())
+        self._put(LATEST_KEY, latest_document(step, entry_blob, self.run, self._key))
+        kinds = " + ".join(kind for kind, ref in (("delta", delta_ref), ("anchor", anchor_ref)) if ref)
+        log.info("published step %d (%s) in %.2f s", step, kinds, time.perf_counter() - started)
+        if full is not None:
+            self._retain()
+
+    def _retain(self) -> None:
+        keys = self.store.list("anchors/") + self.store.list("deltas/") + self.store.list("manifest/")
+        anchors = sorted({s for k in keys if k.startswith("anchors/") and (s := step_of(k)) is not None})
+        if len(anchors) <= self.keep_anchors:
+            return
+        cutoff = anchors[-self.keep_anchors]
+        old = [k for k in keys if (s := step_of(k)) is not None and s < cutoff]
+        # Entries go first, so no reader follows an entry to a file that is already gone.
+        self.store.delete(sorted(k for k in old if k.startswith("manifest/")))
+        self.store.delete(sorted(k for k in old if not k.startswith("manifest/")))
+        log.info("retention: removed %d objects before step %d", len(old), cutoff)
+
+    def _raise_errors(self) -> None:
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise DeltaSyncError(f"{len(errors)} publish(es) failed; the first: {errors[0]}") from errors[0]
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits for every queued upload (at most ``timeout`` seconds); raises if any failed, if the wait ran out,
+        or if the upload thread is gone with uploads still pending."""
+        if self._queue is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with self._queue.all_tasks_done:
+                while self._queue.unfinished_tasks:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if self._worker is None or not self._worker.is_alive():
+                        raise DeltaSyncError(f"{self.store.url}: the upload thread stopped with "
+                                             f"{self._queue.unfinished_tasks} upload(s) pending; they are lost")
+                    if left is not None and left <= 0:
+                        raise DeltaSyncError(f"{self.store.url}: {self._queue.unfinished_tasks} upload(s) still "
+                                             f"pending after {timeout} s")
+                    self._queue.all_tasks_done.wait(0.1 if left is None else min(0.1, left))
+        self._raise_errors()
+
+    def close(self) -> None:
+        """Flushes, then stops the upload thread. Publishing after this raises DeltaSyncError."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_publishers.discard(self)
+        try:
+            self.flush()
+        finally:
+            if self._queue is not None and self._worker is not None and self._worker.is_alive():
+                self._queue.put(None)
+                self._worker.join()
+
+    def _close_at_exit(self) -> None:
+        """Waits up to ``exit_timeout`` for pending uploads; says so loudly when some are lost."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush(timeout=self.exit_timeout)
+        except DeltaSyncError as error:
+            message = (f"deltasync: the publisher of {self.store.url} was not closed, and at exit not everything "
+                       f"it published reached the store: {error}")
+            log.error(message)
+            print(message, file=sys.stderr, flush=True)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_open_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_open_publishers() -> None:
+    # The upload threads are daemons: without this wait, interpreter exit would drop their pending uploads.
+    for publisher in list(_open_publishers):
+        publisher._close_at_exit()
+
+
+__all__ = ["Publisher"]

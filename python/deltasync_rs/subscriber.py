@@ -1,0 +1,390 @@
+"""The reading side of the sync protocol: a Subscriber finds the newest step it can verify, and downloads, checks
+and replays the anchor and deltas that lead there (docs/format.md §10)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .delta import Delta, load, state_digest
+from .errors import ChainError, DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
+from .manifest import (
+    LATEST_KEY,
+    MAX_DOCUMENT_BYTES,
+    RUN_KEY,
+    Entry,
+    Pointer,
+    entry_key,
+    listed_steps,
+    parse_latest,
+    check_run,
+    parse_run,
+    resolve_signing_key,
+    step_of,
+)
+from .store import Store, open_store
+
+log = logging.getLogger("deltasync_rs.sync")
+
+# Entries kept in memory: far more than one pull's chain needs (anchor_every of them), bounded for long runs.
+_CACHED_ENTRIES = 64
+# Entries tried, newest first, when looking for the newest one that verifies.
+_NEWEST_TRIES = 16
+
+
+def _progress(total: int, description: str):
+    """A tqdm bar on an interactive terminal, else None: quiet in logs, pipes and CI."""
+    if total <= 1 or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=description, unit="file", file=sys.stderr, leave=False)
+
+
+class Subscriber:
+    """Pulls a store's published steps into a state, verifying every file and signature on the way.
+
+    ``pull(state)`` brings a mapping of tensors to the newest step, in place and bit-exact: from the newest anchor
+    when the subscriber is fresh or too far behind, else by replaying the deltas it missed. The newest step is the
+    newest manifest entry that verifies (``latest.json`` is checked against it, never followed past it), and a
+    subscriber never moves back to an older step. Every file's SHA-256, every entry's run and predecessor and (with
+    ``signing_key`` or ``DELTASYNC_SIGNING_KEY``) every signature are checked before use; a failed read is retried,
+    then the newest anchor is tried, and ChainError is raised only when no consistent chain exists.
+    """
+
+    def __init__(self, store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None,
+                 retries: int = 3, retry_delay: float = 0.02) -> None:
+        self.store = open_store(store, create=False)
+        self.retries = max(1, retries)
+        self.retry_delay = retry_delay
+        self.step: int | None = None
+        self._key = resolve_signing_key(signing_key)
+        self._run: str | None = None
+        self._run_confirmed = False  # an entry carried the run read from run.json
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+        self._at: Entry | None = None  # the entry of `step`, once a pull got there
+        self._names: list[str] | None = None
+
+    # -- reading with verification ------------------------------------------------------------------------------
+    def _retry(self, what: str, read: Callable[[], Any]) -> Any:
+        for attempt in range(self.retries):
+            try:
+                return read()
+            except MissingObjectError:
+                if attempt + 1 == self.retries:
+                    raise
+            except (StoreError, IntegrityError, DeltaFormatError) as error:
+                if attempt + 1 == self.retries:
+                    raise
+                log.warning("reading %s failed (%s); retrying", what, error)
+            time.sleep(self.retry_delay * 2**attempt)
+        raise AssertionError("unreachable")
+
+    @property
+    def run(self) -> str | None:
+        """The store's run id from `run.json`, kept once an entry confirmed it: entries of any other run are
+        refused. None while the store has no run.json (nothing published yet, or a store written before run ids)."""
+        if self._run is None:
+            try:
+                self._run = self._retry(RUN_KEY, lambda: parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES),
+                                                                   self._key))
+            except MissingObjectError:
+                if self._key is not None:
+                    raise IntegrityError(f"{RUN_KEY} is missing, but a signing key is set: no entry can be bound "
+                                         "to this store's run") from None
+        return self._run
+
+    def entry(self, step: int) -> Entry:
+        """The verified manifest entry of ``step``."""
+        cached = self._entries.get(step)
+        if cached is not None:
+            self._entries.move_to_end(step)
+            return cached
+        key = entry_key(step)
+        entry = self._retry(key, lambda: self._bound(Entry.parse(self.store.get_small(key, MAX_DOCUMENT_BYTES), key,
+                                                                 self._key), key))
+        self._entries[step] = entry
+        while len(self._entries) > _CACHED_ENTRIES:
+            self._entries.popitem(last=False)
+        return entry
+
+    def _bound(self, document: Entry | Pointer, key: str) -> Any:
+        """``document`` when it belongs to this store's run; an unsigned run.json is read again after a mismatch
+        until an entry has confirmed it, so one corrupted read of it cannot stick."""
+        run = self.run
+        if document.run != run and not self._run_confirmed:
+            self._run = None
+        check_run(document.run, run, key)
+        if isinstance(document, Entry) and run is not None:
+            self._run_confirmed = True
+        return document
+
+    def _pointer(self) -> Pointer | None:
+        try:
+            return self._retry(LATEST_KEY, lambda: self._bound(
+                parse_latest(self.store.get_small(LATEST_KEY, MAX_DOCUMENT_BYTES), self._key), LATEST_KEY))
+        except MissingObjectError:
+            return None
+
+    def _newest_entry(self) -> Entry | None:
+        """The newest entry that verifies, trying the listed ones newest first."""
+        error: DeltaSyncError | None = None
+        for step in listed_steps(self.store)[::-1][:_NEWEST_TRIES]:
+            try:
+                return self.entry(step)
+            except (DeltaFormatError, IntegrityError, StoreError) as problem:
+                log.warning("%s", problem)
+                error = error or problem
+        if error is not None:
+            raise error
+        return None
+
+    def _newest(self) -> tuple[int | None, DeltaSyncError | None]:
+        """The newest verified step, and what is wrong with `latest.json` (None when it agrees with the entries,
+        or only lags behind them as it does between the publisher's two writes)."""
+        try:
+            pointer, problem = self._pointer(), None
+        except (DeltaFormatError, IntegrityError, StoreError) as error:
+            pointer, problem = None, error
+        try:
+            newest = self._newest_entry()
+        except DeltaSyncError:
+            if problem is not None:
+                raise problem from None
+            raise
+        if pointer is not None:
+            if newest is None or pointer.step > newest.step:
+                problem = IntegrityError(f"{LATEST_KEY} names step {pointer.step}, which has no verified entry")
+            elif pointer.step == newest.step and pointer.entry_sha256 != newest.sha256:
+                problem = IntegrityError(f"{LATEST_KEY}: its entry_sha256 does not match {entry_key(newest.step)}")
+        if newest is None and problem is not None:
+            raise problem
+        return (None if newest is None else newest.step), problem
+
+    def latest_step(self) -> int | None:
+        """The newest published step this subscriber can verify, or None for an empty store. A `latest.json` that
+        disagrees with the entries is logged as an IntegrityError and not followed."""
+        newest, problem = self._newest()
+        if problem is not None:
+            log.error("%s; using the newest verified entry, step %s", problem, newest)
+        return newest
+
+    def _file(self, ref: dict[str, Any], step: int, kind: str) -> Delta:
+        def read() -> Delta:
+            blob = self.store.get(ref["key"])
+            if len(blob) != ref["size"] or hashlib.sha256(blob).hexdigest() != ref["sha256"]:
+                raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
+            delta = load(blob)
+            if delta.step is not None and delta.step != step:
+                raise IntegrityError(f"{ref['key']}: the file says step {delta.step}, its entry step {step}")
+            if kind == "anchor" and not delta.is_anchor:
+                raise IntegrityError(f"{ref['key']}: not an anchor")
+            return delta
+
+        return self._retry(ref["key"], read)
+
+    # -- planning ---------------------------------------------------------------------------------------------------
+    def _walk_back(self, target: int, floor: int, stop: Callable[[Entry], bool]) -> list[Entry]:
+        """Entries from ``target`` back to the first one where ``stop`` holds (never below ``floor``), oldest first;
+        each must be the very entry its successor names by SHA-256."""
+        chain: list[Entry] = []
+        step: int | None = target
+        while step is not None and step >= floor:
+            entry = self.entry(step)
+            if chain:
+                try:
+                    _check_link(entry, chain[-1])
+                except IntegrityError:
+                    self._entries.pop(step, None)  # it may have been replaced since: read it again next time
+                    raise
+            chain.append(entry)
+            if stop(entry):
+                return chain[::-1]
+            if entry.delta is None:
+                break
+            step = entry.base_step
+        raise ChainError(f"no chain of deltas from step {target} back to the required start")
+
+    def _fetch_to(self, current: int | None, target: int) -> list[Delta]:
+        """Downloads a verified way to ``target``: the missed deltas when ``current`` is on the chain, else the newest
+        usable anchor and the deltas after it. Each way is tried in turn until one reads back whole."""
+        errors: list[Exception] = []
+        plans: list[Callable[[], tuple[Entry | None, list[Entry]]]] = []
+        if current is not None:
+            def from_current() -> tuple[Entry | None, list[Entry]]:
+                chain = self._walk_back(target, current + 1, lambda e: e.base_step == current and e.delta is not None)
+                if self._at is not None and self._at.step == current:
+                    _check_link(self._at, chain[0])
+                return None, chain
+
+            plans.append(from_current)
+
+        def from_anchor(anchor_step: int) -> tuple[Entry | None, list[Entry]]:
+            chain = self._walk_back(target, anchor_step, lambda e: e.step == anchor_step)
+            if chain[0].anchor is None:
+                raise ChainError(f"step {anchor_step} has no anchor entry")
+            return chain[0], chain[1:]
+
+        anchors = sorted({s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= target},
+                         reverse=True)
+        plans.extend(lambda a=a: from_anchor(a) for a in anchors)
+        for plan in plans:
+            try:
+                return self._download(*plan())
+            except (ChainError, StoreError, IntegrityError, DeltaFormatError) as error:
+                errors.append(error)
+        detail = f": {errors[-1]}" if errors else " (the store holds no anchor)"
+        raise ChainError(f"no consistent chain leads to step {target}{detail}")
+
+    def fetch(self, current_step: int | None, *, until: int | None = None) -> list[Delta]:
+        """Verified deltas that bring a state at ``current_step`` (None: no state yet) to the newest step, or to step
+        ``until`` exactly (a ChainError naming it when it is not published or cannot be reached): an anchor first
+        when needed, then deltas in order; [] when already there or past it (a subscriber never moves back)."""
+        latest = self.latest_step()
+        if latest is None:
+            if current_step is None:
+                raise ChainError(f"{self.store.url}: nothing has been published yet")
+            return []
+        if until is not None:
+            if until > latest:
+                raise ChainError(f"{self.store.url}: step {until} is not published (the newest verified step is "
+                                 f"{latest})")
+            if current_step is not None and until <= current_step:
+                return []
+            try:
+                return self._fetch_to(current_step, until)
+            except ChainError as error:
+                raise ChainError(f"{self.store.url}: step {until}: {error}") from error
+        if current_step is not None and latest <= current_step:
+            return []
+        targets = [latest]
+        last_error: Exception | None = None
+        tried = 0
+        while targets:
+            target = targets.pop(0)
+            if current_step is not None and target <= current_step:
+                break  # nothing newer than where we are can be reached: that is an error, not "up to date"
+            try:
+                return self._fetch_to(current_step, target)
+            except ChainError as error:
+                last_error = error
+                tried += 1
+                log.warning("no usable chain to step %d: %s", target, error)
+                if tried == 1:  # the newest step is unreachable: fall back to older published steps
+                    targets = [s for s in listed_steps(self.store)[::-1] if s < target][:8]
+        raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
+
+    def _download(self, anchor_entry: Entry | None, chain: list[Entry]) -> list[Delta]:
+        bar = _progress(len(chain) + (anchor_entry is not None), "pull")
+        out = []
+        try:
+            if anchor_entry is not None:
+                out.append(self._file(anchor_entry.anchor, anchor_entry.step, "anchor"))
+                if bar is not None:
+                    bar.update()
+            for entry in chain:
+                delta = self._file(entry.delta, entry.step, "delta")
+                if delta.base_step is not None and delta.base_step != entry.base_step:
+                    raise IntegrityError(f"{entry.delta['key']}: base step {delta.base_step} differs from its entry")
+                delta.step, delta.base_step = entry.step, entry.base_step
+                out.append(delta)
+                if bar is not None:
+                    bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
+        return out
+
+    # -- applying -----------------------------------------------------------------------------------------------------
+    def pull(self, state: Any, *, until: int | None = None) -> int:
+        """Brings ``state`` (a mapping of tensors, modified in place) to the newest step (or to step ``until``) and
+        returns that step. Each delta is applied all-or-nothing; when ``state`` holds every published tensor, its
+        digest is checked against the manifest, and a mismatch re-syncs from the newest anchor before raising
+        IntegrityError."""
+        deltas = self.fetch(self.step, until=until)
+        if not deltas:
+            if self.step is None:
+                raise ChainError(f"{self.store.url}: nothing to pull")
+            return self.step
+        self._apply_all(state, deltas)
+        if self._state_matches(state):
+            return self.step
+        log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
+        self._apply_all(state, self.fetch(None, until=self.step))
+        if not self._state_matches(state):
+            raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
+        return self.step
+
+    def _apply_all(self, state: Any, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            delta.apply_(state)
+            if delta.is_anchor:
+                self._names = delta.names
+            self.step = delta.step
+        self._at = self.entry(self.step)
+
+    def _state_matches(self, state: Any) -> bool:
+        if self.step is None or self._names is None or not isinstance(state, Mapping):
+            return True
+        if any(name not in state for name in self._names):
+            return True  # a partial state (a shard) cannot be checked against the whole-state digest
+        return state_digest({name: state[name] for name in self._names}) == self.entry(self.step).state_digest
+
+    # -- auditing -----------------------------------------------------------------------------------------------------
+    def verify(self) -> list[str]:
+        """Checks every entry (signature, run, fields), every file's digest, that each delta's base entry is in the
+        store and is the one it names, and that `latest.json` agrees; returns the problems found (empty when all
+        is well; an empty store is a problem)."""
+        problems = []
+        steps = listed_steps(self.store)
+        if not steps:
+            problems.append("the store holds no published step")
+        for step in steps:
+            try:
+                entry = self.entry(step)
+                for ref, kind in ((entry.delta, "delta"), (entry.anchor, "anchor")):
+                    if ref is not None:
+                        self._file(ref, step, kind)
+                if entry.delta is not None and step != steps[0]:
+                    if entry.base_step not in steps:
+                        problems.append(f"step {step}: its base step {entry.base_step} is not in the store")
+                    else:
+                        _check_link(self.entry(entry.base_step), entry)
+            except DeltaSyncError as error:
+                problems.append(f"step {step}: {error}")
+        try:
+            _, problem = self._newest()
+        except DeltaSyncError as error:
+            problem = error
+        if problem is not None:
+            problems.append(str(problem))
+        return problems
+
+
+def _check_link(base: Entry, successor: Entry) -> None:
+    """``successor`` must name ``base``'s entry by SHA-256 (entries without a run id predate this rule)."""
+    if successor.run is not None and successor.base_entry_sha256 != base.sha256:
+        raise IntegrityError(f"{entry_key(base.step)}: not the entry that {entry_key(successor.step)} was published "
+                             "after (its base_entry_sha256 differs)")
+
+
+def log_entries(store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None) -> list[Entry]:
+    """Every manifest entry of a store, verified, oldest first."""
+    subscriber = Subscriber(store, signing_key=signing_key, retries=1)
+    return [subscriber.entry(step) for step in listed_steps(subscriber.store)]
+
+
+def verify_store(store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None) -> list[str]:
+    """The problems :meth:`Subscriber.verify` finds in a store (empty when all is well)."""
+    return Subscriber(store, signing_key=signing_key, retries=1).verify()
+
+
+__all__ = ["Subscriber", "log_entries", "verify_store"]

@@ -1,0 +1,373 @@
+"""The sync protocol under attack and failure: replayed and disagreeing pointers, entries spliced from another run
+or past a republished step, empty keys, oversized and malformed documents, and a Publisher's own lifecycle."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+import deltasync_rs as ds
+from deltasync_rs.cli import main
+from deltasync_rs.manifest import MAX_DOCUMENT_BYTES, latest_document, parse_document
+from deltasync_rs.sync import LATEST_KEY, RUN_KEY, delta_key, entry_key
+from tests.helpers import assert_states_equal
+from tests.test_sync import _fresh, _state, _train_step
+
+KEY = "s3cret"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _publish(store, steps, *, seed=0, key=KEY, pointers=None):
+    """Publishes steps 0..steps-1 of a run whose states differ by ``seed``; returns the states published."""
+    state = _state(seed)
+    history = {}
+    with ds.Publisher(store, anchor_every=100, signing_key=key, background=False) as publisher:
+        for step in range(steps):
+            _train_step(state, step + 100 * seed)
+            publisher.publish(step, state)
+            history[step] = {k: v.clone() for k, v in state.items()}
+            if pointers is not None:
+                pointers[step] = store.get(LATEST_KEY)
+    return history
+
+
+def test_a_replayed_older_pointer_never_rolls_a_subscriber_back(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    pointers = {}
+    history = _publish(store, 4, pointers=pointers)
+    store.put(LATEST_KEY, pointers[1])  # a replay of a genuine, signed, older pointer
+    fresh = ds.Subscriber(store, signing_key=KEY)
+    replica = _fresh(history[3])
+    assert fresh.pull(replica) == 3
+    assert_states_equal(replica, history[3])
+    # With the newer entries gone too, a subscriber at step 3 stays there rather than move back to step 1.
+    store.delete([entry_key(2), entry_key(3)])
+    assert fresh.pull(replica) == 3
+    assert_states_equal(replica, history[3])
+
+
+def test_a_pointer_that_disagrees_with_the_entries_is_logged_and_not_followed(tmp_path, caplog):
+    store, other = ds.LocalStore(tmp_path / "a"), ds.LocalStore(tmp_path / "b")
+    history = _publish(store, 4)
+    _publish(other, 8, seed=1)
+    store.put(LATEST_KEY, other.get(LATEST_KEY))  # signed with the same key, for another run's step 7
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    with caplog.at_level(logging.ERROR, logger="deltasync_rs.sync"):
+        assert subscriber.pull(_fresh(history[3])) == 3
+    assert any("latest.json" in r.getMessage() and "run" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    run = json.loads(store.get(RUN_KEY))["run"]
+    store.put(LATEST_KEY, latest_document(3, b"not the entry", run, KEY.encode()))
+    with caplog.at_level(logging.ERROR, logger="deltasync_rs.sync"):
+        assert ds.Subscriber(store, signing_key=KEY).latest_step() == 3
+    assert any("entry_sha256 does not match" in r.getMessage() for r in caplog.records)
+    assert any("entry_sha256" in p for p in ds.sync.verify_store(store, signing_key=KEY))
+
+
+def test_entries_spliced_from_another_run_with_the_same_key_are_refused(tmp_path):
+    store, other = ds.LocalStore(tmp_path / "a"), ds.LocalStore(tmp_path / "b")
+    history = _publish(store, 4)
+    _publish(other, 6, seed=1)
+    for key in (entry_key(4), delta_key(4), entry_key(5), delta_key(5), LATEST_KEY):
+        store.put(key, other.get(key))
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    replica = _fresh(history[3])
+    assert subscriber.pull(replica) == 3
+    assert_states_equal(replica, history[3])
+    with pytest.raises(ds.IntegrityError, match=r"manifest/step_000000000004\.json: belongs to run"):
+        subscriber.entry(4)
+
+
+def test_a_chain_cannot_be_spliced_past_a_republished_step(tmp_path):
+    """A publisher resumed at step 1 republishes steps 2 and 3; the first run's entry 2 put back in the store must
+    not be replayed before the second run's step 3, although both are signed, of this run, and name step 2."""
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 4)
+    first_entry, first_delta = store.get(entry_key(2)), store.get(delta_key(2))
+    state = {k: v.clone() for k, v in history[1].items()}
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=1)
+        for step in (2, 3):
+            _train_step(state, 50 + step)
+            publisher.publish(step, state)
+    store.put(entry_key(2), first_entry)
+    store.put(delta_key(2), first_delta)
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    with pytest.raises(ds.ChainError, match="base_entry_sha256 differs"):
+        subscriber.fetch(1, until=3)
+    assert [d.step for d in subscriber.fetch(1)] == [2]  # the first run's own chain still leads to its step 2
+
+
+@pytest.mark.parametrize("key", ["", b""])
+def test_empty_signing_keys_are_errors(tmp_path, key):
+    with pytest.raises(ds.DeltaSyncError, match="empty"):
+        ds.Publisher(tmp_path, signing_key=key)
+    with pytest.raises(ds.DeltaSyncError, match="empty"):
+        ds.Subscriber(tmp_path, signing_key=key)
+
+
+def test_a_set_but_empty_key_variable_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELTASYNC_SIGNING_KEY", "")
+    with pytest.raises(ds.DeltaSyncError, match="DELTASYNC_SIGNING_KEY is set but empty"):
+        ds.Publisher(tmp_path)
+    with pytest.raises(ds.DeltaSyncError, match="DELTASYNC_SIGNING_KEY is set but empty"):
+        ds.Subscriber(tmp_path)
+
+
+def test_deeply_nested_and_oversized_documents_are_format_errors(tmp_path):
+    with pytest.raises(ds.DeltaFormatError, match="nested"):
+        parse_document(b"[" * MAX_DOCUMENT_BYTES, LATEST_KEY, "deltasync-latest")
+    with pytest.raises(ds.DeltaFormatError, match="nested"):
+        parse_document(b'{"a":' * 40 + b"1" + b"}" * 40, LATEST_KEY, "deltasync-latest")
+    brackets_in_strings = json.dumps({"format": "deltasync-latest", "version": 1, "pad": "[[[[" * 100}).encode()
+    assert parse_document(brackets_in_strings, LATEST_KEY, "deltasync-latest")["pad"].startswith("[[[[")
+
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 2, key=None)
+    store.put(LATEST_KEY, b"[" * 100_000 + b"]" * 100_000)
+    assert ds.Subscriber(store).pull(_fresh(history[1])) == 1  # the bad pointer is logged, the entries used
+    with ds.Publisher(store, background=False) as publisher:  # and a publisher does not crash on it either
+        assert publisher.step is None
+    store.put(entry_key(1), b"{" * 100_000)
+    store.put(entry_key(0), b" " * (MAX_DOCUMENT_BYTES + 1))
+    with pytest.raises(ds.DeltaSyncError) as caught:
+        ds.Subscriber(store, retries=1).pull(_fresh(history[1]))
+    assert not isinstance(caught.value, RecursionError)
+    store.put(RUN_KEY, b"[" * 100_000)
+    with pytest.raises(ds.DeltaFormatError, match="run.json"):
+        ds.Publisher(store)
+
+
+@pytest.mark.parametrize("field, value", [("anchor", "x"), ("delta", 3), ("step", "1"), ("base_step", True),
+                                          ("created", "now"), ("run", 7), ("base_entry_sha256", "zz"),
+                                          ("num_changed", -1)])
+def test_every_malformed_entry_field_is_a_format_error(tmp_path, capsys, field, value):
+    store = ds.LocalStore(tmp_path)
+    _publish(store, 2, key=None)
+    entry = json.loads(store.get(entry_key(1)))
+    entry[field] = value
+    store.put(entry_key(1), json.dumps(entry).encode())
+    with pytest.raises(ds.DeltaFormatError, match=rf"manifest/step_000000000001\.json.*{field}"):
+        ds.Subscriber(store).entry(1)
+    assert main(["verify", "--store", str(tmp_path)]) == 1
+    assert "step 1" in capsys.readouterr().out
+
+
+def test_a_publisher_with_a_key_verifies_the_pointer_it_reads_back(tmp_path, caplog):
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 3)
+    store.put(LATEST_KEY, json.dumps({"format": "deltasync-latest", "version": 1, "step": 999999999999}).encode())
+    with caplog.at_level(logging.ERROR, logger="deltasync_rs.sync"):
+        with ds.Publisher(store, signing_key=KEY, background=False) as publisher:
+            with pytest.raises(ds.DeltaSyncError, match="after the last published step 2"):
+                publisher.publish(2, history[2])
+            publisher.publish(3, history[2])
+    assert any("not signed" in r.getMessage() for r in caplog.records)
+    assert ds.Subscriber(store, signing_key=KEY).latest_step() == 3
+
+
+def test_publish_after_close_is_an_error(tmp_path):
+    publisher = ds.Publisher(tmp_path)
+    publisher.publish(0, _state())
+    publisher.close()
+    with pytest.raises(ds.DeltaSyncError, match="closed"):
+        publisher.publish(1, _state())
+    publisher.flush()  # returns: nothing is pending
+    publisher.close()
+    assert ds.Subscriber(tmp_path).latest_step() == 0
+
+
+def test_flush_returns_when_the_upload_thread_is_gone(tmp_path):
+    publisher = ds.Publisher(tmp_path, max_pending=4)
+    publisher.publish(0, _state())
+    publisher.flush()
+    publisher._queue.put(None)  # the upload thread stops, as if it had died
+    publisher._worker.join(timeout=10)
+    publisher._queue.put((1, None, None, "", 0))
+    outcome = []
+
+    def flush():
+        try:
+            publisher.flush()
+        except ds.DeltaSyncError as error:
+            outcome.append(error)
+
+    waiter = threading.Thread(target=flush, daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "flush() hangs"
+    assert outcome and "upload thread stopped" in str(outcome[0])
+    with pytest.raises(ds.DeltaSyncError, match="upload thread stopped"):
+        publisher.publish(1, _state())
+    with pytest.raises(ds.DeltaSyncError, match="upload thread stopped"):
+        publisher.flush(timeout=1)
+
+
+def test_pending_uploads_reach_the_store_at_interpreter_exit(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        import torch
+        import deltasync_rs as ds
+
+        class SlowStore(ds.LocalStore):
+            def put(self, key, data):
+                time.sleep(0.2)
+                super().put(key, data)
+
+        state = {{"w": torch.zeros(64, 16)}}
+        publisher = ds.Publisher(SlowStore({str(tmp_path)!r}), max_pending=4)
+        publisher.publish(0, state)
+        state["w"][0, 0] = 1.0
+        publisher.publish(1, state)
+        # no close(): the interpreter exits with both uploads pending
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ds.Subscriber(tmp_path).latest_step() == 1
+    assert ds.sync.verify_store(tmp_path) == []
+
+
+def test_lost_uploads_at_exit_are_reported(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        import torch
+        import deltasync_rs as ds
+
+        class StuckStore(ds.LocalStore):
+            def put(self, key, data):
+                if key.startswith("anchors/"):
+                    time.sleep(30)
+                super().put(key, data)
+
+        publisher = ds.Publisher(StuckStore({str(tmp_path)!r}), exit_timeout=0.5)
+        publisher.publish(0, {{"w": torch.zeros(4)}})
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert "not everything it published reached the store" in done.stderr
+    assert "1 upload(s) still pending" in done.stderr
+
+
+def test_a_subscriber_keeps_a_bounded_number_of_entries(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 90, key=None)
+    subscriber = ds.Subscriber(store)
+    assert subscriber.pull(_fresh(history[89])) == 89
+    assert len(subscriber._entries) <= 64
+
+
+def test_a_missing_step_is_an_error_naming_it(tmp_path, capsys):
+    store = ds.LocalStore(tmp_path)
+    _publish(store, 3, key=None)
+    with pytest.raises(ds.ChainError, match="step 7 is not published"):
+        ds.Subscriber(store).fetch(None, until=7)
+    assert main(["pull", "--store", str(tmp_path), "-o", str(tmp_path / "out.safetensors"), "--step", "7"]) == 1
+    assert "step 7" in capsys.readouterr().err
+    assert not (tmp_path / "out.safetensors").exists()
+    store.delete([entry_key(1)])
+    with pytest.raises(ds.ChainError, match="step 1"):
+        ds.Subscriber(store).fetch(None, until=1)
+
+
+def test_verify_fails_on_an_empty_store(tmp_path, capsys):
+    assert ds.sync.verify_store(tmp_path) == ["the store holds no published step"]
+    assert main(["verify", "--store", str(tmp_path)]) == 1
+    assert "no published step" in capsys.readouterr().out
+
+
+def test_cli_pull_checks_the_state_digest(tmp_path, capsys):
+    store = ds.LocalStore(tmp_path / "store")
+    history = _publish(store, 2, key=None)
+    # An unsigned store rewritten consistently: a different delta for step 1, with its size and digest in the entry.
+    forged = ds.diff(history[0], _state(seed=5), step=1, base_step=0).to_bytes()
+    store.put(delta_key(1), forged)
+    entry = json.loads(store.get(entry_key(1)))
+    entry["delta"].update(size=len(forged), sha256=hashlib.sha256(forged).hexdigest())
+    store.put(entry_key(1), json.dumps(entry).encode())
+    output = tmp_path / "out.safetensors"
+    assert main(["pull", "--store", str(tmp_path / "store"), "-o", str(output)]) == 1
+    assert "state digest" in capsys.readouterr().err
+    assert not output.exists()
+
+
+def test_readers_never_create_a_mistyped_store(tmp_path, capsys):
+    typo = tmp_path / "no-such-store"
+    for argv in (["log", "--store", str(typo)], ["verify", "--store", str(typo)],
+                 ["pull", "--store", str(typo), "-o", str(tmp_path / "out.safetensors")]):
+        assert main(argv) == 1
+        assert f"{typo}: no such store folder" in capsys.readouterr().err
+    with pytest.raises(ds.StoreError, match="no such store folder"):
+        ds.Subscriber(typo).pull(_state())
+    assert not typo.exists()
+
+
+def test_a_link_planted_in_the_store_never_lets_publishing_or_retention_reach_outside(tmp_path):
+    store = ds.LocalStore(tmp_path / "store")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "step_000000000000.safetensors"
+    victim.write_bytes(b"not the store's")
+    history = _publish(store, 1, key=None)
+    with ds.Publisher(store, anchor_every=1, keep_anchors=1, background=False) as publisher:
+        publisher.resume(history[0], step=0)
+        (tmp_path / "store" / "anchors" / "step_000000000000.safetensors").unlink()
+        (tmp_path / "store" / "anchors").rmdir()
+        (tmp_path / "store" / "anchors").symlink_to(elsewhere)
+        with pytest.raises(ds.StoreError, match="symbolic link"):
+            publisher.publish(1, history[0])  # an anchor is due, then retention of step 0's anchor
+    assert sorted(p.name for p in elsewhere.iterdir()) == [victim.name] and victim.read_bytes() == b"not the store's"
+
+
+def test_a_store_written_before_run_ids_reads_unsigned_and_moves_on_with_an_anchor(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 3, key=None)
+    store.delete([RUN_KEY])
+    for step in range(3):  # what an older publisher wrote: no run, no base entry hash
+        entry = json.loads(store.get(entry_key(step)))
+        del entry["run"], entry["base_entry_sha256"]
+        store.put(entry_key(step), json.dumps(entry).encode())
+    store.put(LATEST_KEY, json.dumps({"format": "deltasync-latest", "version": 1, "step": 2, "entry_sha256":
+                                      hashlib.sha256(store.get(entry_key(2))).hexdigest()}).encode())
+    replica = _fresh(history[2])
+    assert ds.Subscriber(store).pull(replica) == 2
+    assert_states_equal(replica, history[2])
+    with pytest.raises(ds.IntegrityError):
+        ds.Subscriber(store, signing_key=KEY).pull(_fresh(history[2]))
+    with ds.Publisher(store, background=False) as publisher:
+        publisher.resume(history[2], step=2)
+        publisher.publish(3, history[2])
+    assert ds.Subscriber(store).entry(3).anchor is not None
+    fresh = _fresh(history[2])
+    assert ds.Subscriber(store).pull(fresh) == 3
+    assert_states_equal(fresh, history[2])
+
+
+def test_one_corrupted_read_of_an_unsigned_run_id_does_not_stick(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 2, key=None)
+
+    class OneBadRunRead(ds.LocalStore):
+        bad_reads = 1
+
+        def get_small(self, key, max_bytes):
+            data = super().get_small(key, max_bytes)
+            if key == RUN_KEY and self.bad_reads:
+                self.bad_reads -= 1
+                run = json.loads(data)["run"]
+                data = data.replace(run.encode(), ("0" if run[0] != "0" else "1").encode() + run[1:].encode())
+            return data
+
+    replica = _fresh(history[1])
+    assert ds.Subscriber(OneBadRunRead(tmp_path), retry_delay=0).pull(replica) == 1
+    assert_states_equal(replica, history[1])
