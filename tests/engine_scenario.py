@@ -68,18 +68,20 @@ def train(name: str, work: Path, steps: int) -> tuple[list[Path], list[dict[str,
     return folders, states
 
 
+TP = int(os.environ.get("DELTASYNC_ENGINE_TP", "1"))  # tensor-parallel ranks (multiprocess layout only)
+
+
 def engine(folder: Path, multiprocess: bool):
     from vllm import LLM
 
-    tp = int(os.environ.get("DELTASYNC_ENGINE_TP", "1"))
     kwargs = dict(model=str(folder), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
                   max_model_len=128, max_num_seqs=4, seed=0, gpu_memory_utilization=0.5,
                   worker_extension_cls="deltasync_rs.vllm.DeltaSyncWorkerExtension",
                   weight_transfer_config={"backend": "deltasync"})
     if not multiprocess:
         kwargs["distributed_executor_backend"] = "uni"
-    if tp > 1:
-        kwargs["tensor_parallel_size"] = tp
+    if TP > 1:
+        kwargs["tensor_parallel_size"] = TP
     return LLM(**kwargs)
 
 
@@ -146,19 +148,19 @@ def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[d
     """One engine from step 0 through every published step, each through another way in."""
     llm = engine(folder, multiprocess)
     followed = {0: generate(llm)}
-    assert llm.collective_rpc("deltasync_set_step", args=(0,)) == [0]
-    assert llm.collective_rpc("deltasync_pull", args=(store, 1)) == [1]
+    assert llm.collective_rpc("deltasync_set_step", args=(0,)) == [0] * TP
+    assert llm.collective_rpc("deltasync_pull", args=(store, 1)) == [1] * TP
     llm.reset_prefix_cache()
     followed[1] = generate(llm)
     llm.init_weight_transfer_engine({"init_info": {"store": store}})
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"step": 2, "check_base": True}})
+    llm.update_weights({"update_info": {"step": 2, "check_base": TP == 1}})  # a TP rank holds slices
     llm.finish_weight_update()
     llm.reset_prefix_cache()
     followed[2] = generate(llm)
     refused = None
     if not multiprocess:
-        assert llm.collective_rpc("deltasync_pull", kwargs={"store": store, "step": 3, "path": "loader"}) == [3]
+        assert llm.collective_rpc("deltasync_pull", kwargs={"store": store, "step": 3, "path": "loader"}) == [3] * TP
         llm.reset_prefix_cache()
         followed[3] = generate(llm)
         llm.start_weight_update()
@@ -166,7 +168,7 @@ def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[d
         llm.finish_weight_update()
         llm.reset_prefix_cache()
         followed[4] = generate(llm)
-        assert llm.collective_rpc("deltasync_apply", args=([str(loose)],), kwargs={"check_base": True}) == [5]
+        assert llm.collective_rpc("deltasync_apply", args=([str(loose)],), kwargs={"check_base": True}) == [5] * TP
         llm.reset_prefix_cache()
         followed[5] = generate(llm)
         try:  # the same file again: refused by the step chain, and nothing written

