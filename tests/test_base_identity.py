@@ -97,3 +97,18 @@ def test_the_mirror_records_the_base_of_whole_tensors_only():
     raw.check_base([(0, _bytes(old))])
     with pytest.raises(ds.BaseMismatchError):
         raw.check_base([(0, _bytes(mirror))])
+
+
+@pytest.mark.parametrize("bad", ['"0123456789ABCDEF"', '"0123456789abcde"', '"0123456789abcdeg"', "5", "null"])
+def test_a_malformed_base_is_a_format_error(bad):
+    _, _, raw = _delta()
+    blob = raw.to_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    header = blob[8:8 + header_len].decode().rstrip()
+    identity = raw.base_identity([t[0] for t in raw.tensors()].index("w"))
+    field = f'\\"base\\":\\"{identity}\\"'
+    assert field in header
+    broken = header.replace(field, '\\"base\\":' + bad.replace('"', '\\"')).encode()
+    broken += b" " * (-len(broken) % 8)
+    with pytest.raises(ds.DeltaFormatError):
+        ds.load(len(broken).to_bytes(8, "little") + broken + blob[8 + header_len:])
