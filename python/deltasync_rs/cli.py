@@ -71,7 +71,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     refuse_overwriting_inputs(args.output, [args.delta])  # BASE itself may be replaced: it keeps its mode
     remove_stale_temps(args.output)
     delta = load(args.delta)
-    apply_file(args.base, delta._raw, args.output)
+    apply_file(args.base, delta._raw, args.output, not args.no_check_base)
     print(f"{args.output}: applied {delta.num_changed} changes to {len(delta)} tensors in {time.perf_counter() - start:.2f} s")
     return 0
 
@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("base", help="the checkpoint the delta was made against")
     p.add_argument("delta", help="a deltasync or TRL delta file")
     p.add_argument("-o", "--output", required=True, help="the checkpoint to write (may be BASE itself)")
+    p.add_argument("--no-check-base", action="store_true",
+                   help="skip checking that BASE is the exact base the delta was made against (checked by default: "
+                        "a wrong base, or a delta applied twice, is refused)")
     p.set_defaults(run=_cmd_apply)
 
     p = commands.add_parser("publish", help="publish a checkpoint as a step: a delta against the last published step")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .delta import Delta, load, state_digest
-from .errors import ChainError, DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
+from .errors import BaseMismatchError, ChainError, DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
 from .manifest import (
     LATEST_KEY,
     MAX_DOCUMENT_BYTES,
@@ -58,11 +58,16 @@ class Subscriber:
     subscriber never moves back to an older step. Every file's SHA-256, every entry's run and predecessor and (with
     ``signing_key`` or ``DELTASYNC_SIGNING_KEY``) every signature are checked before use; a failed read is retried,
     then the newest anchor is tried, and ChainError is raised only when no consistent chain exists.
+
+    With ``check_base`` (the default) every delta is applied only to the exact base it was made against (its
+    per-tensor base identity, docs/format.md §3.1): a state changed behind the subscriber's back is refused before
+    any write and brought back from the newest anchor, with a warning.
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None,
-                 retries: int = 3, retry_delay: float = 0.02) -> None:
+                 retries: int = 3, retry_delay: float = 0.02, check_base: bool = True) -> None:
         self.store = open_store(store, create=False)
+        self.check_base = check_base
         self.retries = max(1, retries)
         self.retry_delay = retry_delay
         self.step: int | None = None
@@ -314,7 +319,17 @@ class Subscriber:
             if self.step is None:
                 raise ChainError(f"{self.store.url}: nothing to pull")
             return self.step
-        self._apply_all(state, deltas)
+        try:
+            self._apply_all(state, deltas)
+        except BaseMismatchError as error:
+            if not self.check_base or deltas[0].is_anchor:
+                raise
+            # The state is not the base the next delta was made against (changed behind our back): nothing of that
+            # delta was written, and the newest anchor brings the state back onto the chain.
+            log.warning("%s; re-syncing from the newest anchor", error)
+            target = deltas[-1].step
+            self.step = None
+            self._apply_all(state, self.fetch(None, until=target))
         if self._state_matches(state):
             return self.step
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
@@ -325,7 +340,7 @@ class Subscriber:
 
     def _apply_all(self, state: Any, deltas: list[Delta]) -> None:
         for delta in deltas:
-            delta.apply_(state)
+            delta.apply_(state, check_base=self.check_base)
             if delta.is_anchor:
                 self._names = delta.names
             self.step = delta.step
