@@ -40,8 +40,14 @@ sys.exit(code)
 
 def _deltasync(*argv, cwd, blocked=("torch",)):
     env = dict(os.environ) | {"PYTHONPATH": PYTHON_PATH}
-    return subprocess.run([sys.executable, "-c", _BLOCKED_MAIN, ",".join(blocked), *map(str, argv)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", _BLOCKED_MAIN, ",".join(blocked), *map(str, argv)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _state(seed: int) -> dict[str, np.ndarray]:
@@ -70,8 +76,10 @@ def _load(path: Path) -> dict[str, np.ndarray]:
 
     data = path.read_bytes()
     dtypes = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64}
-    return {name: np.frombuffer(t["data"], dtype=dtypes[t["dtype"]]).reshape(t["shape"])
-            for name, t in safetensors.deserialize(data)}
+    return {
+        name: np.frombuffer(t["data"], dtype=dtypes[t["dtype"]]).reshape(t["shape"])
+        for name, t in safetensors.deserialize(data)
+    }
 
 
 def test_publish_pull_log_verify_without_torch(tmp_path):
@@ -79,8 +87,9 @@ def test_publish_pull_log_verify_without_torch(tmp_path):
     states = [_state(step) for step in range(3)]
     for step, state in enumerate(states):
         save_file(state, tmp_path / f"ckpt{step}.safetensors")
-        result = _deltasync("publish", f"ckpt{step}.safetensors", "--store", store, "--step", step,
-                            "--anchor-every", 2, cwd=tmp_path)
+        result = _deltasync(
+            "publish", f"ckpt{step}.safetensors", "--store", store, "--step", step, "--anchor-every", 2, cwd=tmp_path
+        )
         assert result.returncode == 0, result.stderr
         assert f"published step {step}" in result.stdout
 
@@ -112,8 +121,9 @@ def test_diff_apply_inspect_without_torch(tmp_path):
 
 def test_bf16_without_ml_dtypes_names_the_package(tmp_path):
     save_file(_state(0), tmp_path / "ckpt.safetensors")
-    result = _deltasync("publish", "ckpt.safetensors", "--store", "store", "--step", 0, cwd=tmp_path,
-                        blocked=("torch", "ml_dtypes"))
+    result = _deltasync(
+        "publish", "ckpt.safetensors", "--store", "store", "--step", 0, cwd=tmp_path, blocked=("torch", "ml_dtypes")
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "BF16" in result.stderr and "pip install ml_dtypes" in result.stderr
@@ -130,8 +140,9 @@ def test_no_arguments_prints_the_help(tmp_path):
 def test_trl_format_without_abs_values_names_the_flag(tmp_path):
     save_file(_state(0), tmp_path / "prev.safetensors")
     save_file(_state(1), tmp_path / "curr.safetensors")
-    result = _deltasync("diff", "prev.safetensors", "curr.safetensors", "-o", "t.safetensors", "--format", "trl",
-                        cwd=tmp_path)
+    result = _deltasync(
+        "diff", "prev.safetensors", "curr.safetensors", "-o", "t.safetensors", "--format", "trl", cwd=tmp_path
+    )
     assert result.returncode == 1
     assert "--values abs" in result.stderr and 'values="abs"' not in result.stderr
     assert not (tmp_path / "t.safetensors").exists()

@@ -70,8 +70,9 @@ def _environment() -> dict[str, str]:
 
 def test_engine_blocks_are_exactly_the_marked_ones():
     marked = {b.id for b in PYTHON_BLOCKS if ENGINE_MARKER in b.code}
-    assert all(b.code.startswith(ENGINE_MARKER) for b in PYTHON_BLOCKS if ENGINE_MARKER in b.code), \
+    assert all(b.code.startswith(ENGINE_MARKER) for b in PYTHON_BLOCKS if ENGINE_MARKER in b.code), (
         "the marker must be a block's first line"
+    )
     assert marked == {
         "README.md:vLLM: apply deltas inside the workers",
         "docs/vllm.md:3. Trigger a pull",
@@ -84,8 +85,14 @@ def test_engine_blocks_are_exactly_the_marked_ones():
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=_unique_ids(RUNNABLE))
 def test_python_block_runs_as_written(block, tmp_path):
-    result = subprocess.run([sys.executable, "-c", block.code], cwd=tmp_path, env=_environment(),
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", block.code],
+        cwd=tmp_path,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, f"{block.id} failed:\n{result.stdout}\n{result.stderr}"
 
 
@@ -134,8 +141,14 @@ def test_cli_block_runs_on_small_checkpoints(tmp_path):
     for command in commands:
         if command[1] in NOT_RUN:
             continue
-        result = subprocess.run([sys.executable, "-m", "deltasync_rs.cli", *command[1:]], cwd=tmp_path,
-                                env=_environment(), capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "deltasync_rs.cli", *command[1:]],
+            cwd=tmp_path,
+            env=_environment(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, f"{shlex.join(command)}:\n{result.stdout}\n{result.stderr}"
         ran.append(command[1])
         if command[1] in ("apply", "pull"):  # both rebuild CURR: by a delta, or as the published step

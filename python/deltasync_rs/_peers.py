@@ -200,7 +200,8 @@ def trl_v3_apply(blob: bytes, state: Mapping[str, torch.Tensor]) -> int:
     return written
 
 
-_NARROW = [(np.uint8, "u1"), (np.uint16, "u2"), (np.uint32, "u4"), (np.uint64, "u8")]
+_NARROW: list[tuple[type[np.unsignedinteger], str]] = [
+    (np.uint8, "u1"), (np.uint16, "u2"), (np.uint32, "u4"), (np.uint64, "u8")]
 
 
 def grail_like_encode(prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor]) -> bytes:

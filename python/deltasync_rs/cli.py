@@ -163,8 +163,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         if latest is not None and not args.anchor:
             # Rebuild the last published state, so this step is a delta against it.
             base = {name: array.copy() for name, array in state.items()}
-            subscriber.pull(base)
-            publisher.resume(base, step=subscriber.step)
+            publisher.resume(base, step=subscriber.pull(base))
         publisher.publish(args.step, state)
     entry = subscriber.entry(args.step)
     files = [ref["key"] + f" ({_human(ref['size'])})" for ref in (entry.delta, entry.anchor) if ref]
@@ -175,15 +174,21 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_pull(args: argparse.Namespace) -> int:
     subscriber = Subscriber(args.store)
     deltas = subscriber.fetch(None, until=args.step)
-    state = {t.name: np.empty(t.shape, dtype=_arrays.numpy_dtype(t.dtype)) for t in deltas[0].tensors}
+    state = {}
+    for t in deltas[0].tensors:  # an anchor: every tensor whole, with its shape
+        if t.shape is None:
+            raise DeltaSyncError(f"{args.store}: tensor {t.name!r} of the first file has no shape")
+        state[t.name] = np.empty(t.shape, dtype=_arrays.numpy_dtype(t.dtype))
     for delta in deltas:
         delta.apply_(state)
     step = deltas[-1].step
+    if step is None:
+        raise DeltaSyncError(f"{args.store}: the last file of the chain records no step")
     if state_digest(state) != subscriber.entry(step).state_digest:
         raise IntegrityError(f"{args.store}: the state rebuilt at step {step} does not match the state digest in "
                              f"{entry_key(step)}; nothing was written")
     _save_checkpoint(state, args.output)
-    print(f"{args.output}: step {deltas[-1].step} from {_count(len(deltas), 'file')}")
+    print(f"{args.output}: step {step} from {_count(len(deltas), 'file')}")
     return 0
 
 
