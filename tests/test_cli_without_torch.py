@@ -157,3 +157,14 @@ def test_counts_agree_in_number(tmp_path, count, noun):
     result = _deltasync("diff", "prev.safetensors", "curr.safetensors", "-o", "d.safetensors", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert noun in result.stdout
+
+
+def test_inspect_of_a_trl_file_says_the_shapes_are_unknown(tmp_path):
+    save_file(_state(0), tmp_path / "prev.safetensors")
+    save_file(_state(1), tmp_path / "curr.safetensors")
+    args = ("diff", "prev.safetensors", "curr.safetensors", "-o", "t.safetensors", "--format", "trl", "--values", "abs")
+    assert _deltasync(*args, cwd=tmp_path).returncode == 0
+    result = _deltasync("inspect", "t.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (total,) = [line for line in result.stdout.splitlines() if line.startswith("total:")]
+    assert "changed (shapes unknown)" in total and " of 0 elements" not in total

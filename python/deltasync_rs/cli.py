@@ -114,8 +114,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{t.name:<{name_width}}  {t.dtype:<8} {shape:<18} {t.changed:>12} {density:>9} {t.nbytes:>12}  "
               f"{t.positions}/{t.values}")
     per_change = delta.nbytes / delta.num_changed if delta.num_changed else 0.0
-    print(f"total: {delta.num_changed} of {delta.num_elements} elements changed, {_human(delta.nbytes)} of streams "
-          f"({per_change:.2f} bytes per changed element)")
+    if any(t.shape is None for t in delta.tensors):  # TRL files store no shapes
+        changed = f"{_count(delta.num_changed, 'element')} changed (shapes unknown)"
+    else:
+        changed = f"{delta.num_changed} of {delta.num_elements} elements changed"
+    print(f"total: {changed}, {_human(delta.nbytes)} of streams ({per_change:.2f} bytes per changed element)")
     return 0
 
 
