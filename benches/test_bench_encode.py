@@ -158,7 +158,7 @@ def test_encode_trl_v1_torch(benchmark, workload, pedantic_opts):
 @pytest.mark.parametrize("threads", [1, 2], ids=["1thread", "2threads"])
 def test_read_floor(benchmark, workload, pedantic_opts, threads):
     """One numpy pass over both states (sum of uint64 words): a lower bound for any encoder. ``1thread`` is the
-    reference floor (REFERENCE.md §3); ``2threads`` splits the same pass over two threads."""
+    floor docs/benchmarks.md measures encoders against; ``2threads`` splits the same pass over two threads."""
     got = benchmark.pedantic(baselines.read_floor, args=(workload.prev, workload.curr),
                              kwargs={"threads": threads}, **pedantic_opts)
 
