@@ -48,6 +48,7 @@ lint: setup
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check --select F,E9 python tests benches examples
 	$(PY) -m mypy.stubtest deltasync_rs._core
+	$(PY) -m mypy
 
 ## lint-format: rustfmt and ruff's formatter as checks (rustfmt.toml, [tool.ruff]), and ruff with the whole rule set
 ## of pyproject.toml; `lint` runs it once the tree has been formatted in one pass

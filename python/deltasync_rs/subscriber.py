@@ -3,6 +3,7 @@ and replays the anchor and deltas that lead there (docs/format.md §10)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -240,7 +241,7 @@ class Subscriber:
 
         anchors = sorted({s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= target},
                          reverse=True)
-        plans.extend(lambda a=a: from_anchor(a) for a in anchors)
+        plans.extend(functools.partial(from_anchor, a) for a in anchors)
         for plan in plans:
             try:
                 return self._download(*plan())
@@ -292,10 +293,12 @@ class Subscriber:
         out = []
         try:
             if anchor_entry is not None:
+                assert anchor_entry.anchor is not None  # the plan chose an entry with an anchor
                 out.append(self._file(anchor_entry.anchor, anchor_entry.step, "anchor"))
                 if bar is not None:
                     bar.update()
             for entry in chain:
+                assert entry.delta is not None  # every entry after the start of a chain has a delta
                 delta = self._file(entry.delta, entry.step, "delta")
                 if delta.base_step is not None and delta.base_step != entry.base_step:
                     raise IntegrityError(f"{entry.delta['key']}: base step {delta.base_step} differs from its entry")
@@ -331,11 +334,16 @@ class Subscriber:
             self.step = None
             self._apply_all(state, self.fetch(None, until=target))
         if self._state_matches(state):
-            return self.step
+            return self._reached()
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
         self._apply_all(state, self.fetch(None, until=self.step))
         if not self._state_matches(state):
             raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
+        return self._reached()
+
+    def _reached(self) -> int:
+        if self.step is None:
+            raise ChainError(f"{self.store.url}: the pulled files name no step")
         return self.step
 
     def _apply_all(self, state: Any, deltas: list[Delta]) -> None:
@@ -344,7 +352,7 @@ class Subscriber:
             if delta.is_anchor:
                 self._names = delta.names
             self.step = delta.step
-        self._at = self.entry(self.step)
+        self._at = self.entry(self._reached())
 
     def _state_matches(self, state: Any) -> bool:
         if self.step is None or self._names is None or not isinstance(state, Mapping):
