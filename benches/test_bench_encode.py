@@ -193,6 +193,23 @@ def test_apply_deltasync(benchmark, workload, pedantic_opts, deltasync_blobs, va
 
 
 @pytest.mark.benchmark(group=APPLY_GROUP)
+def test_apply_deltasync_checking_base(benchmark, workload, pedantic_opts, deltasync_blobs):
+    """ds.load(bytes) + apply_(check_base=True): the base identity of every touched tensor is checked first."""
+    blob = deltasync_blobs("diff")
+
+    def apply(state):
+        ds.load(blob).apply_(state, check_base=True)
+        return state
+
+    state = benchmark.pedantic(apply, setup=fresh_prev(workload), **pedantic_opts)
+
+    assert_state_equals_curr(state, workload)
+    del state
+    common_info(benchmark, workload)
+    benchmark.extra_info.update(file_bytes=len(blob), bytes_per_changed=len(blob) / workload.num_changed)
+
+
+@pytest.mark.benchmark(group=APPLY_GROUP)
 def test_apply_deltasync_reading_trl_v1(benchmark, workload, pedantic_opts, trl_blob):
     """Our loader on the TRL-style file: ds.load(trl bytes) + apply_."""
 
