@@ -233,6 +233,26 @@ def test_apply_to_mismatched_base_fails_cleanly(tmp_path, capsys, ckpts):
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary left behind
 
 
+def test_apply_refuses_a_wrong_base_and_a_second_application(tmp_path, capsys, ckpts):
+    """A diff delta applied to another state, or twice, is refused by the base identity before anything is written;
+    --no-check-base writes anyway (the caller's choice), as before."""
+    prev, curr, prev_path, curr_path = ckpts
+    delta_path, out_path = tmp_path / "d.safetensors", tmp_path / "out.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta_path)[0] == 0
+    rc, out, err = _run(capsys, "apply", curr_path, delta_path, "-o", out_path)  # already at the new state
+    assert rc == 1 and "not the base" in err and not out_path.exists()
+    drifted = clone_state(prev)
+    bits(drifted["model.norm.weight"])[3] += 1  # a tensor the delta does not even change
+    drifted_path = tmp_path / "drifted.safetensors"
+    save_file(drifted, drifted_path)
+    rc, out, err = _run(capsys, "apply", drifted_path, delta_path, "-o", out_path)
+    assert rc == 1 and "model.norm.weight" in err and not out_path.exists()
+    assert _run(capsys, "apply", prev_path, delta_path, "-o", out_path)[0] == 0
+    applied = load_file(out_path)
+    assert_states_equal({name: applied[name] for name in curr}, curr)
+    assert _run(capsys, "apply", drifted_path, delta_path, "-o", out_path, "--no-check-base")[0] == 0
+
+
 def test_apply_trl_index_beyond_base_fails_cleanly(tmp_path, capsys, ckpts):
     prev, curr, prev_path, curr_path = ckpts
     trl_path, out_path = tmp_path / "t.safetensors", tmp_path / "out.safetensors"
