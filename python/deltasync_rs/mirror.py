@@ -92,7 +92,7 @@ class Mirror:
         """Moves the mirror forward by a delta made elsewhere, which must start at the mirror's step."""
         if delta.base_step is not None and self.step is not None and delta.base_step != self.step:
             raise BaseMismatchError(f"delta starts at step {delta.base_step} but the mirror is at step {self.step}")
-        delta.apply_(self._tensors)
+        delta.apply_(self._tensors, check_base=True)  # a delta made elsewhere must start from exactly this state
         self.step = delta.step
 
     def digest(self) -> str:
