@@ -16,7 +16,7 @@ use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
 use crate::core::digest::{self, DigestInput};
 use crate::core::stream::Backing;
-use crate::core::{apply, diff, dtype, files, format, pool, trl, Delta, Error};
+use crate::core::{apply, base, diff, dtype, files, format, pool, trl, Delta, Error};
 
 mod mirror;
 
@@ -26,7 +26,7 @@ create_exception!(
     deltasync_rs._core,
     BaseMismatchError,
     DeltaSyncError,
-    "The target does not match the delta: names, shapes or dtypes."
+    "The target does not match the delta: names, shapes, dtypes or base identity."
 );
 
 fn to_py(error: Error) -> PyErr {
@@ -402,6 +402,34 @@ impl RawDelta {
         apply::check_target(tensor, dtype, Some(&shape), len as usize).map_err(to_py)
     }
 
+    /// The base identity (16 hex digits) that tensor `index` must be applied to, or None when it applies to any
+    /// base (stored whole, from a shard, or from a file that records none).
+    fn base_identity(&self, index: usize) -> PyResult<Option<String>> {
+        Ok(self.tensor(index)?.base.map(base::to_hex))
+    }
+
+    /// Raises BaseMismatchError unless each target, given as (index, buffer or CPU contiguous tensor), is the
+    /// base its tensor was made for; the targets are hashed in parallel.
+    fn check_base(&self, py: Python<'_>, targets: Vec<(usize, Bound<'_, PyAny>)>) -> PyResult<()> {
+        let mut held = Vec::with_capacity(targets.len());
+        let mut slices = Vec::with_capacity(targets.len());
+        for (index, target) in &targets {
+            let tensor = self.tensor(*index)?;
+            let (buffer, slice) = export(target, &|| format!("target of tensor {:?}", tensor.name), false)?;
+            held.push(buffer);
+            slices.push((*index, slice));
+        }
+        let delta = &self.delta;
+        py.detach(|| {
+            // SAFETY: `held` keeps every buffer exported until after this call.
+            let targets: Vec<(usize, &[u8])> = slices.iter().map(|(index, slice)| (*index, unsafe { slice.get() })).collect();
+            base::check_bases(delta, &targets)
+        })
+        .map_err(to_py)?;
+        drop(held);
+        Ok(())
+    }
+
     /// Applies tensors to writable contiguous byte buffers, given as (index, buffer); all are checked first.
     fn apply(&self, py: Python<'_>, targets: Vec<(usize, Bound<'_, PyAny>)>) -> PyResult<()> {
         let mut held = Vec::with_capacity(targets.len());
@@ -531,6 +559,16 @@ fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String>
     Ok(digest)
 }
 
+/// The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3).
+#[pyfunction]
+fn base_identity(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<String> {
+    let (held, slice) = export(data, &|| "base_identity's argument".to_owned(), false)?;
+    // SAFETY: `held` keeps the buffer exported until after the call.
+    let identity = py.detach(|| base::identity(unsafe { slice.get() }));
+    drop(held);
+    Ok(base::to_hex(identity))
+}
+
 /// Sets the number of threads for later calls (0 restores DELTASYNC_NUM_THREADS or the CPU count).
 #[pyfunction]
 fn set_num_threads(n: usize) {
@@ -564,6 +602,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(diff_files, m)?)?;
     m.add_function(wrap_pyfunction!(apply_file, m)?)?;
     m.add_function(wrap_pyfunction!(state_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(base_identity, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(scan_kernel, m)?)?;

@@ -2,12 +2,13 @@
 //! corruption of a file makes the reader or the apply panic.
 
 use deltasync_rs::core::apply::apply;
+use deltasync_rs::core::base::{check_base, identity};
 use deltasync_rs::core::codec::{Codec, ValueCodec};
 use deltasync_rs::core::diff::{diff, DiffInput};
 use deltasync_rs::core::dtype::Dtype;
 use deltasync_rs::core::format::{from_bytes, to_bytes};
 use deltasync_rs::core::delta::TensorDelta;
-use deltasync_rs::core::Delta;
+use deltasync_rs::core::{Delta, Error};
 use proptest::prelude::*;
 
 fn dtype_of(width: usize) -> Dtype {
@@ -65,6 +66,23 @@ proptest! {
         let bytes = to_bytes(&delta).unwrap();
         safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let loaded = from_bytes(bytes, "prop").unwrap();
+        prop_assert_eq!(loaded.tensors[0].base, delta.tensors[0].base);
+        let tensor = &loaded.tensors[0];
+        // A sparse record knows its base: it accepts the old state and refuses the new one (a second application)
+        // and a base one bit away; a whole tensor accepts any base.
+        prop_assert_eq!(tensor.base, (!tensor.is_dense()).then(|| identity(&old)));
+        check_base(tensor, &old).unwrap();
+        if !tensor.is_dense() && !old.is_empty() {
+            if old != new {
+                let refused = matches!(check_base(tensor, &new), Err(Error::BaseMismatch { .. }));
+                prop_assert!(refused, "a second application passed");
+            }
+            let mut flipped = old.clone();
+            let at = old.len() / 3;
+            flipped[at] ^= 1 << (at % 8);
+            let refused = matches!(check_base(tensor, &flipped), Err(Error::BaseMismatch { .. }));
+            prop_assert!(refused, "a base one bit away passed");
+        }
         let mut target = old.clone();
         apply(&loaded, vec![(0, &mut target[..])]).unwrap();
         prop_assert_eq!(target, new);

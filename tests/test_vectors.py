@@ -57,6 +57,13 @@ def test_worked_example_in_format_doc():
     assert data.hex(" ") == "00 04 09 01 ff 80 2c 01"
     doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
     assert "00 04 09" in doc and "01 ff 80 2c 01" in doc
+    assert blob[:8].hex(" ") in doc and f"({header_len}: {len(blob[8:8 + header_len].rstrip())} bytes of JSON" in doc
+    header = blob[8:8 + header_len].decode().rstrip()
+    # The JSON as the doc prints it: one line per top-level entry, the metadata's tensor list on a line of its own.
+    lines = header.replace(',"tensors"', ',\n "tensors"').replace(',"w:pos"', ',\n "w:pos"').replace(',"w:val"', ',\n "w:val"')
+    assert lines in doc
+    base = ds.load(blob)._raw.base_identity(0)
+    assert f'\\"base\\":\\"{base}\\"' in header and f"base identity `{base}`" in doc
 
 
 def test_compact_example_in_format_doc():

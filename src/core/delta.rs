@@ -30,6 +30,8 @@ pub struct TensorDelta {
     pub values: Stream,
     /// The largest changed position, known once the streams have been checked.
     pub last_position: Option<u64>,
+    /// The base identity of the tensor before the change (core::base), for records that apply to one base only.
+    pub base: Option<u64>,
 }
 
 impl TensorDelta {
@@ -57,6 +59,8 @@ impl TensorDelta {
             positions: Stream::empty(),
             values: data.to_vec().into(),
             last_position: changed.checked_sub(1),
+            // A whole tensor applies to any base.
+            base: None,
             ..self
         }
     }

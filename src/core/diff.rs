@@ -2,12 +2,16 @@
 //!
 //! Each tensor is cut into chunks that rayon scans independently. A chunk's position stream omits its
 //! first gap, which depends on the previous chunk's last change; joining the chunks writes that gap in.
+//!
+//! A chunk also hashes the base identity blocks (core::base) of its old bytes right after comparing them, while
+//! they are in cache; a chunk of `CHUNK_ELEMENTS` elements always covers whole blocks, but at a tensor's end.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use rayon::prelude::*;
 
+use crate::core::base;
 use crate::core::codec::compact::{self, BitWriter};
 use crate::core::codec::{varint, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
@@ -16,8 +20,10 @@ use crate::core::error::{Error, Result};
 use crate::core::scan::{self, Changes, InOrder, Joined};
 use crate::core::stream::Stream;
 
-/// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads.
+/// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads. A multiple
+/// of `base::BLOCK_BYTES` bytes at every width.
 const CHUNK_ELEMENTS: usize = 1 << 18;
+const _: () = assert!(CHUNK_ELEMENTS.is_multiple_of(base::BLOCK_BYTES));
 
 /// One tensor to compare: its raw little-endian bytes before and after.
 pub struct DiffInput<'a> {
@@ -126,12 +132,13 @@ fn assemble(
     chunks: Vec<Changes>,
     values_codec: ValueCodec,
     compact: Option<(u32, Vec<CompactChunk>)>,
+    base: u64,
 ) -> TensorDelta {
     let changed: u64 = chunks.iter().map(|c| c.count).sum();
     let (positions_len, values_len) = scan::joined_lens(&chunks);
     let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
     let last_position = chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position);
-    let mut tensor = tensor_shell(input, scanned_values, changed, last_position);
+    let mut tensor = tensor_shell(input, scanned_values, changed, last_position, base);
     if changed == 0 {
         return tensor;
     }
@@ -195,10 +202,14 @@ pub fn diff_with(
     let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
     let mut widths = Vec::with_capacity(inputs.len());
     let mut tasks = Vec::new();
+    // The base identity blocks of every input, one after another, filled in by the tasks.
+    let mut first_block = Vec::with_capacity(inputs.len() + 1);
+    first_block.push(0);
     for (index, input) in inputs.iter().enumerate() {
         check_name(&input.name)?;
         let width = check_len(&input.name, input.dtype, &input.shape, &[input.old.len(), input.new.len()])?;
         widths.push(width);
+        first_block.push(first_block[index] + input.old.len().div_ceil(base::BLOCK_BYTES));
         let elements = input.old.len() / width;
         for start in (0..elements).step_by(CHUNK_ELEMENTS) {
             tasks.push((index, start, (start + CHUNK_ELEMENTS).min(elements)));
@@ -210,6 +221,19 @@ pub fn diff_with(
         first_task[index] = task;
         chunk_counts[index] += 1;
     }
+    let block_hashes: Vec<AtomicU64> = (0..first_block[inputs.len()]).map(|_| AtomicU64::new(0)).collect();
+    // Each task stores its blocks' hashes before it hands its changes on (under a lock, or with an AcqRel count),
+    // so the task that assembles a tensor sees them all.
+    let hash_blocks = |index: usize, bytes: &std::ops::Range<usize>| {
+        let first = first_block[index] + bytes.start / base::BLOCK_BYTES;
+        for (slot, block) in block_hashes[first..].iter().zip(inputs[index].old[bytes.clone()].chunks(base::BLOCK_BYTES)) {
+            slot.store(base::block_hash(block), Ordering::Relaxed);
+        }
+    };
+    let tensor_base = |index: usize| {
+        let hashes: Vec<u64> = block_hashes[first_block[index]..first_block[index + 1]].iter().map(|h| h.load(Ordering::Relaxed)).collect();
+        base::combine(&hashes)
+    };
     let results: Vec<Mutex<Option<TensorDelta>>> = inputs.iter().map(|_| Mutex::new(None)).collect();
     let store = |index: usize, tensor: TensorDelta| *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(tensor);
     if codec == Codec::Varint {
@@ -224,11 +248,12 @@ pub fn diff_with(
                 let bytes = start * width..end * width;
                 let chunk = task - first_task[index];
                 let complete = scan::scan_then(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values, |changes| {
+                    hash_blocks(index, &bytes);
                     builds[index].lock().unwrap_or_else(|e| e.into_inner()).add(chunk, changes)
                 });
                 compared(index, bytes);
                 if let Some(joined) = complete {
-                    store(index, assemble_joined(input, joined, scanned_values));
+                    store(index, assemble_joined(input, joined, scanned_values, tensor_base(index)));
                 }
             });
         });
@@ -243,6 +268,7 @@ pub fn diff_with(
                 let (input, width) = (&inputs[index], widths[index]);
                 let bytes = start * width..end * width;
                 let changes = scan::scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+                hash_blocks(index, &bytes);
                 compared(index, bytes);
                 *slots[task].lock().unwrap_or_else(|e| e.into_inner()) = Some(changes);
                 if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {
@@ -258,7 +284,7 @@ pub fn diff_with(
                     .zip(previous_ends)
                     .map(|(chunk, previous_end)| compact_chunk(chunk, k, previous_end, width, differences))
                     .collect();
-                store(index, assemble(input, chunks, scanned_values, Some((k, compacts))));
+                store(index, assemble(input, chunks, scanned_values, Some((k, compacts)), tensor_base(index)));
             });
         });
     }
@@ -268,14 +294,15 @@ pub fn diff_with(
         .map(|(index, result)| {
             // A tensor without elements has no chunk, hence no task.
             result.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| {
-                assemble(&inputs[index], Vec::new(), scanned_values, None)
+                assemble(&inputs[index], Vec::new(), scanned_values, None, base::combine(&[]))
             })
         })
         .collect())
 }
 
-/// A tensor's fields but its streams, for `changed` changes ending at `last_position`.
-fn tensor_shell(input: &DiffInput<'_>, scanned_values: ValueCodec, changed: u64, last_position: Option<u64>) -> TensorDelta {
+/// A tensor's fields but its streams, for `changed` changes ending at `last_position`, made against the base
+/// of identity `base`.
+fn tensor_shell(input: &DiffInput<'_>, scanned_values: ValueCodec, changed: u64, last_position: Option<u64>, base: u64) -> TensorDelta {
     TensorDelta {
         name: input.name.clone(),
         dtype: input.dtype,
@@ -286,12 +313,13 @@ fn tensor_shell(input: &DiffInput<'_>, scanned_values: ValueCodec, changed: u64,
         positions: Stream::empty(),
         values: Stream::empty(),
         last_position,
+        base: Some(base),
     }
 }
 
 /// A `varint` tensor from its joined streams, or stored whole when that is no larger.
-fn assemble_joined(input: &DiffInput<'_>, joined: Joined, scanned_values: ValueCodec) -> TensorDelta {
-    let tensor = tensor_shell(input, scanned_values, joined.count, joined.last_position);
+fn assemble_joined(input: &DiffInput<'_>, joined: Joined, scanned_values: ValueCodec, base: u64) -> TensorDelta {
+    let tensor = tensor_shell(input, scanned_values, joined.count, joined.last_position, base);
     if joined.count == 0 {
         return tensor;
     }
@@ -320,6 +348,7 @@ pub fn full(inputs: &[FullInput<'_>]) -> Result<Vec<TensorDelta>> {
                 positions: Stream::empty(),
                 values: input.data.to_vec().into(),
                 last_position: numel.checked_sub(1),
+                base: None,
             })
         })
         .collect()

@@ -35,6 +35,14 @@ struct TensorRecord {
     changed: u64,
     positions: PositionCodec,
     values: ValueCodec,
+    /// The base identity (core::base), 16 lowercase hex digits; absent for records that apply to any base.
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present_string")]
+    base: Option<String>,
+}
+
+/// An optional field that, when present, must be a string (`null` is refused, not read as absent).
+fn present_string<'de, D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Option<String>, D::Error> {
+    String::deserialize(deserializer).map(Some)
 }
 
 /// One safetensors entry of the output, usually borrowing its bytes from the delta.
@@ -163,6 +171,7 @@ pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
             changed: t.changed,
             positions: t.positions_codec,
             values: t.values_codec,
+            base: t.base.map(crate::core::base::to_hex),
         })
         .collect();
     let mut metadata: BTreeMap<String, String> = BTreeMap::new();
@@ -328,6 +337,13 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
         if let Some(shape) = &record.shape {
             dtype::numel(shape).ok_or_else(|| bad(format!("tensor {name:?}: shape {shape:?} overflows")))?;
         }
+        let base = record
+            .base
+            .map(|text| {
+                crate::core::base::parse_hex(&text)
+                    .ok_or_else(|| bad(format!("tensor {name:?}: base {text:?} is not 16 lowercase hex digits")))
+            })
+            .transpose()?;
         let mut tensor = TensorDelta {
             name: name.clone(),
             dtype,
@@ -338,6 +354,7 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
             positions: Stream::empty(),
             values: Stream::empty(),
             last_position: None,
+            base,
         };
         if tensor.is_dense() {
             let shape = tensor.shape.clone().ok_or_else(|| bad(format!("tensor {name:?}: a dense tensor needs a shape")))?;
@@ -421,6 +438,52 @@ mod tests {
         assert_eq!(back.tensors.len(), 3);
         assert!(back.tensors[1].is_dense());
         assert_eq!(to_bytes(&back).unwrap(), bytes);
+        // The base identity: kept for the sparse and the unchanged tensor, absent for the whole one.
+        let bases: Vec<Option<u64>> = back.tensors.iter().map(|t| t.base).collect();
+        assert_eq!(bases, delta.tensors.iter().map(|t| t.base).collect::<Vec<_>>());
+        assert!(bases[0].is_some() && bases[1].is_none() && bases[2].is_some());
+    }
+
+    /// `bytes` with its header JSON rewritten by `edit` (the data section is unchanged).
+    fn with_header(bytes: &[u8], edit: impl Fn(&str) -> String) -> Vec<u8> {
+        let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&bytes[8..8 + len]).unwrap().trim_end();
+        let mut header = edit(header).into_bytes();
+        header.resize(header.len().div_ceil(8) * 8, b' ');
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&bytes[8 + len..]);
+        out
+    }
+
+    #[test]
+    fn a_malformed_base_is_a_format_error() {
+        let delta = sample();
+        let bytes = to_bytes(&delta).unwrap();
+        let hex = crate::core::base::to_hex(delta.tensors[0].base.unwrap());
+        let field = format!(r#"\"base\":\"{hex}\""#);
+        assert!(String::from_utf8_lossy(&bytes).contains(&field));
+        let upper = hex.to_uppercase();
+        let short = &hex[..15];
+        for replacement in [
+            format!(r#"\"base\":\"{short}\""#),
+            format!(r#"\"base\":\"{hex}0\""#),
+            format!(r#"\"base\":\"{upper}\""#),
+            r#"\"base\":\"0123456789abcdeg\""#.to_owned(),
+            r#"\"base\":\" 123456789abcdef\""#.to_owned(),
+            r#"\"base\":81985529216486895"#.to_owned(),
+            r#"\"base\":null"#.to_owned(),
+            r#"\"base\":[\"0123456789abcdef\"]"#.to_owned(),
+        ] {
+            let broken = with_header(&bytes, |header| header.replacen(&field, &replacement, 1));
+            let err = from_bytes(broken, "bad-base").unwrap_err();
+            assert!(matches!(err, Error::Format { .. }), "{replacement}: {err}");
+        }
+        // Without the field (as older writers and TRL imports) the file still loads.
+        let without = with_header(&bytes, |header| header.replacen(&format!(",{field}"), "", 1));
+        let loaded = from_bytes(without, "no-base").unwrap();
+        assert_eq!(loaded.tensors[0].base, None);
+        assert_eq!(loaded.tensors[2].base, delta.tensors[2].base);
     }
 
     #[test]

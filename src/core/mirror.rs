@@ -5,11 +5,16 @@
 //! at its element offset, in ascending order, and appends its changes to the tensor's streams; `finish` hands
 //! them out. Streams are canonical, so the result equals `diff::diff` of the same old and new bytes whatever the
 //! chunking.
+//!
+//! The base identity (core::base) of a whole tensor is hashed from the mirror's bytes just before each task
+//! compares and overwrites them; tasks start at block boundaries, and a block cut by a chunk boundary is carried to
+//! the next chunk. A shard, which sees only part of the tensor, records no base.
 
 use std::sync::Mutex;
 
 use rayon::prelude::*;
 
+use crate::core::base::{self, BlockHasher};
 use crate::core::codec::{PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
@@ -18,8 +23,9 @@ use crate::core::format::{POSITIONS_SUFFIX, VALUES_SUFFIX};
 use crate::core::scan::{self, InOrder, Joined};
 use crate::core::stream::Stream;
 
-/// Elements scanned by one rayon task.
+/// Elements scanned by one rayon task: whole base identity blocks at every width.
 const TASK_ELEMENTS: usize = 1 << 18;
+const _: () = assert!(TASK_ELEMENTS.is_multiple_of(base::BLOCK_BYTES));
 /// A tensor being compared against its mirror chunk by chunk.
 pub struct MirrorTensor {
     name: String,
@@ -32,6 +38,8 @@ pub struct MirrorTensor {
     next_element: u64,
     /// The streams of the chunks compared so far.
     joined: Joined,
+    /// The base identity of the bytes before the chunks compared so far, while they are contiguous from element 0.
+    base: Option<BlockHasher>,
 }
 
 impl MirrorTensor {
@@ -55,6 +63,7 @@ impl MirrorTensor {
             codec,
             next_element: 0,
             joined: Joined::default(),
+            base: Some(BlockHasher::default()),
         })
     }
 
@@ -83,36 +92,73 @@ impl MirrorTensor {
                 self.next_element, self.numel
             )));
         }
+        if self.base.as_ref().is_some_and(|hasher| hasher.consumed() != first_element * self.width as u64) {
+            // Elements were skipped: their bytes are not seen, so no base identity can be made.
+            self.base = None;
+        }
         self.next_element = first_element + elements;
         let (width, codec) = (self.width, self.codec);
-        let task_bytes = TASK_ELEMENTS * width;
-        let tasks = new.len().div_ceil(task_bytes);
-        if tasks == 0 {
+        if new.is_empty() {
             return Ok(());
         }
+        // Tasks start at block boundaries of the whole tensor: a head that completes the block the previous chunk
+        // cut, then `TASK_ELEMENTS` elements at a time; the last task may end inside a block (the tail).
+        let task_bytes = TASK_ELEMENTS * width;
+        let offset = first_element as usize * width;
+        let head = ((base::BLOCK_BYTES - offset % base::BLOCK_BYTES) % base::BLOCK_BYTES).min(new.len());
+        let tail = (new.len() - head) % base::BLOCK_BYTES;
+        let mut block_hashes = vec![0u64; (new.len() - head) / base::BLOCK_BYTES];
+        if let Some(hasher) = &mut self.base {
+            // The head and the tail are hashed with bytes of other chunks: keep a copy before they are overwritten.
+            hasher.take(&mirror[..head]);
+        }
+        let tail_copy = self.base.is_some().then(|| mirror[new.len() - tail..].to_vec());
+        let mut pieces = Vec::with_capacity(2 + new.len() / task_bytes);
+        let (mut old_rest, mut new_rest, mut hashes_rest) = (mirror, new, &mut block_hashes[..]);
+        let mut at = 0;
+        while !new_rest.is_empty() {
+            let len = if at == 0 && head > 0 { head } else { task_bytes.min(new_rest.len()) };
+            let (old, old_after) = old_rest.split_at_mut(len);
+            let (new, new_after) = new_rest.split_at(len);
+            let blocks = if at < head { 0 } else { len / base::BLOCK_BYTES };
+            let (hashes, hashes_after) = hashes_rest.split_at_mut(blocks);
+            pieces.push((old, new, first_element + (at / width) as u64, hashes));
+            (old_rest, new_rest, hashes_rest) = (old_after, new_after, hashes_after);
+            at += len;
+        }
+        let hash = self.base.is_some();
         // Each task's changes are appended to the tensor's streams as soon as the tasks before it are done.
-        let order = Mutex::new(InOrder::new(std::mem::take(&mut self.joined), tasks, self.numel as usize * width));
+        let order = Mutex::new(InOrder::new(std::mem::take(&mut self.joined), pieces.len(), self.numel as usize * width));
         let joined = crate::core::pool::install(|| {
-            mirror
-                .par_chunks_mut(task_bytes)
-                .zip(new.par_chunks(task_bytes))
+            pieces
+                .into_par_iter()
                 .enumerate()
-                .filter_map(|(task, (old, new))| {
-                    scan::scan_update_then(old, new, first_element + (task * TASK_ELEMENTS) as u64, width, codec, |changes| {
+                .filter_map(|(task, (old, new, first, hashes))| {
+                    if hash {
+                        for (slot, block) in hashes.iter_mut().zip(old.chunks(base::BLOCK_BYTES)) {
+                            *slot = base::block_hash(block);
+                        }
+                    }
+                    scan::scan_update_then(old, new, first, width, codec, |changes| {
                         order.lock().unwrap_or_else(|e| e.into_inner()).add(task, changes)
                     })
                 })
                 .reduce_with(|a, _| a)
         });
         self.joined = joined.expect("the last task completes the streams");
+        if let (Some(hasher), Some(tail_copy)) = (&mut self.base, tail_copy) {
+            hasher.take_hashed(&block_hashes, block_hashes.len() * base::BLOCK_BYTES);
+            hasher.take(&tail_copy);
+        }
         Ok(())
     }
 
     /// Joins the chunks into the tensor's streams. `whole_mirror` is the mirror of the whole tensor (now
-    /// holding the new bits): given, the tensor is stored whole when that is no larger, as `diff::diff` does;
-    /// without it (a shard that mirrors only part of the tensor) the streams are kept.
+    /// holding the new bits): given, the tensor is stored whole when that is no larger, as `diff::diff` does, and
+    /// the record gets the base identity; without it (a shard that mirrors only part of the tensor) the streams
+    /// are kept and no base is recorded.
     pub fn finish(self, whole_mirror: Option<&[u8]>) -> Result<TensorDelta> {
-        let tensor = TensorDelta {
+        let mut tensor = TensorDelta {
             name: self.name,
             dtype: self.dtype,
             shape: Some(self.shape),
@@ -122,10 +168,8 @@ impl MirrorTensor {
             positions: Stream::empty(),
             values: Stream::empty(),
             last_position: self.joined.last_position,
+            base: None,
         };
-        if tensor.changed == 0 {
-            return Ok(tensor);
-        }
         if let Some(whole) = whole_mirror {
             let dense_len = self.numel as usize * self.width;
             if whole.len() != dense_len {
@@ -135,9 +179,17 @@ impl MirrorTensor {
                     whole.len()
                 )));
             }
-            if self.joined.positions.len() + self.joined.values.len() >= dense_len {
+            tensor.base = self.base.map(|mut hasher| {
+                // Elements after the last chunk were not compared: the mirror still holds their base bytes.
+                hasher.take(&whole[hasher.consumed() as usize..]);
+                hasher.finish()
+            });
+            if tensor.changed > 0 && self.joined.positions.len() + self.joined.values.len() >= dense_len {
                 return Ok(tensor.into_whole(whole));
             }
+        }
+        if tensor.changed == 0 {
+            return Ok(tensor);
         }
         let (positions, values) = self.joined.into_streams();
         Ok(TensorDelta { positions: positions.into(), values: values.into(), ..tensor })
@@ -199,6 +251,7 @@ mod tests {
         assert_eq!(&a.positions[..], &b.positions[..]);
         assert_eq!(&a.values[..], &b.values[..]);
         assert_eq!(a.last_position, b.last_position);
+        assert_eq!(a.base, b.base);
     }
 
     fn chunked(old: &[u8], new: &[u8], dtype: Dtype, chunk_elements: usize, codec: ValueCodec) -> (TensorDelta, Vec<u8>) {
@@ -239,6 +292,38 @@ mod tests {
     }
 
     #[test]
+    fn odd_chunks_give_the_base_identity_of_diff() {
+        // Chunks of byte counts that cut blocks anywhere, each tensor over several blocks and tasks.
+        for (dtype, width) in [(Dtype::U8, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F64, 8)] {
+            let n = (3 * base::BLOCK_BYTES + 5 * 8) / width;
+            let old: Vec<u8> = (0..n * width).map(|i| (i * 131 % 251) as u8).collect();
+            let mut new = old.clone();
+            for p in (0..n).step_by(997) {
+                new[p * width] ^= 1;
+            }
+            let want = reference(&old, &new, dtype, ValueCodec::Diff);
+            assert_eq!(want.base, Some(base::identity(&old)));
+            for chunk in [4099usize, 65_537, base::BLOCK_BYTES / width + 3, TASK_ELEMENTS + 11, n] {
+                let (tensor, mirror) = chunked(&old, &new, dtype, chunk, ValueCodec::Diff);
+                same(&tensor, &want);
+                assert_eq!(mirror, new);
+            }
+            // Elements after the last chunk count as unchanged, their base bytes read from the whole mirror.
+            let mut mirror = old.clone();
+            let mut tensor = MirrorTensor::begin("t", dtype, &[n as u64], ValueCodec::Diff).unwrap();
+            let end = (base::BLOCK_BYTES + 3 * width) / width * width;
+            tensor.update(&mut mirror[..end], &new[..end], 0).unwrap();
+            let tensor = tensor.finish(Some(&mirror)).unwrap();
+            assert_eq!(tensor.base, Some(base::identity(&old)), "width {width}");
+            // Skipped elements before a chunk leave no base identity.
+            let mut mirror = old.clone();
+            let mut tensor = MirrorTensor::begin("t", dtype, &[n as u64], ValueCodec::Diff).unwrap();
+            tensor.update(&mut mirror[width..], &new[width..], 1).unwrap();
+            assert_eq!(tensor.finish(Some(&mirror)).unwrap().base, None);
+        }
+    }
+
+    #[test]
     fn dense_when_no_smaller_and_sparse_without_whole_mirror() {
         let old = vec![0u8; 256];
         let new: Vec<u8> = (0..=255u8).collect();
@@ -251,6 +336,7 @@ mod tests {
         let part = part.finish(None).unwrap();
         assert!(!part.is_dense());
         assert_eq!(part.changed, 255);
+        assert_eq!(part.base, None, "a shard records no base");
     }
 
     #[test]
@@ -262,6 +348,7 @@ mod tests {
         let mut tensor = MirrorTensor::begin("t", Dtype::F32, &[3, 100], ValueCodec::Abs).unwrap();
         tensor.update(&mut mirror, &new, 100).unwrap();
         let tensor = tensor.finish(None).unwrap();
+        assert_eq!(tensor.base, None);
         let mut seen = Vec::new();
         tensor.for_each_change(|p, v| seen.push((p, v))).unwrap();
         assert_eq!(seen, vec![(105, 7)]);

@@ -2,6 +2,7 @@
 //! Nothing under `core` knows about Python.
 
 pub mod apply;
+pub mod base;
 pub mod codec;
 pub mod delta;
 pub mod digest;

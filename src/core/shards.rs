@@ -56,6 +56,8 @@ pub fn join_tensor(parts: Vec<TensorDelta>) -> Result<TensorDelta> {
     }
     joined.positions = positions.into();
     joined.values = values.into();
+    // No rank saw the whole tensor, so there is no base identity to record.
+    joined.base = None;
     Ok(joined)
 }
 
@@ -111,7 +113,14 @@ mod tests {
             assert_eq!((tensor.changed, tensor.last_position), (whole.changed, whole.last_position));
             assert_eq!(&tensor.positions[..], &whole.positions[..]);
             assert_eq!(&tensor.values[..], &whole.values[..]);
+            assert_eq!(tensor.base, None, "a joined shard delta records no base");
         }
+        // Even a part that carries a base (a rank that held the whole tensor) gives a joined tensor without one.
+        let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
+        let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap();
+        assert!(whole[0].base.is_some());
+        let joined = join(vec![Delta { tensors: whole, ..Delta::default() }]).unwrap();
+        assert_eq!(joined.tensors[0].base, None);
     }
 
     #[test]

@@ -100,6 +100,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                 positions: Stream::empty(),
                 values: bytes[range.clone()].to_vec().into(),
                 last_position: numel.checked_sub(1),
+                base: None,
             });
         }
     } else {
@@ -144,6 +145,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                         positions: positions.into(),
                         values: bytes[value_range.clone()].to_vec().into(),
                         last_position: last,
+                        base: None,
                     })
                 })
                 .collect::<Result<Vec<_>>>()

@@ -1,0 +1,271 @@
+//! Base identities (docs/format.md §3): a 64-bit hash of a tensor's bytes before a change, which a delta records
+//! so that it is never applied to another base, or twice.
+//!
+//! The bytes are hashed in blocks of `BLOCK_BYTES` (XXH3-64 each), and the identity is the XXH3-64 of the block
+//! hashes, little-endian: blocks can be hashed in parallel, or by the diff's scan right after it compared them.
+
+use rayon::prelude::*;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+use crate::core::apply::check_target;
+use crate::core::delta::{Delta, TensorDelta};
+use crate::core::error::{Error, Result};
+
+/// Bytes per hashed block; the last block of a tensor may be shorter.
+pub const BLOCK_BYTES: usize = 1 << 18;
+
+/// The hash of one block.
+pub fn block_hash(block: &[u8]) -> u64 {
+    xxh3_64(block)
+}
+
+/// The identity of a tensor from the hashes of its blocks, in order.
+pub fn combine(block_hashes: &[u64]) -> u64 {
+    let mut hasher = Xxh3::new();
+    for hash in block_hashes {
+        hasher.update(&hash.to_le_bytes());
+    }
+    hasher.digest()
+}
+
+/// The identity of `bytes`, its blocks hashed in parallel in the deltasync pool.
+pub fn identity(bytes: &[u8]) -> u64 {
+    let hashes: Vec<u64> = if bytes.len() <= BLOCK_BYTES {
+        bytes.chunks(BLOCK_BYTES).map(block_hash).collect()
+    } else {
+        crate::core::pool::install(|| bytes.par_chunks(BLOCK_BYTES).map(block_hash).collect())
+    };
+    combine(&hashes)
+}
+
+/// An identity as written in a record: 16 lowercase hex digits.
+pub fn to_hex(identity: u64) -> String {
+    format!("{identity:016x}")
+}
+
+/// Parses a record's `base`: exactly 16 lowercase hex digits.
+pub fn parse_hex(text: &str) -> Option<u64> {
+    let valid = text.len() == 16 && text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    valid.then(|| u64::from_str_radix(text, 16).ok()).flatten()
+}
+
+/// The identity of a tensor read in consecutive pieces of any length: full blocks are hashed as they come, a
+/// block cut by a piece boundary is kept until the next piece completes it.
+#[derive(Default)]
+pub struct BlockHasher {
+    hashes: Vec<u64>,
+    partial: Vec<u8>,
+    consumed: u64,
+}
+
+impl BlockHasher {
+    /// Bytes taken so far.
+    pub fn consumed(&self) -> u64 {
+        self.consumed
+    }
+
+    /// How many bytes at the start of the next piece complete the block cut by the previous one (0 if none was cut).
+    pub fn head_len(&self) -> usize {
+        (BLOCK_BYTES - self.consumed as usize % BLOCK_BYTES) % BLOCK_BYTES
+    }
+
+    /// Takes the next bytes, any number of them.
+    pub fn take(&mut self, mut piece: &[u8]) {
+        self.consumed += piece.len() as u64;
+        if !self.partial.is_empty() {
+            let fill = piece.len().min(BLOCK_BYTES - self.partial.len());
+            self.partial.extend_from_slice(&piece[..fill]);
+            piece = &piece[fill..];
+            if self.partial.len() < BLOCK_BYTES {
+                return;
+            }
+            self.hashes.push(block_hash(&self.partial));
+            self.partial.clear();
+        }
+        let whole = piece.len() / BLOCK_BYTES * BLOCK_BYTES;
+        self.hashes.extend(piece[..whole].chunks(BLOCK_BYTES).map(block_hash));
+        self.partial.extend_from_slice(&piece[whole..]);
+    }
+
+    /// Takes the hashes of `bytes` full blocks hashed elsewhere (`hashes`), at a block boundary.
+    pub fn take_hashed(&mut self, hashes: &[u64], bytes: usize) {
+        debug_assert!(self.partial.is_empty() && bytes == hashes.len() * BLOCK_BYTES);
+        self.hashes.extend_from_slice(hashes);
+        self.consumed += bytes as u64;
+    }
+
+    /// The identity of everything taken.
+    pub fn finish(mut self) -> u64 {
+        if !self.partial.is_empty() {
+            self.hashes.push(block_hash(&self.partial));
+        }
+        combine(&self.hashes)
+    }
+}
+
+fn mismatch(tensor: &TensorDelta, expected: u64, found: u64) -> Error {
+    Error::mismatch(format!(
+        "tensor {:?}: the target is not the base this delta was made for (base identity {} expected, {} found); \
+         was it applied already, or to another step?",
+        tensor.name,
+        to_hex(expected),
+        to_hex(found)
+    ))
+}
+
+/// Checks that `target` is the base `tensor` was made for: its size fits, and its identity is the record's
+/// `base` (a record without one fits any base).
+pub fn check_base(tensor: &TensorDelta, target: &[u8]) -> Result<()> {
+    check_target(tensor, tensor.dtype, None, target.len())?;
+    match tensor.base {
+        Some(expected) => {
+            let found = identity(target);
+            if found == expected {
+                Ok(())
+            } else {
+                Err(mismatch(tensor, expected, found))
+            }
+        }
+        None => Ok(()),
+    }
+}
+
+/// `check_base` for the tensors named by index, in parallel; the error is that of the first failing target in
+/// the order given.
+pub fn check_bases(delta: &Delta, targets: &[(usize, &[u8])]) -> Result<()> {
+    for (index, _) in targets {
+        if *index >= delta.tensors.len() {
+            return Err(Error::invalid(format!("no tensor number {index} in this delta")));
+        }
+    }
+    let results: Vec<Result<()>> = crate::core::pool::install(|| {
+        targets.par_iter().map(|&(index, target)| check_base(&delta.tensors[index], target)).collect()
+    });
+    results.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::codec::{Codec, ValueCodec};
+    use crate::core::diff::{diff, DiffInput};
+    use crate::core::dtype::Dtype;
+
+    /// The definition, literally: hash each block, concatenate the hashes little-endian, hash that.
+    fn reference(bytes: &[u8]) -> u64 {
+        let mut concatenated = Vec::new();
+        for block in bytes.chunks(1 << 18) {
+            concatenated.extend_from_slice(&xxh3_64(block).to_le_bytes());
+        }
+        xxh3_64(&concatenated)
+    }
+
+    fn bytes(len: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed | 1;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect()
+    }
+
+    const SIZES: [usize; 6] = [0, 1, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 5];
+
+    #[test]
+    fn identity_matches_the_definition() {
+        for len in SIZES {
+            let data = bytes(len, len as u64);
+            assert_eq!(identity(&data), reference(&data), "{len} bytes");
+        }
+        assert_eq!(identity(&[]), xxh3_64(&[]));
+    }
+
+    #[test]
+    fn pieces_of_any_length_give_the_same_identity() {
+        let data = bytes(3 * BLOCK_BYTES + 5, 7);
+        for piece in [1usize, 1000, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 3, 2 * BLOCK_BYTES + 11, data.len()] {
+            let mut hasher = BlockHasher::default();
+            for part in data.chunks(piece) {
+                let head = hasher.head_len().min(part.len());
+                hasher.take(&part[..head]);
+                hasher.take(&part[head..]);
+            }
+            assert_eq!(hasher.consumed(), data.len() as u64);
+            assert_eq!(hasher.finish(), reference(&data), "pieces of {piece}");
+        }
+    }
+
+    #[test]
+    fn hex_is_sixteen_lowercase_digits() {
+        assert_eq!(to_hex(0x0123_4567_89ab_cdef), "0123456789abcdef");
+        assert_eq!(parse_hex("0123456789abcdef"), Some(0x0123_4567_89ab_cdef));
+        for bad in ["0123456789ABCDEF", "0123456789abcde", "0123456789abcdef0", "0123456789abcdeg", "+123456789abcdef", ""] {
+            assert_eq!(parse_hex(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn diff_bases_are_checked_for_every_size_and_width() {
+        for (dtype, width) in [(Dtype::U8, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::I64, 8)] {
+            for len in SIZES {
+                let len = len / width * width;
+                let old = bytes(len, 3);
+                let mut new = old.clone();
+                if len > 0 {
+                    new[len / 2] ^= 1;
+                }
+                for (values, codec) in [
+                    (ValueCodec::Diff, Codec::Varint),
+                    (ValueCodec::Abs, Codec::Varint),
+                    (ValueCodec::Diff, Codec::Compact),
+                    (ValueCodec::Abs, Codec::Compact),
+                ] {
+                    let input = DiffInput { name: "w".into(), dtype, shape: vec![(len / width) as u64], old: &old, new: &new };
+                    let tensor = diff(&[input], values, codec).unwrap().remove(0);
+                    let what = format!("{len} bytes of {width}, {values:?} {codec:?}");
+                    if tensor.is_dense() {
+                        assert_eq!(tensor.base, None, "{what}");
+                        continue;
+                    }
+                    assert_eq!(tensor.base, Some(reference(&old)), "{what}");
+                    check_base(&tensor, &old).unwrap();
+                    if len == 0 {
+                        continue;
+                    }
+                    let err = check_base(&tensor, &new).unwrap_err();
+                    assert!(matches!(err, Error::BaseMismatch { .. }), "{what}");
+                    assert!(err.to_string().contains("tensor \"w\"") && err.to_string().contains("applied already"), "{err}");
+                    let mut flipped = old.clone();
+                    flipped[len - 1] ^= 0x80;
+                    assert!(matches!(check_base(&tensor, &flipped), Err(Error::BaseMismatch { .. })), "{what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn check_bases_reports_the_first_failing_target() {
+        let (a, b) = (bytes(1000, 1), bytes(3000, 2));
+        let (mut a2, mut b2) = (a.clone(), b.clone());
+        a2[5] ^= 1;
+        b2[7] ^= 1;
+        let tensors = diff(
+            &[
+                DiffInput { name: "a".into(), dtype: Dtype::U8, shape: vec![1000], old: &a, new: &a2 },
+                DiffInput { name: "b".into(), dtype: Dtype::U8, shape: vec![3000], old: &b, new: &b2 },
+            ],
+            ValueCodec::Diff,
+            Codec::Varint,
+        )
+        .unwrap();
+        let delta = Delta { tensors, ..Default::default() };
+        check_bases(&delta, &[(0, &a), (1, &b)]).unwrap();
+        let err = check_bases(&delta, &[(1, &b2), (0, &a2)]).unwrap_err();
+        assert!(err.to_string().contains("tensor \"b\""), "{err}");
+        assert!(matches!(check_bases(&delta, &[(0, &b)]), Err(Error::BaseMismatch { .. })));
+        assert!(matches!(check_bases(&delta, &[(2, &b)]), Err(Error::InvalidInput { .. })));
+    }
+}
