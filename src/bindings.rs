@@ -195,6 +195,26 @@ impl RawDelta {
         Ok(())
     }
 
+    /// Refuses targets whose memory overlaps: sorted by address, each must end before the next begins (O(n log n);
+    /// comparing every pair took seconds at 160k tensors). An empty target writes nothing and overlaps nothing.
+    fn check_disjoint(&self, slices: &[(usize, RawSlice)]) -> PyResult<()> {
+        let mut spans: Vec<(usize, usize, usize)> =
+            slices.iter().filter(|(_, s)| s.len > 0).map(|(index, s)| (s.ptr as usize, s.ptr as usize + s.len, *index)).collect();
+        spans.sort_unstable();
+        for pair in spans.windows(2) {
+            let ((_, end, first), (start, _, second)) = (pair[0], pair[1]);
+            if start < end {
+                let name = |index: usize| self.delta.tensors[index].name.clone();
+                return Err(DeltaSyncError::new_err(format!(
+                    "target of tensor {:?} overlaps the target of tensor {:?}",
+                    name(second),
+                    name(first)
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn tensor(&self, index: usize) -> PyResult<&crate::core::TensorDelta> {
         self.delta
             .tensors
@@ -437,15 +457,10 @@ impl RawDelta {
         for (index, target) in &targets {
             let tensor = self.tensor(*index)?;
             let (buffer, slice) = export(target, &|| format!("target of tensor {:?}", tensor.name), true)?;
-            if slices.iter().any(|(_, other): &(usize, RawSlice)| {
-                let (a, b) = (other.ptr as usize, slice.ptr as usize);
-                a < b + slice.len && b < a + other.len
-            }) {
-                return Err(DeltaSyncError::new_err(format!("target of tensor {:?} overlaps another target", tensor.name)));
-            }
             held.push(buffer);
             slices.push((*index, slice));
         }
+        self.check_disjoint(&slices)?;
         let delta = &self.delta;
         py.detach(|| {
             // SAFETY: buffers are held, writable and pairwise disjoint (checked above).

@@ -184,3 +184,22 @@ def test_holds_differences_comes_from_the_core():
             delta = ds.diff(prev, curr, codec=codec, values=values)
             kinds[delta.tensors[0].values] = delta.holds_differences(0)
     assert kinds == {"diff": True, "diffbits": True, "abs": False}
+
+
+def test_raw_apply_checks_100k_targets_for_overlap():
+    """RawDelta.apply sorts the targets by address to check them for overlap (it compared every pair: 7.3 s at 160k
+    tensors); not timed here, it must just finish, write every target, and still refuse an overlap."""
+    import numpy as np
+
+    from deltasync_rs._core import RawDelta
+
+    n = 100_000
+    zeros, ones = np.zeros(1, np.uint8), np.ones(1, np.uint8)
+    raw = RawDelta()
+    raw.add_diff([(f"t{i}", "U8", [1], zeros, ones) for i in range(n)], "diff")
+    storage = bytearray(n)
+    view = memoryview(storage)
+    raw.apply([(i, view[i:i + 1]) for i in range(n)])
+    assert storage == bytearray(b"\1" * n)
+    with pytest.raises(ds.DeltaSyncError, match='overlaps the target of tensor "t'):
+        raw.apply([(i, view[i:i + 1]) for i in range(n - 1)] + [(n - 1, view[5:6])])
