@@ -1,4 +1,4 @@
-"""fork() at an awkward moment: while another thread rebuilds the pool.
+"""fork() at awkward moments: while another thread rebuilds the pool, and while another thread makes the first call.
 
 Each scenario runs in a fresh interpreter without torch (torch's OpenMP pool is not fork-safe), forks children
 that each run a small diff and exit, and counts the children that do not finish within a timeout.
@@ -74,6 +74,31 @@ rebuilder.join()
 print(json.dumps({"hung": hung, "failed": failed}))
 """
 
+# Scenario 2: first use. The parent imports deltasync_rs but never calls it, so each forked round process starts
+# with every lazily initialised static unset, as a fresh interpreter would. In the round process one thread makes
+# the first call while the main thread forks a grandchild, which then makes its own call.
+_FIRST_USE = _COMMON + r"""
+hung = failed = 0
+for _ in range(int(sys.argv[1])):
+    delay = random.uniform(0, 0.003)
+    round_pid = os.fork()
+    if round_pid == 0:
+        first = threading.Thread(target=ds.diff, args=(prev, curr))
+        first.start()
+        end = time.perf_counter() + delay
+        while time.perf_counter() < end:
+            pass
+        child = fork_child()
+        first.join()
+        code = wait_child(child, float(sys.argv[2]))
+        os._exit(3 if code is None else code)
+    code = wait_child(round_pid, 2 * float(sys.argv[2]))
+    hung += code in (None, 3)
+    failed += code not in (None, 0, 3)
+print(json.dumps({"hung": hung, "failed": failed}))
+"""
+
+
 def _run(script: str) -> dict[str, int]:
     result = subprocess.run(
         [sys.executable, "-c", script, str(CHILDREN), str(CHILD_TIMEOUT_S)],
@@ -89,3 +114,6 @@ def _run(script: str) -> dict[str, int]:
 def test_fork_while_another_thread_rebuilds_the_pool():
     assert _run(_REBUILDING) == {"hung": 0, "failed": 0}
 
+
+def test_fork_during_first_use():
+    assert _run(_FIRST_USE) == {"hung": 0, "failed": 0}

@@ -115,7 +115,16 @@ impl SlotLock {
     }
 }
 
+/// Initialises the lazy statics that pool threads touch, so that no fork() can find one half initialised: a
+/// child then waits forever for the initialiser, a thread it does not have (tests/test_fork.py). The one that
+/// matters is crossbeam's global epoch collector, behind a `Once`, which rayon's work-stealing deques use. The
+/// bindings call this when the module is imported; building a pool calls it too, before spawning threads.
+pub fn init_statics() {
+    drop(crossbeam_epoch::pin());
+}
+
 fn build(threads: usize) -> Arc<rayon::ThreadPool> {
+    init_statics();
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(|i| format!("deltasync-{i}"))
