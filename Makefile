@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: setup setup-engine develop test test-rust test-python lint bench demo soak fuzz-smoke wheel clean
+.PHONY: setup setup-engine develop test test-rust test-python lint lint-format typecheck bench demo soak fuzz-smoke wheel clean
 
 ## setup: one virtualenv with torch 2.14.0, vllm 0.33.0, the test tools and deltasync-rs built in release mode
 setup: $(VENV)/.installed
@@ -48,6 +48,18 @@ lint: setup
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check --select F,E9 python tests benches examples
 	$(PY) -m mypy.stubtest deltasync_rs._core
+	$(PY) -m mypy
+
+## lint-format: rustfmt and ruff's formatter as checks (rustfmt.toml, [tool.ruff]), and ruff with the whole rule set
+## of pyproject.toml; `lint` runs it once the tree has been formatted in one pass
+lint-format: setup
+	cargo fmt --check
+	$(VENV)/bin/ruff format --check python tests benches examples conftest.py
+	$(VENV)/bin/ruff check python tests benches examples conftest.py
+
+## typecheck: mypy over python/deltasync_rs ([tool.mypy] in pyproject.toml); `lint` runs it once it passes
+typecheck: setup
+	$(PY) -m mypy
 
 ## bench: the CPU comparison on the full Qwen3-0.6B-shaped workload (see docs/benchmarks.md)
 bench: setup

@@ -158,7 +158,7 @@ def test_encode_trl_v1_torch(benchmark, workload, pedantic_opts):
 @pytest.mark.parametrize("threads", [1, 2], ids=["1thread", "2threads"])
 def test_read_floor(benchmark, workload, pedantic_opts, threads):
     """One numpy pass over both states (sum of uint64 words): a lower bound for any encoder. ``1thread`` is the
-    reference floor (REFERENCE.md §3); ``2threads`` splits the same pass over two threads."""
+    floor docs/benchmarks.md measures encoders against; ``2threads`` splits the same pass over two threads."""
     got = benchmark.pedantic(baselines.read_floor, args=(workload.prev, workload.curr),
                              kwargs={"threads": threads}, **pedantic_opts)
 
@@ -182,6 +182,23 @@ def test_apply_deltasync(benchmark, workload, pedantic_opts, deltasync_blobs, va
 
     def apply(state):
         ds.load(blob).apply_(state)
+        return state
+
+    state = benchmark.pedantic(apply, setup=fresh_prev(workload), **pedantic_opts)
+
+    assert_state_equals_curr(state, workload)
+    del state
+    common_info(benchmark, workload)
+    benchmark.extra_info.update(file_bytes=len(blob), bytes_per_changed=len(blob) / workload.num_changed)
+
+
+@pytest.mark.benchmark(group=APPLY_GROUP)
+def test_apply_deltasync_checking_base(benchmark, workload, pedantic_opts, deltasync_blobs):
+    """ds.load(bytes) + apply_(check_base=True): the base identity of every touched tensor is checked first."""
+    blob = deltasync_blobs("diff")
+
+    def apply(state):
+        ds.load(blob).apply_(state, check_base=True)
         return state
 
     state = benchmark.pedantic(apply, setup=fresh_prev(workload), **pedantic_opts)

@@ -113,6 +113,18 @@ def test_apply_delta_in_place(benchmark, vllm_bench, pedantic_opts):
 
 
 @pytest.mark.benchmark(group=GROUP)
+def test_apply_delta_in_place_checking_base(benchmark, vllm_bench, pedantic_opts):
+    """The same with check_base=True: every touched tensor is read once more, to compute its base identity."""
+    from deltasync_rs.vllm import apply_delta
+
+    model, vllm_config, prev, _, delta, expected = vllm_bench
+    _info(benchmark, delta)
+    benchmark.pedantic(lambda: apply_delta(model, delta, current_step=0, check_base=True),
+                       setup=lambda: _reset(model, prev), **pedantic_opts)
+    _assert_expected(model, expected)
+
+
+@pytest.mark.benchmark(group=GROUP)
 def test_dense_load_weights_of_changed_tensors(benchmark, vllm_bench, pedantic_opts):
     model, vllm_config, prev, changed, delta, expected = vllm_bench
     _info(benchmark, delta)

@@ -1,7 +1,8 @@
 """Synthetic, deterministic Qwen3-0.6B-shaped bf16 weight states for the benchmarks.
 
 ``load_workload(scale, density, seed)`` returns a :class:`Workload` holding two states, ``prev`` and ``curr``, that
-differ the way two consecutive RL steps of a bf16 model differ (REFERENCE.md §1):
+differ the way two consecutive RL steps of a bf16 model differ (about 99% of bf16 elements keep their bit pattern
+between steps: an Adam step at RL learning rates is smaller than bf16's rounding spacing):
 
 * ``prev`` is random: ``normal * 0.02`` for matrices and embeddings, ``1 + normal * 0.02`` for the norm weights,
   rounded to bf16. For speed each element is drawn from a per-tensor table of 2**16 such bf16 values (uniform
@@ -15,7 +16,8 @@ differ the way two consecutive RL steps of a bf16 model differ (REFERENCE.md §1
   are zero, so every selected element really changes. With these weight magnitudes no NaN or Inf is produced,
   but all comparisons in the suite are made on the integer views anyway.
 
-Shapes follow REFERENCE.md §4 (28 layers, hidden 1024, intermediate 3072, vocab 151936, tied embeddings, 596M params).
+Shapes follow Qwen3-0.6B's configuration (28 layers, hidden 1024, intermediate 3072, 16 query and 8 KV heads of
+dim 128, vocab 151936, tied embeddings, 596M params).
 ``scale`` shrinks the model for smoke runs: 1.0 is the full model; below it the vocabulary shrinks by ``scale`` and
 the layer count by ``scale`` (at least one layer); once fewer than one layer would remain, the hidden size shrinks
 too (by ``sqrt(28 * scale)``, rounded to a multiple of 64) so the parameter count keeps roughly following ``scale``.

@@ -566,9 +566,9 @@ fn diff_files(
 
 /// Writes `base` with `delta` applied to `out`, atomically; checks everything before writing.
 #[pyfunction]
-fn apply_file(py: Python<'_>, base: PathBuf, delta: PyRef<'_, RawDelta>, out: PathBuf) -> PyResult<()> {
+fn apply_file(py: Python<'_>, base: PathBuf, delta: PyRef<'_, RawDelta>, out: PathBuf, check_base: bool) -> PyResult<()> {
     let delta = &delta.delta;
-    py.detach(|| files::apply_file(&base, delta, &out)).map_err(to_py)
+    py.detach(|| files::apply_file(&base, delta, &out, check_base)).map_err(to_py)
 }
 
 /// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).

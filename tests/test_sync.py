@@ -228,6 +228,27 @@ def test_state_digest_mismatch_resyncs_from_the_anchor(tmp_path):
     assert subscriber.entry(1).state_digest == ds.state_digest(state)
 
 
+def test_a_drifted_replica_is_refused_by_the_base_check_before_any_write(tmp_path, caplog):
+    """The base check catches the drift before the delta is written (the digest check only after), then the
+    subscriber re-syncs from the anchor; with check_base=False it is the digest check that catches it."""
+    for check_base in (True, False):
+        store = ds.LocalStore(tmp_path / str(check_base))
+        state = _state()
+        subscriber = ds.Subscriber(store, check_base=check_base)
+        replica = _fresh(state)
+        with ds.Publisher(store, anchor_every=100, background=False) as publisher:
+            publisher.publish(0, state)
+            subscriber.pull(replica)
+            replica["layer.weight"].view(torch.int16).view(-1)[5] += 7
+            _train_step(state, 1)
+            publisher.publish(1, state)
+        caplog.clear()
+        assert subscriber.pull(replica) == 1
+        assert_states_equal(replica, state)
+        warnings = " ".join(r.getMessage() for r in caplog.records)
+        assert ("not the base" in warnings) == check_base and "re-syncing" in warnings
+
+
 def test_fault_injection_soak(tmp_path):
     report = soak(300, tmp_path, seed=7)
     print(report)

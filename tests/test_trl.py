@@ -1,5 +1,6 @@
 """TRL sparse weight patches, both ways: files written by a reference TRL writer load and apply bit-exactly, and our
-TRL output reads back with a reference TRL reader. The reference code below follows REFERENCE.md §2 and uses only
+TRL output reads back with a reference TRL reader. The reference code below follows TRL's published description
+of its files (Hugging Face's blog post on delta weight sync in TRL; summarised in docs/format.md §9) and uses only
 safetensors.torch and torch, never deltasync_rs."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ TRL_FORMAT = "sparse_weight_patch"
 UINT16_MAX = 65535
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference TRL writer and reader (REFERENCE.md §2)
+# Reference TRL writer and reader (TRL's published file layout, docs/format.md §9)
 # ---------------------------------------------------------------------------------------------------------------
 
 

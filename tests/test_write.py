@@ -186,6 +186,51 @@ def test_holds_differences_comes_from_the_core():
     assert kinds == {"diff": True, "diffbits": True, "abs": False}
 
 
+# ------------------------------------------------------------------------------------------- the base identity check
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+@pytest.mark.parametrize("values", ["diff", "abs"])
+def test_check_base_refuses_a_wrong_base_and_a_second_application(codec, values):
+    prev, curr = {}, {}
+    for i, name in enumerate(["a", "b", "c"]):
+        prev[name], curr[name] = _pair((32, 16), seed=i)
+    delta = ds.load(ds.diff(prev, curr, codec=codec, values=values).to_bytes())
+    assert all(delta.base_identity(i) is not None for i in range(3))
+    state = {"a": prev["a"].clone(), "b": prev["b"].t().contiguous().t(), "c": prev["c"].clone()}
+    wrong = {k: v.clone() if isinstance(v, torch.Tensor) else v.copy() for k, v in state.items()}
+    wrong["b"].view(torch.int16)[3, 3] += 1  # one bit pattern off, in a tensor the delta does not change there
+    with pytest.raises(ds.BaseMismatchError, match="'b'|\"b\""):
+        delta.apply_(wrong, check_base=True)
+    assert_bits_equal(wrong["a"], prev["a"])  # nothing written anywhere
+    delta.apply_(state, check_base=True)
+    for name in curr:
+        assert_bits_equal(state[name], curr[name])
+    with pytest.raises(ds.BaseMismatchError, match="base"):
+        delta.apply_(state, check_base=True)  # applied twice
+    for name in curr:
+        assert_bits_equal(state[name], curr[name])
+
+
+def test_files_without_a_base_identity_still_apply_with_check_base():
+    prev, curr = _pair((16, 8))
+    trl = ds.diff(prev, curr, values="abs").to_bytes(format="trl")
+    delta = ds.load(trl)
+    assert delta.base_identity(0) is None
+    target = prev.clone()
+    delta.apply_({delta.names[0]: target}, check_base=True)
+    assert_bits_equal(target, curr)
+
+
+def test_anchors_record_no_base_and_apply_anywhere():
+    prev, curr = _pair((16, 8))
+    full = ds.anchor(curr)
+    assert full.base_identity(0) is None
+    target = torch.zeros_like(prev)
+    full.apply_(target, check_base=True)
+    assert_bits_equal(target, curr)
+
+
 def test_raw_apply_checks_100k_targets_for_overlap():
     """RawDelta.apply sorts the targets by address to check them for overlap (it compared every pair: 7.3 s at 160k
     tensors); not timed here, it must just finish, write every target, and still refuse an overlap."""

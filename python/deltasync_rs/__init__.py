@@ -6,7 +6,8 @@
     ds.load("step_000042.safetensors").apply_(state)
 """
 
-# torch stays out of this module: `deltasync_rs.torch` is our submodule (see docs/format.md and ARCHITECTURE).
+# torch stays out of this module: `deltasync_rs.torch` is our submodule, which shadows a module-level
+# `import torch` here once it is imported (docs/architecture.md, "Two names shadowed by our own modules").
 from ._core import (
     FORMAT_VERSION,
     BaseMismatchError,

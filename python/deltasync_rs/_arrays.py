@@ -135,6 +135,21 @@ def torch_dtype(name: str):
     return getattr(_torch(), by_name[name].removeprefix("torch."))
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name; bf16 and fp8 need the ml_dtypes package."""
+    by_name = {v: k for k, v in _NUMPY_NAMES.items()}
+    if name not in by_name:
+        raise DeltaSyncError(f"dtype {name} has no numpy equivalent")
+    if by_name[name] in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise DeltaSyncError(f"dtype {name} needs the ml_dtypes package with numpy: pip install ml_dtypes "
+                                 "(or 'deltasync-rs[numpy-bf16]')") from None
+        return np.dtype(getattr(ml_dtypes, by_name[name]))
+    return np.dtype(by_name[name])
+
+
 def _torch():
     import torch
 

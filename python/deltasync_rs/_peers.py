@@ -1,6 +1,8 @@
 """Peer encoders the benchmarks and ``deltasync bench`` compare deltasync_rs against, written from the published
-descriptions of their formats (REFERENCE.md §2), not from the peers' own code. Needs torch (and zstandard for the
-grail-like encoder).
+descriptions of their formats (TRL: Hugging Face's blog post "Shipping a Trillion Parameters With a Hub Bucket:
+Delta Weight Sync in TRL", and docs/format.md §9; grail: the PULSE paper, arXiv 2602.03839, and the
+one-covenant/grail repository's description of its codec), not from the peers' own code. Needs torch (and zstandard
+for the grail-like encoder).
 
 * :func:`trl_v1_encode` -- a TRL-v1-style torch encoder: per tensor ``prev != curr`` on the int16 views, ``nonzero``,
   gather the new values, and ``safetensors.torch.save`` to bytes with ``<name>.indices`` (int32, ascending flat
@@ -200,7 +202,8 @@ def trl_v3_apply(blob: bytes, state: Mapping[str, torch.Tensor]) -> int:
     return written
 
 
-_NARROW = [(np.uint8, "u1"), (np.uint16, "u2"), (np.uint32, "u4"), (np.uint64, "u8")]
+_NARROW: list[tuple[type[np.unsignedinteger], str]] = [
+    (np.uint8, "u1"), (np.uint16, "u2"), (np.uint32, "u4"), (np.uint64, "u8")]
 
 
 def grail_like_encode(prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor]) -> bytes:

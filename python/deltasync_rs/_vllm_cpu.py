@@ -53,7 +53,7 @@ def install() -> bool:
 
 def live_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters by name, each packed layer's unpacked weight in place of its emptied parameter."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     for module_name, module in model.named_modules(remove_duplicate=False):
         kept = getattr(module, _KEPT, None)
         if kept is not None:
@@ -66,7 +66,8 @@ def check_updatable(module: torch.nn.Module, attr: str, hf_name: str, vllm_name:
     unpacked weight (the plugin did not run before the model loaded)."""
     if attr != "weight" or not hasattr(module, "cpu_linear") or getattr(module, _KEPT, None) is not None:
         return
-    emptied = getattr(module, "weight", None) is not None and module.weight.numel() == 0
+    weight = getattr(module, "weight", None)
+    emptied = isinstance(weight, torch.Tensor) and weight.numel() == 0
     raise DeltaSyncError(
         f"tensor {hf_name!r}: vLLM's CPU backend packed {vllm_name!r} into a private copy at load"
         f"{' and emptied the parameter' if emptied else ''}, and computes from that copy, so an in-place update "

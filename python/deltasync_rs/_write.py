@@ -102,13 +102,20 @@ class _Memory:
 class Region(Protocol):
     """This rank's slice of a tensor inside a larger parameter (``deltasync_rs.vllm.ShardMap`` is one)."""
 
-    param: Any
-    hf_shape: tuple[int, ...]
-    row_start: int
-    row_count: int
-    col_start: int
-    col_count: int
-    param_row_offset: int
+    @property
+    def param(self) -> Any: ...
+    @property
+    def hf_shape(self) -> tuple[int, ...]: ...
+    @property
+    def row_start(self) -> int: ...
+    @property
+    def row_count(self) -> int: ...
+    @property
+    def col_start(self) -> int: ...
+    @property
+    def col_count(self) -> int: ...
+    @property
+    def param_row_offset(self) -> int: ...
 
 
 class Writes:

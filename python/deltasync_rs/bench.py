@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,8 @@ class Result:
     apply_ms: float | None
 
 
-def _median_ms(fn: Callable[[], object], rounds: int, setup: Callable[[], object] | None = None) -> tuple[float, object]:
+def _median_ms(fn: Callable[..., Any], rounds: int, setup: Callable[[], Any] | None = None) -> tuple[float, Any]:
+    """The median time of ``fn()`` (or ``fn(setup())``) over ``rounds`` calls after a warm-up, and its last result."""
     times, out = [], None
     for i in range(rounds + 1):
         arg = setup() if setup else None
@@ -56,8 +58,10 @@ def _torch_state(flat: np.ndarray, layout: dict) -> dict:
 def _peer_codecs() -> dict[str, tuple[Callable, Callable]]:
     from . import _peers
 
-    peers = {"TRL v1": (_peers.trl_v1_encode, _peers.trl_v1_apply),
-             "TRL v3 gap_delta": (_peers.trl_v3_encode, _peers.trl_v3_apply)}
+    peers: dict[str, tuple[Callable, Callable]] = {
+        "TRL v1": (_peers.trl_v1_encode, _peers.trl_v1_apply),
+        "TRL v3 gap_delta": (_peers.trl_v3_encode, _peers.trl_v3_apply),
+    }
     try:
         import zstandard  # noqa: F401
 

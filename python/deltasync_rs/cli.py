@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 import time
 from collections.abc import Sequence
+
+import numpy as np
 
 from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_file, diff_files
@@ -24,6 +27,11 @@ def _human(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _progress_bar(description: str):
     """A tqdm bar over bytes on an interactive terminal, else None (quiet in logs and pipes)."""
     if not sys.stderr.isatty():
@@ -36,6 +44,8 @@ def _progress_bar(description: str):
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    if args.format == "trl" and args.values != "abs":
+        raise DeltaSyncError("--format trl needs --values abs: TRL files hold new absolute values, not differences")
     start = time.perf_counter()
     for path in (args.prev, args.curr):
         require_regular_file(path)
@@ -58,7 +68,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     changed, total = delta.num_changed, delta.num_elements
     print(
-        f"{args.output}: {len(delta)} tensors, {changed} of {total} elements changed "
+        f"{args.output}: {_count(len(delta), 'tensor')}, {changed} of {total} elements changed "
         f"({(changed / total if total else 0):.4%}), {_human(delta.nbytes)} of streams, {elapsed:.2f} s"
     )
     return 0
@@ -71,8 +81,9 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     refuse_overwriting_inputs(args.output, [args.delta])  # BASE itself may be replaced: it keeps its mode
     remove_stale_temps(args.output)
     delta = load(args.delta)
-    apply_file(args.base, delta._raw, args.output)
-    print(f"{args.output}: applied {delta.num_changed} changes to {len(delta)} tensors in {time.perf_counter() - start:.2f} s")
+    apply_file(args.base, delta._raw, args.output, not args.no_check_base)
+    print(f"{args.output}: applied {_count(delta.num_changed, 'change')} to {_count(len(delta), 'tensor')} "
+          f"in {time.perf_counter() - start:.2f} s")
     return 0
 
 
@@ -103,27 +114,44 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{t.name:<{name_width}}  {t.dtype:<8} {shape:<18} {t.changed:>12} {density:>9} {t.nbytes:>12}  "
               f"{t.positions}/{t.values}")
     per_change = delta.nbytes / delta.num_changed if delta.num_changed else 0.0
-    print(f"total: {delta.num_changed} of {delta.num_elements} elements changed, {_human(delta.nbytes)} of streams "
-          f"({per_change:.2f} bytes per changed element)")
+    if any(t.shape is None for t in delta.tensors):  # TRL files store no shapes
+        changed = f"{_count(delta.num_changed, 'element')} changed (shapes unknown)"
+    else:
+        changed = f"{delta.num_changed} of {delta.num_elements} elements changed"
+    print(f"total: {changed}, {_human(delta.nbytes)} of streams ({per_change:.2f} bytes per changed element)")
     return 0
 
 
-def _load_checkpoint(path: str) -> dict:
-    """A safetensors checkpoint as CPU torch tensors (every dtype, bf16 and fp8 included)."""
-    from safetensors.torch import load_file
+def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
+    """A safetensors checkpoint as numpy arrays, without torch (bf16 and fp8 through ml_dtypes)."""
+    from safetensors import safe_open
 
     require_regular_file(path)
     try:
-        return load_file(path)
+        with safe_open(path, framework="np") as checkpoint:  # validates the header: sizes, offsets, overlaps
+            names = list(checkpoint.keys())
+        with open(path, "rb") as file:
+            (header_size,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_size))
     except FileNotFoundError:
         raise DeltaSyncError(f"{path}: no such file") from None
     except Exception as error:  # safetensors raises its own error types for bad files
         raise DeltaSyncError(f"{path}: cannot read this checkpoint: {error}") from error
+    state = {}
+    with open(path, "rb") as file:
+        for name in names:
+            info = header[name]
+            dtype = _arrays.numpy_dtype(info["dtype"])
+            begin, end = info["data_offsets"]
+            file.seek(8 + header_size + begin)
+            data = np.fromfile(file, dtype=np.uint8, count=end - begin)
+            state[name] = data.view(dtype).reshape(info["shape"])
+    return state
 
 
-def _save_checkpoint(state: dict, path: str) -> None:
+def _save_checkpoint(state: dict[str, np.ndarray], path: str) -> None:
     """Writes a checkpoint atomically: a temporary file beside it, then a rename."""
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     remove_stale_temps(path)
     write_atomically(path, lambda temp: save_file(state, temp))
@@ -137,9 +165,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         latest = subscriber.latest_step()
         if latest is not None and not args.anchor:
             # Rebuild the last published state, so this step is a delta against it.
-            base = {name: tensor.clone() for name, tensor in state.items()}
-            subscriber.pull(base)
-            publisher.resume(base, step=subscriber.step)
+            base = {name: array.copy() for name, array in state.items()}
+            publisher.resume(base, step=subscriber.pull(base))
         publisher.publish(args.step, state)
     entry = subscriber.entry(args.step)
     files = [ref["key"] + f" ({_human(ref['size'])})" for ref in (entry.delta, entry.anchor) if ref]
@@ -148,19 +175,23 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    import torch
-
     subscriber = Subscriber(args.store)
     deltas = subscriber.fetch(None, until=args.step)
-    state = {t.name: torch.empty(t.shape, dtype=_arrays.torch_dtype(t.dtype)) for t in deltas[0].tensors}
+    state = {}
+    for t in deltas[0].tensors:  # an anchor: every tensor whole, with its shape
+        if t.shape is None:
+            raise DeltaSyncError(f"{args.store}: tensor {t.name!r} of the first file has no shape")
+        state[t.name] = np.empty(t.shape, dtype=_arrays.numpy_dtype(t.dtype))
     for delta in deltas:
         delta.apply_(state)
     step = deltas[-1].step
+    if step is None:
+        raise DeltaSyncError(f"{args.store}: the last file of the chain records no step")
     if state_digest(state) != subscriber.entry(step).state_digest:
         raise IntegrityError(f"{args.store}: the state rebuilt at step {step} does not match the state digest in "
                              f"{entry_key(step)}; nothing was written")
     _save_checkpoint(state, args.output)
-    print(f"{args.output}: step {deltas[-1].step} from {len(deltas)} files")
+    print(f"{args.output}: step {step} from {_count(len(deltas), 'file')}")
     return 0
 
 
@@ -173,7 +204,7 @@ def _cmd_log(args: argparse.Namespace) -> int:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.created))
         base = "-" if entry.base_step is None else entry.base_step
         print(f"{entry.step:>10} {base:>10}  {kind:<14} {size:>12} {entry.num_changed:>12}  {created}")
-    print(f"{len(entries)} steps")
+    print(_count(len(entries), "step"))
     return 0
 
 
@@ -182,7 +213,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     for problem in problems:
         print(problem)
     if problems:
-        print(f"{args.store}: {len(problems)} problem(s)", file=sys.stderr)
+        print(f"{args.store}: {_count(len(problems), 'problem')}", file=sys.stderr)
         return 1
     print(f"{args.store}: every entry, signature and file digest checks out")
     return 0
@@ -257,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("base", help="the checkpoint the delta was made against")
     p.add_argument("delta", help="a deltasync or TRL delta file")
     p.add_argument("-o", "--output", required=True, help="the checkpoint to write (may be BASE itself)")
+    p.add_argument("--no-check-base", action="store_true",
+                   help="skip checking that BASE is the exact base the delta was made against (checked by default: "
+                        "a wrong base, or a delta applied twice, is refused)")
     p.set_defaults(run=_cmd_apply)
 
     p = commands.add_parser("publish", help="publish a checkpoint as a step: a delta against the last published step")
@@ -301,7 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.run(args)
     except DeltaSyncError as error:

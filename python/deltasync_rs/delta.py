@@ -74,8 +74,14 @@ class Delta:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of encoded streams (the file adds a small header)."""
+        """Bytes of the encoded streams alone; :attr:`file_nbytes` is the size of the file."""
         return self._raw.nbytes
+
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of the file :meth:`save` writes (and :meth:`to_bytes` returns): the streams plus the header.
+        Measured by building the file's bytes, so it costs one copy of the streams."""
+        return len(self._raw.to_bytes("deltasync"))
 
     @property
     def is_anchor(self) -> bool:
@@ -115,10 +121,13 @@ class Delta:
 
     def __repr__(self) -> str:
         kind = "anchor" if self.is_anchor else "delta"
-        return (
-            f"<deltasync {kind}: {len(self)} tensors, {self.num_changed} of {self.num_elements} elements changed, "
-            f"{self.nbytes} bytes, step={self.step}, base_step={self.base_step}>"
-        )
+        tensors = "1 tensor" if len(self) == 1 else f"{len(self)} tensors"
+        if any(t.shape is None for t in self.tensors):  # TRL files store no shapes, so the total is unknown
+            changed = f"{self.num_changed} element{'' if self.num_changed == 1 else 's'} changed (shapes unknown)"
+        else:
+            changed = f"{self.num_changed} of {self.num_elements} elements changed"
+        return (f"<deltasync {kind}: {tensors}, {changed}, {self.nbytes} bytes of streams, step={self.step}, "
+                f"base_step={self.base_step}>")
 
     def to_bytes(self, format: str = "deltasync") -> bytes:
         """The file's bytes. ``format="trl"`` writes TRL's v1 layout, which needs ``values="abs"``."""

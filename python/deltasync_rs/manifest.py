@@ -147,10 +147,17 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join({int: "integer", float: "number", str: "string", dict: "JSON object"}[k] for k in kinds)
 
 
-def _count(document: Mapping[str, Any], name: str, key: str, optional: bool = False) -> int | None:
-    value = _field(document, name, int, key, optional)
+def _optional_count(document: Mapping[str, Any], name: str, key: str) -> int | None:
+    value = _field(document, name, int, key, optional=True)
     if value is not None and not 0 <= value < 2**64:
         raise DeltaFormatError(f"{key}: the field {name!r} is {value}, outside 0 to 2**64-1")
+    return value
+
+
+def _count(document: Mapping[str, Any], name: str, key: str) -> int:
+    value = _optional_count(document, name, key)
+    if value is None:
+        raise DeltaFormatError(f"{key}: the field {name!r} is null, not an integer")
     return value
 
 
@@ -223,7 +230,7 @@ class Entry:
             raise DeltaFormatError(f"{key}: the field 'created' is not a finite number")
         entry = cls(
             step=step,
-            base_step=_count(document, "base_step", key, optional=True),
+            base_step=_optional_count(document, "base_step", key),
             delta=_file_ref(document, "delta", delta_key(step), key),
             anchor=_file_ref(document, "anchor", anchor_key(step), key),
             state_digest=_field(document, "state_digest", str, key),
@@ -278,8 +285,10 @@ def latest_document(step: int, entry_blob: bytes, run: str | None, signing_key: 
 def parse_latest(raw: bytes, signing_key: bytes | None) -> Pointer:
     document = parse_document(raw, LATEST_KEY, LATEST_FORMAT)
     verify_signature(document, signing_key, LATEST_KEY)
-    return Pointer(_count(document, "step", LATEST_KEY), _hex_digest(document, "entry_sha256", LATEST_KEY),
-                   _run_id(document, LATEST_KEY))
+    digest = _hex_digest(document, "entry_sha256", LATEST_KEY)
+    if digest is None:
+        raise DeltaFormatError(f"{LATEST_KEY}: the field 'entry_sha256' is null")
+    return Pointer(_count(document, "step", LATEST_KEY), digest, _run_id(document, LATEST_KEY))
 
 
 def run_document(signing_key: bytes | None) -> bytes:

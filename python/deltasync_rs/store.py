@@ -3,6 +3,8 @@ folder (the embedded default), anything fsspec serves (s3://, gs://, ...), and H
 
 from __future__ import annotations
 
+import builtins
+
 import errno
 import os
 import re
@@ -54,7 +56,7 @@ class Store(ABC):
         """Keys under `prefix` (a folder-like prefix ending in '/', or ''), sorted."""
 
     @abstractmethod
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         """Deletes the keys; absent keys are ignored."""
 
     def exists(self, key: str) -> bool:
@@ -210,7 +212,7 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         for key in keys:
             folder, name = self._split(key)
             try:
@@ -300,7 +302,7 @@ class FsspecStore(Store):
         offset = len(self.root) + 1
         return sorted(path[offset:] for path in found if path.startswith(self.root + "/"))
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         paths = [self._path(key) for key in keys]
         if not paths:
             return
@@ -339,7 +341,7 @@ class HFBucketStore(Store):
 
     def put(self, key: str, data: bytes) -> None:
         remote = self._remote(key)
-        # Large objects upload from a path: the bytes path copies once more on the way (REFERENCE §6).
+        # Large objects upload from a path: huggingface_hub's batch_bucket_files copies bytes once more on the way (through Xet).
         try:
             if len(data) > 64 << 20:
                 with tempfile.TemporaryDirectory(prefix="deltasync-") as folder:
@@ -388,7 +390,7 @@ class HFBucketStore(Store):
         own = [path[strip:] for path in paths if not self.prefix or path.startswith(self.prefix + "/")]
         return sorted(key for key in own if key.startswith(prefix))
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         if not keys:
             return
         try:

@@ -3,6 +3,7 @@ and replays the anchor and deltas that lead there (docs/format.md §10)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .delta import Delta, load, state_digest
-from .errors import ChainError, DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
+from .errors import BaseMismatchError, ChainError, DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
 from .manifest import (
     LATEST_KEY,
     MAX_DOCUMENT_BYTES,
@@ -58,11 +59,16 @@ class Subscriber:
     subscriber never moves back to an older step. Every file's SHA-256, every entry's run and predecessor and (with
     ``signing_key`` or ``DELTASYNC_SIGNING_KEY``) every signature are checked before use; a failed read is retried,
     then the newest anchor is tried, and ChainError is raised only when no consistent chain exists.
+
+    With ``check_base`` (the default) every delta is applied only to the exact base it was made against (its
+    per-tensor base identity, docs/format.md §3.1): a state changed behind the subscriber's back is refused before
+    any write and brought back from the newest anchor, with a warning.
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None,
-                 retries: int = 3, retry_delay: float = 0.02) -> None:
+                 retries: int = 3, retry_delay: float = 0.02, check_base: bool = True) -> None:
         self.store = open_store(store, create=False)
+        self.check_base = check_base
         self.retries = max(1, retries)
         self.retry_delay = retry_delay
         self.step: int | None = None
@@ -235,7 +241,7 @@ class Subscriber:
 
         anchors = sorted({s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= target},
                          reverse=True)
-        plans.extend(lambda a=a: from_anchor(a) for a in anchors)
+        plans.extend(functools.partial(from_anchor, a) for a in anchors)
         for plan in plans:
             try:
                 return self._download(*plan())
@@ -287,10 +293,12 @@ class Subscriber:
         out = []
         try:
             if anchor_entry is not None:
+                assert anchor_entry.anchor is not None  # the plan chose an entry with an anchor
                 out.append(self._file(anchor_entry.anchor, anchor_entry.step, "anchor"))
                 if bar is not None:
                     bar.update()
             for entry in chain:
+                assert entry.delta is not None  # every entry after the start of a chain has a delta
                 delta = self._file(entry.delta, entry.step, "delta")
                 if delta.base_step is not None and delta.base_step != entry.base_step:
                     raise IntegrityError(f"{entry.delta['key']}: base step {delta.base_step} differs from its entry")
@@ -314,22 +322,37 @@ class Subscriber:
             if self.step is None:
                 raise ChainError(f"{self.store.url}: nothing to pull")
             return self.step
-        self._apply_all(state, deltas)
+        try:
+            self._apply_all(state, deltas)
+        except BaseMismatchError as error:
+            if not self.check_base or deltas[0].is_anchor:
+                raise
+            # The state is not the base the next delta was made against (changed behind our back): nothing of that
+            # delta was written, and the newest anchor brings the state back onto the chain.
+            log.warning("%s; re-syncing from the newest anchor", error)
+            target = deltas[-1].step
+            self.step = None
+            self._apply_all(state, self.fetch(None, until=target))
         if self._state_matches(state):
-            return self.step
+            return self._reached()
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
         self._apply_all(state, self.fetch(None, until=self.step))
         if not self._state_matches(state):
             raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
+        return self._reached()
+
+    def _reached(self) -> int:
+        if self.step is None:
+            raise ChainError(f"{self.store.url}: the pulled files name no step")
         return self.step
 
     def _apply_all(self, state: Any, deltas: list[Delta]) -> None:
         for delta in deltas:
-            delta.apply_(state)
+            delta.apply_(state, check_base=self.check_base)
             if delta.is_anchor:
                 self._names = delta.names
             self.step = delta.step
-        self._at = self.entry(self.step)
+        self._at = self.entry(self._reached())
 
     def _state_matches(self, state: Any) -> bool:
         if self.step is None or self._names is None or not isinstance(state, Mapping):

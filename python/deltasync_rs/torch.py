@@ -317,7 +317,7 @@ class Attachment:
         values, self._base = settings[0]
         self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=values, step=self._base)
         self._group = dist.group.WORLD
-        parts = [None] * world if rank == 0 else None
+        parts: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object((self.mirror.tensors, self.mirror.shards), parts, dst=0)
         if rank == 0:
             assert parts is not None
@@ -329,10 +329,10 @@ class Attachment:
         from ._core import join_shards
         from .delta import load
 
-        blobs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        blobs: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(delta.to_bytes(), blobs, dst=0)
         if blobs is not None:
-            joined = Delta(join_shards([load(blob)._raw for blob in blobs]))
+            joined = Delta(join_shards([load(bytes(blob))._raw for blob in blobs]))
             joined.base_step = None
             self.publisher.publish_delta(step, joined)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-import vllm  # noqa: F401  (the real vllm package: absolute import, see ARCHITECTURE's pitfall)
+import vllm  # noqa: F401  (the real vllm package: absolute import, see docs/architecture.md, "Two names shadowed by our own modules")
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -261,7 +261,8 @@ def _check_base(delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
 
 
 def _reject_lone_tied_head(params: dict[str, torch.Tensor], names: set[str]) -> None:
-    """vLLM's loader rejects ``lm_head.weight`` alone on a tied model (REFERENCE §5); so do we, with the fix."""
+    """vLLM's loader rejects ``lm_head.weight`` alone on a tied model; so do we, naming the fix: send it as
+    ``model.embed_tokens.weight`` (docs/vllm.md §2)."""
     head, embed = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
     if head is not None and head is embed and "lm_head.weight" in names and "model.embed_tokens.weight" not in names:
         raise BaseMismatchError("tensor 'lm_head.weight': the model ties lm_head to embed_tokens; publish the change "
@@ -394,6 +395,8 @@ class DeltaSyncWorkerExtension:
     def _deltasync_tracker(self) -> _StepTracker:
         return _tracker_for(self._deltasync_model())
 
+    model_runner: Any  # the vLLM worker's, once this class is mixed into it
+
     def _deltasync_model(self) -> torch.nn.Module:
         return self.model_runner.model
 
@@ -496,14 +499,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
         with torch.no_grad():
-            options = {"path": update_info.path, "check_base": _flag(update_info.check_base)}
+            path, check_base = update_info.path, _flag(update_info.check_base)
             if update_info.paths is not None:
-                self.tracker.apply(self.model, _load_all(update_info.paths), **options)
+                self.tracker.apply(self.model, _load_all(update_info.paths), path=path, check_base=check_base)
                 return
             store = update_info.store or self.store
             if store is None:
                 raise DeltaSyncError("update_info names no store and init_weight_transfer_engine set none")
-            self.tracker.pull(self.model, store, update_info.step, self.signing_key, **options)
+            self.tracker.pull(self.model, store, update_info.step, self.signing_key, path=path, check_base=check_base)
 
     def shutdown(self) -> None:
         pass

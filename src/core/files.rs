@@ -113,8 +113,9 @@ pub fn diff_files(
     Ok(Delta { tensors, ..Default::default() })
 }
 
-/// Writes `base` with `delta` applied to `out`, atomically. Everything is checked before a byte is written.
-pub fn apply_file(base: &Path, delta: &Delta, out: &Path) -> Result<()> {
+/// Writes `base` with `delta` applied to `out`, atomically. Everything is checked before a byte is written; with
+/// `check_base`, also that every tensor of `base` is the exact base its record names (docs/format.md §3.1).
+pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> Result<()> {
     let base_map = map(base)?;
     let header = read_header(&base_map, &base.display().to_string())?;
     let mut targets = Vec::with_capacity(delta.tensors.len());
@@ -126,6 +127,11 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path) -> Result<()> {
             .ok_or_else(|| Error::mismatch(format!("tensor {:?} is in the delta but not in {}", tensor.name, base.display())))?;
         check_target(tensor, dtype, Some(&shape), range.len())?;
         targets.push((tensor, range));
+    }
+    if check_base {
+        let bases: Vec<(usize, &[u8])> =
+            targets.iter().enumerate().map(|(index, (_, range))| (index, &base_map[range.clone()])).collect();
+        crate::core::base::check_bases(delta, &bases)?;
     }
     drop(base_map);
     write_atomically(out, |file| {

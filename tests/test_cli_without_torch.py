@@ -1,0 +1,170 @@
+"""The `deltasync` command in a process where torch cannot be imported: publish, pull, log, verify, diff, apply and
+inspect work with numpy alone (bf16 and fp8 through ml_dtypes); plus the command's small usability fixes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+PYTHON_PATH = str(Path(__file__).resolve().parents[1] / "python")
+
+# Runs the CLI's main() after installing a meta-path finder that refuses the named top-level modules, so an
+# `import torch` anywhere in the command raises ImportError as it would where torch is not installed.
+_BLOCKED_MAIN = """
+import sys
+blocked = set(sys.argv[1].split(","))
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+for name in list(sys.modules):
+    if name.split(".")[0] in blocked:
+        del sys.modules[name]
+from deltasync_rs.cli import main
+code = main(sys.argv[2:])
+assert not blocked & {name.split(".")[0] for name in sys.modules}, "a blocked module was imported"
+sys.exit(code)
+"""
+
+
+def _deltasync(*argv, cwd, blocked=("torch",)):
+    env = dict(os.environ) | {"PYTHONPATH": PYTHON_PATH}
+    return subprocess.run(
+        [sys.executable, "-c", _BLOCKED_MAIN, ",".join(blocked), *map(str, argv)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _state(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    state = {
+        "model.embed_tokens.weight": rng.standard_normal((64, 16)).astype(ml_dtypes.bfloat16),
+        "model.norm.weight": rng.standard_normal(16).astype(np.float32),
+        "model.scale": rng.standard_normal(8).astype(ml_dtypes.float8_e4m3fn),
+        "model.count": np.array(7, dtype=np.int64),
+    }
+    step_rng = np.random.default_rng(seed + 1)
+    for array in state.values():
+        flat = array.reshape(-1).view(np.uint8)
+        flat[step_rng.integers(0, flat.size, size=max(1, flat.size // 50))] ^= 1  # a few bits per step
+    return state
+
+
+def _bytes_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and a[n].tobytes() == b[n].tobytes() for n in a
+    )
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    import safetensors
+
+    data = path.read_bytes()
+    dtypes = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64}
+    return {
+        name: np.frombuffer(t["data"], dtype=dtypes[t["dtype"]]).reshape(t["shape"])
+        for name, t in safetensors.deserialize(data)
+    }
+
+
+def test_publish_pull_log_verify_without_torch(tmp_path):
+    store = tmp_path / "store"
+    states = [_state(step) for step in range(3)]
+    for step, state in enumerate(states):
+        save_file(state, tmp_path / f"ckpt{step}.safetensors")
+        result = _deltasync(
+            "publish", f"ckpt{step}.safetensors", "--store", store, "--step", step, "--anchor-every", 2, cwd=tmp_path
+        )
+        assert result.returncode == 0, result.stderr
+        assert f"published step {step}" in result.stdout
+
+    result = _deltasync("log", "--store", store, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "3 steps" in result.stdout
+    result = _deltasync("verify", "--store", store, cwd=tmp_path)
+    assert result.returncode == 0 and "checks out" in result.stdout, result.stderr
+
+    result = _deltasync("pull", "--store", store, "-o", "out.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _bytes_equal(_load(tmp_path / "out.safetensors"), states[2])
+    result = _deltasync("pull", "--store", store, "-o", "one.safetensors", "--step", 1, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _bytes_equal(_load(tmp_path / "one.safetensors"), states[1])
+
+
+def test_diff_apply_inspect_without_torch(tmp_path):
+    save_file(_state(0), tmp_path / "prev.safetensors")
+    save_file(_state(1), tmp_path / "curr.safetensors")
+    result = _deltasync("diff", "prev.safetensors", "curr.safetensors", "-o", "d.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    result = _deltasync("apply", "prev.safetensors", "d.safetensors", "-o", "out.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "curr.safetensors").read_bytes()
+    result = _deltasync("inspect", "d.safetensors", cwd=tmp_path)
+    assert result.returncode == 0 and "model.embed_tokens.weight" in result.stdout, result.stderr
+
+
+def test_bf16_without_ml_dtypes_names_the_package(tmp_path):
+    save_file(_state(0), tmp_path / "ckpt.safetensors")
+    result = _deltasync(
+        "publish", "ckpt.safetensors", "--store", "store", "--step", 0, cwd=tmp_path, blocked=("torch", "ml_dtypes")
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "BF16" in result.stderr and "pip install ml_dtypes" in result.stderr
+
+
+def test_no_arguments_prints_the_help(tmp_path):
+    result = _deltasync(cwd=tmp_path)
+    assert result.returncode == 2
+    assert "usage: deltasync" in result.stderr and "show this help message" in result.stderr
+    for command in ("diff", "apply", "inspect", "publish", "pull", "log", "verify", "bench"):
+        assert command in result.stderr
+
+
+def test_trl_format_without_abs_values_names_the_flag(tmp_path):
+    save_file(_state(0), tmp_path / "prev.safetensors")
+    save_file(_state(1), tmp_path / "curr.safetensors")
+    result = _deltasync(
+        "diff", "prev.safetensors", "curr.safetensors", "-o", "t.safetensors", "--format", "trl", cwd=tmp_path
+    )
+    assert result.returncode == 1
+    assert "--values abs" in result.stderr and 'values="abs"' not in result.stderr
+    assert not (tmp_path / "t.safetensors").exists()
+
+
+@pytest.mark.parametrize(("count", "noun"), [(1, "1 tensor,"), (2, "2 tensors,")])
+def test_counts_agree_in_number(tmp_path, count, noun):
+    prev, curr = _state(0), _state(1)
+    names = list(prev)[:count]
+    save_file({n: prev[n] for n in names}, tmp_path / "prev.safetensors")
+    save_file({n: curr[n] for n in names}, tmp_path / "curr.safetensors")
+    result = _deltasync("diff", "prev.safetensors", "curr.safetensors", "-o", "d.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert noun in result.stdout
+
+
+def test_inspect_of_a_trl_file_says_the_shapes_are_unknown(tmp_path):
+    save_file(_state(0), tmp_path / "prev.safetensors")
+    save_file(_state(1), tmp_path / "curr.safetensors")
+    args = ("diff", "prev.safetensors", "curr.safetensors", "-o", "t.safetensors", "--format", "trl", "--values", "abs")
+    assert _deltasync(*args, cwd=tmp_path).returncode == 0
+    result = _deltasync("inspect", "t.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (total,) = [line for line in result.stdout.splitlines() if line.startswith("total:")]
+    assert "changed (shapes unknown)" in total and " of 0 elements" not in total
