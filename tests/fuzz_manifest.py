@@ -36,10 +36,29 @@ def seeds() -> list[bytes]:
     """Valid documents of every kind, signed and unsigned: the starting points for mutation."""
     out = []
     for key in (None, SIGNING_KEY):
-        delta = Entry(step=7, base_step=6, delta=file_ref(delta_key(7), b"d" * 10), anchor=None, state_digest="0" * 32,
-                      num_changed=3, num_elements=100, created=1.5, run="a" * 32, base_entry_sha256="b" * 64)
-        anchor = Entry(step=1, base_step=None, delta=None, anchor=file_ref(anchor_key(1), b"a"), state_digest="f" * 32,
-                       num_changed=0, num_elements=2**63, created=0, run=None)
+        delta = Entry(
+            step=7,
+            base_step=6,
+            delta=file_ref(delta_key(7), b"d" * 10),
+            anchor=None,
+            state_digest="0" * 32,
+            num_changed=3,
+            num_elements=100,
+            created=1.5,
+            run="a" * 32,
+            base_entry_sha256="b" * 64,
+        )
+        anchor = Entry(
+            step=1,
+            base_step=None,
+            delta=None,
+            anchor=file_ref(anchor_key(1), b"a"),
+            state_digest="f" * 32,
+            num_changed=0,
+            num_elements=2**63,
+            created=0,
+            run=None,
+        )
         out += [delta.to_json(key), anchor.to_json(key), latest_document(7, b"entry", "c" * 32, key), run_document(key)]
     return out
 
@@ -50,7 +69,9 @@ def _entry_key_for(raw: bytes) -> str:
         step = json.loads(raw).get("step")
     except Exception:  # noqa: BLE001 - any undecodable input just gets the fixed key
         step = None
-    return entry_key(step) if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**12 else entry_key(1)
+    return (
+        entry_key(step) if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**12 else entry_key(1)
+    )
 
 
 def check_one(data: bytes) -> None:
@@ -83,21 +104,36 @@ def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
         if kind == 0 and out:
             out[min(at, len(out) - 1)] ^= 1 << rng.randrange(8)
         elif kind == 1:
-            out[at:at] = bytes([rng.choice(b'{}[]",:0123456789-.eE\\ntrufalse') if rng.random() < 0.7
-                                else rng.randrange(256)])
+            out[at:at] = bytes(
+                [rng.choice(b'{}[]",:0123456789-.eE\\ntrufalse') if rng.random() < 0.7 else rng.randrange(256)]
+            )
         elif kind == 2 and out:
-            del out[at:at + rng.randint(1, 16)]
+            del out[at : at + rng.randint(1, 16)]
         elif kind == 3 and out:
-            span = out[at:at + rng.randint(1, 32)]
+            span = out[at : at + rng.randint(1, 32)]
             out[at:at] = span * rng.randint(1, 8)
         elif kind == 4:
             other = rng.choice(pool)
             start = rng.randrange(len(other) + 1)
-            out[at:] = other[start:start + rng.randint(0, 64)] + out[at:]
+            out[at:] = other[start : start + rng.randint(0, 64)] + out[at:]
         else:
-            token = rng.choice([b"null", b"true", b"1e999", b"-1", b"18446744073709551616", b"NaN", b'"x"', b"[]",
-                                b"{}", b"0.5", b"[" * 40, b'"\\ud800"'])
-            out[at:at + rng.randint(0, 8)] = token
+            token = rng.choice(
+                [
+                    b"null",
+                    b"true",
+                    b"1e999",
+                    b"-1",
+                    b"18446744073709551616",
+                    b"NaN",
+                    b'"x"',
+                    b"[]",
+                    b"{}",
+                    b"0.5",
+                    b"[" * 40,
+                    b'"\\ud800"',
+                ]
+            )
+            out[at : at + rng.randint(0, 8)] = token
     return bytes(out)
 
 

@@ -53,7 +53,9 @@ def wait_child(pid, timeout):
 
 # Scenario 1: one thread rebuilds the pool over and over (a new size, then a call that builds it) while the main
 # thread forks.
-_REBUILDING = _COMMON + r"""
+_REBUILDING = (
+    _COMMON
+    + r"""
 stop = threading.Event()
 def rebuild():
     size = 1
@@ -73,11 +75,14 @@ stop.set()
 rebuilder.join()
 print(json.dumps({"hung": hung, "failed": failed}))
 """
+)
 
 # Scenario 2: first use. The parent imports deltasync_rs but never calls it, so each forked round process starts
 # with every lazily initialised static unset, as a fresh interpreter would. In the round process one thread makes
 # the first call while the main thread forks a grandchild, which then makes its own call.
-_FIRST_USE = _COMMON + r"""
+_FIRST_USE = (
+    _COMMON
+    + r"""
 hung = failed = 0
 for _ in range(int(sys.argv[1])):
     delay = random.uniform(0, 0.003)
@@ -97,6 +102,7 @@ for _ in range(int(sys.argv[1])):
     failed += code not in (None, 0, 3)
 print(json.dumps({"hung": hung, "failed": failed}))
 """
+)
 
 
 def _run(script: str) -> dict[str, int]:

@@ -19,7 +19,9 @@ fuzz_target!(|data: &[u8]| {
             // TRL files record no shape: the smallest target that holds the last change.
             None => tensor.last_position.map_or(0, |last| last + 1),
         };
-        let Some(bytes) = elements.checked_mul(tensor.width() as u64).filter(|&n| n <= MAX_TARGET_BYTES) else { return };
+        let Some(bytes) = elements.checked_mul(tensor.width() as u64).filter(|&n| n <= MAX_TARGET_BYTES) else {
+            return;
+        };
         let mut len = bytes as usize;
         if index == 0 {
             len = match skew % 4 {

@@ -137,9 +137,8 @@ fn build(threads: usize) -> Arc<rayon::ThreadPool> {
 fn pool() -> Arc<rayon::ThreadPool> {
     let pid = std::process::id();
     let threads = num_threads();
-    let current = SLOT.with(pid, |slot| {
-        slot.as_ref().filter(|e| e.owner == pid && e.size == threads).map(|e| Arc::clone(&e.pool))
-    });
+    let current = SLOT
+        .with(pid, |slot| slot.as_ref().filter(|e| e.owner == pid && e.size == threads).map(|e| Arc::clone(&e.pool)));
     if let Some(pool) = current {
         return pool;
     }
