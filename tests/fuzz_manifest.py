@@ -167,7 +167,10 @@ def run_atheris(runs: int, extra: list[str]) -> None:
         obj = getattr(obj, "__func__", obj)
         if getattr(obj, "__module__", None) == manifest.__name__ and hasattr(obj, "__code__"):
             atheris.instrument_func(obj)
-    atheris.Setup([sys.argv[0], f"-runs={runs}", *extra, str(folder)], check_one)
+    # A crash is written under fuzz/artifacts/manifest/ (git ignores it), not into the working directory.
+    artifacts = Path(__file__).resolve().parent.parent / "fuzz" / "artifacts" / "manifest"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    atheris.Setup([sys.argv[0], f"-runs={runs}", f"-artifact_prefix={artifacts}/", *extra, str(folder)], check_one)
     atheris.Fuzz()
 
 
