@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: setup setup-engine develop test test-rust test-python lint lint-format typecheck bench demo soak wheel clean
+.PHONY: setup setup-engine develop test test-rust test-python lint lint-format typecheck bench demo soak fuzz-smoke wheel clean
 
 ## setup: one virtualenv with torch 2.14.0, vllm 0.33.0, the test tools and deltasync-rs built in release mode
 setup: $(VENV)/.installed
@@ -72,6 +72,19 @@ demo: setup
 ## soak: 1000 publish/pull steps through a fault-injecting store (CI runs 300 in the tests)
 soak: setup
 	$(PY) -m tests.faults --steps 1000
+
+## fuzz-smoke: each cargo-fuzz target in fuzz/ for about FUZZ_SECONDS from its seed corpus, then the manifest harness
+## for as many inputs (docs/fuzzing.md). Installs cargo-fuzz and the nightly toolchain when they are missing.
+FUZZ_SECONDS ?= 30
+FUZZ_TARGETS := load_delta apply_delta read_trl
+fuzz-smoke: setup
+	rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	for target in $(FUZZ_TARGETS); do \
+		DELTASYNC_NUM_THREADS=1 cargo +nightly fuzz run $$target -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
+	$(PIP) install --quiet atheris || true
+	$(PY) tests/fuzz_manifest.py --runs 200000 -max_total_time=$(FUZZ_SECONDS)
 
 ## wheel: an abi3 wheel for CPython >= 3.11 in target/wheels/
 wheel:

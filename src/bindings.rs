@@ -3,14 +3,14 @@
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyTuple, PyType};
-use pyo3::{ffi, intern};
+use pyo3::ffi;
 
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
@@ -74,22 +74,35 @@ pub(crate) enum Held {
     Tensor(Py<PyAny>),
 }
 
-/// `torch.Tensor`, once torch has been imported by someone (this module never imports it).
-static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-/// `sys.modules`, looked up once: until torch is imported each export checks it for torch.
-static SYS_MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
+/// `torch.Tensor`, once torch has been imported by someone (this module never imports it): a strong reference,
+/// never released, or null. An atomic rather than a `PyOnceLock`: a lazy initialisation under a lock that
+/// another thread holds when the process forks leaves the child waiting on it forever (tests/test_fork.py).
+static TORCH_TENSOR: AtomicPtr<ffi::PyObject> = AtomicPtr::new(std::ptr::null_mut());
 
-fn torch_tensor_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
-    if let Some(ty) = TORCH_TENSOR.get(py) {
-        return Some(ty.bind(py));
+fn torch_tensor_type(py: Python<'_>) -> Option<Borrowed<'_, '_, PyType>> {
+    let cached = TORCH_TENSOR.load(Ordering::Acquire);
+    if !cached.is_null() {
+        // SAFETY: a `torch.Tensor` type object whose reference is never released (above).
+        return Some(unsafe { Borrowed::from_ptr(py, cached).cast_unchecked::<PyType>() });
     }
-    let modules = SYS_MODULES
-        .get_or_try_init(py, || PyResult::Ok(PyModule::import(py, "sys")?.getattr("modules")?.cast_into::<PyDict>()?.unbind()))
-        .ok()?;
+    // `sys.modules` through the C API: no lookup of `sys`, no cache to initialise.
+    // SAFETY: a borrowed reference to the interpreter's module dict, valid while attached.
+    let modules = unsafe { Borrowed::from_ptr_or_opt(py, ffi::PyImport_GetModuleDict())? }.cast::<PyDict>().ok()?;
     // A dict lookup without raising: no exception is made for a process without torch.
-    let torch = modules.bind(py).get_item("torch").ok()??;
-    let ty = torch.getattr("Tensor").ok()?.cast_into::<PyType>().ok()?.unbind();
-    Some(TORCH_TENSOR.get_or_init(py, || ty).bind(py))
+    let torch = modules.get_item("torch").ok()??;
+    let ty = torch.getattr("Tensor").ok()?.cast_into::<PyType>().ok()?;
+    let ptr = ty.into_ptr();
+    let winner = match TORCH_TENSOR.compare_exchange(std::ptr::null_mut(), ptr, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => ptr,
+        Err(first) => {
+            // Another thread cached it first: release our reference and use theirs.
+            // SAFETY: `ptr` is the strong reference taken by `into_ptr` above.
+            unsafe { ffi::Py_DecRef(ptr) };
+            first
+        }
+    };
+    // SAFETY: as for `cached`.
+    Some(unsafe { Borrowed::from_ptr(py, winner).cast_unchecked::<PyType>() })
 }
 
 /// The memory of a CPU, contiguous torch tensor (read through `data_ptr`/`nbytes`, the way torch documents
@@ -97,20 +110,20 @@ fn torch_tensor_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
 /// their memory does not hold their values.
 fn torch_memory(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<Option<RawSlice>> {
     let Some(ty) = torch_tensor_type(obj.py()) else { return Ok(None) };
-    if !obj.is_instance(ty)? {
+    if !obj.is_instance(ty.as_any())? {
         return Ok(None);
     }
-    if !obj.getattr(intern!(obj.py(), "is_cpu"))?.is_truthy()? {
+    if !obj.getattr("is_cpu")?.is_truthy()? {
         return Err(DeltaSyncError::new_err(format!("{}: tensor is not on the CPU", what())));
     }
-    if !obj.call_method0(intern!(obj.py(), "is_contiguous"))?.is_truthy()? {
+    if !obj.call_method0("is_contiguous")?.is_truthy()? {
         return Err(DeltaSyncError::new_err(format!("{}: tensor is not contiguous", what())));
     }
-    if obj.call_method0(intern!(obj.py(), "is_neg"))?.is_truthy()? || obj.call_method0(intern!(obj.py(), "is_conj"))?.is_truthy()? {
+    if obj.call_method0("is_neg")?.is_truthy()? || obj.call_method0("is_conj")?.is_truthy()? {
         return Err(DeltaSyncError::new_err(format!("{}: tensor has a lazy negation or conjugation bit; resolve it first", what())));
     }
-    let len: usize = obj.getattr(intern!(obj.py(), "nbytes"))?.extract()?;
-    let address: usize = obj.call_method0(intern!(obj.py(), "data_ptr"))?.extract()?;
+    let len: usize = obj.getattr("nbytes")?.extract()?;
+    let address: usize = obj.call_method0("data_ptr")?.extract()?;
     if len > 0 && address == 0 {
         return Err(DeltaSyncError::new_err(format!("{}: tensor has no storage", what())));
     }
@@ -192,6 +205,26 @@ impl RawDelta {
             }
         }
         self.delta.tensors.extend(tensors);
+        Ok(())
+    }
+
+    /// Refuses targets whose memory overlaps: sorted by address, each must end before the next begins (O(n log n);
+    /// comparing every pair took seconds at 160k tensors). An empty target writes nothing and overlaps nothing.
+    fn check_disjoint(&self, slices: &[(usize, RawSlice)]) -> PyResult<()> {
+        let mut spans: Vec<(usize, usize, usize)> =
+            slices.iter().filter(|(_, s)| s.len > 0).map(|(index, s)| (s.ptr as usize, s.ptr as usize + s.len, *index)).collect();
+        spans.sort_unstable();
+        for pair in spans.windows(2) {
+            let ((_, end, first), (start, _, second)) = (pair[0], pair[1]);
+            if start < end {
+                let name = |index: usize| self.delta.tensors[index].name.clone();
+                return Err(DeltaSyncError::new_err(format!(
+                    "target of tensor {:?} overlaps the target of tensor {:?}",
+                    name(second),
+                    name(first)
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -437,15 +470,10 @@ impl RawDelta {
         for (index, target) in &targets {
             let tensor = self.tensor(*index)?;
             let (buffer, slice) = export(target, &|| format!("target of tensor {:?}", tensor.name), true)?;
-            if slices.iter().any(|(_, other): &(usize, RawSlice)| {
-                let (a, b) = (other.ptr as usize, slice.ptr as usize);
-                a < b + slice.len && b < a + other.len
-            }) {
-                return Err(DeltaSyncError::new_err(format!("target of tensor {:?} overlaps another target", tensor.name)));
-            }
             held.push(buffer);
             slices.push((*index, slice));
         }
+        self.check_disjoint(&slices)?;
         let delta = &self.delta;
         py.detach(|| {
             // SAFETY: buffers are held, writable and pairwise disjoint (checked above).
@@ -590,6 +618,8 @@ fn scan_kernel() -> &'static str {
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // Before any thread can use the core, so that a fork() never catches a lazy static half initialised.
+    pool::init_statics();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", format::FORMAT_VERSION)?;
     m.add("SCAN_KERNELS", PyTuple::new(py, crate::core::scan::Kernel::ALL.map(crate::core::scan::Kernel::name))?)?;

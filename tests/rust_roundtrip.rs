@@ -225,3 +225,57 @@ fn compact_fast_paths_agree_with_the_walk_under_corruption() {
         }
     }
 }
+
+/// A deltasync file whose 'tensors' metadata lists `records` (each with no stored streams: changed 0).
+fn file_with_records(records: &[(&str, Vec<u64>)]) -> Vec<u8> {
+    let records: Vec<serde_json::Value> = records
+        .iter()
+        .map(|(name, shape)| {
+            serde_json::json!({"name": name, "dtype": "U8", "shape": shape, "changed": 0, "positions": "varint", "values": "diff"})
+        })
+        .collect();
+    let metadata: std::collections::BTreeMap<String, String> = [
+        ("format", "deltasync".to_owned()),
+        ("format_version", deltasync_rs::core::format::FORMAT_VERSION.to_owned()),
+        ("kind", "delta".to_owned()),
+        ("tensors", serde_json::to_string(&records).unwrap()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    deltasync_rs::core::format::encode_entries(&metadata, Vec::new()).unwrap().to_vec()
+}
+
+fn format_error_naming(bytes: Vec<u8>, name: &str) {
+    match from_bytes(bytes, "crafted") {
+        Err(Error::Format { message, .. }) => assert!(message.contains(&format!("{name:?}")), "{message}"),
+        other => panic!("expected a format error naming {name:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn declared_sizes_that_overflow_are_format_errors() {
+    assert_eq!(from_bytes(file_with_records(&[("a", vec![1 << 62]), ("b", vec![1 << 62])]), "ok").unwrap().num_elements(), 1 << 63);
+    format_error_naming(file_with_records(&[("huge", vec![1 << 40, 1 << 40])]), "huge");
+    // Each shape fits 64 bits, their sum does not: `num_elements` used to wrap (and panic in debug builds).
+    format_error_naming(file_with_records(&[("first", vec![1 << 63]), ("second", vec![1 << 63])]), "second");
+}
+
+#[test]
+fn reserved_tensor_names_are_refused_when_writing_and_reading() {
+    let (old, new) = (vec![0u8; 4], vec![1u8; 4]);
+    for name in ["__metadata__", "w:pos", "w:val"] {
+        let input = DiffInput { name: name.into(), dtype: Dtype::U8, shape: vec![4], old: &old, new: &new };
+        let err = diff(&[input], ValueCodec::Diff, Codec::Varint).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput { .. }) && err.to_string().contains(&format!("{name:?}")), "{err}");
+        let whole = deltasync_rs::core::diff::FullInput { name: name.into(), dtype: Dtype::U8, shape: vec![4], data: &new };
+        let err = deltasync_rs::core::diff::full(&[whole]).unwrap_err();
+        assert!(err.to_string().contains(&format!("{name:?}")), "{err}");
+        // A delta renamed after the fact is refused by the writer too, not written unreadable.
+        let mut tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::U8, shape: vec![4], old: &old, new: &new }], ValueCodec::Diff, Codec::Varint).unwrap();
+        tensors[0].name = name.into();
+        let err = to_bytes(&Delta { tensors, ..Default::default() }).unwrap_err();
+        assert!(err.to_string().contains(&format!("{name:?}")), "{err}");
+        format_error_naming(file_with_records(&[(name, vec![4])]), name);
+    }
+}

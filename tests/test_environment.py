@@ -61,6 +61,7 @@ def test_every_scan_kernel_writes_the_same_bytes():
     ("DELTASYNC_NUM_THREADS", "two", True),
     ("DELTASYNC_NUM_THREADS", "0", True),
     ("DELTASYNC_NUM_THREADS", " 2 ", False),
+    ("DELTASYNC_NUM_THREADS", "20000", True),
     ("DELTASYNC_SCAN_KERNEL", "avx-512", True),
     ("DELTASYNC_SCAN_KERNEL", "sse2", False),
 ])
@@ -74,3 +75,26 @@ def test_unusable_settings_warn_on_import(variable, value, warned):
     done = subprocess.run([sys.executable, "-W", "always", "-c", "import deltasync_rs"], env=env, capture_output=True,
                           text=True, check=True)
     assert (f"{variable}={value.strip()!r}" in done.stderr) == warned, done.stderr
+
+
+def test_thread_count_is_bounded():
+    """DELTASYNC_NUM_THREADS=20000 once spawned 20,000 threads; the pool is capped at 4 per CPU (at least 256)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings, numpy as np, deltasync_rs as ds\n"
+        "bound = ds.get_num_threads()\n"
+        "assert 256 <= bound <= max(256, 4 * os.cpu_count()), bound\n"
+        "assert ds.diff({'w': np.zeros(8, np.float32)}, {'w': np.ones(8, np.float32)}).num_changed == 8\n"
+        "ds.set_num_threads(3)\n"
+        "assert ds.get_num_threads() == 3\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    ds.set_num_threads(10**6)\n"
+        "assert ds.get_num_threads() == bound, ds.get_num_threads()\n"
+        "assert any('more threads than this machine can use' in str(w.message) for w in caught), caught\n"
+    )
+    env = {**os.environ, "DELTASYNC_NUM_THREADS": "20000"}
+    subprocess.run([sys.executable, "-W", "ignore", "-c", "import os\n" + script], env=env, check=True)

@@ -200,3 +200,17 @@ def test_corrupted_bytes_never_crash(data, codec):
     except ds.DeltaSyncError:
         for name in prev:
             assert_bits_equal(target[name], prev[name], name)
+
+
+@pytest.mark.parametrize("name", ["__metadata__", "w:pos", "w:val"])
+def test_reserved_tensor_names_are_refused_when_writing(name):
+    """`__metadata__` is the safetensors header's own key and `:pos`/`:val` name delta streams: a tensor by that
+    name used to make an unreadable file. diff, anchor and the mirror refuse it, naming the tensor."""
+    prev = {name: np.zeros(4, np.float32)}
+    curr = {name: np.ones(4, np.float32)}
+    with pytest.raises(ds.DeltaSyncError, match=f'"{name}"'):
+        ds.diff(prev, curr)
+    with pytest.raises(ds.DeltaSyncError, match=f'"{name}"'):
+        ds.anchor(curr)
+    with pytest.raises(ds.DeltaSyncError, match=f'"{name}"'):
+        ds.Mirror(prev, step=0).advance(curr, step=1)

@@ -229,3 +229,22 @@ def test_anchors_record_no_base_and_apply_anywhere():
     target = torch.zeros_like(prev)
     full.apply_(target, check_base=True)
     assert_bits_equal(target, curr)
+
+
+def test_raw_apply_checks_100k_targets_for_overlap():
+    """RawDelta.apply sorts the targets by address to check them for overlap (it compared every pair: 7.3 s at 160k
+    tensors); not timed here, it must just finish, write every target, and still refuse an overlap."""
+    import numpy as np
+
+    from deltasync_rs._core import RawDelta
+
+    n = 100_000
+    zeros, ones = np.zeros(1, np.uint8), np.ones(1, np.uint8)
+    raw = RawDelta()
+    raw.add_diff([(f"t{i}", "U8", [1], zeros, ones) for i in range(n)], "diff")
+    storage = bytearray(n)
+    view = memoryview(storage)
+    raw.apply([(i, view[i:i + 1]) for i in range(n)])
+    assert storage == bytearray(b"\1" * n)
+    with pytest.raises(ds.DeltaSyncError, match='overlaps the target of tensor "t'):
+        raw.apply([(i, view[i:i + 1]) for i in range(n - 1)] + [(n - 1, view[5:6])])

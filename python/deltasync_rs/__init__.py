@@ -15,8 +15,8 @@ from ._core import (
     DeltaSyncError,
     __version__,
     get_num_threads,
-    set_num_threads,
 )
+from ._core import set_num_threads as _core_set_num_threads
 from .delta import DEFAULT_NAME, Delta, TensorInfo, anchor, diff, load, state_digest
 from .errors import ChainError, IntegrityError, MissingObjectError, StoreError
 from .mirror import Mirror
@@ -64,6 +64,10 @@ def _check_environment() -> None:
     if threads and not (threads.isdigit() and int(threads) > 0):
         warnings.warn(f"DELTASYNC_NUM_THREADS={threads!r} is not a positive integer; using one thread per CPU",
                       RuntimeWarning, stacklevel=3)
+    elif threads and int(threads) > get_num_threads():
+        # The core caps the pool at 4 threads per CPU (at least 256): see src/core/pool.rs.
+        warnings.warn(f"DELTASYNC_NUM_THREADS={threads!r} is more threads than this machine can use; using "
+                      f"{get_num_threads()}", RuntimeWarning, stacklevel=3)
     kernel = os.environ.get("DELTASYNC_SCAN_KERNEL", "").strip()
     if kernel and kernel not in SCAN_KERNELS:
         warnings.warn(f"DELTASYNC_SCAN_KERNEL={kernel!r} is not one of {', '.join(SCAN_KERNELS)}; using the "
@@ -71,6 +75,21 @@ def _check_environment() -> None:
 
 
 _check_environment()
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the number of threads for later calls (0 restores DELTASYNC_NUM_THREADS or the CPU count).
+
+    More than 4 threads per CPU (at least 256) is clamped to that bound, with a RuntimeWarning.
+    """
+    import warnings
+
+    if n < 0:
+        raise ValueError(f"the number of threads must be 0 or more, not {n}")
+    _core_set_num_threads(n)
+    if n > 0 and get_num_threads() < n:
+        warnings.warn(f"set_num_threads({n}) is more threads than this machine can use; using {get_num_threads()}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def __getattr__(name: str):

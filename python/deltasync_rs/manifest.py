@@ -92,7 +92,8 @@ def verify_signature(document: Mapping[str, Any], key: bytes | None, what: str) 
     if not isinstance(signature, str):
         raise IntegrityError(f"{what} is not signed, but a signing key is set")
     expected = hmac.new(key, _canonical(document), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(signature, expected):
+    # compare_digest raises TypeError on a str with non-ASCII characters: such a signature is simply wrong.
+    if not (signature.isascii() and hmac.compare_digest(signature, expected)):
         raise IntegrityError(f"{what} has a bad signature")
 
 

@@ -323,17 +323,19 @@ impl Delta {
         !self.tensors.is_empty() && self.tensors.iter().all(TensorDelta::is_dense)
     }
 
+    // The sums saturate instead of wrapping; a loaded file's declared sizes are checked so that they fit
+    // (core::format's reader).
     pub fn num_changed(&self) -> u64 {
-        self.tensors.iter().map(|t| t.changed).sum()
+        self.tensors.iter().map(|t| t.changed).fold(0, u64::saturating_add)
     }
 
     /// Elements covered, counting only tensors whose shape is known.
     pub fn num_elements(&self) -> u64 {
-        self.tensors.iter().filter_map(TensorDelta::numel).sum()
+        self.tensors.iter().filter_map(TensorDelta::numel).fold(0, u64::saturating_add)
     }
 
     pub fn nbytes(&self) -> u64 {
-        self.tensors.iter().map(TensorDelta::nbytes).sum()
+        self.tensors.iter().map(TensorDelta::nbytes).fold(0, u64::saturating_add)
     }
 
     /// Checks every tensor's streams, in parallel, and rejects duplicate names.

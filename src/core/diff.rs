@@ -116,17 +116,6 @@ fn check_len(name: &str, dtype: Dtype, shape: &[u64], lens: &[usize]) -> Result<
     Ok(width)
 }
 
-fn check_name(name: &str) -> Result<()> {
-    if name.ends_with(crate::core::format::POSITIONS_SUFFIX) || name.ends_with(crate::core::format::VALUES_SUFFIX) {
-        return Err(Error::invalid(format!(
-            "tensor {name:?}: names ending in {:?} or {:?} are reserved for delta streams",
-            crate::core::format::POSITIONS_SUFFIX,
-            crate::core::format::VALUES_SUFFIX
-        )));
-    }
-    Ok(())
-}
-
 /// Joins a tensor's chunks into its two streams, or stores it whole when that is no larger. With the compact
 /// codec each stream is re-encoded (`rice`, `diffbits`) and kept only where that is smaller.
 fn assemble(
@@ -208,7 +197,7 @@ pub fn diff_with(
     let mut first_block = Vec::with_capacity(inputs.len() + 1);
     first_block.push(0);
     for (index, input) in inputs.iter().enumerate() {
-        check_name(&input.name)?;
+        crate::core::format::check_tensor_name(&input.name)?;
         let width = check_len(&input.name, input.dtype, &input.shape, &[input.old.len(), input.new.len()])?;
         widths.push(width);
         first_block.push(first_block[index] + input.old.len().div_ceil(base::BLOCK_BYTES));
@@ -337,7 +326,7 @@ pub fn full(inputs: &[FullInput<'_>]) -> Result<Vec<TensorDelta>> {
     inputs
         .iter()
         .map(|input| {
-            check_name(&input.name)?;
+            crate::core::format::check_tensor_name(&input.name)?;
             let width = check_len(&input.name, input.dtype, &input.shape, &[input.data.len()])?;
             let numel = (input.data.len() / width) as u64;
             Ok(TensorDelta {

@@ -23,6 +23,8 @@ pub const FORMAT_NAME: &str = "deltasync";
 pub const FORMAT_VERSION: &str = "1";
 pub const POSITIONS_SUFFIX: &str = ":pos";
 pub const VALUES_SUFFIX: &str = ":val";
+/// The safetensors header's own key: no tensor may be stored under it.
+pub const METADATA_KEY: &str = "__metadata__";
 /// Header keys the format owns; caller metadata may not use them.
 pub const RESERVED_KEYS: [&str; 6] = ["format", "format_version", "kind", "tensors", "step", "base_step"];
 
@@ -159,8 +161,26 @@ fn entries(delta: &Delta) -> Vec<Entry<'_>> {
     out
 }
 
+/// Refuses a tensor name the container cannot store: the safetensors header's `__metadata__` key, and names
+/// ending in the stream suffixes, which would collide with another tensor's streams. Every writer (diff, anchor,
+/// mirror, encode) calls this, and the reader refuses what it refuses.
+pub fn check_tensor_name(name: &str) -> Result<()> {
+    if name == METADATA_KEY {
+        return Err(Error::invalid(format!("tensor {name:?}: the name is the safetensors header's own key")));
+    }
+    if name.ends_with(POSITIONS_SUFFIX) || name.ends_with(VALUES_SUFFIX) {
+        return Err(Error::invalid(format!(
+            "tensor {name:?}: names ending in {POSITIONS_SUFFIX:?} or {VALUES_SUFFIX:?} are reserved for delta streams"
+        )));
+    }
+    Ok(())
+}
+
 /// Builds the header for `delta` and lists the pieces that follow it.
 pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
+    for tensor in &delta.tensors {
+        check_tensor_name(&tensor.name)?;
+    }
     let records: Vec<TensorRecord> = delta
         .tensors
         .iter()
@@ -331,11 +351,17 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
         return Err(bad(format!("tensor {:?} is listed twice", twice.name)));
     }
     let mut tensors = Vec::with_capacity(records.len());
+    // Declared sizes are checked, never wrapped: each shape's element count, and their sum (`Delta::num_elements`).
+    let mut total_elements = 0u64;
     for record in records {
         let name = record.name;
+        check_tensor_name(&name).map_err(|e| bad(e.to_string()))?;
         let dtype = dtype::parse(&record.dtype).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
         if let Some(shape) = &record.shape {
-            dtype::numel(shape).ok_or_else(|| bad(format!("tensor {name:?}: shape {shape:?} overflows")))?;
+            let numel = dtype::numel(shape).ok_or_else(|| bad(format!("tensor {name:?}: shape {shape:?} overflows")))?;
+            total_elements = total_elements
+                .checked_add(numel)
+                .ok_or_else(|| bad(format!("tensor {name:?}: the tensors' element counts overflow 64 bits")))?;
         }
         let base = record
             .base

@@ -19,7 +19,6 @@ use crate::core::codec::{PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
-use crate::core::format::{POSITIONS_SUFFIX, VALUES_SUFFIX};
 use crate::core::scan::{self, InOrder, Joined};
 use crate::core::stream::Stream;
 
@@ -45,11 +44,7 @@ pub struct MirrorTensor {
 impl MirrorTensor {
     /// Starts a tensor of `shape` and `dtype`; no chunk has been compared yet.
     pub fn begin(name: &str, dtype: Dtype, shape: &[u64], codec: ValueCodec) -> Result<Self> {
-        if name.ends_with(POSITIONS_SUFFIX) || name.ends_with(VALUES_SUFFIX) {
-            return Err(Error::invalid(format!(
-                "tensor {name:?}: names ending in {POSITIONS_SUFFIX:?} or {VALUES_SUFFIX:?} are reserved for delta streams"
-            )));
-        }
+        crate::core::format::check_tensor_name(name)?;
         let width = dtype::width_of(dtype).map_err(|e| Error::invalid(format!("tensor {name:?}: {e}")))?;
         let numel = dtype::numel(shape)
             .filter(|n| n.checked_mul(width as u64).is_some())
@@ -365,8 +360,10 @@ mod tests {
         assert!(err.to_string().contains("\"w\""), "{err}");
         let err = tensor.update(&mut mirror[..2], &[0u8; 2], 8).unwrap_err();
         assert!(err.to_string().contains("outside"), "{err}");
-        let reserved = format!("x{POSITIONS_SUFFIX}");
-        assert!(MirrorTensor::begin(&reserved, Dtype::BF16, &[1], ValueCodec::Diff).is_err());
+        for reserved in ["x:pos", "x:val", "__metadata__"] {
+            let Err(err) = MirrorTensor::begin(reserved, Dtype::BF16, &[1], ValueCodec::Diff) else { panic!("{reserved} accepted") };
+            assert!(err.to_string().contains(&format!("{reserved:?}")), "{err}");
+        }
     }
 
     #[test]

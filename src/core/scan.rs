@@ -497,18 +497,20 @@ impl Kernel {
 /// The fastest kernel this CPU has, unless `DELTASYNC_SCAN_KERNEL` (portable, sse2, avx2, avx512) asks for a
 /// slower one; read once per process.
 pub fn kernel() -> Kernel {
-    static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
-    *KERNEL.get_or_init(|| {
-        let best = best_kernel();
-        let wanted = std::env::var("DELTASYNC_SCAN_KERNEL").unwrap_or_default();
-        let asked = Kernel::ALL.into_iter().find(|k| k.name() == wanted.trim()).unwrap_or(best);
-        // Never more than the CPU has.
-        if (asked as u8) <= (best as u8) {
-            asked
-        } else {
-            best
-        }
-    })
+    // An atomic, not a `OnceLock`: a fork() while another thread ran the `OnceLock`'s initialiser left the child
+    // waiting for it forever (tests/test_fork.py). Threads that race here compute the same kernel.
+    static KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+    let cached = KERNEL.load(std::sync::atomic::Ordering::Relaxed);
+    if let Some(&kernel) = Kernel::ALL.iter().find(|k| **k as u8 == cached) {
+        return kernel;
+    }
+    let best = best_kernel();
+    let wanted = std::env::var("DELTASYNC_SCAN_KERNEL").unwrap_or_default();
+    let asked = Kernel::ALL.into_iter().find(|k| k.name() == wanted.trim()).unwrap_or(best);
+    // Never more than the CPU has.
+    let kernel = if (asked as u8) <= (best as u8) { asked } else { best };
+    KERNEL.store(kernel as u8, std::sync::atomic::Ordering::Relaxed);
+    kernel
 }
 
 fn best_kernel() -> Kernel {

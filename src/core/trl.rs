@@ -36,9 +36,10 @@ fn positions_to_varint(bytes: &[u8], dtype: Dtype, gap_coded: bool, name: &str, 
         let width = gap_width(dtype).ok_or_else(|| bad(format!("gap_delta indices must be unsigned, not {}", dtype::name_of(dtype))))?;
         let mut next = 0u64;
         for gap in bytes.chunks_exact(width) {
+            // Each index is the previous one plus one plus its gap; past u64::MAX is a format error, not a wrap.
             let position = next.checked_add(crate::core::codec::values::load(gap, width)).ok_or_else(|| bad("index overflows".into()))?;
             positions.push(position);
-            next = position.saturating_add(1);
+            next = position.checked_add(1).ok_or_else(|| bad("index overflows".into()))?;
         }
     } else {
         let width = match dtype {
@@ -59,7 +60,7 @@ fn positions_to_varint(bytes: &[u8], dtype: Dtype, gap_coded: bool, name: &str, 
             return Err(bad(format!("indices are not strictly increasing at index {position}")));
         }
         varint::write(&mut out, position - next_allowed);
-        next_allowed = position + 1;
+        next_allowed = position.checked_add(1).ok_or_else(|| bad(format!("index {position} overflows")))?;
     }
     let count = positions.len() as u64;
     let last = positions.last().copied();
@@ -250,6 +251,32 @@ mod tests {
         assert_eq!(back.tensors[0].changed, 2);
         assert_eq!(back.tensors[0].last_position, Some(20));
         assert_eq!(back.step, Some(3));
+    }
+
+    /// A TRL v3 gap_delta patch with U64 gaps `gaps` for tensor "w" (F32 values).
+    fn v3_gap_patch(gaps: &[u64]) -> Vec<u8> {
+        let metadata: BTreeMap<String, String> =
+            [("format", FORMAT_NAME), ("version", "3"), ("sparse", "True"), ("encoding", "gap_delta")]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect();
+        let count = gaps.len() as u64;
+        let entries = vec![
+            Entry { key: "w.idx".into(), dtype: Dtype::U64, shape: vec![count], data: Cow::Owned(gaps.iter().flat_map(|g| g.to_le_bytes()).collect()) },
+            Entry { key: "w.val".into(), dtype: Dtype::F32, shape: vec![count], data: Cow::Owned(vec![0; gaps.len() * 4]) },
+        ];
+        encode_entries(&metadata, entries).unwrap().to_vec()
+    }
+
+    #[test]
+    fn v3_gaps_that_overflow_are_a_format_error() {
+        assert_eq!(from_bytes(v3_gap_patch(&[2, 0]), "ok").unwrap().tensors[0].last_position, Some(3));
+        for gaps in [&[u64::MAX][..], &[5, u64::MAX - 6], &[u64::MAX - 1, 0]] {
+            match from_bytes(v3_gap_patch(gaps), "gaps") {
+                Err(Error::Format { message, .. }) => assert!(message.contains("\"w\"") && message.contains("overflows"), "{message}"),
+                other => panic!("gaps {gaps:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,49 @@
+//! Loads arbitrary bytes as a delta and applies it to targets of the size it asks for, or of a wrong size:
+//! apply must never panic or write out of bounds, and a refused apply must leave every target untouched.
+#![no_main]
+
+use deltasync_rs::core::{apply, format};
+use libfuzzer_sys::fuzz_target;
+
+/// Targets larger than this are skipped, to keep each run fast.
+const MAX_TARGET_BYTES: u64 = 1 << 20;
+
+fuzz_target!(|data: &[u8]| {
+    // The last byte picks a size error to inject (0: none), the rest is the file.
+    let Some((&skew, file)) = data.split_last() else { return };
+    let Ok(delta) = format::from_bytes(file.to_vec(), "fuzz") else { return };
+    let mut buffers = Vec::new();
+    for (index, tensor) in delta.tensors.iter().enumerate() {
+        let elements = match tensor.numel() {
+            Some(numel) => numel,
+            // TRL files record no shape: the smallest target that holds the last change.
+            None => tensor.last_position.map_or(0, |last| last + 1),
+        };
+        let Some(bytes) = elements.checked_mul(tensor.width() as u64).filter(|&n| n <= MAX_TARGET_BYTES) else {
+            return;
+        };
+        let mut len = bytes as usize;
+        if index == 0 {
+            len = match skew % 4 {
+                1 => len.saturating_sub(1),
+                2 => len + 1,
+                3 => len.saturating_sub(tensor.width()),
+                _ => len,
+            };
+        }
+        // A fill pattern, so that a partial write is visible.
+        let target: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31) ^ skew).collect();
+        buffers.push((index, target));
+    }
+    let before: Vec<Vec<u8>> = buffers.iter().map(|(_, b)| b.clone()).collect();
+    let targets = buffers.iter_mut().map(|(index, b)| (*index, &mut b[..])).collect();
+    match apply::apply(&delta, targets) {
+        Ok(()) => {}
+        Err(error) => {
+            assert!(skew % 4 != 0, "a delta that loaded was refused by targets of its own size: {error}");
+            for ((_, after), before) in buffers.iter().zip(&before) {
+                assert!(after == before, "a refused apply wrote into a target");
+            }
+        }
+    }
+});

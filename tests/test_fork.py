@@ -1,0 +1,125 @@
+"""fork() at awkward moments: while another thread rebuilds the pool, and while another thread makes the first call.
+
+Each scenario runs in a fresh interpreter without torch (torch's OpenMP pool is not fork-safe), forks children
+that each run a small diff and exit, and counts the children that do not finish within a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork is POSIX-only")
+
+CHILDREN = 200
+CHILD_TIMEOUT_S = 10.0
+
+# Shared by both scenarios: fork a child that diffs a small state and exits 0 (1 on a wrong answer), and wait
+# for it with a timeout; a child still running then is killed and counted as hung.
+_COMMON = r"""
+import json, os, random, signal, sys, threading, time, warnings
+warnings.simplefilter("ignore")  # "This process is multi-threaded, use of fork() may lead to deadlocks"
+import numpy as np
+import deltasync_rs as ds
+
+prev = {"w": np.arange(4096, dtype=np.float32)}
+curr = {"w": prev["w"].copy()}
+curr["w"][::7] += 1.0
+expected = 586
+
+def fork_child():
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if ds.diff(prev, curr).num_changed == expected else 1)
+        except BaseException:
+            os._exit(2)
+    return pid
+
+def wait_child(pid, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+"""
+
+# Scenario 1: one thread rebuilds the pool over and over (a new size, then a call that builds it) while the main
+# thread forks.
+_REBUILDING = (
+    _COMMON
+    + r"""
+stop = threading.Event()
+def rebuild():
+    size = 1
+    while not stop.is_set():
+        size = size % 8 + 1
+        ds.set_num_threads(size)
+        ds.diff(prev, curr)
+rebuilder = threading.Thread(target=rebuild, daemon=True)
+rebuilder.start()
+hung = failed = 0
+for _ in range(int(sys.argv[1])):
+    time.sleep(random.uniform(0, 0.002))
+    code = wait_child(fork_child(), float(sys.argv[2]))
+    hung += code is None
+    failed += code not in (None, 0)
+stop.set()
+rebuilder.join()
+print(json.dumps({"hung": hung, "failed": failed}))
+"""
+)
+
+# Scenario 2: first use. The parent imports deltasync_rs but never calls it, so each forked round process starts
+# with every lazily initialised static unset, as a fresh interpreter would. In the round process one thread makes
+# the first call while the main thread forks a grandchild, which then makes its own call.
+_FIRST_USE = (
+    _COMMON
+    + r"""
+hung = failed = 0
+for _ in range(int(sys.argv[1])):
+    delay = random.uniform(0, 0.003)
+    round_pid = os.fork()
+    if round_pid == 0:
+        first = threading.Thread(target=ds.diff, args=(prev, curr))
+        first.start()
+        end = time.perf_counter() + delay
+        while time.perf_counter() < end:
+            pass
+        child = fork_child()
+        first.join()
+        code = wait_child(child, float(sys.argv[2]))
+        os._exit(3 if code is None else code)
+    code = wait_child(round_pid, 2 * float(sys.argv[2]))
+    hung += code in (None, 3)
+    failed += code not in (None, 0, 3)
+print(json.dumps({"hung": hung, "failed": failed}))
+"""
+)
+
+
+def _run(script: str) -> dict[str, int]:
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(CHILDREN), str(CHILD_TIMEOUT_S)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_fork_while_another_thread_rebuilds_the_pool():
+    assert _run(_REBUILDING) == {"hung": 0, "failed": 0}
+
+
+def test_fork_during_first_use():
+    assert _run(_FIRST_USE) == {"hung": 0, "failed": 0}
