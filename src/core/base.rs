@@ -87,9 +87,10 @@ impl BlockHasher {
         self.partial.extend_from_slice(&piece[whole..]);
     }
 
-    /// Takes the hashes of `bytes` full blocks hashed elsewhere (`hashes`), at a block boundary.
+    /// Takes the hashes of `bytes` full blocks hashed elsewhere (`hashes`), at a block boundary (none at all may
+    /// come while a block is still cut, as after a chunk too short to complete it).
     pub fn take_hashed(&mut self, hashes: &[u64], bytes: usize) {
-        debug_assert!(self.partial.is_empty() && bytes == hashes.len() * BLOCK_BYTES);
+        debug_assert!(bytes == hashes.len() * BLOCK_BYTES && (hashes.is_empty() || self.partial.is_empty()));
         self.hashes.extend_from_slice(hashes);
         self.consumed += bytes as u64;
     }
