@@ -352,10 +352,8 @@ mod tests {
                 if values == ValueCodec::Diff {
                     assert_eq!((want.positions_codec, want.values_codec), (PositionCodec::Rice, ValueCodec::DiffBits), "width {width}");
                 }
-                for chunk in [n, 1, 4097, TASK_ELEMENTS + 3] {
-                    if chunk == 1 && width > 2 {
-                        continue; // one element per call is slow and covered at the narrow widths
-                    }
+                // (Chunks of a few elements are in `compact_equals_diff_compact`.)
+                for chunk in [n, 4097, 65_537, TASK_ELEMENTS + 3] {
                     let (tensor, mirror) = chunked_in(&old, &new, dtype, chunk, values, Codec::Compact);
                     same(&tensor, &want);
                     assert_eq!(mirror, new);
