@@ -1,6 +1,7 @@
 """Trainer side: ds.torch.Mirror.step (copy + compare + mirror update in one pass) on the Qwen3-0.6B-shaped bf16
 workload on the CPU, against the sum of its parts: a plain copy of the weights to host buffers, and ds.diff alone.
-The old two-pass mirror (ds.diff, then apply the delta to the mirror) is timed too.
+The old two-pass mirror (ds.diff, then apply the delta to the mirror) is timed too. ``Mirror.step`` runs with each
+codec, one after the other in the same run (the compact one re-encodes each tensor's streams at its finish).
 
 Each round starts from a mirror equal to ``prev`` with the model at ``curr``; resetting the mirror is setup, not timed.
 Results are checked against ds.diff (bit-exact file bytes), so a benchmark that runs is also a correctness test."""
@@ -20,6 +21,11 @@ def reference(workload):
 
 
 @pytest.fixture(scope="module")
+def compact_reference(workload):
+    return ds.diff(workload.prev, workload.curr, codec="compact", step=1, base_step=0).to_bytes()
+
+
+@pytest.fixture(scope="module")
 def mirror_at_prev(workload):
     """A Mirror of a model whose weights are ``curr``, whose mirror each round is reset to ``prev``."""
     model = dict(workload.prev)  # the Mirror re-reads the mapping each step, so swapping values moves the model
@@ -35,10 +41,15 @@ def mirror_at_prev(workload):
     return mirror, reset
 
 
-def test_mirror_step(benchmark, workload, pedantic_opts, mirror_at_prev, reference):
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+def test_mirror_step(benchmark, workload, pedantic_opts, mirror_at_prev, reference, compact_reference, codec):
     mirror, reset = mirror_at_prev
-    delta = benchmark.pedantic(mirror.step, setup=reset, **pedantic_opts)
-    assert delta.to_bytes() == reference
+    mirror.codec = codec
+    try:
+        delta = benchmark.pedantic(mirror.step, setup=reset, **pedantic_opts)
+    finally:
+        mirror.codec = "varint"
+    assert delta.to_bytes() == (compact_reference if codec == "compact" else reference)
     assert all(torch.equal(mirror.tensors[n].view(torch.int16), workload.curr[n].view(torch.int16))
                for n in mirror.tensors)
     benchmark.extra_info.update(changed=delta.num_changed, delta_bytes=delta.nbytes, mirror_bytes=mirror.nbytes)

@@ -15,7 +15,7 @@ def build_model() -> torch.nn.Module:
                                torch.nn.Linear(5, 1))
 
 
-def run(rank: int, world: int, port: int, store: str, out: str) -> None:
+def run(rank: int, world: int, port: int, store: str, out: str, codec: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -32,7 +32,7 @@ def run(rank: int, world: int, port: int, store: str, out: str) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        publisher = ds.Publisher(store, anchor_every=100) if rank == 0 else None
+        publisher = ds.Publisher(store, anchor_every=100, codec=codec) if rank == 0 else None
         attachment = ds_torch.attach(optimizer, model, publisher, sync_every=2)
         assert attachment.mirror.is_sharded
         generator = torch.Generator().manual_seed(rank)
@@ -54,4 +54,5 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     port, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    mp.spawn(run, args=(2, port, store, out), nprocs=2)
+    codec = sys.argv[4] if len(sys.argv) > 4 else "varint"
+    mp.spawn(run, args=(2, port, store, out, codec), nprocs=2)

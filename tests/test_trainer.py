@@ -319,8 +319,10 @@ def test_examples_train_publish_then_pull_and_verify(tmp_path):
     assert wrong.returncode != 0 and "digest mismatch" in wrong.stderr
 
 
-def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_path):
-    """fully_shard on CPU over gloo: each rank diffs its own (uneven) shards; the subscriber matches full_tensor()."""
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_path, codec):
+    """fully_shard on CPU over gloo: each rank diffs its own (uneven) shards; the subscriber matches full_tensor().
+    With a compact publisher, rank 0 re-encodes the joined (varint) shards."""
     import socket
     import subprocess
     import sys
@@ -331,12 +333,15 @@ def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
     store, out = tmp_path / "store", tmp_path / "whole.pt"
-    subprocess.run([sys.executable, "-m", "tests.fsdp_workers", str(port), str(store), str(out)], cwd=root,
+    subprocess.run([sys.executable, "-m", "tests.fsdp_workers", str(port), str(store), str(out), codec], cwd=root,
                    check=True, timeout=600)
     entries = ds.sync.log_entries(LocalStore(store))
     assert [e.step for e in entries] == [0, 2, 4, 5]
     assert [e.anchor is not None for e in entries] == [True, False, False, False]  # the pull replays every delta
     assert all(e.num_changed > 0 for e in entries)
+    if codec == "compact":
+        delta = ds.load(LocalStore(store).get("deltas/step_000000000002.safetensors"))
+        assert "rice" in {t.positions for t in delta.tensors}
     whole = torch.load(out)
     state = {name: torch.zeros_like(t) for name, t in whole.items()}
     assert ds.Subscriber(LocalStore(store)).pull(state) == 5

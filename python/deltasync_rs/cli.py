@@ -160,7 +160,7 @@ def _save_checkpoint(state: dict[str, np.ndarray], path: str) -> None:
 def _cmd_publish(args: argparse.Namespace) -> int:
     state = _load_checkpoint(args.checkpoint)
     with Publisher(args.store, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors, values=args.values,
-                   background=False) as publisher:
+                   codec=args.codec, background=False) as publisher:
         subscriber = Subscriber(publisher.store)
         latest = subscriber.latest_step()
         if latest is not None and not args.anchor:
@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor-every", type=int, default=10, help="write a full anchor every N publishes")
     p.add_argument("--keep-anchors", type=int, default=2, help="anchors to keep (older files are deleted)")
     p.add_argument("--values", choices=("diff", "abs"), default="diff")
+    p.add_argument("--codec", choices=("varint", "compact"), default="varint",
+                   help="byte-aligned streams, or rice/diffbits streams where smaller (read by this version's readers)")
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
     p.set_defaults(run=_cmd_publish)
 

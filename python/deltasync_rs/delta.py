@@ -205,6 +205,12 @@ def _as_mapping(x: State, role: str) -> Mapping[str, Tensor]:
     raise DeltaSyncError(f"{role} must be a tensor, an array or a mapping of them, not {type(x).__name__}")
 
 
+def check_codec(codec: str) -> None:
+    """Raises unless ``codec`` names a stream family every writer takes: ``"varint"`` or ``"compact"``."""
+    if codec not in ("varint", "compact"):
+        raise DeltaSyncError(f'codec must be "varint" or "compact", not {codec!r}')
+
+
 def diff(prev: State, curr: State, *, values: str = "diff", codec: str = "varint", step: int | None = None,
          base_step: int | None = None, metadata: Mapping[str, str] | None = None) -> Delta:
     """The bit-exact changes from ``prev`` to ``curr``.
@@ -219,8 +225,7 @@ def diff(prev: State, curr: State, *, values: str = "diff", codec: str = "varint
     """
     if values not in ("diff", "abs"):
         raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
-    if codec not in ("varint", "compact"):
-        raise DeltaSyncError(f'codec must be "varint" or "compact", not {codec!r}')
+    check_codec(codec)
     prev_map, curr_map = _as_mapping(prev, "prev"), _as_mapping(curr, "curr")
     only_prev = [n for n in prev_map if n not in curr_map]
     only_curr = [n for n in curr_map if n not in prev_map]

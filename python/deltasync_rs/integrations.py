@@ -35,7 +35,8 @@ class DeltaSyncCallback(TrainerCallback):
         if model is None:
             raise DeltaSyncError("DeltaSyncCallback needs the model: the Trainer passes it to on_train_begin")
         step = self.publisher.step if self.publisher.step is not None else state.global_step
-        self.mirror = Mirror(model, self.dtype, chunk_bytes=self.chunk_bytes, values=self.publisher.values, step=step)
+        self.mirror = Mirror(model, self.dtype, chunk_bytes=self.chunk_bytes, values=self.publisher.values,
+                             codec=self.publisher.codec, step=step)
         self.publisher.publish_shared(step, self.mirror.tensors)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

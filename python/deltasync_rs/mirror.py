@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _arrays
 from ._core import MirrorDiff
-from .delta import Delta, _finish, in_batches, state_digest
+from .delta import Delta, _finish, check_codec, in_batches, state_digest
 from .errors import BaseMismatchError, DeltaSyncError
 
 
@@ -58,15 +58,17 @@ class Mirror:
         self._tensors = tensors  # type: ignore[assignment]
         self.step = step
 
-    def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff") -> Delta:
+    def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "varint") -> Delta:
         """The delta from the mirror to ``state``; the mirror moves to ``state`` and ``step``.
 
         One pass per tensor: the core compares and writes the new bits into the mirror as it records the changes.
-        Names, dtypes and shapes are all checked before the first write."""
+        ``codec`` is the stream family, as for :func:`diff` (the same bytes). Names, dtypes and shapes are all
+        checked before the first write."""
         if self.is_empty:
             raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        check_codec(codec)
         only_mirror = [n for n in self._tensors if n not in state]
         only_state = [n for n in state if n not in self._tensors]
         if only_mirror or only_state:
@@ -75,7 +77,7 @@ class Mirror:
                 f"only in the state {only_state[:5]}"
             )
         kinds = {name: _arrays.check_same_kind(self._tensors[name], new, name) for name, new in state.items()}
-        builder = MirrorDiff(values)
+        builder = MirrorDiff(values, codec)
 
         def entries():
             for name, new in state.items():

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _arrays
-from .delta import Delta, anchor, state_digest
+from .delta import Delta, anchor, check_codec, state_digest
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
 from .manifest import (
     LATEST_KEY,
@@ -50,6 +50,8 @@ class Publisher:
     or a :class:`Store`. ``signing_key`` (or ``DELTASYNC_SIGNING_KEY``) signs every manifest entry with
     HMAC-SHA256, and with a key what the publisher reads back (run.json, the newest step) is verified too.
     ``keep_anchors`` anchors are kept, with the deltas after the oldest of them; older files are deleted.
+    ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``/``diffbits``
+    streams where smaller, which every reader of this version reads.
 
     Every entry carries the store's run id (``run.json``, made by the first publisher of the store) and the
     SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
@@ -57,16 +59,18 @@ class Publisher:
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, *, anchor_every: int = 10, keep_anchors: int = 2,
-                 values: str = "diff", signing_key: bytes | str | None = None, background: bool = True,
+                 values: str = "diff", codec: str = "varint", signing_key: bytes | str | None = None, background: bool = True,
                  max_pending: int = 2, retries: int = 3, exit_timeout: float = 60.0) -> None:
         if anchor_every < 1 or keep_anchors < 1:
             raise DeltaSyncError("anchor_every and keep_anchors must be at least 1")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        check_codec(codec)
         self.store = open_store(store)
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors
         self.values = values
+        self.codec = codec
         self.retries = max(1, retries)
         self.exit_timeout = exit_timeout
         self._key = resolve_signing_key(signing_key)
@@ -137,7 +141,7 @@ class Publisher:
             self._mirror.reset(state, step=step)
             self._enqueue(step, None)
             return
-        delta = self._mirror.advance(state, step=step, values=self.values)
+        delta = self._mirror.advance(state, step=step, values=self.values, codec=self.codec)
         self._enqueue(step, delta)
 
     def resume(self, state: Mapping[str, Any], *, step: int) -> None:

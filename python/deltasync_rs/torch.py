@@ -10,7 +10,7 @@ import torch
 
 from . import _arrays
 from ._core import DeltaSyncError, MirrorDiff
-from .delta import Delta, _finish
+from .delta import Delta, _finish, check_codec
 
 def _named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if isinstance(source, torch.nn.Module):
@@ -67,14 +67,15 @@ class Mirror:
     and writing the new bits into the mirror in the same pass. On CUDA two staging buffers alternate, so the copy of
     chunk k+1 runs while the core scans chunk k. Floating-point tensors are shipped as ``dtype`` (fp32 masters are
     cast on the device, before the copy); others keep their dtype. Tensors that share memory (tied weights) are
-    mirrored and shipped once, under their first name; ``aliases`` maps the other names to it.
+    mirrored and shipped once, under their first name; ``aliases`` maps the other names to it. ``values`` and
+    ``codec`` are as for :func:`deltasync_rs.diff`, whose bytes ``step()`` writes; a shard keeps ``varint`` streams.
 
     Memory: the mirror, at most two staging buffers of ``chunk_bytes`` (none on CPU when no cast is needed, since
     the core then reads the weights in place), one cast chunk on the device, and the delta.
     """
 
     def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, *,
-                 chunk_bytes: int = 64 << 20, values: str = "diff", step: int | None = None,
+                 chunk_bytes: int = 64 << 20, values: str = "diff", codec: str = "varint", step: int | None = None,
                  pin_memory: bool | None = None) -> None:
         if not dtype.is_floating_point:
             raise DeltaSyncError(f"the shipped dtype must be a floating-point dtype, not {dtype}")
@@ -82,10 +83,12 @@ class Mirror:
             raise DeltaSyncError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        check_codec(codec)
         self._source = model
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
         self.values = values
+        self.codec = codec
         self.current_step = step
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._staging: list[torch.Tensor] = []
@@ -191,7 +194,7 @@ class Mirror:
         """Copies the current weights to the CPU chunk by chunk, compares them with the mirror and moves the mirror
         to them, in one pass; returns the delta from the previous mirror state (``base_step``) to ``step``."""
         live = self._live()
-        builder = MirrorDiff(self.values)
+        builder = MirrorDiff(self.values, self.codec)
         stream = torch.cuda.Stream() if any(t.device.type == "cuda" for t in live.values()) else None
         # Chunks whose bytes are on their way to the host: (name, start, end, host bytes, event, first, last).
         pending: list[tuple[str, int, int, Any, Any, bool, bool]] = []
@@ -296,7 +299,8 @@ class Attachment:
             if publisher is None:
                 raise DeltaSyncError("attach needs a publisher")
             base = publisher.step if publisher.step is not None else start_step
-            self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, step=base)
+            self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, codec=publisher.codec,
+                                 step=base)
             self._base = base
             publisher.publish_shared(base, self.mirror.tensors)
         self._handle = optimizer.register_step_post_hook(self._after_step)
@@ -315,6 +319,7 @@ class Attachment:
             settings = [(self.publisher.values, base)]
         dist.broadcast_object_list(settings, src=0)
         values, self._base = settings[0]
+        # Shards stay varint: rank 0 re-encodes the joined tensors in the publisher's codec (join_shards).
         self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=values, step=self._base)
         self._group = dist.group.WORLD
         parts: list[Any] | None = [None] * world if rank == 0 else None
@@ -332,7 +337,7 @@ class Attachment:
         blobs: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(delta.to_bytes(), blobs, dst=0)
         if blobs is not None:
-            joined = Delta(join_shards([load(bytes(blob))._raw for blob in blobs]))
+            joined = Delta(join_shards([load(bytes(blob))._raw for blob in blobs], self.publisher.codec))
             joined.base_step = None
             self.publisher.publish_delta(step, joined)
 

@@ -3,8 +3,8 @@
 
 use pyo3::prelude::*;
 
-use super::{export, parse_dtype, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice};
-use crate::core::codec::ValueCodec;
+use super::{export, parse_codec, parse_dtype, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice};
+use crate::core::codec::{Codec, ValueCodec};
 use crate::core::mirror::{self, MirrorInput, MirrorTensor};
 use crate::core::{Delta, TensorDelta};
 
@@ -18,10 +18,13 @@ fn overlap(a: RawSlice, b: RawSlice) -> bool {
 /// Builds a delta by comparing new bytes with a mirror and writing them into it, in one pass.
 ///
 /// Per tensor: `begin`, then `update` for each chunk in ascending element order, then `finish`; or many
-/// whole tensors at once with `advance`. `take` returns the finished tensors as a RawDelta.
+/// whole tensors at once with `advance`. `take` returns the finished tensors as a RawDelta. With
+/// `codec="compact"` a whole tensor's streams are re-encoded at its finish exactly as `diff` does; a shard
+/// (`finish(None)`) keeps `varint` streams.
 #[pyclass(module = "deltasync_rs._core")]
 pub struct MirrorDiff {
-    codec: ValueCodec,
+    values: ValueCodec,
+    codec: Codec,
     open: Option<MirrorTensor>,
     done: Vec<TensorDelta>,
 }
@@ -35,9 +38,9 @@ impl MirrorDiff {
 #[pymethods]
 impl MirrorDiff {
     #[new]
-    #[pyo3(signature = (values = "diff"))]
-    fn new(values: &str) -> PyResult<Self> {
-        Ok(MirrorDiff { codec: parse_values(values)?, open: None, done: Vec::new() })
+    #[pyo3(signature = (values = "diff", codec = "varint"))]
+    fn new(values: &str, codec: &str) -> PyResult<Self> {
+        Ok(MirrorDiff { values: parse_values(values)?, codec: parse_codec(codec)?, open: None, done: Vec::new() })
     }
 
     /// Starts tensor `name`; the previous one must be finished.
@@ -46,7 +49,7 @@ impl MirrorDiff {
             return Err(DeltaSyncError::new_err(format!("tensor {:?} is still open: finish it first", open.name())));
         }
         let dtype = parse_dtype(dtype, name)?;
-        self.open = Some(MirrorTensor::begin(name, dtype, &shape, self.codec).map_err(to_py)?);
+        self.open = Some(MirrorTensor::begin(name, dtype, &shape, self.values).map_err(to_py)?.with_codec(self.codec));
         Ok(())
     }
 
@@ -105,7 +108,7 @@ impl MirrorDiff {
             held.push(new_buffer);
             specs.push((name.clone(), dtype, shape.clone(), mirror_slice, new_slice));
         }
-        let codec = self.codec;
+        let (values, codec) = (self.values, self.codec);
         let tensors = py
             .detach(|| {
                 let inputs = specs
@@ -119,7 +122,7 @@ impl MirrorDiff {
                         new: unsafe { new.get() },
                     })
                     .collect();
-                mirror::advance(inputs, codec)
+                mirror::advance(inputs, values, codec)
             })
             .map_err(to_py)?;
         drop(held);
@@ -144,10 +147,13 @@ impl MirrorDiff {
 }
 
 /// Joins the deltas of all shards of a sharded state, in rank order, into one: each rank's tensor parts cover
-/// disjoint element ranges with positions in the whole tensor's index space.
+/// disjoint element ranges with positions in the whole tensor's index space. With `codec="compact"` each joined
+/// tensor is re-encoded as `diff` would encode it (never stored whole).
 #[pyfunction]
-pub fn join_shards(py: Python<'_>, parts: Vec<PyRef<'_, RawDelta>>) -> PyResult<RawDelta> {
+#[pyo3(signature = (parts, codec = "varint"))]
+pub fn join_shards(py: Python<'_>, parts: Vec<PyRef<'_, RawDelta>>, codec: &str) -> PyResult<RawDelta> {
+    let codec = parse_codec(codec)?;
     let deltas: Vec<Delta> = parts.iter().map(|part| part.delta.clone()).collect();
-    let delta = py.detach(|| crate::core::shards::join(deltas)).map_err(to_py)?;
+    let delta = py.detach(|| crate::core::shards::join(deltas, codec)).map_err(to_py)?;
     Ok(RawDelta { delta })
 }

@@ -14,8 +14,8 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use crate::core::base;
-use crate::core::codec::compact::{self, BitWriter};
-use crate::core::codec::{varint, Codec, PositionCodec, ValueCodec};
+use crate::core::codec::compact;
+use crate::core::codec::{Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
@@ -44,63 +44,6 @@ pub struct FullInput<'a> {
     pub data: &'a [u8],
 }
 
-/// A chunk's changes re-encoded in the compact codec: Rice codes of its gaps (its first gap included) and, for
-/// differences, `diffbits`.
-struct CompactChunk {
-    positions: Vec<u8>,
-    position_bits: u64,
-    values: Vec<u8>,
-    value_bits: u64,
-}
-
-/// How the compact codec codes one tensor's gaps: its Rice parameter, and where each chunk's first gap starts.
-fn rice_plan(chunks: &[Changes]) -> (u32, Vec<u64>) {
-    let mut previous_ends = Vec::with_capacity(chunks.len());
-    let (mut previous_end, mut count, mut gap_sum) = (0u64, 0u64, 0u64);
-    for chunk in chunks {
-        previous_ends.push(previous_end);
-        if chunk.count > 0 {
-            count += chunk.count;
-            gap_sum += chunk.last_position + 1 - previous_end - chunk.count;
-            previous_end = chunk.last_position + 1;
-        }
-    }
-    (compact::rice_k(count, gap_sum), previous_ends)
-}
-
-/// Re-encodes one chunk in the compact codec; `previous_end` is the position after the previous chunk's last change.
-fn compact_chunk(chunk: &Changes, k: u32, previous_end: u64, width: usize, differences: bool) -> CompactChunk {
-    let mut positions = BitWriter::with_capacity(chunk.positions.len());
-    if chunk.count > 0 {
-        compact::put_rice(&mut positions, chunk.first_position - previous_end, k);
-        let mut at = 0;
-        let stream = &chunk.positions;
-        while at < stream.len() {
-            // Gaps of one or two bytes (all but the rarest) without a branch on their length.
-            let pair = u16::from_le_bytes([stream[at], stream.get(at + 1).copied().unwrap_or(0)]);
-            let long = pair & 0x80 != 0;
-            let gap = if pair & 0x8080 == 0x8080 {
-                varint::read(stream, &mut at).expect("written by the scan")
-            } else {
-                at += 1 + usize::from(long);
-                u64::from(pair & 0x7f) | if long { u64::from(pair >> 8) << 7 } else { 0 }
-            };
-            compact::put_rice(&mut positions, gap, k);
-        }
-    }
-    let mut values = BitWriter::with_capacity(if differences { chunk.values.len() / 2 } else { 0 });
-    if differences {
-        match width {
-            1 => compact::diff_to_diffbits::<1>(&chunk.values, chunk.count, &mut values),
-            2 => compact::diff_to_diffbits::<2>(&chunk.values, chunk.count, &mut values),
-            4 => compact::diff_to_diffbits::<4>(&chunk.values, chunk.count, &mut values),
-            _ => compact::diff_to_diffbits::<8>(&chunk.values, chunk.count, &mut values),
-        }
-    }
-    let (position_bits, value_bits) = (positions.bit_len(), values.bit_len());
-    CompactChunk { positions: positions.finish(), position_bits, values: values.finish(), value_bits }
-}
-
 fn check_len(name: &str, dtype: Dtype, shape: &[u64], lens: &[usize]) -> Result<usize> {
     let width = dtype::width_of(dtype).map_err(|e| Error::invalid(format!("tensor {name:?}: {e}")))?;
     let numel = dtype::numel(shape).ok_or_else(|| Error::invalid(format!("tensor {name:?}: shape overflows")))?;
@@ -116,64 +59,25 @@ fn check_len(name: &str, dtype: Dtype, shape: &[u64], lens: &[usize]) -> Result<
     Ok(width)
 }
 
-/// Joins a tensor's chunks into its two streams, or stores it whole when that is no larger. With the compact
-/// codec each stream is re-encoded (`rice`, `diffbits`) and kept only where that is smaller.
-fn assemble(
-    input: &DiffInput<'_>,
-    chunks: Vec<Changes>,
-    values_codec: ValueCodec,
-    compact: Option<(u32, Vec<CompactChunk>)>,
-    base: u64,
-) -> TensorDelta {
+/// Joins a tensor's chunks into the compact codec's streams (codec::compact::smallest_streams), or stores it whole
+/// when that is no larger.
+fn assemble(input: &DiffInput<'_>, chunks: &[Changes], width: usize, scanned_values: ValueCodec, base: u64) -> TensorDelta {
     let changed: u64 = chunks.iter().map(|c| c.count).sum();
-    let (positions_len, values_len) = scan::joined_lens(&chunks);
-    let scanned_values = if values_codec == ValueCodec::Abs { ValueCodec::Abs } else { ValueCodec::Diff };
     let last_position = chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position);
-    let mut tensor = tensor_shell(input, scanned_values, changed, last_position, base);
+    let tensor = tensor_shell(input, scanned_values, changed, last_position, base);
     if changed == 0 {
         return tensor;
     }
-    let (mut rice, mut diffbits) = (None, None);
-    if let Some((k, compacts)) = &compact {
-        let position_bits = 8 + compacts.iter().map(|c| c.position_bits).sum::<u64>();
-        if position_bits.div_ceil(8) < positions_len as u64 {
-            let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
-            out.put(u64::from(*k), 8);
-            for c in compacts {
-                out.append(&c.positions, c.position_bits);
-            }
-            rice = Some(out.finish());
-        }
-        let value_bits = compacts.iter().map(|c| c.value_bits).sum::<u64>();
-        if scanned_values == ValueCodec::Diff && value_bits.div_ceil(8) < values_len as u64 {
-            let mut out = BitWriter::with_capacity(value_bits.div_ceil(8) as usize);
-            for c in compacts {
-                out.append(&c.values, c.value_bits);
-            }
-            diffbits = Some(out.finish());
-        }
+    match compact::smallest_streams(chunks, width, scanned_values, input.new.len()) {
+        None => tensor.into_whole(input.new),
+        Some(streams) => TensorDelta {
+            positions_codec: streams.positions_codec,
+            values_codec: streams.values_codec,
+            positions: streams.positions.into(),
+            values: streams.values.into(),
+            ..tensor
+        },
     }
-    let positions_len = rice.as_ref().map_or(positions_len, Vec::len);
-    let values_len = diffbits.as_ref().map_or(values_len, Vec::len);
-    if positions_len + values_len >= input.new.len() {
-        return tensor.into_whole(input.new);
-    }
-    if rice.is_some() {
-        tensor.positions_codec = PositionCodec::Rice;
-    }
-    if diffbits.is_some() {
-        tensor.values_codec = ValueCodec::DiffBits;
-    }
-    let (positions, values) = match (rice, diffbits) {
-        (Some(positions), Some(values)) => (positions, values),
-        (rice, diffbits) => {
-            let (varint_positions, byte_values) = scan::join_streams(&chunks);
-            (rice.unwrap_or(varint_positions), diffbits.unwrap_or(byte_values))
-        }
-    };
-    tensor.positions = positions.into();
-    tensor.values = values.into();
-    tensor
 }
 
 /// Compares each tensor's old and new bytes and encodes what changed: values as new bits (`Abs`) or
@@ -268,14 +172,7 @@ pub fn diff_with(
                 let chunks: Vec<Changes> = (first_task[index]..first_task[index] + chunk_counts[index])
                     .map(|slot| lock(&slots[slot]).expect("every chunk of the tensor is in"))
                     .collect();
-                let (k, previous_ends) = rice_plan(&chunks);
-                let differences = scanned_values == ValueCodec::Diff;
-                let compacts = chunks
-                    .par_iter()
-                    .zip(previous_ends)
-                    .map(|(chunk, previous_end)| compact_chunk(chunk, k, previous_end, width, differences))
-                    .collect();
-                store(index, assemble(input, chunks, scanned_values, Some((k, compacts)), tensor_base(index)));
+                store(index, assemble(input, &chunks, width, scanned_values, tensor_base(index)));
             });
         });
     }
@@ -285,7 +182,7 @@ pub fn diff_with(
         .map(|(index, result)| {
             // A tensor without elements has no chunk, hence no task.
             result.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| {
-                assemble(&inputs[index], Vec::new(), scanned_values, None, base::combine(&[]))
+                assemble(&inputs[index], &[], widths[index], scanned_values, base::combine(&[]))
             })
         })
         .collect())

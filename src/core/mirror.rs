@@ -9,17 +9,20 @@
 //! The base identity (core::base) of a whole tensor is hashed from the mirror's bytes just before each task
 //! compares and overwrites them; tasks start at block boundaries, and a block cut by a chunk boundary is carried to
 //! the next chunk. A shard, which sees only part of the tensor, records no base.
+//!
+//! With the compact codec each task's changes are kept apart until `finish`, which re-encodes them as `diff::diff`
+//! does (codec::compact::smallest_streams); a shard keeps `varint` streams.
 
 use std::sync::Mutex;
 
 use rayon::prelude::*;
 
 use crate::core::base::{self, BlockHasher};
-use crate::core::codec::{PositionCodec, ValueCodec};
+use crate::core::codec::{compact, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
-use crate::core::scan::{self, InOrder, Joined};
+use crate::core::scan::{self, Changes, InOrder, Joined};
 use crate::core::stream::Stream;
 
 /// Elements scanned by one rayon task: whole base identity blocks at every width.
@@ -37,6 +40,8 @@ pub struct MirrorTensor {
     next_element: u64,
     /// The streams of the chunks compared so far.
     joined: Joined,
+    /// With the compact codec, the changes of every task so far instead (`joined` stays empty).
+    compact_ranges: Option<Vec<Changes>>,
     /// The base identity of the bytes before the chunks compared so far, while they are contiguous from element 0.
     base: Option<BlockHasher>,
 }
@@ -58,8 +63,16 @@ impl MirrorTensor {
             codec,
             next_element: 0,
             joined: Joined::default(),
+            compact_ranges: None,
             base: Some(BlockHasher::default()),
         })
+    }
+
+    /// Writes the tensor in the stream family `codec` (`varint` unless told).
+    #[must_use]
+    pub fn with_codec(mut self, codec: Codec) -> Self {
+        self.compact_ranges = (codec == Codec::Compact).then(Vec::new);
+        self
     }
 
     pub fn name(&self) -> &str {
@@ -122,25 +135,41 @@ impl MirrorTensor {
             at += len;
         }
         let hash = self.base.is_some();
-        // Each task's changes are appended to the tensor's streams as soon as the tasks before it are done.
-        let order = Mutex::new(InOrder::new(std::mem::take(&mut self.joined), pieces.len(), self.numel as usize * width));
-        let joined = crate::core::pool::install(|| {
-            pieces
-                .into_par_iter()
-                .enumerate()
-                .filter_map(|(task, (old, new, first, hashes))| {
-                    if hash {
-                        for (slot, block) in hashes.iter_mut().zip(old.chunks(base::BLOCK_BYTES)) {
-                            *slot = base::block_hash(block);
-                        }
-                    }
-                    scan::scan_update_then(old, new, first, width, codec, |changes| {
-                        order.lock().unwrap_or_else(|e| e.into_inner()).add(task, changes)
+        let hash_blocks = |old: &[u8], hashes: &mut [u64]| {
+            if hash {
+                for (slot, block) in hashes.iter_mut().zip(old.chunks(base::BLOCK_BYTES)) {
+                    *slot = base::block_hash(block);
+                }
+            }
+        };
+        if let Some(ranges) = &mut self.compact_ranges {
+            let scanned: Vec<Changes> = crate::core::pool::install(|| {
+                pieces
+                    .into_par_iter()
+                    .map(|(old, new, first, hashes)| {
+                        hash_blocks(old, hashes);
+                        scan::scan_update(old, new, first, width, codec)
                     })
-                })
-                .reduce_with(|a, _| a)
-        });
-        self.joined = joined.expect("the last task completes the streams");
+                    .collect()
+            });
+            ranges.extend(scanned);
+        } else {
+            // Each task's changes are appended to the tensor's streams as soon as the tasks before it are done.
+            let order = Mutex::new(InOrder::new(std::mem::take(&mut self.joined), pieces.len(), self.numel as usize * width));
+            let joined = crate::core::pool::install(|| {
+                pieces
+                    .into_par_iter()
+                    .enumerate()
+                    .filter_map(|(task, (old, new, first, hashes))| {
+                        hash_blocks(old, hashes);
+                        scan::scan_update_then(old, new, first, width, codec, |changes| {
+                            order.lock().unwrap_or_else(|e| e.into_inner()).add(task, changes)
+                        })
+                    })
+                    .reduce_with(|a, _| a)
+            });
+            self.joined = joined.expect("the last task completes the streams");
+        }
         if let (Some(hasher), Some(tail_copy)) = (&mut self.base, tail_copy) {
             hasher.take_hashed(&block_hashes, block_hashes.len() * base::BLOCK_BYTES);
             hasher.take(&tail_copy);
@@ -151,8 +180,14 @@ impl MirrorTensor {
     /// Joins the chunks into the tensor's streams. `whole_mirror` is the mirror of the whole tensor (now
     /// holding the new bits): given, the tensor is stored whole when that is no larger, as `diff::diff` does, and
     /// the record gets the base identity; without it (a shard that mirrors only part of the tensor) the streams
-    /// are kept and no base is recorded.
-    pub fn finish(self, whole_mirror: Option<&[u8]>) -> Result<TensorDelta> {
+    /// are kept and no base is recorded. With the compact codec a whole tensor's streams are re-encoded as `diff::diff`
+    /// does; a shard's stay `varint`.
+    pub fn finish(mut self, whole_mirror: Option<&[u8]>) -> Result<TensorDelta> {
+        let compact_ranges = self.compact_ranges.take();
+        if let Some(ranges) = &compact_ranges {
+            self.joined.count = ranges.iter().map(|r| r.count).sum();
+            self.joined.last_position = ranges.iter().rev().find(|r| r.count > 0).map(|r| r.last_position);
+        }
         let mut tensor = TensorDelta {
             name: self.name,
             dtype: self.dtype,
@@ -179,6 +214,19 @@ impl MirrorTensor {
                 hasher.take(&whole[hasher.consumed() as usize..]);
                 hasher.finish()
             });
+            if let (Some(ranges), true) = (&compact_ranges, tensor.changed > 0) {
+                let (width, codec) = (self.width, self.codec);
+                return Ok(match crate::core::pool::install(|| compact::smallest_streams(ranges, width, codec, dense_len)) {
+                    None => tensor.into_whole(whole),
+                    Some(streams) => TensorDelta {
+                        positions_codec: streams.positions_codec,
+                        values_codec: streams.values_codec,
+                        positions: streams.positions.into(),
+                        values: streams.values.into(),
+                        ..tensor
+                    },
+                });
+            }
             if tensor.changed > 0 && self.joined.positions.len() + self.joined.values.len() >= dense_len {
                 return Ok(tensor.into_whole(whole));
             }
@@ -186,7 +234,10 @@ impl MirrorTensor {
         if tensor.changed == 0 {
             return Ok(tensor);
         }
-        let (positions, values) = self.joined.into_streams();
+        let (positions, values) = match compact_ranges {
+            Some(ranges) => scan::join_streams(&ranges),
+            None => self.joined.into_streams(),
+        };
         Ok(TensorDelta { positions: positions.into(), values: values.into(), ..tensor })
     }
 }
@@ -201,11 +252,11 @@ pub struct MirrorInput<'a> {
 }
 
 /// Advances whole tensors at once: each one's delta from its mirror to its new bytes, with the mirrors
-/// updated. Every length is checked before the first write.
-pub fn advance(inputs: Vec<MirrorInput<'_>>, codec: ValueCodec) -> Result<Vec<TensorDelta>> {
+/// updated, in the stream family `codec`. Every length is checked before the first write.
+pub fn advance(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -> Result<Vec<TensorDelta>> {
     let mut tensors = Vec::with_capacity(inputs.len());
     for input in &inputs {
-        let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, codec)?;
+        let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, values)?.with_codec(codec);
         let expected = tensor.numel as usize * tensor.width;
         if input.mirror.len() != expected || input.new.len() != expected {
             return Err(Error::mismatch(format!(
@@ -250,10 +301,14 @@ mod tests {
     }
 
     fn chunked(old: &[u8], new: &[u8], dtype: Dtype, chunk_elements: usize, codec: ValueCodec) -> (TensorDelta, Vec<u8>) {
+        chunked_in(old, new, dtype, chunk_elements, codec, Codec::Varint)
+    }
+
+    fn chunked_in(old: &[u8], new: &[u8], dtype: Dtype, chunk_elements: usize, codec: ValueCodec, family: Codec) -> (TensorDelta, Vec<u8>) {
         let width = dtype::width_of(dtype).unwrap();
         let numel = (old.len() / width) as u64;
         let mut mirror = old.to_vec();
-        let mut tensor = MirrorTensor::begin("t", dtype, &[numel], codec).unwrap();
+        let mut tensor = MirrorTensor::begin("t", dtype, &[numel], codec).unwrap().with_codec(family);
         let step = chunk_elements.max(1) * width;
         let mut start = 0;
         while start < mirror.len() {
@@ -265,9 +320,60 @@ mod tests {
     }
 
     fn reference(old: &[u8], new: &[u8], dtype: Dtype, codec: ValueCodec) -> TensorDelta {
+        reference_in(old, new, dtype, codec, Codec::Varint)
+    }
+
+    fn reference_in(old: &[u8], new: &[u8], dtype: Dtype, codec: ValueCodec, family: Codec) -> TensorDelta {
         let numel = (old.len() / dtype::width_of(dtype).unwrap()) as u64;
         let input = DiffInput { name: "t".into(), dtype, shape: vec![numel], old, new };
-        diff(&[input], codec, crate::core::codec::Codec::Varint).unwrap().remove(0)
+        diff(&[input], codec, family).unwrap().remove(0)
+    }
+
+    #[test]
+    fn compact_matches_diff_across_tasks_chunks_and_widths() {
+        // Sparse small steps (Rice and diffbits win), a dense patch, and escapes, over several tasks.
+        for (dtype, width) in [(Dtype::U8, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F64, 8)] {
+            let n = TASK_ELEMENTS * 2 + 4099;
+            let old: Vec<u8> = (0..n * width).map(|i| (i * 131 % 251) as u8).collect();
+            let mut new = old.clone();
+            for (k, p) in (0..n).step_by(89).enumerate() {
+                new[p * width] = new[p * width].wrapping_add([1u8, 255, 2, 254, 77][k % 5]);
+            }
+            for p in TASK_ELEMENTS - 50..TASK_ELEMENTS + 50 {
+                new[p * width + width - 1] ^= 0x40;
+            }
+            for values in [ValueCodec::Diff, ValueCodec::Abs] {
+                let want = reference_in(&old, &new, dtype, values, Codec::Compact);
+                if values == ValueCodec::Diff {
+                    assert_eq!((want.positions_codec, want.values_codec), (PositionCodec::Rice, ValueCodec::DiffBits), "width {width}");
+                }
+                // (Chunks of a few elements are in `compact_equals_diff_compact`.)
+                for chunk in [n, 4097, 65_537, TASK_ELEMENTS + 3] {
+                    let (tensor, mirror) = chunked_in(&old, &new, dtype, chunk, values, Codec::Compact);
+                    same(&tensor, &want);
+                    assert_eq!(mirror, new);
+                }
+                let mut mirror = old.clone();
+                let inputs = vec![MirrorInput { name: "t".into(), dtype, shape: vec![n as u64], mirror: &mut mirror, new: &new }];
+                same(&advance(inputs, values, Codec::Compact).unwrap().remove(0), &want);
+            }
+        }
+    }
+
+    #[test]
+    fn a_compact_shard_keeps_varint() {
+        let mut mirror = vec![0u8; 1000];
+        let mut new = mirror.clone();
+        for p in (0..1000).step_by(7) {
+            new[p] = 1;
+        }
+        let mut tensor = MirrorTensor::begin("t", Dtype::U8, &[2000], ValueCodec::Diff).unwrap().with_codec(Codec::Compact);
+        tensor.update(&mut mirror, &new, 500).unwrap();
+        let tensor = tensor.finish(None).unwrap();
+        assert_eq!((tensor.positions_codec, tensor.values_codec), (PositionCodec::Varint, ValueCodec::Diff));
+        let mut seen = Vec::new();
+        tensor.for_each_change(|p, v| seen.push((p, v))).unwrap();
+        assert_eq!(seen, (0..1000u64).step_by(7).map(|p| (500 + p, 1)).collect::<Vec<_>>());
     }
 
     #[test]
@@ -374,7 +480,7 @@ mod tests {
             MirrorInput { name: "a".into(), dtype: Dtype::BF16, shape: vec![2], mirror: &mut first, new: &[1, 0, 0, 0] },
             MirrorInput { name: "b".into(), dtype: Dtype::BF16, shape: vec![3], mirror: &mut second, new: &[1, 0, 0, 0] },
         ];
-        let err = advance(inputs, ValueCodec::Diff).unwrap_err();
+        let err = advance(inputs, ValueCodec::Diff, Codec::Varint).unwrap_err();
         assert!(err.to_string().contains("\"b\""), "{err}");
         assert_eq!(first, vec![0u8; 4]);
     }
@@ -412,6 +518,32 @@ mod tests {
             let dtype = dtype_of(width);
             let (tensor, mirror) = chunked(&old, &new, dtype, chunk, codec);
             same(&tensor, &reference(&old, &new, dtype, codec));
+            prop_assert_eq!(mirror, new);
+        }
+
+        #[test]
+        fn compact_equals_diff_compact(
+            width in prop::sample::select(vec![1usize, 2, 4, 8]),
+            numel in 0usize..600,
+            seed in any::<u64>(),
+            density in 0.0f64..1.0,
+            chunk in 1usize..300,
+            abs in any::<bool>(),
+        ) {
+            let mut state = seed | 1;
+            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
+            let old: Vec<u8> = (0..numel * width).map(|_| next() as u8).collect();
+            let mut new = old.clone();
+            for element in 0..numel {
+                if (next() % 1000) as f64 / 1000.0 < density {
+                    let byte = element * width;
+                    new[byte] = new[byte].wrapping_add([1u8, 255, 2, 254, 9][(next() % 5) as usize]);
+                }
+            }
+            let codec = if abs { ValueCodec::Abs } else { ValueCodec::Diff };
+            let dtype = dtype_of(width);
+            let (tensor, mirror) = chunked_in(&old, &new, dtype, chunk, codec, Codec::Compact);
+            same(&tensor, &reference_in(&old, &new, dtype, codec, Codec::Compact));
             prop_assert_eq!(mirror, new);
         }
     }

@@ -1,9 +1,12 @@
 //! Joins the partial deltas of sharded tensors (each rank diffs only its own contiguous range of elements, with
-//! positions already in the whole tensor's index space) into one delta per step.
+//! positions already in the whole tensor's index space) into one delta per step. Parts are `varint`; the joined
+//! tensors may be re-encoded in the compact codec.
 
 use std::collections::BTreeMap;
 
-use crate::core::codec::{varint, PositionCodec};
+use crate::core::codec::{compact, varint, Codec, PositionCodec};
+use crate::core::dtype;
+use crate::core::scan::Changes;
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::error::{Error, Result};
 
@@ -61,9 +64,36 @@ pub fn join_tensor(parts: Vec<TensorDelta>) -> Result<TensorDelta> {
     Ok(joined)
 }
 
+/// A joined `varint` tensor in the compact codec (codec::compact::smallest_streams, never stored whole: no rank
+/// holds the whole tensor's bytes).
+fn to_compact(tensor: TensorDelta) -> Result<TensorDelta> {
+    if tensor.changed == 0 || tensor.positions_codec != PositionCodec::Varint {
+        return Ok(tensor);
+    }
+    let width = dtype::width_of(tensor.dtype).map_err(|e| Error::invalid(format!("tensor {:?}: {e}", tensor.name)))?;
+    let first = first_position(&tensor)?;
+    let mut rest_at = 0;
+    varint::read(&tensor.positions, &mut rest_at).expect("read above");
+    let range = Changes {
+        count: tensor.changed,
+        first_position: first,
+        last_position: tensor.last_position.unwrap_or(first),
+        positions: tensor.positions[rest_at..].to_vec(),
+        values: tensor.values.to_vec(),
+    };
+    let streams = compact::smallest_streams(&[range], width, tensor.values_codec, usize::MAX).expect("never whole");
+    Ok(TensorDelta {
+        positions_codec: streams.positions_codec,
+        values_codec: streams.values_codec,
+        positions: streams.positions.into(),
+        values: streams.values.into(),
+        ..tensor
+    })
+}
+
 /// Joins the deltas of all shards (in rank order) into one: tensors in order of first appearance, each one's
-/// parts joined in rank order. Step, base step and metadata come from the first delta.
-pub fn join(deltas: Vec<Delta>) -> Result<Delta> {
+/// parts joined in rank order, in the stream family `codec`. Step, base step and metadata come from the first delta.
+pub fn join(deltas: Vec<Delta>, codec: Codec) -> Result<Delta> {
     let mut deltas = deltas.into_iter();
     let first = deltas.next().ok_or_else(|| Error::invalid("no shard deltas to join"))?;
     let mut order: Vec<String> = Vec::new();
@@ -76,7 +106,8 @@ pub fn join(deltas: Vec<Delta>) -> Result<Delta> {
         by_name.entry(tensor.name.clone()).or_default().push(tensor);
     }
     for name in order {
-        out.tensors.push(join_tensor(by_name.remove(&name).expect("collected above"))?);
+        let tensor = join_tensor(by_name.remove(&name).expect("collected above"))?;
+        out.tensors.push(if codec == Codec::Compact { to_compact(tensor)? } else { tensor });
     }
     Ok(out)
 }
@@ -106,7 +137,7 @@ mod tests {
         }
         for bounds in [vec![0, 500, 1000], vec![0, 334, 668, 1000], vec![0, 0, 1000], vec![0, 2, 1000]] {
             let parts: Vec<Delta> = bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
-            let joined = join(parts).unwrap();
+            let joined = join(parts, Codec::Varint).unwrap();
             let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
             let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap().remove(0);
             let tensor = &joined.tensors[0];
@@ -119,8 +150,26 @@ mod tests {
         let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
         let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap();
         assert!(whole[0].base.is_some());
-        let joined = join(vec![Delta { tensors: whole, ..Delta::default() }]).unwrap();
+        let joined = join(vec![Delta { tensors: whole, ..Delta::default() }], Codec::Varint).unwrap();
         assert_eq!(joined.tensors[0].base, None);
+    }
+
+    #[test]
+    fn joined_shards_in_compact_equal_the_whole_diff() {
+        let numel = 3000usize;
+        let old = vec![0u8; numel * 2];
+        let mut new = old.clone();
+        for p in (0..numel).step_by(11) {
+            new[p * 2] = if p % 2 == 0 { 1 } else { 255 };
+        }
+        let parts: Vec<Delta> = [0usize, 1000, 2001, 3000].windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
+        let joined = join(parts, Codec::Compact).unwrap();
+        let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
+        let whole = diff(&[input], ValueCodec::Diff, Codec::Compact).unwrap().remove(0);
+        let tensor = &joined.tensors[0];
+        assert_eq!((tensor.positions_codec, tensor.values_codec), (PositionCodec::Rice, ValueCodec::DiffBits));
+        assert_eq!((tensor.changed, tensor.last_position), (whole.changed, whole.last_position));
+        assert_eq!((&tensor.positions[..], &tensor.values[..]), (&whole.positions[..], &whole.values[..]));
     }
 
     #[test]
@@ -129,7 +178,7 @@ mod tests {
         let old = vec![0u8; 20];
         let new = vec![1u8; 20];
         let parts = vec![shard_delta(&old, &new, 5..10, numel), shard_delta(&old, &new, 0..5, numel)];
-        let err = join(parts).unwrap_err();
+        let err = join(parts, Codec::Varint).unwrap_err();
         assert!(err.to_string().contains("\"w\""), "{err}");
     }
 }

@@ -1,7 +1,11 @@
 //! The `compact` codec: Golomb-Rice coded gaps (`rice` positions) and a bit-packed prefix code of bit-pattern
 //! differences (`diffbits` values). Bits are packed least significant first into little-endian bytes (docs/format.md §5, §6).
 
+use rayon::prelude::*;
+
 use super::values::{mask, ESCAPE};
+use super::{varint, PositionCodec, ValueCodec};
+use crate::core::scan::{self, Changes};
 
 /// Largest Rice parameter a stream may declare: keeps `quotient << k` below 2^62 and every read within one word.
 pub const MAX_RICE_K: u32 = 56;
@@ -615,6 +619,120 @@ pub fn read_difference<const W: usize>(bits: &mut BitReader<'_>) -> Result<u64, 
     } else {
         Ok((i64::from(first as u8 as i8) as u64) & mask(W))
     }
+}
+
+/// A tensor's two streams and their codecs, as `smallest_streams` picks them.
+pub struct TensorStreams {
+    pub positions_codec: PositionCodec,
+    pub values_codec: ValueCodec,
+    pub positions: Vec<u8>,
+    pub values: Vec<u8>,
+}
+
+/// A range's changes re-encoded in the compact codec: Rice codes of its gaps (its first gap included) and, for
+/// differences, `diffbits`.
+struct CompactRange {
+    positions: Vec<u8>,
+    position_bits: u64,
+    values: Vec<u8>,
+    value_bits: u64,
+}
+
+/// How a tensor's gaps are coded: its Rice parameter, and where each range's first gap starts.
+fn rice_plan(ranges: &[Changes]) -> (u32, Vec<u64>) {
+    let mut previous_ends = Vec::with_capacity(ranges.len());
+    let (mut previous_end, mut count, mut gap_sum) = (0u64, 0u64, 0u64);
+    for range in ranges {
+        previous_ends.push(previous_end);
+        if range.count > 0 {
+            count += range.count;
+            gap_sum += range.last_position + 1 - previous_end - range.count;
+            previous_end = range.last_position + 1;
+        }
+    }
+    (rice_k(count, gap_sum), previous_ends)
+}
+
+/// Re-encodes one range in the compact codec; `previous_end` is the position after the previous range's last change.
+fn compact_range(range: &Changes, k: u32, previous_end: u64, width: usize, differences: bool) -> CompactRange {
+    let mut positions = BitWriter::with_capacity(range.positions.len());
+    if range.count > 0 {
+        put_rice(&mut positions, range.first_position - previous_end, k);
+        let mut at = 0;
+        let stream = &range.positions;
+        while at < stream.len() {
+            // Gaps of one or two bytes (all but the rarest) without a branch on their length.
+            let pair = u16::from_le_bytes([stream[at], stream.get(at + 1).copied().unwrap_or(0)]);
+            let long = pair & 0x80 != 0;
+            let gap = if pair & 0x8080 == 0x8080 {
+                varint::read(stream, &mut at).expect("written by the scan")
+            } else {
+                at += 1 + usize::from(long);
+                u64::from(pair & 0x7f) | if long { u64::from(pair >> 8) << 7 } else { 0 }
+            };
+            put_rice(&mut positions, gap, k);
+        }
+    }
+    let mut values = BitWriter::with_capacity(if differences { range.values.len() / 2 } else { 0 });
+    if differences {
+        match width {
+            1 => diff_to_diffbits::<1>(&range.values, range.count, &mut values),
+            2 => diff_to_diffbits::<2>(&range.values, range.count, &mut values),
+            4 => diff_to_diffbits::<4>(&range.values, range.count, &mut values),
+            _ => diff_to_diffbits::<8>(&range.values, range.count, &mut values),
+        }
+    }
+    let (position_bits, value_bits) = (positions.bit_len(), values.bit_len());
+    CompactRange { positions: positions.finish(), position_bits, values: values.finish(), value_bits }
+}
+
+/// The `compact` codec's choice for one tensor, made by every writer of it (core::diff, core::mirror): from the
+/// scan's changes of the tensor's consecutive ranges (values scanned as `abs` or `diff`), `rice` positions and
+/// `diffbits` values, each kept only where smaller than its `varint`/`diff` stream; None when the tensor stored
+/// whole, `dense_len` bytes, is no larger. Ranges are re-encoded side by side in the rayon pool; codes are
+/// appended code by code, so the bytes do not depend on how the tensor was cut into ranges.
+pub fn smallest_streams(ranges: &[Changes], width: usize, scanned_values: ValueCodec, dense_len: usize) -> Option<TensorStreams> {
+    let (varint_len, byte_values_len) = scan::joined_lens(ranges);
+    let differences = scanned_values == ValueCodec::Diff;
+    let (k, previous_ends) = rice_plan(ranges);
+    let compacts: Vec<CompactRange> = ranges
+        .par_iter()
+        .zip(previous_ends)
+        .map(|(range, previous_end)| compact_range(range, k, previous_end, width, differences))
+        .collect();
+    let (mut rice, mut diffbits) = (None, None);
+    let position_bits = 8 + compacts.iter().map(|c| c.position_bits).sum::<u64>();
+    if position_bits.div_ceil(8) < varint_len as u64 {
+        let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
+        out.put(u64::from(k), 8);
+        for c in &compacts {
+            out.append(&c.positions, c.position_bits);
+        }
+        rice = Some(out.finish());
+    }
+    let value_bits = compacts.iter().map(|c| c.value_bits).sum::<u64>();
+    if differences && value_bits.div_ceil(8) < byte_values_len as u64 {
+        let mut out = BitWriter::with_capacity(value_bits.div_ceil(8) as usize);
+        for c in &compacts {
+            out.append(&c.values, c.value_bits);
+        }
+        diffbits = Some(out.finish());
+    }
+    let positions_len = rice.as_ref().map_or(varint_len, Vec::len);
+    let values_len = diffbits.as_ref().map_or(byte_values_len, Vec::len);
+    if positions_len + values_len >= dense_len {
+        return None;
+    }
+    let positions_codec = if rice.is_some() { PositionCodec::Rice } else { PositionCodec::Varint };
+    let values_codec = if diffbits.is_some() { ValueCodec::DiffBits } else { scanned_values };
+    let (positions, values) = match (rice, diffbits) {
+        (Some(positions), Some(values)) => (positions, values),
+        (rice, diffbits) => {
+            let (varint_positions, byte_values) = scan::join_streams(ranges);
+            (rice.unwrap_or(varint_positions), diffbits.unwrap_or(byte_values))
+        }
+    };
+    Some(TensorStreams { positions_codec, values_codec, positions, values })
 }
 
 #[cfg(test)]
