@@ -27,20 +27,22 @@ ENGINE = '{"backend": "deltasync"}'
 
 
 def build_tiny(folder: Path) -> None:
-    """A tiny Qwen3 in bf16 (2 layers, heads of dim 32, as vLLM's CPU attention needs) with a 200-word WordLevel
-    tokenizer and a chat template, which vLLM and TRL both load."""
+    """A tiny Qwen3 in bf16 (2 layers, heads of dim 32, as vLLM's CPU attention needs) with a 200-token WordLevel
+    tokenizer and Qwen3's chat template (which TRL knows how to parse answers of), loadable by vLLM and TRL."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from trl.chat_template_utils import qwen3_chat_template
 
-    specials = ["<pad>", "<eos>", "<unk>", "<user>", "<assistant>"]
-    vocab = {token: index for index, token in enumerate(specials + [f"w{i}" for i in range(200 - len(specials))])}
+    specials = ["<|endoftext|>", "<|im_end|>", "<unk>", "<|im_start|>", "<think>", "</think>"]
+    words = ["user", "assistant", "system"] + [f"w{i}" for i in range(200 - len(specials) - 3)]
+    vocab = {token: index for index, token in enumerate(specials + words)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
-                                                unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}<assistant> {% endif %}")
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>",
+                                                eos_token="<|im_end|>", unk_token="<unk>")
+    fast.chat_template = qwen3_chat_template
     fast.save_pretrained(folder)
     config = transformers.Qwen3Config(
         vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
