@@ -68,19 +68,46 @@ def toy_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [len(str(completion)) / 100.0 for completion in completions]
 
 
+class _VarlenAttention:
+    """CPU stand-in for the flash-attn3 kernel that TRL 1.16's packed "tree" attention loads from the Hub
+    (trl.experimental.async_grpo.packing._flash_attn, CUDA only): the same ``flash_attn_varlen_func`` contract
+    (packed sequences, grouped KV heads, causal aligned to the end of each key sequence), in plain torch."""
+
+    @staticmethod
+    def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                               max_seqlen_k: Any, softmax_scale: float | None = None, causal: bool = True,
+                               window_size: tuple[int, int] = (-1, -1)) -> Any:
+        import torch
+
+        if window_size != (-1, -1):
+            raise NotImplementedError("sliding-window attention is not part of this CPU stand-in")
+        pieces = []
+        for i in range(len(cu_seqlens_q) - 1):
+            qi = q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]].transpose(0, 1)  # heads, queries, dim
+            ki, vi = (x[cu_seqlens_k[i]:cu_seqlens_k[i + 1]].transpose(0, 1) for x in (k, v))
+            ki, vi = (x.repeat_interleave(qi.shape[0] // x.shape[0], 0) for x in (ki, vi))
+            mask = None
+            if causal:
+                mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool).tril(ki.shape[1] - qi.shape[1])
+            out = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
+            pieces.append(out.transpose(0, 1))
+        return torch.cat(pieces)
+
+
 def make_trainer(model: str, server: str, transfer: Any, *, steps: int, output_dir: str) -> Any:
     """An AsyncGRPOTrainer on ``model`` (a folder or Hub id: the server serves it under that name) whose weight syncs
     go through ``transfer``."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer, packing
 
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         # TRL 1.16 asks torch.cuda for the device's name (for MFU metrics), which raises without a GPU; None is its
-        # own answer for an unknown device.
+        # own answer for an unknown device. Its training forward needs a CUDA flash-attn3 kernel.
         async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
+        packing._flash_attn = lambda: _VarlenAttention
     rows = [{"prompt": [{"role": "user", "content": " ".join(f"w{(7 * i + j) % 190}" for j in range(6))}]}
             for i in range(16)]
     args = AsyncGRPOConfig(
