@@ -6,7 +6,7 @@ On one machine, on CPU, with a tiny model (needs trl 1.16.0 and a vLLM with this
 builds such an environment in .venv-trl):
 
     python examples/trl_async_grpo.py tiny /tmp/tiny-qwen3
-    python examples/trl_async_grpo.py serve /tmp/tiny-qwen3 --port 8000 --enforce-eager --max-model-len 128 &
+    python examples/trl_async_grpo.py serve /tmp/tiny-qwen3 --host 127.0.0.1 --port 8000 --enforce-eager --max-model-len 128 &
     python examples/trl_async_grpo.py train /tmp/tiny-qwen3 --server http://127.0.0.1:8000 --store /tmp/trl-store
 
 `serve` runs vLLM's OpenAI server (what `vllm serve` runs) with `VLLM_SERVER_DEV_MODE=1` and the `deltasync`
