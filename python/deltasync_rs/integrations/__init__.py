@@ -1,6 +1,7 @@
 """Trainer integrations: a transformers ``TrainerCallback`` (and so TRL's trainers) that publishes the weights every
 ``sync_every`` optimizer steps through a Publisher, from a ds.torch.Mirror. Importing this module imports
-transformers; ``import deltasync_rs`` does not."""
+transformers; ``import deltasync_rs`` does not. ``deltasync_rs.integrations.trl`` holds the ``weight_transfer`` for
+TRL's async GRPO trainer."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .errors import DeltaSyncError
-from .torch import Mirror
+from ..errors import DeltaSyncError
+from ..torch import Mirror
 
 
 class DeltaSyncCallback(TrainerCallback):

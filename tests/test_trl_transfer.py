@@ -1,0 +1,216 @@
+"""ds.integrations.trl.DeltaSyncWeightTransfer against a stand-in vLLM server on 127.0.0.1: an http.server thread
+that records the routes TRL's async GRPO and our transfer call, and answers `/update_weights` by pulling the store
+into a real CPU state with ds.Subscriber, as the `deltasync` engine does (python/deltasync_rs/vllm.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import deltasync_rs as ds
+from deltasync_rs.integrations.trl import DeltaSyncWeightTransfer, ServerError
+from tests.helpers import assert_states_equal
+
+SYNC_ROUTES = ["/pause?mode=keep", "/start_weight_update", "/update_weights", "/finish_weight_update",
+               "/reset_prefix_cache", "/resume"]
+
+
+class Engine:
+    """The server's weights and step, which outlive its HTTP listener (a network outage, not a restart)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+        self.subscriber: ds.Subscriber | None = None
+        self.calls: list[tuple[str, dict | None]] = []
+        self.fail_updates = False
+
+    def handle(self, route: str, body: dict | None) -> int:
+        self.calls.append((route, body))
+        if route == "/init_weight_transfer_engine":
+            info = body["init_info"]
+            step = self.subscriber.step if self.subscriber else None
+            self.subscriber = ds.Subscriber(info["store"])
+            self.subscriber.step = info.get("current_step", step)
+        elif route == "/update_weights":
+            if self.fail_updates:
+                return 500
+            self.subscriber.pull(self.state, until=body["update_info"]["step"])
+        return 200
+
+
+class Server:
+    """An HTTP listener for an Engine on 127.0.0.1, which can go away and come back on the same port."""
+
+    def __init__(self, engine: Engine, port: int = 0) -> None:
+        engine_ = engine
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                status = engine_.handle(self.path, json.loads(raw) if raw else None)
+                self.send_response(status)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.thread.join(timeout=10)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 64)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+
+
+def sync(transfer: DeltaSyncWeightTransfer, model: torch.nn.Module) -> None:
+    """What AsyncGRPOTrainer._sync_weight_merged does on rank 0 (TRL 1.16)."""
+    transfer.pause()
+    transfer.send_weights((name, p.detach()) for name, p in model.named_parameters())
+    transfer.resume()
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine({name: torch.zeros_like(t) for name, t in export(model).items()})
+    server = Server(engine)
+    publisher = ds.Publisher(tmp_path / "store", anchor_every=100)
+    transfer = DeltaSyncWeightTransfer(publisher, server.url, timeout=5.0, update_timeout=30.0)
+    yield model, optimizer, engine, server, publisher, transfer
+    server.stop()
+    publisher.close()
+
+
+def test_each_sync_brings_the_server_to_the_trainers_bf16_weights(setup):
+    model, optimizer, engine, server, publisher, transfer = setup
+    transfer.init_weight_transfer()
+    assert engine.calls == [("/init_weight_transfer_engine", {"init_info": {"store": publisher.store.url}})]
+    for step in range(4):
+        if step:
+            train_step(model, optimizer)
+        engine.calls.clear()
+        sync(transfer, model)
+        assert [route for route, _ in engine.calls] == SYNC_ROUTES
+        assert engine.calls[1][1] == {"is_checkpoint_format": True}
+        assert engine.calls[2][1] == {"update_info": {"step": step}}  # the step, nothing else, crosses over
+        assert_states_equal(engine.state, export(model))
+        assert transfer.step == transfer.server_step == step and not transfer.behind
+    assert [e.step for e in ds.Subscriber(publisher.store).fetch(0)] == [1, 2, 3]  # deltas, not anchors
+    transfer.destroy()
+
+
+def test_a_server_out_of_reach_falls_behind_and_catches_up(setup, caplog):
+    model, optimizer, engine, server, publisher, transfer = setup
+    transfer.init_weight_transfer()
+    sync(transfer, model)
+    port = int(server.url.rsplit(":", 1)[1])
+    server.stop()
+    with caplog.at_level(logging.WARNING, logger="deltasync_rs.trl"):
+        for _ in range(2):
+            train_step(model, optimizer)
+            sync(transfer, model)  # publishing still works
+    assert transfer.step == 2 and transfer.server_step == 0 and transfer.behind
+    assert "out of reach" in caplog.text
+    assert ds.Subscriber(publisher.store).latest_step() == 2
+    assert engine.subscriber.step == 0
+
+    server = Server(engine, port)  # back, with its weights where they were
+    try:
+        train_step(model, optimizer)
+        engine.calls.clear()
+        sync(transfer, model)
+        assert [route for route, _ in engine.calls] == ["/pause?mode=keep", "/init_weight_transfer_engine",
+                                                        *SYNC_ROUTES[1:]]
+        assert engine.calls[1][1] == {"init_info": {"store": publisher.store.url}}  # keeps the server's own step
+        assert transfer.server_step == 3 and not transfer.behind
+        assert_states_equal(engine.state, export(model))  # deltas 1, 2 and 3 replayed from the store
+    finally:
+        server.stop()
+
+
+def test_a_server_that_starts_late_pulls_from_the_anchor(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with ds.Publisher(tmp_path / "store") as publisher:
+        transfer = DeltaSyncWeightTransfer(publisher, "http://127.0.0.1:9", timeout=2.0)  # the discard port
+        transfer.init_weight_transfer()
+        sync(transfer, model)
+        train_step(model, optimizer)
+        sync(transfer, model)
+        engine = Engine({name: torch.zeros_like(t) for name, t in export(model).items()})
+        server = Server(engine)
+        try:
+            transfer.server_url = server.url
+            train_step(model, optimizer)
+            sync(transfer, model)
+            assert_states_equal(engine.state, export(model))
+            assert transfer.server_step == 2
+        finally:
+            server.stop()
+
+
+def test_a_server_error_is_raised_after_the_publish(setup):
+    model, optimizer, engine, server, publisher, transfer = setup
+    transfer.init_weight_transfer()
+    sync(transfer, model)
+    engine.fail_updates = True
+    train_step(model, optimizer)
+    engine.calls.clear()
+    transfer.pause()
+    with pytest.raises(ServerError, match="/update_weights with 500"):
+        transfer.send_weights((name, p.detach()) for name, p in model.named_parameters())
+    assert [route for route, _ in engine.calls][-2:] == ["/update_weights", "/finish_weight_update"]
+    assert ds.Subscriber(publisher.store).latest_step() == 1 and transfer.behind
+    engine.fail_updates = False
+    train_step(model, optimizer)
+    sync(transfer, model)
+    assert_states_equal(engine.state, export(model))
+
+
+def test_a_sync_that_leaves_out_a_tensor_is_refused_and_stops_the_transfer(setup):
+    model, optimizer, engine, server, publisher, transfer = setup
+    sync(transfer, model)
+    train_step(model, optimizer)
+    params = list(model.named_parameters())
+    with pytest.raises(ds.BaseMismatchError, match="did not send 1 tensor"):
+        transfer.send_weights((name, p.detach()) for name, p in params[:-1])
+    with pytest.raises(ds.DeltaSyncError, match="between two steps"):
+        transfer.send_weights((name, p.detach()) for name, p in params)
+    assert ds.Subscriber(publisher.store).latest_step() == 0
+
+
+def test_weights_of_another_dtype_are_shipped_as_bf16(setup):
+    model, optimizer, engine, server, publisher, transfer = setup
+    transfer.init_weight_transfer()
+    sync(transfer, model)  # fp32 parameters, cast tensor by tensor
+    assert all(t.dtype == torch.bfloat16 for t in engine.state.values())
+    model.to(torch.bfloat16)
+    sync(transfer, model)  # bf16 parameters are read in place
+    assert_states_equal(engine.state, export(model))
