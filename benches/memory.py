@@ -52,8 +52,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for codec in ("varint", "compact"):
         r = measure(scale, density, codec)
-        print(f"| {codec} | {r['threads']} | {r['peak_extra_diff'] / mb:.1f} MB | {r['peak_extra_with_bytes'] / mb:.1f} MB "
-              f"| {r['stream_bytes'] / mb:.1f} MB | {r['file_bytes'] / mb:.1f} MB |")
+        print(
+            f"| {codec} | {r['threads']} | {r['peak_extra_diff'] / mb:.1f} MB | {r['peak_extra_with_bytes'] / mb:.1f} MB "
+            f"| {r['stream_bytes'] / mb:.1f} MB | {r['file_bytes'] / mb:.1f} MB |"
+        )
 
 
 if __name__ == "__main__":

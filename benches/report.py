@@ -56,23 +56,33 @@ def main(path: str) -> None:
         trl = rows.get("trl_v1", {})
         scatter = rows.get("scatter floor (index_put_ of decoded int64 positions)", {}).get("apply")
         print(f"\n### {density * 100:g}% density\n")
-        print("| what | bytes / changed | encode ms, 2 thr | 1 thr | TRL v1 encode / this | this / read floor 2 thr "
-              "| decode+apply ms | this / TRL v1 apply | this / scatter floor |")
+        print(
+            "| what | bytes / changed | encode ms, 2 thr | 1 thr | TRL v1 encode / this | this / read floor 2 thr "
+            "| decode+apply ms | this / TRL v1 apply | this / scatter floor |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, row in rows.items():
             best_encode = row.get("encode2") or row.get("encode1")
-            print("| " + " | ".join([
-                label,
-                f"{row['bytes']:.3f}" if "bytes" in row else "",
-                _ms(row.get("encode2")),
-                _ms(row.get("encode1")),
-                # On the floor's row: the ceiling on this ratio for any encoder that reads both states.
-                _ratio(trl.get("encode1"), best_encode) if "bytes" in row or label.startswith("read floor") else "",
-                _ratio(best_encode, floor.get("encode2")) if "bytes" in row else "",
-                _ms(row.get("apply")),
-                _ratio(row.get("apply"), trl.get("apply")),
-                _ratio(row.get("apply"), scatter),
-            ]) + " |")
+            print(
+                "| "
+                + " | ".join(
+                    [
+                        label,
+                        f"{row['bytes']:.3f}" if "bytes" in row else "",
+                        _ms(row.get("encode2")),
+                        _ms(row.get("encode1")),
+                        # On the floor's row: the ceiling on this ratio for any encoder that reads both states.
+                        _ratio(trl.get("encode1"), best_encode)
+                        if "bytes" in row or label.startswith("read floor")
+                        else "",
+                        _ratio(best_encode, floor.get("encode2")) if "bytes" in row else "",
+                        _ms(row.get("apply")),
+                        _ratio(row.get("apply"), trl.get("apply")),
+                        _ratio(row.get("apply"), scatter),
+                    ]
+                )
+                + " |"
+            )
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ import gc
 import os
 
 import baselines
-import deltasync_rs as ds
 import numpy as np
 import pytest
 import torch
 import workload as _workload
+
+import deltasync_rs as ds
 
 DENSITIES = [0.0025, 0.005, 0.01, 0.02, 0.05]
 CODECS = ["varint", "compact"]
@@ -69,8 +70,14 @@ def files(sweep):
 
 
 def _info(benchmark, w, blob: bytes | None = None, **extra) -> None:
-    benchmark.extra_info.update(scale=w.scale, density=w.density, num_elements=w.num_elements,
-                                num_changed=w.num_changed, torch_threads=torch.get_num_threads(), **extra)
+    benchmark.extra_info.update(
+        scale=w.scale,
+        density=w.density,
+        num_elements=w.num_elements,
+        num_changed=w.num_changed,
+        torch_threads=torch.get_num_threads(),
+        **extra,
+    )
     if blob is not None:
         benchmark.extra_info.update(file_bytes=len(blob), bytes_per_changed=len(blob) / w.num_changed)
 
@@ -131,11 +138,14 @@ def test_encode_peer(benchmark, sweep, pedantic_opts, peer):
 @pytest.mark.parametrize("floor_threads", [1, 2], ids=["1thread", "2threads"])
 def test_encode_read_floor(benchmark, sweep, pedantic_opts, floor_threads):
     benchmark.group = f"encode-{_density_id(sweep.density)}"
-    got = benchmark.pedantic(baselines.read_floor, args=(sweep.prev, sweep.curr),
-                             kwargs={"threads": floor_threads}, **pedantic_opts)
+    got = benchmark.pedantic(
+        baselines.read_floor, args=(sweep.prev, sweep.curr), kwargs={"threads": floor_threads}, **pedantic_opts
+    )
     with np.errstate(over="ignore"):
-        want = int(np.add.reduce(sweep.prev_flat.view(np.uint64), dtype=np.uint64)
-                   + np.add.reduce(sweep.curr_flat.view(np.uint64), dtype=np.uint64))
+        want = int(
+            np.add.reduce(sweep.prev_flat.view(np.uint64), dtype=np.uint64)
+            + np.add.reduce(sweep.curr_flat.view(np.uint64), dtype=np.uint64)
+        )
     assert got == want
     _info(benchmark, sweep, floor_threads=floor_threads)
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import struct
 
+import baselines
 import numpy as np
 import pytest
 import safetensors
 import torch
 
 import deltasync_rs as ds
-
-import baselines
 
 ENCODE_GROUP = "encode-0.6B-1%"
 APPLY_GROUP = "apply-0.6B-1%"
@@ -32,7 +31,7 @@ APPLY_GROUP = "apply-0.6B-1%"
 def safetensors_header(blob: bytes) -> dict:
     """The JSON header of safetensors bytes, after checking that the data section is exactly covered."""
     (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8: 8 + n])
+    header = json.loads(blob[8 : 8 + n])
     data_len = len(blob) - 8 - n
     ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
     assert max(ends, default=0) == data_len, "safetensors data section is not exactly covered by the header"
@@ -42,8 +41,11 @@ def safetensors_header(blob: bytes) -> dict:
 def assert_state_equals_curr(state: dict, workload) -> None:
     """Bit-exact comparison (int16 views) of every tensor of ``state`` with ``workload.curr``."""
     assert state.keys() == workload.curr.keys()
-    bad = [name for name, want in workload.curr.items()
-           if not torch.equal(state[name].view(torch.int16), want.view(torch.int16))]
+    bad = [
+        name
+        for name, want in workload.curr.items()
+        if not torch.equal(state[name].view(torch.int16), want.view(torch.int16))
+    ]
     assert not bad, f"{len(bad)} tensors differ from curr after apply, e.g. {bad[:3]}"
 
 
@@ -111,8 +113,9 @@ def test_encode_deltasync(benchmark, workload, pedantic_opts, values):
     del state
 
     common_info(benchmark, workload)
-    benchmark.extra_info.update(file_bytes=len(blob), stream_bytes=delta.nbytes,
-                                bytes_per_changed=len(blob) / workload.num_changed)
+    benchmark.extra_info.update(
+        file_bytes=len(blob), stream_bytes=delta.nbytes, bytes_per_changed=len(blob) / workload.num_changed
+    )
 
 
 @pytest.mark.benchmark(group=ENCODE_GROUP)
@@ -159,12 +162,15 @@ def test_encode_trl_v1_torch(benchmark, workload, pedantic_opts):
 def test_read_floor(benchmark, workload, pedantic_opts, threads):
     """One numpy pass over both states (sum of uint64 words): a lower bound for any encoder. ``1thread`` is the
     floor docs/benchmarks.md measures encoders against; ``2threads`` splits the same pass over two threads."""
-    got = benchmark.pedantic(baselines.read_floor, args=(workload.prev, workload.curr),
-                             kwargs={"threads": threads}, **pedantic_opts)
+    got = benchmark.pedantic(
+        baselines.read_floor, args=(workload.prev, workload.curr), kwargs={"threads": threads}, **pedantic_opts
+    )
 
     with np.errstate(over="ignore"):
-        want = int(np.add.reduce(workload.prev_flat.view(np.uint64), dtype=np.uint64)
-                   + np.add.reduce(workload.curr_flat.view(np.uint64), dtype=np.uint64))
+        want = int(
+            np.add.reduce(workload.prev_flat.view(np.uint64), dtype=np.uint64)
+            + np.add.reduce(workload.curr_flat.view(np.uint64), dtype=np.uint64)
+        )
     assert got == want
 
     common_info(benchmark, workload)

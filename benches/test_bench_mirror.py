@@ -50,8 +50,9 @@ def test_mirror_step(benchmark, workload, pedantic_opts, mirror_at_prev, referen
     finally:
         mirror.codec = "varint"
     assert delta.to_bytes() == (compact_reference if codec == "compact" else reference)
-    assert all(torch.equal(mirror.tensors[n].view(torch.int16), workload.curr[n].view(torch.int16))
-               for n in mirror.tensors)
+    assert all(
+        torch.equal(mirror.tensors[n].view(torch.int16), workload.curr[n].view(torch.int16)) for n in mirror.tensors
+    )
     benchmark.extra_info.update(changed=delta.num_changed, delta_bytes=delta.nbytes, mirror_bytes=mirror.nbytes)
 
 
@@ -68,8 +69,9 @@ def test_copy_alone(benchmark, workload, pedantic_opts):
 
 
 def test_diff_alone(benchmark, workload, pedantic_opts, reference):
-    delta = benchmark.pedantic(ds.diff, args=(workload.prev, workload.curr), kwargs={"step": 1, "base_step": 0},
-                               **pedantic_opts)
+    delta = benchmark.pedantic(
+        ds.diff, args=(workload.prev, workload.curr), kwargs={"step": 1, "base_step": 0}, **pedantic_opts
+    )
     assert delta.to_bytes() == reference
 
 

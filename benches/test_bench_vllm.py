@@ -30,11 +30,25 @@ def _config(bench_scale: float):
     from transformers import Qwen3Config
 
     if bench_scale >= 0.1:
-        shape = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-                     num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+        shape = dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
     else:
-        shape = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        shape = dict(
+            vocab_size=200,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
     config = Qwen3Config(max_position_embeddings=128, tie_word_embeddings=True, **shape)
     config.architectures = ["Qwen3ForCausalLM"]
     return config
@@ -68,8 +82,10 @@ def vllm_bench(bench_scale):
     config = _config(bench_scale)
     folder = tempfile.mkdtemp(prefix="deltasync-vllm-bench-")
     config.save_pretrained(folder)
-    vllm_config = VllmConfig(model_config=ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True),
-                             device_config=DeviceConfig(device="cpu"))
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=folder, dtype="bfloat16", skip_tokenizer_init=True),
+        device_config=DeviceConfig(device="cpu"),
+    )
     with set_current_vllm_config(vllm_config):
         if not model_parallel_is_initialized():
             init_distributed_environment(1, 0, f"file://{folder}/init", 0, backend="gloo")
@@ -92,13 +108,19 @@ def _reset(model, prev):
 
 
 def _assert_expected(model, expected):
-    bad = [n for n, p in model.named_parameters() if not torch.equal(p.view(torch.int16), expected[n].view(torch.int16))]
+    bad = [
+        n for n, p in model.named_parameters() if not torch.equal(p.view(torch.int16), expected[n].view(torch.int16))
+    ]
     assert not bad, f"{len(bad)} parameters differ from the dense load of the new weights, e.g. {bad[:3]}"
 
 
 def _info(benchmark, delta):
-    benchmark.extra_info.update(density=DENSITY, num_changed=delta.num_changed, num_elements=delta.num_elements,
-                                torch_threads=torch.get_num_threads())
+    benchmark.extra_info.update(
+        density=DENSITY,
+        num_changed=delta.num_changed,
+        num_elements=delta.num_elements,
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 @pytest.mark.benchmark(group=GROUP)
@@ -107,8 +129,9 @@ def test_apply_delta_in_place(benchmark, vllm_bench, pedantic_opts):
 
     model, vllm_config, prev, _, delta, expected = vllm_bench
     _info(benchmark, delta)
-    benchmark.pedantic(lambda: apply_delta(model, delta, current_step=0), setup=lambda: _reset(model, prev),
-                       **pedantic_opts)
+    benchmark.pedantic(
+        lambda: apply_delta(model, delta, current_step=0), setup=lambda: _reset(model, prev), **pedantic_opts
+    )
     _assert_expected(model, expected)
 
 
@@ -119,8 +142,11 @@ def test_apply_delta_in_place_checking_base(benchmark, vllm_bench, pedantic_opts
 
     model, vllm_config, prev, _, delta, expected = vllm_bench
     _info(benchmark, delta)
-    benchmark.pedantic(lambda: apply_delta(model, delta, current_step=0, check_base=True),
-                       setup=lambda: _reset(model, prev), **pedantic_opts)
+    benchmark.pedantic(
+        lambda: apply_delta(model, delta, current_step=0, check_base=True),
+        setup=lambda: _reset(model, prev),
+        **pedantic_opts,
+    )
     _assert_expected(model, expected)
 
 

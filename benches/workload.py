@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from deltasync_rs._workload import (
     GENERATOR_VERSION,
     generate,
@@ -45,8 +46,18 @@ from deltasync_rs._workload import (
     write_checkpoints,
 )
 
-__all__ = ["CACHE_DIR", "GENERATOR_VERSION", "Workload", "generate", "load_or_generate", "load_workload",
-           "qwen3_shapes", "qwen_7b_shapes", "torch_views", "write_checkpoints"]
+__all__ = [
+    "CACHE_DIR",
+    "GENERATOR_VERSION",
+    "Workload",
+    "generate",
+    "load_or_generate",
+    "load_workload",
+    "qwen3_shapes",
+    "qwen_7b_shapes",
+    "torch_views",
+    "write_checkpoints",
+]
 
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
 
@@ -125,12 +136,13 @@ def torch_views(flat: np.ndarray, layout: dict) -> dict:
     out = {}
     for name, shape, off in zip(layout["names"], layout["shapes"], layout["offsets"]):
         n = int(np.prod(shape)) if shape else 1
-        out[name] = base[off: off + n].view(shape)
+        out[name] = base[off : off + n].view(shape)
     return out
 
 
-def load_workload(scale: float = 1.0, density: float = 0.01, seed: int = 0,
-                  cache_dir: Path | None = CACHE_DIR) -> Workload:
+def load_workload(
+    scale: float = 1.0, density: float = 0.01, seed: int = 0, cache_dir: Path | None = CACHE_DIR
+) -> Workload:
     prev, curr, layout = load_or_generate(scale, density, seed, cache_dir)
     return Workload(
         scale=scale,
@@ -151,11 +163,15 @@ def _main() -> None:
     import argparse
     import time
 
-    parser = argparse.ArgumentParser(description="Generate (and cache) the benchmark workload, or write it as checkpoints.")
+    parser = argparse.ArgumentParser(
+        description="Generate (and cache) the benchmark workload, or write it as checkpoints."
+    )
     parser.add_argument("scale", type=float, nargs="?", default=1.0)
     parser.add_argument("density", type=float, nargs="?", default=0.01)
     parser.add_argument("seed", type=int, nargs="?", default=0)
-    parser.add_argument("--checkpoints", metavar="DIR", help="write DIR/prev.safetensors and DIR/curr.safetensors instead")
+    parser.add_argument(
+        "--checkpoints", metavar="DIR", help="write DIR/prev.safetensors and DIR/curr.safetensors instead"
+    )
     parser.add_argument("--shape", choices=("0.6b", "7b"), default="0.6b", help="model shape for --checkpoints")
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -165,11 +181,15 @@ def _main() -> None:
         shapes = qwen_7b_shapes() if args.shape == "7b" else qwen3_shapes(args.scale)
         changed = write_checkpoints(out / "prev.safetensors", out / "curr.safetensors", shapes, args.density, args.seed)
         total = sum(int(np.prod(s)) for _, s in shapes)
-        print(f"{out}: {len(shapes)} tensors, {total:,} elements, {changed:,} changed, {time.perf_counter() - t0:.1f} s")
+        print(
+            f"{out}: {len(shapes)} tensors, {total:,} elements, {changed:,} changed, {time.perf_counter() - t0:.1f} s"
+        )
         return
     w = load_workload(args.scale, args.density, args.seed)
-    print(f"scale={args.scale} density={args.density} seed={args.seed}: {len(w.names)} tensors, {w.num_elements:,} "
-          f"elements, {w.num_changed:,} changed ({w.num_changed / w.num_elements:.4%}), {time.perf_counter() - t0:.2f} s")
+    print(
+        f"scale={args.scale} density={args.density} seed={args.seed}: {len(w.names)} tensors, {w.num_elements:,} "
+        f"elements, {w.num_changed:,} changed ({w.num_changed / w.num_elements:.4%}), {time.perf_counter() - t0:.2f} s"
+    )
 
 
 if __name__ == "__main__":  # python benches/workload.py [scale] [density] [seed] [--checkpoints DIR --shape 7b]

@@ -60,10 +60,12 @@ def main() -> None:
         entry = subscriber.entry(step)
         written = sum(ref["size"] for ref in (entry.delta, entry.anchor) if ref)
         kinds = " + ".join(k for k, ref in (("delta", entry.delta), ("anchor", entry.anchor)) if ref)
-        print(f"step {step}: {kinds:<14} changed {entry.num_changed / entry.num_elements:7.3%}  "
-              f"wrote {written / 1e3:8.1f} kB ({written / full_bytes:7.2%} of a full copy)  "
-              f"publish {published * 1e3:6.1f} ms  pull {pull_time * 1e3:6.1f} ms  "
-              f"subscriber at step {pulled}, bit-exact: {exact}")
+        print(
+            f"step {step}: {kinds:<14} changed {entry.num_changed / entry.num_elements:7.3%}  "
+            f"wrote {written / 1e3:8.1f} kB ({written / full_bytes:7.2%} of a full copy)  "
+            f"publish {published * 1e3:6.1f} ms  pull {pull_time * 1e3:6.1f} ms  "
+            f"subscriber at step {pulled}, bit-exact: {exact}"
+        )
         if not exact or pulled != step:
             raise SystemExit("the subscriber diverged from the trainer")
     publisher.close()

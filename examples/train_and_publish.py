@@ -51,8 +51,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     publisher = ds.Publisher(args.store, anchor_every=args.anchor_every)
     attachment = ds.torch.attach(optimizer, model, publisher, sync_every=args.sync_every)
-    print(f"store {publisher.store.url}: mirror {attachment.mirror.nbytes / 1e6:.1f} MB of bf16, "
-          f"tied names {attachment.mirror.aliases}")
+    print(
+        f"store {publisher.store.url}: mirror {attachment.mirror.nbytes / 1e6:.1f} MB of bf16, "
+        f"tied names {attachment.mirror.aliases}"
+    )
 
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, 2048, (8, 64), device=device)
@@ -72,8 +74,10 @@ def main() -> None:
     attachment.detach()
     publisher.close()
     for entry in ds.sync.log_entries(args.store)[-3:]:
-        print(f"manifest step {entry.step}: {entry.num_changed / entry.num_elements:.3%} of the elements changed, "
-              f"digest {entry.state_digest}")
+        print(
+            f"manifest step {entry.step}: {entry.num_changed / entry.num_elements:.3%} of the elements changed, "
+            f"digest {entry.state_digest}"
+        )
     print("final weights digest:", attachment.mirror.digest())
 
 

@@ -40,14 +40,25 @@ def build_tiny(folder: Path) -> None:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>",
-                                                eos_token="<|im_end|>", unk_token="<unk>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>"
+    )
     fast.chat_template = qwen3_chat_template
     fast.save_pretrained(folder)
     config = transformers.Qwen3Config(
-        vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        head_dim=32, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        vocab_size=len(vocab),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=32,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
 
@@ -58,8 +69,18 @@ def serve_command(model: str, vllm_args: list[str]) -> tuple[list[str], dict[str
     started by its module, which is what `vllm serve` runs."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU build; ignored on GPUs
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--served-model-name", model, "--weight-transfer-config", ENGINE, *vllm_args]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        model,
+        "--weight-transfer-config",
+        ENGINE,
+        *vllm_args,
+    ]
     return command, env
 
 
@@ -74,17 +95,26 @@ class _VarlenAttention:
     (packed sequences, grouped KV heads, causal aligned to the end of each key sequence), in plain torch."""
 
     @staticmethod
-    def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
-                               max_seqlen_k: Any, softmax_scale: float | None = None, causal: bool = True,
-                               window_size: tuple[int, int] = (-1, -1)) -> Any:
+    def flash_attn_varlen_func(
+        q: Any,
+        k: Any,
+        v: Any,
+        cu_seqlens_q: Any,
+        cu_seqlens_k: Any,
+        max_seqlen_q: Any,
+        max_seqlen_k: Any,
+        softmax_scale: float | None = None,
+        causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
+    ) -> Any:
         import torch
 
         if window_size != (-1, -1):
             raise NotImplementedError("sliding-window attention is not part of this CPU stand-in")
         pieces = []
         for i in range(len(cu_seqlens_q) - 1):
-            qi = q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]].transpose(0, 1)  # heads, queries, dim
-            ki, vi = (x[cu_seqlens_k[i]:cu_seqlens_k[i + 1]].transpose(0, 1) for x in (k, v))
+            qi = q[cu_seqlens_q[i] : cu_seqlens_q[i + 1]].transpose(0, 1)  # heads, queries, dim
+            ki, vi = (x[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1) for x in (k, v))
             ki, vi = (x.repeat_interleave(qi.shape[0] // x.shape[0], 0) for x in (ki, vi))
             mask = None
             if causal:
@@ -108,15 +138,40 @@ def make_trainer(model: str, server: str, transfer: Any, *, steps: int, output_d
         # own answer for an unknown device. Its training forward needs a CUDA flash-attn3 kernel.
         async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
         packing._flash_attn = lambda: _VarlenAttention
-    rows = [{"prompt": [{"role": "user", "content": " ".join(f"w{(7 * i + j) % 190}" for j in range(6))}]}
-            for i in range(16)]
+    rows = [
+        {"prompt": [{"role": "user", "content": " ".join(f"w{(7 * i + j) % 190}" for j in range(6))}]}
+        for i in range(16)
+    ]
     args = AsyncGRPOConfig(
-        output_dir=output_dir, max_steps=steps, learning_rate=5e-3, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, vllm_server_base_url=server, vllm_server_timeout=120.0, request_timeout=120,
-        weight_sync_timeout=300, weight_sync_steps=1, use_cpu=on_cpu, bf16=False, dtype="float32", report_to=[],
-        save_strategy="no", logging_steps=1, max_inflight_tasks=4, queue_maxsize=16, max_staleness=8)
-    return AsyncGRPOTrainer(model=model, reward_funcs=[toy_reward], args=args, train_dataset=Dataset.from_list(rows),
-                            processing_class=AutoTokenizer.from_pretrained(model), weight_transfer=transfer)
+        output_dir=output_dir,
+        max_steps=steps,
+        learning_rate=5e-3,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        vllm_server_base_url=server,
+        vllm_server_timeout=120.0,
+        request_timeout=120,
+        weight_sync_timeout=300,
+        weight_sync_steps=1,
+        use_cpu=on_cpu,
+        bf16=False,
+        dtype="float32",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        max_inflight_tasks=4,
+        queue_maxsize=16,
+        max_staleness=8,
+    )
+    return AsyncGRPOTrainer(
+        model=model,
+        reward_funcs=[toy_reward],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(model),
+        weight_transfer=transfer,
+    )
 
 
 def train(model: str, server: str, store: str, steps: int, output_dir: str) -> None:

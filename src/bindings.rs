@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyTuple, PyType};
-use pyo3::ffi;
 
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
@@ -21,7 +21,12 @@ use crate::core::{apply, base, diff, dtype, files, format, pool, trl, Delta, Err
 mod mirror;
 
 create_exception!(deltasync_rs._core, DeltaSyncError, PyException, "Base class of every deltasync error.");
-create_exception!(deltasync_rs._core, DeltaFormatError, DeltaSyncError, "A delta file is corrupt, truncated or malformed.");
+create_exception!(
+    deltasync_rs._core,
+    DeltaFormatError,
+    DeltaSyncError,
+    "A delta file is corrupt, truncated or malformed."
+);
 create_exception!(
     deltasync_rs._core,
     BaseMismatchError,
@@ -120,7 +125,10 @@ fn torch_memory(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<O
         return Err(DeltaSyncError::new_err(format!("{}: tensor is not contiguous", what())));
     }
     if obj.call_method0("is_neg")?.is_truthy()? || obj.call_method0("is_conj")?.is_truthy()? {
-        return Err(DeltaSyncError::new_err(format!("{}: tensor has a lazy negation or conjugation bit; resolve it first", what())));
+        return Err(DeltaSyncError::new_err(format!(
+            "{}: tensor has a lazy negation or conjugation bit; resolve it first",
+            what()
+        )));
     }
     let len: usize = obj.getattr("nbytes")?.extract()?;
     let address: usize = obj.call_method0("data_ptr")?.extract()?;
@@ -136,7 +144,8 @@ fn export(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String, writable: bool) -> 
     if let Some(slice) = torch_memory(obj, what)? {
         return Ok((Held::Tensor(obj.clone().unbind()), slice));
     }
-    let buffer = PyBuffer::<u8>::get(obj).map_err(|e| DeltaSyncError::new_err(format!("{}: not a byte buffer ({e})", what())))?;
+    let buffer = PyBuffer::<u8>::get(obj)
+        .map_err(|e| DeltaSyncError::new_err(format!("{}: not a byte buffer ({e})", what())))?;
     if !buffer.is_c_contiguous() {
         return Err(DeltaSyncError::new_err(format!("{}: buffer is not contiguous", what())));
     }
@@ -150,12 +159,18 @@ fn export(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String, writable: bool) -> 
 /// A new `bytes` object of `len` bytes, filled by `fill`, which must write every byte. Unlike
 /// `PyBytes::new_with` it does not zero the buffer first: for a large file that memset, on one thread, costs about
 /// as much as the parallel copy that follows.
-fn new_bytes_with<'py>(py: Python<'py>, len: usize, fill: impl FnOnce(&mut [MaybeUninit<u8>])) -> PyResult<Bound<'py, PyBytes>> {
-    let size = ffi::Py_ssize_t::try_from(len).map_err(|_| DeltaSyncError::new_err(format!("{len} bytes do not fit a bytes object")))?;
+fn new_bytes_with<'py>(
+    py: Python<'py>,
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]),
+) -> PyResult<Bound<'py, PyBytes>> {
+    let size = ffi::Py_ssize_t::try_from(len)
+        .map_err(|_| DeltaSyncError::new_err(format!("{len} bytes do not fit a bytes object")))?;
     // SAFETY: a NULL source asks CPython for an uninitialised buffer of `size` bytes (plus its trailing NUL),
     // which the new object owns; nobody else sees the object until it is returned, after `fill` wrote it all.
     unsafe {
-        let bytes = Bound::from_owned_ptr_or_err(py, ffi::PyBytes_FromStringAndSize(std::ptr::null(), size))?.cast_into_unchecked::<PyBytes>();
+        let bytes = Bound::from_owned_ptr_or_err(py, ffi::PyBytes_FromStringAndSize(std::ptr::null(), size))?
+            .cast_into_unchecked::<PyBytes>();
         let data = ffi::PyBytes_AsString(bytes.as_ptr()).cast::<MaybeUninit<u8>>();
         fill(std::slice::from_raw_parts_mut(data, len));
         Ok(bytes)
@@ -211,8 +226,11 @@ impl RawDelta {
     /// Refuses targets whose memory overlaps: sorted by address, each must end before the next begins (O(n log n);
     /// comparing every pair took seconds at 160k tensors). An empty target writes nothing and overlaps nothing.
     fn check_disjoint(&self, slices: &[(usize, RawSlice)]) -> PyResult<()> {
-        let mut spans: Vec<(usize, usize, usize)> =
-            slices.iter().filter(|(_, s)| s.len > 0).map(|(index, s)| (s.ptr as usize, s.ptr as usize + s.len, *index)).collect();
+        let mut spans: Vec<(usize, usize, usize)> = slices
+            .iter()
+            .filter(|(_, s)| s.len > 0)
+            .map(|(index, s)| (s.ptr as usize, s.ptr as usize + s.len, *index))
+            .collect();
         spans.sort_unstable();
         for pair in spans.windows(2) {
             let ((_, end, first), (start, _, second)) = (pair[0], pair[1]);
@@ -305,7 +323,12 @@ impl RawDelta {
                 let inputs: Vec<FullInput<'_>> = specs
                     .iter()
                     // SAFETY: `held` keeps every buffer exported until after this call.
-                    .map(|(name, dtype, shape, data)| FullInput { name: (*name).to_owned(), dtype: *dtype, shape: shape.to_vec(), data: unsafe { data.get() } })
+                    .map(|(name, dtype, shape, data)| FullInput {
+                        name: (*name).to_owned(),
+                        dtype: *dtype,
+                        shape: shape.to_vec(),
+                        data: unsafe { data.get() },
+                    })
                     .collect();
                 diff::full(&inputs)
             })
@@ -366,7 +389,15 @@ impl RawDelta {
             .tensors
             .iter()
             .map(|t| {
-                (t.name.clone(), dtype::name_of(t.dtype), t.shape.clone(), t.changed, t.positions_codec.name(), t.values_codec.name(), t.nbytes())
+                (
+                    t.name.clone(),
+                    dtype::name_of(t.dtype),
+                    t.shape.clone(),
+                    t.changed,
+                    t.positions_codec.name(),
+                    t.values_codec.name(),
+                    t.nbytes(),
+                )
             })
             .collect()
     }
@@ -381,7 +412,9 @@ impl RawDelta {
         let encoded = match format {
             "deltasync" => format::encode(&self.delta),
             "trl" => trl::encode_v1(&self.delta),
-            other => return Err(DeltaSyncError::new_err(format!("format must be \"deltasync\" or \"trl\", not {other:?}"))),
+            other => {
+                return Err(DeltaSyncError::new_err(format!("format must be \"deltasync\" or \"trl\", not {other:?}")))
+            }
         }
         .map_err(to_py)?;
         new_bytes_with(py, encoded.len(), |out| py.detach(|| encoded.fill_uninit(out)))
@@ -394,7 +427,9 @@ impl RawDelta {
         let result = match format {
             "deltasync" => py.detach(|| format::encode(delta)?.save(&path)),
             "trl" => py.detach(|| trl::encode_v1(delta)?.save(&path)),
-            other => return Err(DeltaSyncError::new_err(format!("format must be \"deltasync\" or \"trl\", not {other:?}"))),
+            other => {
+                return Err(DeltaSyncError::new_err(format!("format must be \"deltasync\" or \"trl\", not {other:?}")))
+            }
         };
         result.map_err(to_py)
     }
@@ -428,7 +463,8 @@ impl RawDelta {
     /// Raises BaseMismatchError unless tensor `index` can be applied to a target of this dtype and shape.
     fn check_target(&self, index: usize, dtype_name: &str, shape: Vec<u64>) -> PyResult<()> {
         let tensor = self.tensor(index)?;
-        let dtype = dtype::parse(dtype_name).map_err(|e| BaseMismatchError::new_err(format!("tensor {:?}: {e}", tensor.name)))?;
+        let dtype = dtype::parse(dtype_name)
+            .map_err(|e| BaseMismatchError::new_err(format!("tensor {:?}: {e}", tensor.name)))?;
         let len = dtype::numel(&shape)
             .and_then(|n| n.checked_mul(dtype::width_of(dtype).ok()? as u64))
             .ok_or_else(|| BaseMismatchError::new_err(format!("tensor {:?}: target shape overflows", tensor.name)))?;
@@ -455,7 +491,8 @@ impl RawDelta {
         let delta = &self.delta;
         py.detach(|| {
             // SAFETY: `held` keeps every buffer exported until after this call.
-            let targets: Vec<(usize, &[u8])> = slices.iter().map(|(index, slice)| (*index, unsafe { slice.get() })).collect();
+            let targets: Vec<(usize, &[u8])> =
+                slices.iter().map(|(index, slice)| (*index, unsafe { slice.get() })).collect();
             base::check_bases(delta, &targets)
         })
         .map_err(to_py)?;
@@ -566,7 +603,13 @@ fn diff_files(
 
 /// Writes `base` with `delta` applied to `out`, atomically; checks everything before writing.
 #[pyfunction]
-fn apply_file(py: Python<'_>, base: PathBuf, delta: PyRef<'_, RawDelta>, out: PathBuf, check_base: bool) -> PyResult<()> {
+fn apply_file(
+    py: Python<'_>,
+    base: PathBuf,
+    delta: PyRef<'_, RawDelta>,
+    out: PathBuf,
+    check_base: bool,
+) -> PyResult<()> {
     let delta = &delta.delta;
     py.detach(|| files::apply_file(&base, delta, &out, check_base)).map_err(to_py)
 }

@@ -46,8 +46,9 @@ def s3_url(s3_endpoint, monkeypatch):
 def s3_store(url: str, endpoint: str):
     from deltasync_rs.store import FsspecStore
 
-    return FsspecStore(url, endpoint_url=endpoint, key=S3_KEY, secret=S3_SECRET, skip_instance_cache=True,
-                       use_listings_cache=False)
+    return FsspecStore(
+        url, endpoint_url=endpoint, key=S3_KEY, secret=S3_SECRET, skip_instance_cache=True, use_listings_cache=False
+    )
 
 
 @pytest.fixture(params=["local", "s3", "hf-standin"])

@@ -98,16 +98,19 @@ fn diff_against_the_read_floor() {
         inputs.push(DiffInput { name, dtype: Dtype::BF16, shape, old: &old[bytes.clone()], new: &new[bytes] });
         at += numel * 2;
     }
-    let (mut diff_times, mut floor_times, mut identity_times, mut diff_cpu) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut diff_times, mut floor_times, mut identity_times, mut diff_cpu) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut changed = 0;
     for _ in 0..runs {
         let start = Instant::now();
         let folded: u64 = old
             .par_chunks(1 << 18)
             .zip(new.par_chunks(1 << 18))
-            .map(|(a, b)| a.chunks_exact(8).zip(b.chunks_exact(8)).fold(0u64, |acc, (x, y)| {
-                acc ^ u64::from_le_bytes(x.try_into().unwrap()) ^ u64::from_le_bytes(y.try_into().unwrap())
-            }))
+            .map(|(a, b)| {
+                a.chunks_exact(8).zip(b.chunks_exact(8)).fold(0u64, |acc, (x, y)| {
+                    acc ^ u64::from_le_bytes(x.try_into().unwrap()) ^ u64::from_le_bytes(y.try_into().unwrap())
+                })
+            })
             .reduce(|| 0, |a, b| a ^ b);
         floor_times.push(start.elapsed().as_secs_f64());
         std::hint::black_box(folded);

@@ -42,8 +42,14 @@ def train(name: str, work: Path, steps: int) -> tuple[list[Path], list[dict[str,
 
     config_name, extra = MODELS[name]
     config = getattr(transformers, config_name)(
-        vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=128, **extra)
+        vocab_size=200,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **extra,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     # Larger than RL learning rates, so that a few steps change enough bf16 weights to move greedy tokens.
@@ -74,10 +80,18 @@ TP = int(os.environ.get("DELTASYNC_ENGINE_TP", "1"))  # tensor-parallel ranks (m
 def engine(folder: Path, multiprocess: bool):
     from vllm import LLM
 
-    kwargs = dict(model=str(folder), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-                  max_model_len=128, max_num_seqs=4, seed=0, gpu_memory_utilization=0.5,
-                  worker_extension_cls="deltasync_rs.vllm.DeltaSyncWorkerExtension",
-                  weight_transfer_config={"backend": "deltasync"})
+    kwargs = dict(
+        model=str(folder),
+        dtype="bfloat16",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        gpu_memory_utilization=0.5,
+        worker_extension_cls="deltasync_rs.vllm.DeltaSyncWorkerExtension",
+        weight_transfer_config={"backend": "deltasync"},
+    )
     if not multiprocess:
         kwargs["distributed_executor_backend"] = "uni"
     if TP > 1:
@@ -95,8 +109,12 @@ def generate(llm) -> list[list[tuple[int, list[tuple[int, float]]]]]:
     result = []
     for output in outputs:
         completion = output.outputs[0]
-        result.append([(token, sorted((t, lp.logprob) for t, lp in top.items()))
-                       for token, top in zip(completion.token_ids, completion.logprobs)])
+        result.append(
+            [
+                (token, sorted((t, lp.logprob) for t, lp in top.items()))
+                for token, top in zip(completion.token_ids, completion.logprobs)
+            ]
+        )
     return result
 
 
@@ -140,8 +158,14 @@ def run(name: str, work: Path, multiprocess: bool) -> dict:
         if seen != expected:
             mismatches.append(step)
     changed_tokens = sum(followed[s] != followed[0] for s in followed if s)
-    return {"model": name, "multiprocess": multiprocess, "steps": sorted(followed), "mismatches": mismatches,
-            "steps_whose_generation_moved": changed_tokens, "refused_second_application": refused}
+    return {
+        "model": name,
+        "multiprocess": multiprocess,
+        "steps": sorted(followed),
+        "mismatches": mismatches,
+        "steps_whose_generation_moved": changed_tokens,
+        "refused_second_application": refused,
+    }
 
 
 def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[dict[int, list], str | None]:

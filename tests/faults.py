@@ -1,6 +1,6 @@
 """A fault-injecting Store wrapper and a publish/pull soak, for tests and for longer runs by hand:
 
-    python -m tests.faults --steps 1000 [--seed 1]
+python -m tests.faults --steps 1000 [--seed 1]
 """
 
 from __future__ import annotations
@@ -84,16 +84,26 @@ class FaultyStore(Store):
         self.inner.delete(keys)
 
 
-def soak(steps: int, root: Path, *, seed: int = 0, write_rate: float = 0.05, read_rate: float = 0.05,
-         signing_key: str | None = None) -> dict:
+def soak(
+    steps: int,
+    root: Path,
+    *,
+    seed: int = 0,
+    write_rate: float = 0.05,
+    read_rate: float = 0.05,
+    signing_key: str | None = None,
+) -> dict:
     """Publishes `steps` training-like steps through a faulty store while a subscriber pulls after each one.
     After every successful pull the subscriber's state must equal the trainer's state at that step, bit for bit."""
     rng = torch.Generator().manual_seed(seed)
     base = ds.LocalStore(root)
     writer = FaultyStore(base, seed=seed, write_rate=write_rate)
     reader = FaultyStore(base, seed=seed + 1, read_rate=read_rate)
-    state = {"embed": torch.randn(64, 32, generator=rng).bfloat16(), "mlp": torch.randn(48, 32, generator=rng).bfloat16(),
-             "norm": torch.ones(32).bfloat16()}
+    state = {
+        "embed": torch.randn(64, 32, generator=rng).bfloat16(),
+        "mlp": torch.randn(48, 32, generator=rng).bfloat16(),
+        "norm": torch.ones(32).bfloat16(),
+    }
     published: dict[int, dict[str, torch.Tensor]] = {}
     publisher = ds.Publisher(writer, anchor_every=7, keep_anchors=3, background=False, signing_key=signing_key)
     subscriber = ds.Subscriber(reader, signing_key=signing_key, retries=2, retry_delay=0.0)
@@ -124,11 +134,18 @@ def soak(steps: int, root: Path, *, seed: int = 0, write_rate: float = 0.05, rea
         publisher.publish(step, state)
     final = subscriber.pull(replica)
     converged = final == steps + publisher.anchor_every - 1 and all(
-        torch.equal(replica[n].view(torch.int16), state[n].view(torch.int16)) for n in replica)
-    return {"steps": steps, "successful pulls": outcome["successful pulls"], "failed pulls": outcome["failed pulls"],
-            "pulls behind the newest step": outcome["pulls behind the newest step"],
-            "silent divergences": outcome["silent divergences"], "converged after faults stop": converged,
-            "faults injected": sum(faults.values()), "faults": dict(faults)}
+        torch.equal(replica[n].view(torch.int16), state[n].view(torch.int16)) for n in replica
+    )
+    return {
+        "steps": steps,
+        "successful pulls": outcome["successful pulls"],
+        "failed pulls": outcome["failed pulls"],
+        "pulls behind the newest step": outcome["pulls behind the newest step"],
+        "silent divergences": outcome["silent divergences"],
+        "converged after faults stop": converged,
+        "faults injected": sum(faults.values()),
+        "faults": dict(faults),
+    }
 
 
 def main() -> None:

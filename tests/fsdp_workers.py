@@ -11,8 +11,9 @@ import torch
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
     # 11 and 5 rows: uneven shards over two ranks (FSDP2 pads the second internally).
-    return torch.nn.Sequential(torch.nn.Embedding(11, 24), torch.nn.Linear(24, 5), torch.nn.LayerNorm(5),
-                               torch.nn.Linear(5, 1))
+    return torch.nn.Sequential(
+        torch.nn.Embedding(11, 24), torch.nn.Linear(24, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 1)
+    )
 
 
 def run(rank: int, world: int, port: int, store: str, out: str, codec: str) -> None:

@@ -23,7 +23,9 @@ class HubBucketsStandIn:
         self.calls: list[tuple[str, dict]] = []
 
     def batch_bucket_files(self, bucket_id, *, add=None, copy=None, delete=None, token=None):
-        self.calls.append(("batch_bucket_files", {"bucket_id": bucket_id, "add": add, "delete": delete, "token": token}))
+        self.calls.append(
+            ("batch_bucket_files", {"bucket_id": bucket_id, "add": add, "delete": delete, "token": token})
+        )
         files = self.buckets.setdefault(bucket_id, {})
         for source, remote in add or []:
             files[remote] = bytes(source) if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes()

@@ -4,10 +4,10 @@
 use deltasync_rs::core::apply::apply;
 use deltasync_rs::core::base::{check_base, identity};
 use deltasync_rs::core::codec::{Codec, ValueCodec};
+use deltasync_rs::core::delta::TensorDelta;
 use deltasync_rs::core::diff::{diff, DiffInput};
 use deltasync_rs::core::dtype::Dtype;
 use deltasync_rs::core::format::{from_bytes, to_bytes};
-use deltasync_rs::core::delta::TensorDelta;
 use deltasync_rs::core::{Delta, Error};
 use proptest::prelude::*;
 
@@ -29,7 +29,11 @@ fn pair() -> impl Strategy<Value = (usize, Vec<u8>, Vec<u8>)> {
             prop::collection::vec(any::<u8>(), len),
             // Mostly ±1 / ±2 on the low byte, as in training steps, so that the compact codec's short codes are used.
             prop::collection::vec(
-                (0..elements.max(1), prop_oneof![4 => Just(1u8), 4 => Just(255u8), 1 => Just(2u8), 1 => Just(254u8), 2 => any::<u8>()], any::<bool>()),
+                (
+                    0..elements.max(1),
+                    prop_oneof![4 => Just(1u8), 4 => Just(255u8), 1 => Just(2u8), 1 => Just(254u8), 2 => any::<u8>()],
+                    any::<bool>(),
+                ),
                 0..=elements.min(400),
             ),
         )
@@ -201,7 +205,13 @@ fn compact_fast_paths_agree_with_the_walk_under_corruption() {
             }
         }
         let tensors = diff(
-            &[DiffInput { name: "t".into(), dtype: dtype_of(width), shape: vec![elements as u64], old: &old, new: &new }],
+            &[DiffInput {
+                name: "t".into(),
+                dtype: dtype_of(width),
+                shape: vec![elements as u64],
+                old: &old,
+                new: &new,
+            }],
             ValueCodec::Diff,
             Codec::Compact,
         )
@@ -255,7 +265,10 @@ fn format_error_naming(bytes: Vec<u8>, name: &str) {
 
 #[test]
 fn declared_sizes_that_overflow_are_format_errors() {
-    assert_eq!(from_bytes(file_with_records(&[("a", vec![1 << 62]), ("b", vec![1 << 62])]), "ok").unwrap().num_elements(), 1 << 63);
+    assert_eq!(
+        from_bytes(file_with_records(&[("a", vec![1 << 62]), ("b", vec![1 << 62])]), "ok").unwrap().num_elements(),
+        1 << 63
+    );
     format_error_naming(file_with_records(&[("huge", vec![1 << 40, 1 << 40])]), "huge");
     // Each shape fits 64 bits, their sum does not: `num_elements` used to wrap (and panic in debug builds).
     format_error_naming(file_with_records(&[("first", vec![1 << 63]), ("second", vec![1 << 63])]), "second");
@@ -268,11 +281,17 @@ fn reserved_tensor_names_are_refused_when_writing_and_reading() {
         let input = DiffInput { name: name.into(), dtype: Dtype::U8, shape: vec![4], old: &old, new: &new };
         let err = diff(&[input], ValueCodec::Diff, Codec::Varint).unwrap_err();
         assert!(matches!(err, Error::InvalidInput { .. }) && err.to_string().contains(&format!("{name:?}")), "{err}");
-        let whole = deltasync_rs::core::diff::FullInput { name: name.into(), dtype: Dtype::U8, shape: vec![4], data: &new };
+        let whole =
+            deltasync_rs::core::diff::FullInput { name: name.into(), dtype: Dtype::U8, shape: vec![4], data: &new };
         let err = deltasync_rs::core::diff::full(&[whole]).unwrap_err();
         assert!(err.to_string().contains(&format!("{name:?}")), "{err}");
         // A delta renamed after the fact is refused by the writer too, not written unreadable.
-        let mut tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::U8, shape: vec![4], old: &old, new: &new }], ValueCodec::Diff, Codec::Varint).unwrap();
+        let mut tensors = diff(
+            &[DiffInput { name: "w".into(), dtype: Dtype::U8, shape: vec![4], old: &old, new: &new }],
+            ValueCodec::Diff,
+            Codec::Varint,
+        )
+        .unwrap();
         tensors[0].name = name.into();
         let err = to_bytes(&Delta { tensors, ..Default::default() }).unwrap_err();
         assert!(err.to_string().contains(&format!("{name:?}")), "{err}");

@@ -107,7 +107,7 @@ def test_core_refuses_tensors_it_cannot_read_in_place():
 def test_large_file_bytes_match_the_saved_file(tmp_path):
     """Files over 1 MiB are copied out by several threads, into a bytes object that is never zeroed first."""
     g = torch.Generator().manual_seed(3)
-    prev = {f"w{i}": torch.randint(-2**15, 2**15, (300_000,), generator=g, dtype=torch.int16) for i in range(8)}
+    prev = {f"w{i}": torch.randint(-(2**15), 2**15, (300_000,), generator=g, dtype=torch.int16) for i in range(8)}
     curr = {k: v ^ (torch.rand(v.shape, generator=g) < 0.5).to(torch.int16) for k, v in prev.items()}
     delta = ds.diff(prev, curr, values="abs")
     blob = delta.to_bytes()

@@ -15,8 +15,9 @@ BLOCK = 1 << 18
 
 def reference(data: bytes) -> str:
     """The definition of docs/format.md §3, as written there."""
-    hashes = b"".join(xxhash.xxh3_64_intdigest(data[i:i + BLOCK]).to_bytes(8, "little")
-                      for i in range(0, len(data), BLOCK))
+    hashes = b"".join(
+        xxhash.xxh3_64_intdigest(data[i : i + BLOCK]).to_bytes(8, "little") for i in range(0, len(data), BLOCK)
+    )
     return f"{xxhash.xxh3_64_intdigest(hashes):016x}"
 
 
@@ -104,11 +105,11 @@ def test_a_malformed_base_is_a_format_error(bad):
     _, _, raw = _delta()
     blob = raw.to_bytes()
     header_len = int.from_bytes(blob[:8], "little")
-    header = blob[8:8 + header_len].decode().rstrip()
+    header = blob[8 : 8 + header_len].decode().rstrip()
     identity = raw.base_identity([t[0] for t in raw.tensors()].index("w"))
     field = f'\\"base\\":\\"{identity}\\"'
     assert field in header
     broken = header.replace(field, '\\"base\\":' + bad.replace('"', '\\"')).encode()
     broken += b" " * (-len(broken) % 8)
     with pytest.raises(ds.DeltaFormatError):
-        ds.load(len(broken).to_bytes(8, "little") + broken + blob[8 + header_len:])
+        ds.load(len(broken).to_bytes(8, "little") + broken + blob[8 + header_len :])

@@ -121,8 +121,9 @@ def test_abs_trl_output_loads_everywhere(tmp_path, capsys, ckpts):
     prev, curr, prev_path, curr_path = ckpts
     trl_path = tmp_path / "deltas" / "step_000007.safetensors"
     trl_path.parent.mkdir()
-    rc, _, err = _run(capsys, "diff", prev_path, curr_path, "-o", trl_path, "--values", "abs", "--format", "trl",
-                      "--step", 7)
+    rc, _, err = _run(
+        capsys, "diff", prev_path, curr_path, "-o", trl_path, "--values", "abs", "--format", "trl", "--step", 7
+    )
     assert (rc, err) == (0, "")
     data = trl_path.read_bytes()
 
@@ -324,7 +325,8 @@ def test_apply_in_place_replaces_the_base(tmp_path, capsys, ckpts):
     assert work.read_bytes() == curr_path.read_bytes()
     assert_states_equal({n: load_file(work)[n] for n in curr}, curr)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["prev.safetensors", "curr.safetensors", "d.safetensors", "work.safetensors"])
+        ["prev.safetensors", "curr.safetensors", "d.safetensors", "work.safetensors"]
+    )
 
 
 def test_python_dash_m_round_trip(tmp_path, ckpts):
@@ -375,11 +377,18 @@ def test_bad_inputs_fail_with_a_message(tmp_path, capsys, ckpts):
     junk.write_bytes(b"this is not a safetensors file at all")
     cases = [
         (["inspect", prev_path], "deltasync inspect: error:", "plain checkpoint"),  # a checkpoint is not a delta
-        (["apply", prev_path, curr_path, "-o", tmp_path / "x.safetensors"], "deltasync apply: error:", "curr.safetensors"),
+        (
+            ["apply", prev_path, curr_path, "-o", tmp_path / "x.safetensors"],
+            "deltasync apply: error:",
+            "curr.safetensors",
+        ),
         (["apply", junk, delta_path, "-o", tmp_path / "x.safetensors"], "deltasync apply: error:", "junk.safetensors"),
         (["inspect", junk], "deltasync inspect: error:", "junk.safetensors"),
-        (["diff", prev_path, curr_path, "-o", tmp_path / "no-such-dir" / "d.safetensors"], "deltasync diff: error:",
-         "no-such-dir"),
+        (
+            ["diff", prev_path, curr_path, "-o", tmp_path / "no-such-dir" / "d.safetensors"],
+            "deltasync diff: error:",
+            "no-such-dir",
+        ),
     ]
     for argv, prefix, detail in cases:
         rc, out, err = _run(capsys, *argv)
@@ -410,7 +419,9 @@ def test_negative_step_is_a_clean_error(tmp_path, capsys, ckpts, flag):
 def test_bench_prints_a_table_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "bench.png"
-    rc, out, err = _run(capsys, "bench", "--scale", "0.002", "--densities", "1%", "0.05", "--rounds", "1", "--plot", plot)
+    rc, out, err = _run(
+        capsys, "bench", "--scale", "0.002", "--densities", "1%", "0.05", "--rounds", "1", "--plot", plot
+    )
     assert rc == 0, err
     for what in ("deltasync varint", "deltasync compact", "TRL v1", "TRL v3 gap_delta", "read floor"):
         assert what in out
@@ -440,10 +451,23 @@ def test_outputs_honour_the_umask_and_apply_keeps_the_base_mode(tmp_path, capsys
         assert _run(capsys, "pull", "--store", store, "-o", tmp_path / "pulled.safetensors")[0] == 0
     finally:
         os.umask(old)
-    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (delta_path, out_path, work, tmp_path / "pulled.safetensors",
-                                                             store / "manifest" / "step_000000000000.json")}
-    assert modes == {"d.safetensors": 0o644, "out.safetensors": 0o644, "work.safetensors": 0o640,
-                     "pulled.safetensors": 0o644, "step_000000000000.json": 0o644}
+    modes = {
+        p.name: stat.S_IMODE(p.stat().st_mode)
+        for p in (
+            delta_path,
+            out_path,
+            work,
+            tmp_path / "pulled.safetensors",
+            store / "manifest" / "step_000000000000.json",
+        )
+    }
+    assert modes == {
+        "d.safetensors": 0o644,
+        "out.safetensors": 0o644,
+        "work.safetensors": 0o640,
+        "pulled.safetensors": 0o644,
+        "step_000000000000.json": 0o644,
+    }
     assert work.read_bytes() == curr_path.read_bytes()
 
 
@@ -454,8 +478,12 @@ def test_an_output_that_is_one_of_the_inputs_is_refused(tmp_path, capsys, ckpts)
     alias = tmp_path / "alias.safetensors"
     alias.symlink_to(prev_path)
     before = {p: p.read_bytes() for p in (prev_path, curr_path, delta_path)}
-    for argv in (["diff", prev_path, curr_path, "-o", prev_path], ["diff", prev_path, curr_path, "-o", curr_path],
-                 ["diff", prev_path, curr_path, "-o", alias], ["apply", prev_path, delta_path, "-o", delta_path]):
+    for argv in (
+        ["diff", prev_path, curr_path, "-o", prev_path],
+        ["diff", prev_path, curr_path, "-o", curr_path],
+        ["diff", prev_path, curr_path, "-o", alias],
+        ["apply", prev_path, delta_path, "-o", delta_path],
+    ):
         rc, out, err = _run(capsys, *argv)
         assert rc == 1 and out == "", argv
         assert "is also the input" in err, err
@@ -478,10 +506,13 @@ def test_non_regular_inputs_are_refused_without_hanging(tmp_path, capsys, ckpts)
     fifo = tmp_path / "fifo.safetensors"
     os.mkfifo(fifo)
     results = []
-    runs = [["inspect", fifo], ["diff", prev_path, fifo, "-o", tmp_path / "d.safetensors"],
-            ["apply", prev_path, fifo, "-o", tmp_path / "o.safetensors"], ["inspect", tmp_path]]
-    worker = threading.Thread(target=lambda: results.extend(main([str(a) for a in argv]) for argv in runs),
-                              daemon=True)
+    runs = [
+        ["inspect", fifo],
+        ["diff", prev_path, fifo, "-o", tmp_path / "d.safetensors"],
+        ["apply", prev_path, fifo, "-o", tmp_path / "o.safetensors"],
+        ["inspect", tmp_path],
+    ]
+    worker = threading.Thread(target=lambda: results.extend(main([str(a) for a in argv]) for argv in runs), daemon=True)
     worker.start()
     worker.join(timeout=30)
     assert not worker.is_alive(), "a command waits on a FIFO"

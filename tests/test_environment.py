@@ -57,14 +57,17 @@ def test_every_scan_kernel_writes_the_same_bytes():
     assert len(outputs[""]) > 1000
 
 
-@pytest.mark.parametrize(("variable", "value", "warned"), [
-    ("DELTASYNC_NUM_THREADS", "two", True),
-    ("DELTASYNC_NUM_THREADS", "0", True),
-    ("DELTASYNC_NUM_THREADS", " 2 ", False),
-    ("DELTASYNC_NUM_THREADS", "20000", True),
-    ("DELTASYNC_SCAN_KERNEL", "avx-512", True),
-    ("DELTASYNC_SCAN_KERNEL", "sse2", False),
-])
+@pytest.mark.parametrize(
+    ("variable", "value", "warned"),
+    [
+        ("DELTASYNC_NUM_THREADS", "two", True),
+        ("DELTASYNC_NUM_THREADS", "0", True),
+        ("DELTASYNC_NUM_THREADS", " 2 ", False),
+        ("DELTASYNC_NUM_THREADS", "20000", True),
+        ("DELTASYNC_SCAN_KERNEL", "avx-512", True),
+        ("DELTASYNC_SCAN_KERNEL", "sse2", False),
+    ],
+)
 def test_unusable_settings_warn_on_import(variable, value, warned):
     """The core falls back to its defaults on a value it cannot use; the import says so instead of staying silent."""
     import os
@@ -72,8 +75,13 @@ def test_unusable_settings_warn_on_import(variable, value, warned):
     import sys
 
     env = {**os.environ, variable: value}
-    done = subprocess.run([sys.executable, "-W", "always", "-c", "import deltasync_rs"], env=env, capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import deltasync_rs"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert (f"{variable}={value.strip()!r}" in done.stderr) == warned, done.stderr
 
 

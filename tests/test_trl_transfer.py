@@ -16,8 +16,14 @@ import deltasync_rs as ds
 from deltasync_rs.integrations.trl import DeltaSyncWeightTransfer, ServerError
 from tests.helpers import assert_states_equal
 
-SYNC_ROUTES = ["/pause?mode=keep", "/start_weight_update", "/update_weights", "/finish_weight_update",
-               "/reset_prefix_cache", "/resume"]
+SYNC_ROUTES = [
+    "/pause?mode=keep",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/reset_prefix_cache",
+    "/resume",
+]
 
 
 class Engine:
@@ -146,8 +152,11 @@ def test_a_server_out_of_reach_falls_behind_and_catches_up(setup, caplog):
         train_step(model, optimizer)
         engine.calls.clear()
         sync(transfer, model)
-        assert [route for route, _ in engine.calls] == ["/pause?mode=keep", "/init_weight_transfer_engine",
-                                                        *SYNC_ROUTES[1:]]
+        assert [route for route, _ in engine.calls] == [
+            "/pause?mode=keep",
+            "/init_weight_transfer_engine",
+            *SYNC_ROUTES[1:],
+        ]
         assert engine.calls[1][1] == {"init_info": {"store": publisher.store.url}}  # keeps the server's own step
         assert transfer.server_step == 3 and not transfer.behind
         assert_states_equal(engine.state, export(model))  # deltas 1, 2 and 3 replayed from the store

@@ -53,14 +53,18 @@ def test_worked_example_in_format_doc():
     """docs/format.md walks through bf16_diff byte by byte; keep the two in step."""
     blob = (VECTORS / "bf16_diff.safetensors").read_bytes()
     header_len = int.from_bytes(blob[:8], "little")
-    data = blob[8 + header_len:]
+    data = blob[8 + header_len :]
     assert data.hex(" ") == "00 04 09 01 ff 80 2c 01"
     doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
     assert "00 04 09" in doc and "01 ff 80 2c 01" in doc
-    assert blob[:8].hex(" ") in doc and f"({header_len}: {len(blob[8:8 + header_len].rstrip())} bytes of JSON" in doc
-    header = blob[8:8 + header_len].decode().rstrip()
+    assert blob[:8].hex(" ") in doc and f"({header_len}: {len(blob[8 : 8 + header_len].rstrip())} bytes of JSON" in doc
+    header = blob[8 : 8 + header_len].decode().rstrip()
     # The JSON as the doc prints it: one line per top-level entry, the metadata's tensor list on a line of its own.
-    lines = header.replace(',"tensors"', ',\n "tensors"').replace(',"w:pos"', ',\n "w:pos"').replace(',"w:val"', ',\n "w:val"')
+    lines = (
+        header.replace(',"tensors"', ',\n "tensors"')
+        .replace(',"w:pos"', ',\n "w:pos"')
+        .replace(',"w:val"', ',\n "w:val"')
+    )
     assert lines in doc
     base = ds.load(blob)._raw.base_identity(0)
     assert f'\\"base\\":\\"{base}\\"' in header and f"base identity `{base}`" in doc
@@ -70,7 +74,7 @@ def test_compact_example_in_format_doc():
     """docs/format.md §8.1 walks through bf16_compact; keep the two in step."""
     blob = (VECTORS / "bf16_compact.safetensors").read_bytes()
     header_len = int.from_bytes(blob[:8], "little")
-    data = blob[8 + header_len:]
+    data = blob[8 + header_len :]
     assert data.hex(" ") == "02 ae 59 d9 e3 00 48 a4 03 b2 04 00 01 80 00 00 01 00"
     doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
     assert "02 ae 59 d9 e3 00" in doc and "48 a4 03 b2 04 00" in doc

@@ -42,8 +42,12 @@ def _rank_results(tp: int, prepared, tmp_path_factory) -> list[list[dict]]:
         import torch.multiprocessing as mp
 
         out = tmp_path_factory.mktemp(f"vllm-tp{tp}")
-        mp.spawn(vllm_workers.run_rank, args=(tp, str(out / "init"), prepared, str(out), vllm_workers.CHECKS),
-                 nprocs=tp, join=True)
+        mp.spawn(
+            vllm_workers.run_rank,
+            args=(tp, str(out / "init"), prepared, str(out), vllm_workers.CHECKS),
+            nprocs=tp,
+            join=True,
+        )
         _RESULTS[tp] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(tp)]
     return _RESULTS[tp]
 
@@ -117,8 +121,9 @@ def _bits_equal(a, b):
 def test_unmapped_model_uses_vllms_loader_with_abs_values():
     model, states = _tiny_states()
     assert not ds_vllm.is_mapped(model)
-    assert ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="abs", step=1, base_step=0),
-                               current_step=0) > 0
+    assert (
+        ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="abs", step=1, base_step=0), current_step=0) > 0
+    )
     assert _bits_equal(_params(model), states[1])
     ds_vllm.apply_delta(model, ds.anchor(states[2], step=2))  # a whole-tensor anchor goes through as dense patches
     assert _bits_equal(_params(model), states[2])
@@ -209,8 +214,9 @@ def _engine(model):
     ds_vllm.register()
     ds_vllm.register()  # plugins may load several times per process
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace())
-    return WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="deltasync"), vllm_config,
-                                                     torch.device("cpu"), model)
+    return WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="deltasync"), vllm_config, torch.device("cpu"), model
+    )
 
 
 def test_weight_transfer_engine_native_flow(published_store):

@@ -23,7 +23,7 @@ def _pair(shape, seed=0, dtype=torch.bfloat16, every=5):
     bits = flat.view(torch.int16) if dtype == torch.bfloat16 else None
     if bits is not None:
         bits[::every] += 1
-        bits[2::every * 3] -= 2
+        bits[2 :: every * 3] -= 2
     else:
         flat[::every] = flat[::every] * 1.5 + 0.25
     return prev, curr
@@ -66,8 +66,16 @@ def test_read_only_and_broadcast_arrays_are_refused():
 def test_every_kind_of_target_in_one_apply(codec, values):
     """Contiguous CPU, strided and transposed views, inference tensors (contiguous or not), numpy (contiguous or
     strided), a view at an offset: one delta, one apply, every target bit-exact."""
-    shapes = {"contig": (16, 12), "strided": (16, 12), "transposed": (12, 16), "inference": (16, 12),
-              "inference_t": (12, 16), "numpy": (16, 12), "numpy_strided": (16, 12), "offset": (50,)}
+    shapes = {
+        "contig": (16, 12),
+        "strided": (16, 12),
+        "transposed": (12, 16),
+        "inference": (16, 12),
+        "inference_t": (12, 16),
+        "numpy": (16, 12),
+        "numpy_strided": (16, 12),
+        "offset": (50,),
+    }
     prev, curr = {}, {}
     for i, (name, shape) in enumerate(shapes.items()):
         prev[name], curr[name] = _pair(shape, seed=i, dtype=torch.bfloat16 if "numpy" not in name else torch.float32)
@@ -83,9 +91,16 @@ def test_every_kind_of_target_in_one_apply(codec, values):
     big[100:150] = prev["offset"]
     np_big = np.zeros((16, 24), np.float32)
     np_big[:, ::2] = prev["numpy_strided"].numpy()
-    state = {"contig": prev["contig"].clone(), "strided": wide[:, ::2], "transposed": prev["transposed"].t().contiguous().t(),
-             "inference": inference, "inference_t": inference_t, "numpy": prev["numpy"].numpy().copy(),
-             "numpy_strided": np_big[:, ::2], "offset": big[100:150]}
+    state = {
+        "contig": prev["contig"].clone(),
+        "strided": wide[:, ::2],
+        "transposed": prev["transposed"].t().contiguous().t(),
+        "inference": inference,
+        "inference_t": inference_t,
+        "numpy": prev["numpy"].numpy().copy(),
+        "numpy_strided": np_big[:, ::2],
+        "offset": big[100:150],
+    }
     assert not state["strided"].is_contiguous() and not state["transposed"].is_contiguous()
     assert state["inference_t"].is_inference() and not state["inference_t"].is_contiguous()
     delta.apply_(state)
@@ -124,7 +139,9 @@ def test_tied_targets_written_once_and_partial_overlaps_refused():
         differing.apply_({"embed": target, "head": target})
     assert_bits_equal(target, prev)
     base = torch.cat([prev.view(-1), prev.view(-1)])
-    halves = ds.diff({"x": prev.view(-1)[:40], "y": prev.view(-1)[20:]}, {"x": curr.view(-1)[:40], "y": curr.view(-1)[20:]})
+    halves = ds.diff(
+        {"x": prev.view(-1)[:40], "y": prev.view(-1)[20:]}, {"x": curr.view(-1)[:40], "y": curr.view(-1)[20:]}
+    )
     with pytest.raises(ds.DeltaSyncError, match="overlap"):
         halves.apply_({"x": base[:40], "y": base[20:60]})
 
@@ -134,7 +151,7 @@ def test_many_targets_are_checked_for_overlap_in_one_sort():
     prev = {f"t{i}": torch.zeros(3) for i in range(n)}
     curr = {f"t{i}": torch.ones(3) for i in range(n)}
     storage = torch.zeros(3 * n)
-    state = {f"t{i}": storage[3 * i: 3 * i + 3] for i in range(n)}
+    state = {f"t{i}": storage[3 * i : 3 * i + 3] for i in range(n)}
     ds.diff(prev, curr).apply_(state)
     assert torch.equal(storage, torch.ones(3 * n))
 
@@ -244,7 +261,7 @@ def test_raw_apply_checks_100k_targets_for_overlap():
     raw.add_diff([(f"t{i}", "U8", [1], zeros, ones) for i in range(n)], "diff")
     storage = bytearray(n)
     view = memoryview(storage)
-    raw.apply([(i, view[i:i + 1]) for i in range(n)])
+    raw.apply([(i, view[i : i + 1]) for i in range(n)])
     assert storage == bytearray(b"\1" * n)
     with pytest.raises(ds.DeltaSyncError, match='overlaps the target of tensor "t'):
-        raw.apply([(i, view[i:i + 1]) for i in range(n - 1)] + [(n - 1, view[5:6])])
+        raw.apply([(i, view[i : i + 1]) for i in range(n - 1)] + [(n - 1, view[5:6])])

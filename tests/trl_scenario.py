@@ -46,9 +46,24 @@ def free_port() -> int:
 def serve(folder: Path, log: Path, *, name: str):
     """The example's vLLM server (deltasync engine, dev routes) on ``folder``, on 127.0.0.1; yields its URL."""
     port = free_port()
-    command, env = serve_command(name, ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                                        "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "8",
-                                        "--seed", "0"])
+    command, env = serve_command(
+        name,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "0",
+        ],
+    )
     command[command.index("--model") + 1] = str(folder)  # a checkpoint served under the trainer's model name
     env.update(VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
     env.pop("VLLM_TARGET_DEVICE", None)
@@ -82,10 +97,18 @@ def generate(url: str, name: str) -> list[dict]:
     """Greedy completions of PROMPTS (token ids in, token ids and top-5 logprobs out), one request at a time."""
     results = []
     for prompt in PROMPTS:
-        body = {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 5,
-                "return_token_ids": True, "ignore_eos": True}
-        request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"content-type": "application/json"})
+        body = {
+            "model": name,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "logprobs": 5,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
+        request = urllib.request.Request(
+            url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             choice = json.loads(response.read())["choices"][0]
         top = [sorted(d.items()) for d in choice["logprobs"]["top_logprobs"]]
@@ -154,9 +177,19 @@ def main(work: Path) -> None:
         if index and sync["generated"] != syncs[index - 1]["generated"]:
             moved += 1
     timings["fresh_engines_s"] = time.monotonic() - started
-    print("RESULT " + json.dumps({"steps": [s["step"] for s in syncs], "server_steps": [s["server_step"] for s in syncs],
-                                  "mismatches": mismatches, "steps_whose_generation_moved": moved,
-                                  "timings": timings}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "steps": [s["step"] for s in syncs],
+                "server_steps": [s["server_step"] for s in syncs],
+                "mismatches": mismatches,
+                "steps_whose_generation_moved": moved,
+                "timings": timings,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

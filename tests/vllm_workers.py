@@ -15,13 +15,22 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 #: name -> (transformers config class, kwargs, vLLM model class path)
 MODELS = {
-    "qwen3-tied": ("Qwen3Config", dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=True),
-                   "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"),
-    "qwen3-untied": ("Qwen3Config", dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=False),
-                     "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"),
+    "qwen3-tied": (
+        "Qwen3Config",
+        dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=True),
+        "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
+    ),
+    "qwen3-untied": (
+        "Qwen3Config",
+        dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=False),
+        "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
+    ),
     # one KV head: at TP=2 vLLM replicates it on both ranks; vocab 200 pads to 256 rows
-    "llama-1kv": ("LlamaConfig", dict(head_dim=16, num_key_value_heads=1, tie_word_embeddings=False),
-                  "vllm.model_executor.models.llama:LlamaForCausalLM"),
+    "llama-1kv": (
+        "LlamaConfig",
+        dict(head_dim=16, num_key_value_heads=1, tie_word_embeddings=False),
+        "vllm.model_executor.models.llama:LlamaForCausalLM",
+    ),
 }
 
 
@@ -45,8 +54,14 @@ def _hf_config(name: str):
 
     config_cls, extra, _ = MODELS[name]
     return getattr(transformers, config_cls)(
-        vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=128, **extra)
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **extra,
+    )
 
 
 def bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -73,7 +88,7 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     states = [bf16_state(model)]
     generator = torch.Generator().manual_seed(seed)
-    for step in range(1, steps + 1):
+    for _ in range(steps):
         tokens = torch.randint(0, config.vocab_size, (2, 12), generator=generator)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
@@ -86,8 +101,9 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
         for values in ("diff", "abs"):
             for codec in ("varint", "compact"):
                 suffix = "" if codec == "varint" else "_compact"
-                ds.diff(states[step - 1], states[step], values=values, codec=codec, step=step,
-                        base_step=step - 1).save(data / f"delta_{step}_{values}{suffix}.safetensors")
+                ds.diff(states[step - 1], states[step], values=values, codec=codec, step=step, base_step=step - 1).save(
+                    data / f"delta_{step}_{values}{suffix}.safetensors"
+                )
     return Prepared(name, str(folder), str(data))
 
 
@@ -100,8 +116,10 @@ def build_vllm_model(prepared: Prepared):
 
     module_path, cls_name = MODELS[prepared.name][2].split(":")
     model_cls = getattr(importlib.import_module(module_path), cls_name)
-    config = VllmConfig(model_config=ModelConfig(model=prepared.folder, dtype="bfloat16", skip_tokenizer_init=True),
-                        device_config=DeviceConfig(device="cpu"))
+    config = VllmConfig(
+        model_config=ModelConfig(model=prepared.folder, dtype="bfloat16", skip_tokenizer_init=True),
+        device_config=DeviceConfig(device="cpu"),
+    )
     with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16):
         model = model_cls(vllm_config=config)
     load_state(model, prepared, 0)
@@ -227,19 +245,29 @@ def check_compact_matches_dense_reload(model, item: Prepared) -> None:
 
 def check_base_identity_at_tp1_or_refused_at_tp2(model, item: Prepared) -> None:
     """check_base=True: verified where the rank holds whole tensors; refused, naming why, where it holds a slice."""
-    import deltasync_rs as ds
     from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
+    import deltasync_rs as ds
     from deltasync_rs.vllm import apply_delta
 
     delta = _delta(item, 1, "diff", "compact")
     if get_tensor_model_parallel_world_size() > 1:
-        _expect_untouched(model, snapshot(model), ds.DeltaSyncError,
-                          lambda: apply_delta(model, delta, current_step=0, check_base=True), "slice")
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.DeltaSyncError,
+            lambda: apply_delta(model, delta, current_step=0, check_base=True),
+            "slice",
+        )
         return
     apply_delta(model, delta, current_step=0, check_base=True)
-    _expect_untouched(model, snapshot(model), ds.BaseMismatchError,  # applied twice: the base no longer matches
-                      lambda: apply_delta(model, delta, check_base=True), "base")
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,  # applied twice: the base no longer matches
+        lambda: apply_delta(model, delta, check_base=True),
+        "base",
+    )
     _assert_equal_to_reload(model, item, 1)
 
 
@@ -252,8 +280,13 @@ def check_unknown_name_rejected(model, item: Prepared) -> None:
     curr["model.layers.0.mlp.bogus_proj.weight"] = torch.ones(4, 4, dtype=torch.bfloat16)
     for path, values in (("mapped", "diff"), ("mapped", "abs"), ("loader", "abs")):
         delta = ds.diff(prev, curr, values=values, step=1, base_step=0)
-        _expect_untouched(model, snapshot(model), ds.BaseMismatchError,
-                          lambda: apply_delta(model, delta, current_step=0, path=path), "bogus_proj")
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.BaseMismatchError,
+            lambda delta=delta, path=path: apply_delta(model, delta, current_step=0, path=path),
+            "bogus_proj",
+        )
 
 
 def check_wrong_base_rejected(model, item: Prepared) -> None:
@@ -262,8 +295,13 @@ def check_wrong_base_rejected(model, item: Prepared) -> None:
 
     before = snapshot(model)
     for values in ("diff", "abs"):
-        _expect_untouched(model, before, ds.BaseMismatchError,
-                          lambda: apply_delta(model, _delta(item, 2, values), current_step=0), "step 1")
+        _expect_untouched(
+            model,
+            before,
+            ds.BaseMismatchError,
+            lambda values=values: apply_delta(model, _delta(item, 2, values), current_step=0),
+            "step 1",
+        )
 
 
 def check_lm_head_alone(model, item: Prepared) -> None:
@@ -272,11 +310,17 @@ def check_lm_head_alone(model, item: Prepared) -> None:
     from deltasync_rs.vllm import apply_delta
 
     prev, curr = _state(item, 0), _state(item, 1)
-    delta = ds.diff({"lm_head.weight": prev["lm_head.weight"]}, {"lm_head.weight": curr["lm_head.weight"]},
-                    step=1, base_step=0)
+    delta = ds.diff(
+        {"lm_head.weight": prev["lm_head.weight"]}, {"lm_head.weight": curr["lm_head.weight"]}, step=1, base_step=0
+    )
     if MODELS[item.name][1]["tie_word_embeddings"]:
-        _expect_untouched(model, snapshot(model), ds.BaseMismatchError,
-                          lambda: apply_delta(model, delta, current_step=0), "model.embed_tokens.weight")
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.BaseMismatchError,
+            lambda: apply_delta(model, delta, current_step=0),
+            "model.embed_tokens.weight",
+        )
         return
     apply_delta(model, delta, current_step=0)
     applied = snapshot(model)
@@ -298,9 +342,13 @@ def check_loader_path_rejects_diff(model, item: Prepared) -> None:
     import deltasync_rs as ds
     from deltasync_rs.vllm import apply_delta
 
-    _expect_untouched(model, snapshot(model), ds.DeltaSyncError,
-                      lambda: apply_delta(model, _delta(item, 1, "diff"), current_step=0, path="loader"),
-                      'values="abs"')
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.DeltaSyncError,
+        lambda: apply_delta(model, _delta(item, 1, "diff"), current_step=0, path="loader"),
+        'values="abs"',
+    )
 
 
 def check_unmapped_architecture_falls_back(model, item: Prepared) -> None:
@@ -311,8 +359,13 @@ def check_unmapped_architecture_falls_back(model, item: Prepared) -> None:
     model.__class__ = type("UnmappedForCausalLM", (original,), {})  # same loader, a name outside the mapping
     try:
         assert not is_mapped(model)
-        _expect_untouched(model, snapshot(model), ds.DeltaSyncError,
-                          lambda: apply_delta(model, _delta(item, 1, "diff"), current_step=0), 'values="abs"')
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.DeltaSyncError,
+            lambda: apply_delta(model, _delta(item, 1, "diff"), current_step=0),
+            'values="abs"',
+        )
         apply_delta(model, _delta(item, 1, "abs"), current_step=0)
     finally:
         model.__class__ = original
@@ -327,8 +380,9 @@ def check_worker_extension_applies_files(model, item: Prepared) -> None:
     worker = DeltaSyncWorkerExtension()
     worker.model_runner = SimpleNamespace(model=model)
     assert worker.deltasync_set_step(0) == 0
-    step = worker.deltasync_apply([item.path("delta_1_diff.safetensors"),
-                                   open(item.path("delta_2_diff.safetensors"), "rb").read()])
+    step = worker.deltasync_apply(
+        [item.path("delta_1_diff.safetensors"), open(item.path("delta_2_diff.safetensors"), "rb").read()]
+    )
     assert step == 2 == worker.deltasync_step()
     _assert_equal_to_reload(model, item, 2)
 

@@ -1,9 +1,9 @@
 """deltasync-rs: bit-exact sparse deltas of model weights, stored as valid safetensors files.
 
-    import deltasync_rs as ds
-    delta = ds.diff(prev_state, curr_state)
-    delta.save("step_000042.safetensors")
-    ds.load("step_000042.safetensors").apply_(state)
+import deltasync_rs as ds
+delta = ds.diff(prev_state, curr_state)
+delta.save("step_000042.safetensors")
+ds.load("step_000042.safetensors").apply_(state)
 """
 
 # torch stays out of this module: `deltasync_rs.torch` is our submodule, which shadows a module-level
@@ -62,16 +62,26 @@ def _check_environment() -> None:
 
     threads = os.environ.get("DELTASYNC_NUM_THREADS", "").strip()
     if threads and not (threads.isdigit() and int(threads) > 0):
-        warnings.warn(f"DELTASYNC_NUM_THREADS={threads!r} is not a positive integer; using one thread per CPU",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"DELTASYNC_NUM_THREADS={threads!r} is not a positive integer; using one thread per CPU",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     elif threads and int(threads) > get_num_threads():
         # The core caps the pool at 4 threads per CPU (at least 256): see src/core/pool.rs.
-        warnings.warn(f"DELTASYNC_NUM_THREADS={threads!r} is more threads than this machine can use; using "
-                      f"{get_num_threads()}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"DELTASYNC_NUM_THREADS={threads!r} is more threads than this machine can use; using {get_num_threads()}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     kernel = os.environ.get("DELTASYNC_SCAN_KERNEL", "").strip()
     if kernel and kernel not in SCAN_KERNELS:
-        warnings.warn(f"DELTASYNC_SCAN_KERNEL={kernel!r} is not one of {', '.join(SCAN_KERNELS)}; using the "
-                      "fastest kernel this CPU has", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"DELTASYNC_SCAN_KERNEL={kernel!r} is not one of {', '.join(SCAN_KERNELS)}; using the "
+            "fastest kernel this CPU has",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 _check_environment()
@@ -88,8 +98,11 @@ def set_num_threads(n: int) -> None:
         raise ValueError(f"the number of threads must be 0 or more, not {n}")
     _core_set_num_threads(n)
     if n > 0 and get_num_threads() < n:
-        warnings.warn(f"set_num_threads({n}) is more threads than this machine can use; using {get_num_threads()}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"set_num_threads({n}) is more threads than this machine can use; using {get_num_threads()}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def __getattr__(name: str):

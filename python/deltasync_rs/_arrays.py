@@ -47,10 +47,21 @@ _TORCH_NAMES = {
 }
 
 WIDTHS = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 
@@ -144,8 +155,10 @@ def numpy_dtype(name: str) -> np.dtype:
         try:
             import ml_dtypes
         except ImportError:
-            raise DeltaSyncError(f"dtype {name} needs the ml_dtypes package with numpy: pip install ml_dtypes "
-                                 "(or 'deltasync-rs[numpy-bf16]')") from None
+            raise DeltaSyncError(
+                f"dtype {name} needs the ml_dtypes package with numpy: pip install ml_dtypes "
+                "(or 'deltasync-rs[numpy-bf16]')"
+            ) from None
         return np.dtype(getattr(ml_dtypes, by_name[name]))
     return np.dtype(by_name[name])
 

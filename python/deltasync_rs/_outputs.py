@@ -43,8 +43,14 @@ def remove_stale_temps(output: str) -> None:
     cutoff = time.time() - STALE_TEMP_SECONDS
     try:
         with os.scandir(folder) as entries:
-            stale = [e for e in entries if e.name.startswith(TEMP_PREFIX) and e.name.endswith(".tmp")
-                     and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_mtime < cutoff]
+            stale = [
+                e
+                for e in entries
+                if e.name.startswith(TEMP_PREFIX)
+                and e.name.endswith(".tmp")
+                and e.is_file(follow_symlinks=False)
+                and e.stat(follow_symlinks=False).st_mtime < cutoff
+            ]
     except OSError:
         return
     for entry in stale:

@@ -44,8 +44,9 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def trl_v1_encode(prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor], *,
-                  model_version: int = 0) -> bytes:
+def trl_v1_encode(
+    prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor], *, model_version: int = 0
+) -> bytes:
     """A TRL v1 sparse weight patch (bytes of a safetensors file) that turns ``prev`` into ``curr``."""
     tensors: dict[str, torch.Tensor] = {}
     changed_params: list[str] = []
@@ -158,8 +159,9 @@ def _changes(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.
     return indices, flat_new[indices]
 
 
-def trl_v3_encode(prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor], *,
-                  model_version: int = 0) -> bytes:
+def trl_v3_encode(
+    prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor], *, model_version: int = 0
+) -> bytes:
     """A TRL v3 ``gap_delta`` sparse weight patch (safetensors bytes) that turns ``prev`` into ``curr``."""
     tensors: dict[str, torch.Tensor] = {}
     changed_params: list[str] = []
@@ -203,7 +205,11 @@ def trl_v3_apply(blob: bytes, state: Mapping[str, torch.Tensor]) -> int:
 
 
 _NARROW: list[tuple[type[np.unsignedinteger], str]] = [
-    (np.uint8, "u1"), (np.uint16, "u2"), (np.uint32, "u4"), (np.uint64, "u8")]
+    (np.uint8, "u1"),
+    (np.uint16, "u2"),
+    (np.uint32, "u4"),
+    (np.uint64, "u8"),
+]
 
 
 def grail_like_encode(prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor]) -> bytes:
@@ -236,7 +242,7 @@ def grail_like_apply(blob: bytes, state: Mapping[str, torch.Tensor]) -> int:
     at = 8 + n
     written = 0
     for name, count, code, _, frame_len in json.loads(blob[8:at]):
-        raw = decompressor.decompress(blob[at: at + frame_len])
+        raw = decompressor.decompress(blob[at : at + frame_len])
         at += frame_len
         gap_bytes = count * int(code[1])
         gaps = np.frombuffer(raw, dtype=code, count=count).astype(np.int64)

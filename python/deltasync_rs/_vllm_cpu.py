@@ -73,7 +73,8 @@ def check_updatable(module: torch.nn.Module, attr: str, hf_name: str, vllm_name:
         f"{' and emptied the parameter' if emptied else ''}, and computes from that copy, so an in-place update "
         "would not reach the outputs. deltasync keeps unpacked weights and repacks changed layers when its vLLM "
         "plugin runs before the model loads: install deltasync-rs in the engine's environment, keep 'deltasync' in "
-        f"VLLM_PLUGINS if you set it, and leave {KEEP_WEIGHTS_ENV} unset; nothing was written")
+        f"VLLM_PLUGINS if you set it, and leave {KEEP_WEIGHTS_ENV} unset; nothing was written"
+    )
 
 
 def check_model(model: torch.nn.Module, hf_name: str) -> None:

@@ -122,7 +122,9 @@ def generate(scale: float = 1.0, density: float = 0.01, seed: int = 0):
     changed = []
     for i, (name, n) in enumerate(zip(names, sizes)):
         # An independent stream per tensor: the data for a name does not depend on generation order.
-        prev[offsets[i]: offsets[i] + n], curr[offsets[i]: offsets[i] + n], count = _tensor_pair(name, n, i, density, seed)
+        prev[offsets[i] : offsets[i] + n], curr[offsets[i] : offsets[i] + n], count = _tensor_pair(
+            name, n, i, density, seed
+        )
         changed.append(count)
     layout = {
         "generator_version": GENERATOR_VERSION,
@@ -136,7 +138,6 @@ def generate(scale: float = 1.0, density: float = 0.01, seed: int = 0):
         "num_elements": total,
     }
     return prev, curr, layout
-
 
 
 #: Qwen2.5-7B-like shapes: vocab 152064, hidden 3584, intermediate 18944, 28 layers, 28 query heads and 4 KV heads of
@@ -172,15 +173,20 @@ def _tensor_pair(name: str, n: int, index: int, density: float, seed: int) -> tu
     for lo in range(0, n, _CHUNK):
         m = min(_CHUNK, n - lo)
         draws = rng.bit_generator.random_raw((m + 3) // 4).view(np.uint16)[:m]
-        prev[lo: lo + m] = table[draws]
+        prev[lo : lo + m] = table[draws]
     curr = prev.copy()
     pos = _change_positions(rng, n, density)
     curr[pos] = _change_bits(rng, prev[pos])
     return prev, curr, int(pos.size)
 
 
-def write_checkpoints(prev_path: str | Path, curr_path: str | Path, shapes: list[tuple[str, tuple[int, ...]]],
-                      density: float = 0.01, seed: int = 0) -> int:
+def write_checkpoints(
+    prev_path: str | Path,
+    curr_path: str | Path,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    density: float = 0.01,
+    seed: int = 0,
+) -> int:
     """Writes two bf16 safetensors checkpoints that differ as one training step, one tensor at a time, so
     memory stays near two copies of the largest tensor. Returns the number of changed elements."""
     header: dict = {"__metadata__": {"format": "pt"}}

@@ -71,7 +71,7 @@ def decode(raw: RawDelta, index: int, *, device: Any = None) -> tuple[Any, Any]:
         staged = staged.to(device)
     if is_dense(raw, index):
         return None, staged.view(int_dtype(width))
-    return staged[: changed * 8].view(torch.int64), staged[changed * 8:].view(int_dtype(width))
+    return staged[: changed * 8].view(torch.int64), staged[changed * 8 :].view(int_dtype(width))
 
 
 def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, bool]:
@@ -199,8 +199,10 @@ class Writes:
             layout = (target.dtype, target.shape, target.strides)
             device = "cpu"
         if not disjoint:
-            raise DeltaSyncError(f"target of tensor {name!r}: several of its elements share memory (an expanded, "
-                                 "broadcast or overlapping view); write into a tensor that owns its elements")
+            raise DeltaSyncError(
+                f"target of tensor {name!r}: several of its elements share memory (an expanded, "
+                "broadcast or overlapping view); write into a tensor that owns its elements"
+            )
         return _Memory(index, target, device, start, start + span * itemsize, layout)
 
     def _without_aliases(self, targets: list[_Memory]) -> list[_Memory]:
@@ -212,11 +214,15 @@ class Writes:
         for memory in ordered:
             if reach is not None and reach.device == memory.device and memory.start < reach.end:
                 if (reach.start, reach.end, reach.layout) != (memory.start, memory.end, memory.layout):
-                    raise DeltaSyncError(f"targets of tensors {self._name(reach.index)!r} and "
-                                         f"{self._name(memory.index)!r} overlap in memory")
+                    raise DeltaSyncError(
+                        f"targets of tensors {self._name(reach.index)!r} and "
+                        f"{self._name(memory.index)!r} overlap in memory"
+                    )
                 if not self._raw.same_changes(reach.index, memory.index):
-                    raise DeltaSyncError(f"tensors {self._name(reach.index)!r} and {self._name(memory.index)!r} "
-                                         "share memory in the target but the delta changes them differently")
+                    raise DeltaSyncError(
+                        f"tensors {self._name(reach.index)!r} and {self._name(memory.index)!r} "
+                        "share memory in the target but the delta changes them differently"
+                    )
                 aliases.add(id(memory))
                 continue
             if reach is None or reach.device != memory.device or memory.end > reach.end:
@@ -267,7 +273,7 @@ class Writes:
             return lambda: np.copyto(view, whole)
         changed = self._changed(index)
         positions = decoded[: changed * 8].view("<i8")
-        values = decoded[changed * 8:].view(f"<u{width}").astype(_NUMPY_UINT[width])
+        values = decoded[changed * 8 :].view(f"<u{width}").astype(_NUMPY_UINT[width])
         coordinates = np.unravel_index(positions, target.shape)
         new = new_bits(self._raw, index, view[coordinates], values, width)
 
@@ -289,15 +295,19 @@ class Writes:
         hf_rows = region.hf_shape[0] if region.hf_shape else 1
         hf_cols = region.hf_shape[1] if len(region.hf_shape) == 2 else 1
         param_cols = param.shape[1] if param.dim() == 2 else 1
-        covers_all = (region.row_start == 0 and region.row_count == hf_rows and region.col_start == 0
-                      and region.col_count == hf_cols)
+        covers_all = (
+            region.row_start == 0
+            and region.row_count == hf_rows
+            and region.col_start == 0
+            and region.col_count == hf_cols
+        )
         changed = self._changed(index)
         if changed == 0:
             return
         if covers_all and param.device.type == "cpu":
             # The whole tensor is one contiguous run of this CPU parameter: the core writes into it directly.
             start = region.param_row_offset * param_cols
-            self._in_core.append((index, param.view(-1)[start: start + hf_rows * hf_cols]))
+            self._in_core.append((index, param.view(-1)[start : start + hf_rows * hf_cols]))
             self._core_tensors.append(region.param)
             self.elements += changed
             return
@@ -310,10 +320,15 @@ class Writes:
         else:
             rows = torch.div(positions, hf_cols, rounding_mode="floor")
             cols = positions - rows * hf_cols
-            keep = ((rows >= region.row_start) & (rows < region.row_start + region.row_count)
-                    & (cols >= region.col_start) & (cols < region.col_start + region.col_count))
-            positions = ((rows[keep] - region.row_start + region.param_row_offset) * param_cols
-                         + cols[keep] - region.col_start)
+            keep = (
+                (rows >= region.row_start)
+                & (rows < region.row_start + region.row_count)
+                & (cols >= region.col_start)
+                & (cols < region.col_start + region.col_count)
+            )
+            positions = (
+                (rows[keep] - region.row_start + region.param_row_offset) * param_cols + cols[keep] - region.col_start
+            )
             values = values[keep]
         new = new_bits(self._raw, index, flat.index_select(0, positions), values, width)
         self.elements += int(positions.numel())

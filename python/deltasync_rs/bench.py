@@ -50,7 +50,7 @@ def _torch_state(flat: np.ndarray, layout: dict) -> dict:
     state, at = {}, 0
     for name, shape in zip(layout["names"], layout["shapes"]):
         n = int(np.prod(shape)) if shape else 1
-        state[name] = base[at: at + n].view(shape)
+        state[name] = base[at : at + n].view(shape)
         at += n
     return state
 
@@ -71,8 +71,14 @@ def _peer_codecs() -> dict[str, tuple[Callable, Callable]]:
     return peers
 
 
-def run(scale: float = 0.05, densities: Sequence[float] = DEFAULT_DENSITIES, rounds: int = 3, seed: int = 0,
-        peers: bool = True, progress: Callable[[str], None] | None = None) -> list[Result]:
+def run(
+    scale: float = 0.05,
+    densities: Sequence[float] = DEFAULT_DENSITIES,
+    rounds: int = 3,
+    seed: int = 0,
+    peers: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[Result]:
     """Measures each codec (and, with ``peers``, each peer) at each density; checks every result bit-exactly."""
     results = []
     for density in densities:
@@ -107,9 +113,11 @@ def _measure_density(scale: float, density: float, rounds: int, seed: int, peers
     def apply_deltasync(blob: bytes, state: dict) -> None:
         load(blob).apply_(state)
 
-    results = [measure(f"deltasync {codec}", functools.partial(_encode_deltasync, prev, curr, codec), apply_deltasync)
-               for codec in ("varint", "compact")]
-    for name, (encode, apply) in (_peer_codecs().items() if peers else ()):
+    results = [
+        measure(f"deltasync {codec}", functools.partial(_encode_deltasync, prev, curr, codec), apply_deltasync)
+        for codec in ("varint", "compact")
+    ]
+    for name, (encode, apply) in _peer_codecs().items() if peers else ():
         results.append(measure(name, functools.partial(encode, prev, curr), apply))
     floor_ms, _ = _median_ms(functools.partial(_peers.read_floor, prev, curr, threads=2), rounds)
     results.append(Result(density, "read floor (2 threads)", None, floor_ms, None))
@@ -143,12 +151,14 @@ def plot(results: list[Result], path: str) -> None:
     for name in names:
         rows = [r for r in results if r.what == name]
         x = [r.density * 100 for r in rows]
-        for ax, values in zip(axes, ([r.bytes_per_changed for r in rows], [r.encode_ms for r in rows],
-                                     [r.apply_ms for r in rows])):
+        for ax, values in zip(
+            axes, ([r.bytes_per_changed for r in rows], [r.encode_ms for r in rows], [r.apply_ms for r in rows])
+        ):
             if all(v is not None for v in values):
                 ax.plot(x, values, marker="o", label=name)
-    for ax, title in zip(axes, ("file bytes per changed element", "encode (diff + serialize), ms",
-                                "decode + apply onto a CPU state, ms")):
+    for ax, title in zip(
+        axes, ("file bytes per changed element", "encode (diff + serialize), ms", "decode + apply onto a CPU state, ms")
+    ):
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())

@@ -82,8 +82,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     remove_stale_temps(args.output)
     delta = load(args.delta)
     apply_file(args.base, delta._raw, args.output, not args.no_check_base)
-    print(f"{args.output}: applied {_count(delta.num_changed, 'change')} to {_count(len(delta), 'tensor')} "
-          f"in {time.perf_counter() - start:.2f} s")
+    print(
+        f"{args.output}: applied {_count(delta.num_changed, 'change')} to {_count(len(delta), 'tensor')} "
+        f"in {time.perf_counter() - start:.2f} s"
+    )
     return 0
 
 
@@ -92,16 +94,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     delta = load(args.delta)
     raw: RawDelta = delta._raw
     if args.json:
-        print(json.dumps({
-            "kind": "anchor" if delta.is_anchor else "delta",
-            "step": delta.step,
-            "base_step": delta.base_step,
-            "metadata": delta.metadata,
-            "num_changed": delta.num_changed,
-            "num_elements": delta.num_elements,
-            "nbytes": delta.nbytes,
-            "tensors": [t._asdict() | {"density": t.density} for t in delta.tensors],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "kind": "anchor" if delta.is_anchor else "delta",
+                    "step": delta.step,
+                    "base_step": delta.base_step,
+                    "metadata": delta.metadata,
+                    "num_changed": delta.num_changed,
+                    "num_elements": delta.num_elements,
+                    "nbytes": delta.nbytes,
+                    "tensors": [t._asdict() | {"density": t.density} for t in delta.tensors],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"{args.delta}: {'anchor' if raw.is_anchor else 'delta'}, step={delta.step}, base_step={delta.base_step}")
     for key, value in sorted(delta.metadata.items()):
@@ -111,8 +118,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for t in delta.tensors:
         density = "?" if t.density is None else f"{t.density:.4%}"
         shape = "?" if t.shape is None else "x".join(map(str, t.shape)) or "scalar"
-        print(f"{t.name:<{name_width}}  {t.dtype:<8} {shape:<18} {t.changed:>12} {density:>9} {t.nbytes:>12}  "
-              f"{t.positions}/{t.values}")
+        print(
+            f"{t.name:<{name_width}}  {t.dtype:<8} {shape:<18} {t.changed:>12} {density:>9} {t.nbytes:>12}  "
+            f"{t.positions}/{t.values}"
+        )
     per_change = delta.nbytes / delta.num_changed if delta.num_changed else 0.0
     if any(t.shape is None for t in delta.tensors):  # TRL files store no shapes
         changed = f"{_count(delta.num_changed, 'element')} changed (shapes unknown)"
@@ -159,8 +168,14 @@ def _save_checkpoint(state: dict[str, np.ndarray], path: str) -> None:
 
 def _cmd_publish(args: argparse.Namespace) -> int:
     state = _load_checkpoint(args.checkpoint)
-    with Publisher(args.store, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors, values=args.values,
-                   codec=args.codec, background=False) as publisher:
+    with Publisher(
+        args.store,
+        anchor_every=args.anchor_every,
+        keep_anchors=args.keep_anchors,
+        values=args.values,
+        codec=args.codec,
+        background=False,
+    ) as publisher:
         subscriber = Subscriber(publisher.store)
         latest = subscriber.latest_step()
         if latest is not None and not args.anchor:
@@ -188,8 +203,10 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     if step is None:
         raise DeltaSyncError(f"{args.store}: the last file of the chain records no step")
     if state_digest(state) != subscriber.entry(step).state_digest:
-        raise IntegrityError(f"{args.store}: the state rebuilt at step {step} does not match the state digest in "
-                             f"{entry_key(step)}; nothing was written")
+        raise IntegrityError(
+            f"{args.store}: the state rebuilt at step {step} does not match the state digest in "
+            f"{entry_key(step)}; nothing was written"
+        )
     _save_checkpoint(state, args.output)
     print(f"{args.output}: step {step} from {_count(len(deltas), 'file')}")
     return 0
@@ -233,12 +250,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("deltasync bench: --plot needs matplotlib; pip install 'deltasync-rs[bench]'", file=sys.stderr)
             return 1
-    results = bench.run(args.scale, args.densities, args.rounds, peers=not args.no_peers,
-                        progress=lambda line: print(line, file=sys.stderr))
+    results = bench.run(
+        args.scale,
+        args.densities,
+        args.rounds,
+        peers=not args.no_peers,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
     from . import _core
 
-    print(f"synthetic Qwen3-0.6B-shaped bf16 state at scale {args.scale}; medians of {args.rounds} rounds, ms; "
-          f"{_core.get_num_threads()} threads, {_core.scan_kernel()} compare kernel")
+    print(
+        f"synthetic Qwen3-0.6B-shaped bf16 state at scale {args.scale}; medians of {args.rounds} rounds, ms; "
+        f"{_core.get_num_threads()} threads, {_core.scan_kernel()} compare kernel"
+    )
     print(bench.table(results))
     if args.plot:
         bench.plot(results, args.plot)
@@ -267,7 +291,9 @@ def _step_number(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltasync", description="Bit-exact sparse deltas of safetensors checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="deltasync", description="Bit-exact sparse deltas of safetensors checkpoints."
+    )
     parser.add_argument("--version", action="version", version=f"deltasync-rs {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -275,10 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prev", help="the older .safetensors checkpoint")
     p.add_argument("curr", help="the newer .safetensors checkpoint")
     p.add_argument("-o", "--output", required=True, help="the delta file to write")
-    p.add_argument("--values", choices=("diff", "abs"), default="diff",
-                   help="store bit-pattern differences (smallest) or new absolute values (TRL-compatible)")
-    p.add_argument("--codec", choices=("varint", "compact"), default="varint",
-                   help="byte-aligned streams (read by every version-1 reader) or Rice/bit-packed streams (smallest)")
+    p.add_argument(
+        "--values",
+        choices=("diff", "abs"),
+        default="diff",
+        help="store bit-pattern differences (smallest) or new absolute values (TRL-compatible)",
+    )
+    p.add_argument(
+        "--codec",
+        choices=("varint", "compact"),
+        default="varint",
+        help="byte-aligned streams (read by every version-1 reader) or Rice/bit-packed streams (smallest)",
+    )
     p.add_argument("--format", choices=("deltasync", "trl"), default="deltasync", help="file layout to write")
     p.add_argument("--step", type=_step_number, default=None, help="step number to record")
     p.add_argument("--base-step", type=_step_number, default=None, help="base step number to record")
@@ -288,9 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("base", help="the checkpoint the delta was made against")
     p.add_argument("delta", help="a deltasync or TRL delta file")
     p.add_argument("-o", "--output", required=True, help="the checkpoint to write (may be BASE itself)")
-    p.add_argument("--no-check-base", action="store_true",
-                   help="skip checking that BASE is the exact base the delta was made against (checked by default: "
-                        "a wrong base, or a delta applied twice, is refused)")
+    p.add_argument(
+        "--no-check-base",
+        action="store_true",
+        help="skip checking that BASE is the exact base the delta was made against (checked by default: "
+        "a wrong base, or a delta applied twice, is refused)",
+    )
     p.set_defaults(run=_cmd_apply)
 
     p = commands.add_parser("publish", help="publish a checkpoint as a step: a delta against the last published step")
@@ -300,8 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor-every", type=int, default=10, help="write a full anchor every N publishes")
     p.add_argument("--keep-anchors", type=int, default=2, help="anchors to keep (older files are deleted)")
     p.add_argument("--values", choices=("diff", "abs"), default="diff")
-    p.add_argument("--codec", choices=("varint", "compact"), default="varint",
-                   help="byte-aligned streams, or rice/diffbits streams where smaller (read by this version's readers)")
+    p.add_argument(
+        "--codec",
+        choices=("varint", "compact"),
+        default="varint",
+        help="byte-aligned streams, or rice/diffbits streams where smaller (read by this version's readers)",
+    )
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
     p.set_defaults(run=_cmd_publish)
 
@@ -325,10 +366,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_inspect)
 
     p = commands.add_parser("bench", help="compare the codecs with TRL and grail-like encoders on a synthetic state")
-    p.add_argument("--scale", type=float, default=0.05,
-                   help="fraction of the Qwen3-0.6B shape to generate (default 0.05, about 23M params; 1 is the full model)")
-    p.add_argument("--densities", type=_density, nargs="+", default=[0.0025, 0.005, 0.01, 0.02, 0.05],
-                   help="fractions of changed elements (0.01 or 1%%)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=0.05,
+        help="fraction of the Qwen3-0.6B shape to generate (default 0.05, about 23M params; 1 is the full model)",
+    )
+    p.add_argument(
+        "--densities",
+        type=_density,
+        nargs="+",
+        default=[0.0025, 0.005, 0.01, 0.02, 0.05],
+        help="fractions of changed elements (0.01 or 1%%)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per measurement, after one warm-up")
     p.add_argument("--no-peers", action="store_true", help="time deltasync's codecs only")
     p.add_argument("--plot", metavar="PNG", help="also write a chart of size and time per codec and density")

@@ -18,7 +18,7 @@ DEFAULT_NAME = "tensor"
 _STAGING_BYTES = 512 << 20
 
 Tensor = Any  # torch.Tensor | numpy.ndarray
-State = Union[Tensor, Mapping[str, Tensor]]
+State = Union[Tensor, Mapping[str, Tensor]]  # noqa: UP007 (a runtime alias; "os.PathLike[str]" below is a string)
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
 
@@ -60,7 +60,10 @@ class Delta:
 
     @property
     def tensors(self) -> list[TensorInfo]:
-        return [TensorInfo(n, d, tuple(s) if s is not None else None, c, p, v, b) for n, d, s, c, p, v, b in self._raw.tensors()]
+        return [
+            TensorInfo(n, d, tuple(s) if s is not None else None, c, p, v, b)
+            for n, d, s, c, p, v, b in self._raw.tensors()
+        ]
 
     @property
     def num_changed(self) -> int:
@@ -126,8 +129,10 @@ class Delta:
             changed = f"{self.num_changed} element{'' if self.num_changed == 1 else 's'} changed (shapes unknown)"
         else:
             changed = f"{self.num_changed} of {self.num_elements} elements changed"
-        return (f"<deltasync {kind}: {tensors}, {changed}, {self.nbytes} bytes of streams, step={self.step}, "
-                f"base_step={self.base_step}>")
+        return (
+            f"<deltasync {kind}: {tensors}, {changed}, {self.nbytes} bytes of streams, step={self.step}, "
+            f"base_step={self.base_step}>"
+        )
 
     def to_bytes(self, format: str = "deltasync") -> bytes:
         """The file's bytes. ``format="trl"`` writes TRL's v1 layout, which needs ``values="abs"``."""
@@ -211,8 +216,16 @@ def check_codec(codec: str) -> None:
         raise DeltaSyncError(f'codec must be "varint" or "compact", not {codec!r}')
 
 
-def diff(prev: State, curr: State, *, values: str = "diff", codec: str = "varint", step: int | None = None,
-         base_step: int | None = None, metadata: Mapping[str, str] | None = None) -> Delta:
+def diff(
+    prev: State,
+    curr: State,
+    *,
+    values: str = "diff",
+    codec: str = "varint",
+    step: int | None = None,
+    base_step: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Delta:
     """The bit-exact changes from ``prev`` to ``curr``.
 
     ``prev`` and ``curr`` are each a tensor/array or a mapping (a state_dict) with the same names, dtypes and

@@ -131,8 +131,9 @@ def parse_document(raw: bytes, key: str, expected_format: str) -> dict[str, Any]
     return document
 
 
-def _field(document: Mapping[str, Any], name: str, kind: type | tuple[type, ...], key: str,
-           optional: bool = False) -> Any:
+def _field(
+    document: Mapping[str, Any], name: str, kind: type | tuple[type, ...], key: str, optional: bool = False
+) -> Any:
     if name not in document:
         raise DeltaFormatError(f"{key}: the field {name!r} is missing")
     value = document[name]
@@ -239,8 +240,11 @@ class Entry:
             num_elements=_count(document, "num_elements", key),
             created=created,
             run=_run_id(document, key),
-            base_entry_sha256=(_hex_digest(document, "base_entry_sha256", key, optional=True)
-                               if "base_entry_sha256" in document else None),
+            base_entry_sha256=(
+                _hex_digest(document, "base_entry_sha256", key, optional=True)
+                if "base_entry_sha256" in document
+                else None
+            ),
             sha256=hashlib.sha256(raw).hexdigest(),
         )
         if entry.delta is None and entry.anchor is None:
@@ -278,8 +282,13 @@ class Pointer(NamedTuple):
 
 
 def latest_document(step: int, entry_blob: bytes, run: str | None, signing_key: bytes | None) -> bytes:
-    document = {"format": LATEST_FORMAT, "version": PROTOCOL_VERSION, "step": step, "run": run,
-                "entry_sha256": hashlib.sha256(entry_blob).hexdigest()}
+    document = {
+        "format": LATEST_FORMAT,
+        "version": PROTOCOL_VERSION,
+        "step": step,
+        "run": run,
+        "entry_sha256": hashlib.sha256(entry_blob).hexdigest(),
+    }
     return json.dumps(sign(document, signing_key), sort_keys=True).encode()
 
 
@@ -294,8 +303,7 @@ def parse_latest(raw: bytes, signing_key: bytes | None) -> Pointer:
 
 def run_document(signing_key: bytes | None) -> bytes:
     """A new `run.json`: a random run id that every entry of this store will carry."""
-    document = {"format": RUN_FORMAT, "version": PROTOCOL_VERSION, "run": secrets.token_hex(16),
-                "created": time.time()}
+    document = {"format": RUN_FORMAT, "version": PROTOCOL_VERSION, "run": secrets.token_hex(16), "created": time.time()}
     return json.dumps(sign(document, signing_key), sort_keys=True).encode()
 
 

@@ -58,9 +58,20 @@ class Publisher:
     interpreter exit are waited for up to ``exit_timeout`` seconds, and any that are lost are reported on stderr.
     """
 
-    def __init__(self, store: str | os.PathLike[str] | Store, *, anchor_every: int = 10, keep_anchors: int = 2,
-                 values: str = "diff", codec: str = "varint", signing_key: bytes | str | None = None, background: bool = True,
-                 max_pending: int = 2, retries: int = 3, exit_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        store: str | os.PathLike[str] | Store,
+        *,
+        anchor_every: int = 10,
+        keep_anchors: int = 2,
+        values: str = "diff",
+        codec: str = "varint",
+        signing_key: bytes | str | None = None,
+        background: bool = True,
+        max_pending: int = 2,
+        retries: int = 3,
+        exit_timeout: float = 60.0,
+    ) -> None:
         if anchor_every < 1 or keep_anchors < 1:
             raise DeltaSyncError("anchor_every and keep_anchors must be at least 1")
         if values not in ("diff", "abs"):
@@ -270,9 +281,18 @@ class Publisher:
         # A base entry that was never written (its upload failed) leaves the link empty: subscribers then take
         # the anchor that follows such a failure.
         base_entry = self._base_entry[1] if self._base_entry and self._base_entry[0] == base_step else None
-        entry = Entry(step=step, base_step=base_step, delta=delta_ref, anchor=anchor_ref, state_digest=digest,
-                      num_changed=delta.num_changed if delta else elements, num_elements=elements,
-                      created=time.time(), run=self.run, base_entry_sha256=base_entry)
+        entry = Entry(
+            step=step,
+            base_step=base_step,
+            delta=delta_ref,
+            anchor=anchor_ref,
+            state_digest=digest,
+            num_changed=delta.num_changed if delta else elements,
+            num_elements=elements,
+            created=time.time(),
+            run=self.run,
+            base_entry_sha256=base_entry,
+        )
         entry_blob = entry.to_json(self._key)
         self._put(entry_key(step), entry_blob)
         self._base_entry = (step, hashlib.sha256(entry_blob).hexdigest())
@@ -308,11 +328,15 @@ class Publisher:
                 while self._queue.unfinished_tasks:
                     left = None if deadline is None else deadline - time.monotonic()
                     if self._worker is None or not self._worker.is_alive():
-                        raise DeltaSyncError(f"{self.store.url}: the upload thread stopped with "
-                                             f"{self._queue.unfinished_tasks} upload(s) pending; they are lost")
+                        raise DeltaSyncError(
+                            f"{self.store.url}: the upload thread stopped with "
+                            f"{self._queue.unfinished_tasks} upload(s) pending; they are lost"
+                        )
                     if left is not None and left <= 0:
-                        raise DeltaSyncError(f"{self.store.url}: {self._queue.unfinished_tasks} upload(s) still "
-                                             f"pending after {timeout} s")
+                        raise DeltaSyncError(
+                            f"{self.store.url}: {self._queue.unfinished_tasks} upload(s) still "
+                            f"pending after {timeout} s"
+                        )
                     self._queue.all_tasks_done.wait(0.1 if left is None else min(0.1, left))
         self._raise_errors()
 
@@ -337,8 +361,10 @@ class Publisher:
         try:
             self.flush(timeout=self.exit_timeout)
         except DeltaSyncError as error:
-            message = (f"deltasync: the publisher of {self.store.url} was not closed, and at exit not everything "
-                       f"it published reached the store: {error}")
+            message = (
+                f"deltasync: the publisher of {self.store.url} was not closed, and at exit not everything "
+                f"it published reached the store: {error}"
+            )
             log.error(message)
             print(message, file=sys.stderr, flush=True)
 

@@ -4,7 +4,6 @@ folder (the embedded default), anything fsspec serves (s3://, gs://, ...), and H
 from __future__ import annotations
 
 import builtins
-
 import errno
 import os
 import re
@@ -118,8 +117,9 @@ class LocalStore(Store):
                 os.close(fd)
                 where = self.root.joinpath(*parts[: depth + 1])
                 if error.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise StoreError(f"{where}: a symbolic link or not a folder; the store never follows links "
-                                     "out of its root") from None
+                    raise StoreError(
+                        f"{where}: a symbolic link or not a folder; the store never follows links out of its root"
+                    ) from None
                 raise StoreError(f"{where}: cannot open: {error}") from error
             os.close(fd)
             fd = child
@@ -358,8 +358,9 @@ class HFBucketStore(Store):
         with tempfile.TemporaryDirectory(prefix="deltasync-") as folder:
             local = Path(folder) / "object"
             try:
-                self.api.download_bucket_files(self.bucket_id, files=[(remote, str(local))],
-                                               raise_on_missing_files=True, token=self.token)
+                self.api.download_bucket_files(
+                    self.bucket_id, files=[(remote, str(local))], raise_on_missing_files=True, token=self.token
+                )
             except FileNotFoundError:
                 raise MissingObjectError(f"{self.url}/{key}: no such object") from None
             except Exception as error:
@@ -381,8 +382,9 @@ class HFBucketStore(Store):
     def list(self, prefix: str = "") -> list[str]:
         remote_prefix = self._remote(prefix.rstrip("/")) if prefix else self.prefix
         try:
-            entries = self.api.list_bucket_tree(self.bucket_id, prefix=remote_prefix or None, recursive=True,
-                                                token=self.token)
+            entries = self.api.list_bucket_tree(
+                self.bucket_id, prefix=remote_prefix or None, recursive=True, token=self.token
+            )
             paths = [entry.path for entry in entries if getattr(entry, "type", "file") == "file"]
         except Exception as error:
             raise StoreError(f"{self.url}/{prefix}: cannot list: {error}") from error

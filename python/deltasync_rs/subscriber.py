@@ -14,17 +14,25 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .delta import Delta, load, state_digest
-from .errors import BaseMismatchError, ChainError, DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
+from .errors import (
+    BaseMismatchError,
+    ChainError,
+    DeltaFormatError,
+    DeltaSyncError,
+    IntegrityError,
+    MissingObjectError,
+    StoreError,
+)
 from .manifest import (
     LATEST_KEY,
     MAX_DOCUMENT_BYTES,
     RUN_KEY,
     Entry,
     Pointer,
+    check_run,
     entry_key,
     listed_steps,
     parse_latest,
-    check_run,
     parse_run,
     resolve_signing_key,
     step_of,
@@ -65,8 +73,15 @@ class Subscriber:
     any write and brought back from the newest anchor, with a warning.
     """
 
-    def __init__(self, store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None,
-                 retries: int = 3, retry_delay: float = 0.02, check_base: bool = True) -> None:
+    def __init__(
+        self,
+        store: str | os.PathLike[str] | Store,
+        *,
+        signing_key: bytes | str | None = None,
+        retries: int = 3,
+        retry_delay: float = 0.02,
+        check_base: bool = True,
+    ) -> None:
         self.store = open_store(store, create=False)
         self.check_base = check_base
         self.retries = max(1, retries)
@@ -100,12 +115,14 @@ class Subscriber:
         refused. None while the store has no run.json (nothing published yet, or a store written before run ids)."""
         if self._run is None:
             try:
-                self._run = self._retry(RUN_KEY, lambda: parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES),
-                                                                   self._key))
+                self._run = self._retry(
+                    RUN_KEY, lambda: parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES), self._key)
+                )
             except MissingObjectError:
                 if self._key is not None:
-                    raise IntegrityError(f"{RUN_KEY} is missing, but a signing key is set: no entry can be bound "
-                                         "to this store's run") from None
+                    raise IntegrityError(
+                        f"{RUN_KEY} is missing, but a signing key is set: no entry can be bound to this store's run"
+                    ) from None
         return self._run
 
     def entry(self, step: int) -> Entry:
@@ -115,8 +132,9 @@ class Subscriber:
             self._entries.move_to_end(step)
             return cached
         key = entry_key(step)
-        entry = self._retry(key, lambda: self._bound(Entry.parse(self.store.get_small(key, MAX_DOCUMENT_BYTES), key,
-                                                                 self._key), key))
+        entry = self._retry(
+            key, lambda: self._bound(Entry.parse(self.store.get_small(key, MAX_DOCUMENT_BYTES), key, self._key), key)
+        )
         self._entries[step] = entry
         while len(self._entries) > _CACHED_ENTRIES:
             self._entries.popitem(last=False)
@@ -135,8 +153,12 @@ class Subscriber:
 
     def _pointer(self) -> Pointer | None:
         try:
-            return self._retry(LATEST_KEY, lambda: self._bound(
-                parse_latest(self.store.get_small(LATEST_KEY, MAX_DOCUMENT_BYTES), self._key), LATEST_KEY))
+            return self._retry(
+                LATEST_KEY,
+                lambda: self._bound(
+                    parse_latest(self.store.get_small(LATEST_KEY, MAX_DOCUMENT_BYTES), self._key), LATEST_KEY
+                ),
+            )
         except MissingObjectError:
             return None
 
@@ -225,6 +247,7 @@ class Subscriber:
         errors: list[Exception] = []
         plans: list[Callable[[], tuple[Entry | None, list[Entry]]]] = []
         if current is not None:
+
             def from_current() -> tuple[Entry | None, list[Entry]]:
                 chain = self._walk_back(target, current + 1, lambda e: e.base_step == current and e.delta is not None)
                 if self._at is not None and self._at.step == current:
@@ -239,8 +262,9 @@ class Subscriber:
                 raise ChainError(f"step {anchor_step} has no anchor entry")
             return chain[0], chain[1:]
 
-        anchors = sorted({s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= target},
-                         reverse=True)
+        anchors = sorted(
+            {s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= target}, reverse=True
+        )
         plans.extend(functools.partial(from_anchor, a) for a in anchors)
         for plan in plans:
             try:
@@ -261,8 +285,9 @@ class Subscriber:
             return []
         if until is not None:
             if until > latest:
-                raise ChainError(f"{self.store.url}: step {until} is not published (the newest verified step is "
-                                 f"{latest})")
+                raise ChainError(
+                    f"{self.store.url}: step {until} is not published (the newest verified step is {latest})"
+                )
             if current_step is not None and until <= current_step:
                 return []
             try:
@@ -395,8 +420,10 @@ class Subscriber:
 def _check_link(base: Entry, successor: Entry) -> None:
     """``successor`` must name ``base``'s entry by SHA-256 (entries without a run id predate this rule)."""
     if successor.run is not None and successor.base_entry_sha256 != base.sha256:
-        raise IntegrityError(f"{entry_key(base.step)}: not the entry that {entry_key(successor.step)} was published "
-                             "after (its base_entry_sha256 differs)")
+        raise IntegrityError(
+            f"{entry_key(base.step)}: not the entry that {entry_key(successor.step)} was published "
+            "after (its base_entry_sha256 differs)"
+        )
 
 
 def log_entries(store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None) -> list[Entry]:

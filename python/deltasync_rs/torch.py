@@ -12,6 +12,7 @@ from . import _arrays
 from ._core import DeltaSyncError, MirrorDiff
 from .delta import Delta, _finish, check_codec
 
+
 def _named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if isinstance(source, torch.nn.Module):
         return dict(source.state_dict())
@@ -49,14 +50,22 @@ def _local_part(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor | None, i
     per_rank = -(-rows // world)
     first_row = min(rank * per_rank, rows)
     if local.shape[0] != min(per_rank, rows - first_row) or tuple(local.shape[1:]) != tuple(tensor.shape[1:]):
-        raise DeltaSyncError(f"tensor {name!r}: local shard {list(local.shape)} on rank {rank} of {world} is not "
-                             f"the dim-0 chunk of {list(tensor.shape)}")
+        raise DeltaSyncError(
+            f"tensor {name!r}: local shard {list(local.shape)} on rank {rank} of {world} is not "
+            f"the dim-0 chunk of {list(tensor.shape)}"
+        )
     return local, first_row * (tensor.numel() // rows if rows else 0)
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
-            tuple(tensor.shape), tuple(tensor.stride()))
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
 
 
 class Mirror:
@@ -74,9 +83,17 @@ class Mirror:
     the core then reads the weights in place), one cast chunk on the device, and the delta.
     """
 
-    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, *,
-                 chunk_bytes: int = 64 << 20, values: str = "diff", codec: str = "varint", step: int | None = None,
-                 pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        chunk_bytes: int = 64 << 20,
+        values: str = "diff",
+        codec: str = "varint",
+        step: int | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
         if not dtype.is_floating_point:
             raise DeltaSyncError(f"the shipped dtype must be a floating-point dtype, not {dtype}")
         if chunk_bytes < 64:
@@ -211,7 +228,7 @@ class Mirror:
             if event is not None:
                 event.synchronize()
             if end > start:
-                builder.update(self._bytes[name][start * width:end * width], host, offset + start)
+                builder.update(self._bytes[name][start * width : end * width], host, offset + start)
             if last:
                 # A shard cannot judge whether the whole tensor is better stored whole, so it keeps its streams.
                 builder.finish(None if whole_shape else self._bytes[name])
@@ -227,8 +244,12 @@ class Mirror:
 
         for name, tensor in live.items():
             mirror = self._tensors[name]
-            if stream is None and name not in self._shards and tensor.dtype == mirror.dtype \
-                    and _arrays.readable_in_place(tensor):
+            if (
+                stream is None
+                and name not in self._shards
+                and tensor.dtype == mirror.dtype
+                and _arrays.readable_in_place(tensor)
+            ):
                 dtype_name, shape = _arrays.describe(mirror, name)
                 batch.append((name, dtype_name, list(shape), self._bytes[name], tensor))
                 continue
@@ -259,8 +280,9 @@ class Mirror:
         for start in range(0, numel, elements):
             yield start, min(start + elements, numel)
 
-    def _to_host(self, flat: torch.Tensor, shipped: torch.dtype, start: int, end: int, slot: int,
-                 stream: Any) -> tuple[Any, Any]:
+    def _to_host(
+        self, flat: torch.Tensor, shipped: torch.dtype, start: int, end: int, slot: int, stream: Any
+    ) -> tuple[Any, Any]:
         """The bytes of elements [start, end) of the flat tensor in the shipped dtype on the host, and the CUDA event
         that marks them ready (None when they already are)."""
         if end == start:
@@ -285,8 +307,17 @@ class Mirror:
 class Attachment:
     """What :func:`attach` returns: the mirror, the publisher and a ``detach()``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, publisher: Any, *,
-                 sync_every: int, dtype: torch.dtype, chunk_bytes: int, start_step: int) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        publisher: Any,
+        *,
+        sync_every: int,
+        dtype: torch.dtype,
+        chunk_bytes: int,
+        start_step: int,
+    ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise DeltaSyncError(f"sync_every must be a positive integer, not {sync_every!r}")
         self.publisher = publisher
@@ -299,8 +330,9 @@ class Attachment:
             if publisher is None:
                 raise DeltaSyncError("attach needs a publisher")
             base = publisher.step if publisher.step is not None else start_step
-            self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, codec=publisher.codec,
-                                 step=base)
+            self.mirror = Mirror(
+                model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, codec=publisher.codec, step=base
+            )
             self._base = base
             publisher.publish_shared(base, self.mirror.tensors)
         self._handle = optimizer.register_step_post_hook(self._after_step)
@@ -377,12 +409,20 @@ def _assemble(parts: list[Any]) -> dict[str, torch.Tensor]:
                 continue
             shape, offset = shards[name]
             whole = state.setdefault(name, torch.empty(shape, dtype=tensor.dtype))
-            whole.view(-1)[offset:offset + tensor.numel()] = tensor.reshape(-1)
+            whole.view(-1)[offset : offset + tensor.numel()] = tensor.reshape(-1)
     return state
 
 
-def attach(optimizer: torch.optim.Optimizer, model: torch.nn.Module, publisher: Any, *, sync_every: int = 1,
-           dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 64 << 20, start_step: int = 0) -> Attachment:
+def attach(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    publisher: Any,
+    *,
+    sync_every: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    chunk_bytes: int = 64 << 20,
+    start_step: int = 0,
+) -> Attachment:
     """Publishes ``model``'s weights through ``publisher`` after every ``sync_every`` optimizer steps.
 
     The weights as they are now are published first (as ``start_step``, or the publisher's step after
@@ -394,5 +434,6 @@ def attach(optimizer: torch.optim.Optimizer, model: torch.nn.Module, publisher: 
     rank 0 and ``None`` elsewhere: each rank mirrors and diffs only its shards, with positions in the whole
     tensor's index space, and rank 0 joins the ranks' deltas into one delta and one manifest entry per step.
     Rank 0's publisher keeps a whole CPU copy, for anchors."""
-    return Attachment(optimizer, model, publisher, sync_every=sync_every, dtype=dtype, chunk_bytes=chunk_bytes,
-                      start_step=start_step)
+    return Attachment(
+        optimizer, model, publisher, sync_every=sync_every, dtype=dtype, chunk_bytes=chunk_bytes, start_step=start_step
+    )

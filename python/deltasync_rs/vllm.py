@@ -44,8 +44,12 @@ _STACKED = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 _TORCH_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
@@ -78,8 +82,12 @@ class ShardMap:
     @property
     def covers_all(self) -> bool:
         """True when this rank holds the whole HF tensor."""
-        return (self.row_start == 0 and self.row_count == self.hf_shape[0] and self.col_start == 0
-                and self.col_count == self.hf_cols)
+        return (
+            self.row_start == 0
+            and self.row_count == self.hf_shape[0]
+            and self.col_start == 0
+            and self.col_count == self.hf_cols
+        )
 
     def region_key(self) -> tuple[int, int, int]:
         return (id(self.param), self.param_row_offset, self.row_start)
@@ -101,8 +109,11 @@ def is_mapped(model: torch.nn.Module) -> bool:
     """True when ``apply_delta`` maps this model's layout itself: a known architecture without quantization."""
     if type(model).__name__ not in MAPPED_ARCHITECTURES or getattr(model, "quant_config", None) is not None:
         return False
-    return all(type(getattr(m, "quant_method", None)).__name__ in _UNQUANTIZED
-               for m in model.modules() if hasattr(m, "quant_method"))
+    return all(
+        type(getattr(m, "quant_method", None)).__name__ in _UNQUANTIZED
+        for m in model.modules()
+        if hasattr(m, "quant_method")
+    )
 
 
 def shard_map(model: torch.nn.Module, hf_name: str, params: dict[str, torch.Tensor] | None = None) -> ShardMap:
@@ -124,25 +135,30 @@ def shard_map(model: torch.nn.Module, hf_name: str, params: dict[str, torch.Tens
     return _layer_map(hf_name, vllm_name, module, attr, param, shard_id)
 
 
-def _layer_map(hf_name: str, vllm_name: str, module: torch.nn.Module, attr: str, param: torch.Tensor,
-               shard_id: Any) -> ShardMap:
+def _layer_map(
+    hf_name: str, vllm_name: str, module: torch.nn.Module, attr: str, param: torch.Tensor, shard_id: Any
+) -> ShardMap:
     quant = getattr(module, "quant_method", None)
     if quant is not None and type(quant).__name__ not in _UNQUANTIZED:
-        raise DeltaSyncError(f"tensor {hf_name!r}: {vllm_name!r} is quantized ({type(quant).__name__}); "
-                             "use apply_delta(..., path='loader')")
+        raise DeltaSyncError(
+            f"tensor {hf_name!r}: {vllm_name!r} is quantized ({type(quant).__name__}); "
+            "use apply_delta(..., path='loader')"
+        )
     pshape = tuple(param.shape)
     cols = pshape[1] if len(pshape) == 2 else 1
     if len(pshape) > 2:
-        raise DeltaSyncError(f"tensor {hf_name!r}: {vllm_name!r} has {len(pshape)} dimensions; only 1-D and 2-D "
-                             "parameters are mapped")
+        raise DeltaSyncError(
+            f"tensor {hf_name!r}: {vllm_name!r} has {len(pshape)} dimensions; only 1-D and 2-D parameters are mapped"
+        )
 
     def rows_map(hf_rows: int, row_start: int, row_count: int, offset: int) -> ShardMap:
         hf_shape = (hf_rows, cols) if len(pshape) == 2 else (hf_rows,)
         return ShardMap(hf_name, vllm_name, param, hf_shape, row_start, row_count, 0, cols, offset)
 
     if (shard_id is None) != (not isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear))):
-        raise BaseMismatchError(f"tensor {hf_name!r}: does not match the layout of vLLM's {vllm_name!r} "
-                                f"({type(module).__name__})")
+        raise BaseMismatchError(
+            f"tensor {hf_name!r}: does not match the layout of vLLM's {vllm_name!r} ({type(module).__name__})"
+        )
     if isinstance(module, QKVParallelLinear):
         if shard_id == "q":
             size, offset, shard_rank = module.num_heads * module.head_size, 0, module.tp_rank
@@ -150,7 +166,9 @@ def _layer_map(hf_name: str, vllm_name: str, module: torch.nn.Module, attr: str,
         else:
             head = module.head_size if shard_id == "k" else module.v_head_size
             size, shard_rank = module.num_kv_heads * head, module.tp_rank // module.num_kv_head_replicas
-            offset = module.num_heads * module.head_size + (0 if shard_id == "k" else module.num_kv_heads * module.head_size)
+            offset = module.num_heads * module.head_size + (
+                0 if shard_id == "k" else module.num_kv_heads * module.head_size
+            )
             hf_rows = module.total_num_kv_heads * head
         return rows_map(hf_rows, shard_rank * size, size, offset)
     if isinstance(module, MergedColumnParallelLinear):
@@ -162,8 +180,17 @@ def _layer_map(hf_name: str, vllm_name: str, module: torch.nn.Module, attr: str,
         return rows_map(module.output_size, module.tp_rank * size, size, 0)
     if isinstance(module, RowParallelLinear) and attr == "weight":
         per_rank = module.input_size_per_partition
-        return ShardMap(hf_name, vllm_name, param, (pshape[0], module.input_size), 0, pshape[0],
-                        module.tp_rank * per_rank, per_rank, 0)
+        return ShardMap(
+            hf_name,
+            vllm_name,
+            param,
+            (pshape[0], module.input_size),
+            0,
+            pshape[0],
+            module.tp_rank * per_rank,
+            per_rank,
+            0,
+        )
     if isinstance(module, VocabParallelEmbedding):
         indices = module.shard_indices
         if module.num_added_embeddings:
@@ -171,21 +198,32 @@ def _layer_map(hf_name: str, vllm_name: str, module: torch.nn.Module, attr: str,
         start, end = indices.org_vocab_start_index, indices.org_vocab_end_index
         return rows_map(module.org_vocab_size, start, end - start, 0)
     if isinstance(module, (RowParallelLinear, ReplicatedLinear)) or not any(
-            hasattr(param, a) for a in ("output_dim", "input_dim", "packed_dim")):
+        hasattr(param, a) for a in ("output_dim", "input_dim", "packed_dim")
+    ):
         # Replicated: norms, biases of row-parallel layers, replicated linears.
         return ShardMap(hf_name, vllm_name, param, pshape, 0, pshape[0] if pshape else 1, 0, cols, 0)
-    raise DeltaSyncError(f"tensor {hf_name!r}: vLLM's {vllm_name!r} ({type(module).__name__}) has a layout "
-                         "that is not mapped; use apply_delta(..., path='loader')")
+    raise DeltaSyncError(
+        f"tensor {hf_name!r}: vLLM's {vllm_name!r} ({type(module).__name__}) has a layout "
+        "that is not mapped; use apply_delta(..., path='loader')"
+    )
 
 
 def _check_chain(delta: Delta, current_step: int | None) -> None:
     if current_step is not None and delta.base_step is not None and delta.base_step != current_step:
-        raise BaseMismatchError(f"delta for step {delta.step} applies to step {delta.base_step}, "
-                                f"but the model is at step {current_step}; nothing was written")
+        raise BaseMismatchError(
+            f"delta for step {delta.step} applies to step {delta.base_step}, "
+            f"but the model is at step {current_step}; nothing was written"
+        )
 
 
-def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | None = None, path: str = "auto",
-                check_base: bool = False) -> int:
+def apply_delta(
+    model: torch.nn.Module,
+    delta: Delta,
+    *,
+    current_step: int | None = None,
+    path: str = "auto",
+    check_base: bool = False,
+) -> int:
     """Applies ``delta`` (HF parameter names and coordinates) in place to this rank's shard of a vLLM model.
 
     All-or-nothing: the chain position (``delta.base_step == current_step`` when both are known), every name, dtype
@@ -209,8 +247,10 @@ def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | Non
     if path != "mapped":
         raise DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}')
     if type(model).__name__ not in MAPPED_ARCHITECTURES:
-        raise DeltaSyncError(f"{type(model).__name__} is not one of the mapped architectures "
-                             f"{sorted(MAPPED_ARCHITECTURES)}; use path='loader'")
+        raise DeltaSyncError(
+            f"{type(model).__name__} is not one of the mapped architectures "
+            f"{sorted(MAPPED_ARCHITECTURES)}; use path='loader'"
+        )
 
     params = _params(model)
     infos = delta.tensors
@@ -220,14 +260,18 @@ def apply_delta(model: torch.nn.Module, delta: Delta, *, current_step: int | Non
         shard = shard_map(model, info.name, params)
         dtype = _arrays._TORCH_NAMES.get(str(shard.param.dtype))
         if dtype != info.dtype:
-            raise BaseMismatchError(f"tensor {info.name!r}: the delta holds {info.dtype}, but vLLM's "
-                                    f"{shard.param_name!r} is {shard.param.dtype}")
+            raise BaseMismatchError(
+                f"tensor {info.name!r}: the delta holds {info.dtype}, but vLLM's "
+                f"{shard.param_name!r} is {shard.param.dtype}"
+            )
         delta._raw.check_target(index, info.dtype, list(shard.hf_shape))
         first = region_owner.setdefault(shard.region_key(), index)
         if first != index:  # tied weights (lm_head / embed_tokens): one memory, written once
             if not delta._raw.same_changes(first, index):
-                raise DeltaSyncError(f"tensors {infos[first].name!r} and {info.name!r} are one parameter in vLLM "
-                                     "but the delta changes them differently")
+                raise DeltaSyncError(
+                    f"tensors {infos[first].name!r} and {info.name!r} are one parameter in vLLM "
+                    "but the delta changes them differently"
+                )
             continue
         plan.append((index, shard))
     _reject_lone_tied_head(params, {info.name for info in infos})
@@ -250,11 +294,13 @@ def _check_base(delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
         if delta.base_identity(index) is None:
             continue
         if not shard.covers_all:
-            raise DeltaSyncError(f"tensor {shard.hf_name!r}: check_base needs the whole tensor, but this rank holds "
-                                 "only its tensor-parallel slice; rely on the step chain (the default) at TP > 1")
+            raise DeltaSyncError(
+                f"tensor {shard.hf_name!r}: check_base needs the whole tensor, but this rank holds "
+                "only its tensor-parallel slice; rely on the step chain (the default) at TP > 1"
+            )
         param = shard.param.data
         start = shard.param_row_offset * (param.shape[1] if param.dim() == 2 else 1)
-        region = param.reshape(-1)[start: start + _numel(shard)]
+        region = param.reshape(-1)[start : start + _numel(shard)]
         host.append((index, region if region.is_cpu else region.cpu()))
     if host:
         delta._raw.check_base(host)
@@ -265,8 +311,10 @@ def _reject_lone_tied_head(params: dict[str, torch.Tensor], names: set[str]) -> 
     ``model.embed_tokens.weight`` (docs/vllm.md §2)."""
     head, embed = params.get("lm_head.weight"), params.get("model.embed_tokens.weight")
     if head is not None and head is embed and "lm_head.weight" in names and "model.embed_tokens.weight" not in names:
-        raise BaseMismatchError("tensor 'lm_head.weight': the model ties lm_head to embed_tokens; publish the change "
-                                "as 'model.embed_tokens.weight' (or both names with the same changes)")
+        raise BaseMismatchError(
+            "tensor 'lm_head.weight': the model ties lm_head to embed_tokens; publish the change "
+            "as 'model.embed_tokens.weight' (or both names with the same changes)"
+        )
 
 
 def _loader_target(model: torch.nn.Module, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
@@ -298,12 +346,16 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
     dense, sparse, touched = [], [], {}
     for index, info in enumerate(delta.tensors):
         if delta.holds_differences(index):
-            why = ("path='loader' was asked for" if is_mapped(model)
-                   else f"{type(model).__name__} is not mapped by deltasync_rs.vllm")
+            why = (
+                "path='loader' was asked for"
+                if is_mapped(model)
+                else f"{type(model).__name__} is not mapped by deltasync_rs.vllm"
+            )
             raise DeltaSyncError(
                 f"tensor {info.name!r} holds bit-pattern differences, but {why}, so the delta goes through vLLM's "
                 "loader, which needs new values: publish it with values=\"abs\" (ds.diff(..., values='abs') or "
-                "Publisher(..., values='abs')); nothing was written")
+                "Publisher(..., values='abs')); nothing was written"
+            )
         if info.shape is None:
             raise DeltaSyncError(f"tensor {info.name!r}: the delta records no shape, which vLLM's loader needs")
         dtype = _TORCH_DTYPES.get(info.dtype)
@@ -320,8 +372,9 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
             dense.append(CheckpointWeightPatch(info.name, info.shape, dtype, values))
         elif positions.numel():
             if torch.isnan(values).any():
-                raise DeltaSyncError(f"tensor {info.name!r}: holds NaN values, which vLLM's sparse loader reserves "
-                                     "for 'unchanged'")
+                raise DeltaSyncError(
+                    f"tensor {info.name!r}: holds NaN values, which vLLM's sparse loader reserves for 'unchanged'"
+                )
             sparse.append(CheckpointWeightPatch(info.name, info.shape, dtype, values, positions))
     backup = {key: t.detach().clone() for key, t in touched.items()}
     with _vllm_cpu.UnpackedForLoader(model) as unpacked:
@@ -333,7 +386,9 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
             with torch.no_grad():
                 for key, saved in backup.items():
                     touched[key].data.copy_(saved)
-            raise DeltaSyncError(f"vLLM's loader failed ({type(exc).__name__}: {exc}); the weights were restored") from exc
+            raise DeltaSyncError(
+                f"vLLM's loader failed ({type(exc).__name__}: {exc}); the weights were restored"
+            ) from exc
         unpacked.restore(list(touched.values()))
     return sum(info.changed for info in delta.tensors)
 
@@ -342,8 +397,10 @@ def _load_all(sources: Iterable[Source]) -> list[Delta]:
     deltas = [s if isinstance(s, Delta) else load(s) for s in sources]
     for previous, current in zip(deltas, deltas[1:]):
         if current.base_step is not None and previous.step is not None and current.base_step != previous.step:
-            raise BaseMismatchError(f"the deltas do not chain: step {previous.step} is followed by a delta that "
-                                    f"applies to step {current.base_step}; nothing was written")
+            raise BaseMismatchError(
+                f"the deltas do not chain: step {previous.step} is followed by a delta that "
+                f"applies to step {current.base_step}; nothing was written"
+            )
     return deltas
 
 
@@ -353,22 +410,34 @@ class _StepTracker:
     def __init__(self, current_step: int | None = None) -> None:
         self.current_step = current_step
 
-    def apply(self, model: torch.nn.Module, deltas: Sequence[Delta], *, path: str = "auto",
-              check_base: bool = False) -> int | None:
+    def apply(
+        self, model: torch.nn.Module, deltas: Sequence[Delta], *, path: str = "auto", check_base: bool = False
+    ) -> int | None:
         if deltas:
             _check_chain(deltas[0], self.current_step)
         for delta in deltas:
             if self.current_step is None and not delta.is_anchor and delta.base_step is not None:
-                raise BaseMismatchError(f"delta for step {delta.step} applies to step {delta.base_step}, but this "
-                                        "worker's step is unknown: apply an anchor first or set the step")
-            apply_delta(model, delta, current_step=self.current_step, path=path,
-                        check_base=check_base and not delta.is_anchor)
+                raise BaseMismatchError(
+                    f"delta for step {delta.step} applies to step {delta.base_step}, but this "
+                    "worker's step is unknown: apply an anchor first or set the step"
+                )
+            apply_delta(
+                model, delta, current_step=self.current_step, path=path, check_base=check_base and not delta.is_anchor
+            )
             if delta.step is not None:
                 self.current_step = delta.step
         return self.current_step
 
-    def pull(self, model: torch.nn.Module, store: Any, until: int | None, signing_key: Any = None, *,
-             path: str = "auto", check_base: bool = False) -> int | None:
+    def pull(
+        self,
+        model: torch.nn.Module,
+        store: Any,
+        until: int | None,
+        signing_key: Any = None,
+        *,
+        path: str = "auto",
+        check_base: bool = False,
+    ) -> int | None:
         from .sync import Subscriber
 
         deltas = Subscriber(store, signing_key=signing_key).fetch(self.current_step, until=until)
@@ -415,11 +484,18 @@ class DeltaSyncWorkerExtension:
         if isinstance(sources, (str, bytes, bytearray, memoryview, os.PathLike, Delta)):
             sources = [sources]
         with torch.no_grad():
-            return self._deltasync_tracker().apply(self._deltasync_model(), _load_all(sources), path=path,
-                                                   check_base=_flag(check_base))
+            return self._deltasync_tracker().apply(
+                self._deltasync_model(), _load_all(sources), path=path, check_base=_flag(check_base)
+            )
 
-    def deltasync_pull(self, store: Any, step: int | str | None = None, signing_key: Any = None,
-                       path: str = "auto", check_base: Any = False) -> int | None:
+    def deltasync_pull(
+        self,
+        store: Any,
+        step: int | str | None = None,
+        signing_key: Any = None,
+        path: str = "auto",
+        check_base: Any = False,
+    ) -> int | None:
         """Fetches the verified chain from ``store`` up to ``step`` (latest by default) and applies it.
         ``path`` and ``check_base`` are as for :func:`apply_delta`.
 
@@ -427,8 +503,9 @@ class DeltaSyncWorkerExtension:
         if isinstance(step, str):
             step = int(step) if step.strip() else None
         with torch.no_grad():
-            return self._deltasync_tracker().pull(self._deltasync_model(), store, step, signing_key, path=path,
-                                                  check_base=_flag(check_base))
+            return self._deltasync_tracker().pull(
+                self._deltasync_model(), store, step, signing_key, path=path, check_base=_flag(check_base)
+            )
 
 
 def _flag(value: Any) -> bool:

@@ -55,7 +55,13 @@ impl MirrorDiff {
 
     /// Compares the chunk of elements starting at `first_element`: `mirror` (writable) holds their last
     /// bytes and receives `new`.
-    fn update(&mut self, py: Python<'_>, mirror: &Bound<'_, PyAny>, new: &Bound<'_, PyAny>, first_element: u64) -> PyResult<()> {
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        mirror: &Bound<'_, PyAny>,
+        new: &Bound<'_, PyAny>,
+        first_element: u64,
+    ) -> PyResult<()> {
         let tensor = self.open_tensor()?;
         let what = format!("tensor {:?}", tensor.name());
         let (mirror_buffer, mirror_slice) = export(mirror, &|| format!("{what} (mirror)"), true)?;
@@ -101,7 +107,9 @@ impl MirrorDiff {
             let (mirror_buffer, mirror_slice) = export(mirror, &|| format!("tensor {name:?} (mirror)"), true)?;
             let (new_buffer, new_slice) = export(new, &|| format!("tensor {name:?} (new)"), false)?;
             if overlap(mirror_slice, new_slice) || written.iter().any(|&other| overlap(other, mirror_slice)) {
-                return Err(DeltaSyncError::new_err(format!("tensor {name:?}: its mirror overlaps other memory of this call")));
+                return Err(DeltaSyncError::new_err(format!(
+                    "tensor {name:?}: its mirror overlaps other memory of this call"
+                )));
             }
             written.push(mirror_slice);
             held.push(mirror_buffer);

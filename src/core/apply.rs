@@ -27,7 +27,9 @@ pub fn check_target(tensor: &TensorDelta, dtype: dtype::Dtype, shape: Option<&[u
     let width = tensor.width();
     let elements = (len / width) as u64;
     if !len.is_multiple_of(width) || tensor.numel().is_some_and(|numel| numel != elements) {
-        return Err(Error::mismatch(format!("tensor {name:?}: target holds {len} bytes, which does not fit the delta")));
+        return Err(Error::mismatch(format!(
+            "tensor {name:?}: target holds {len} bytes, which does not fit the delta"
+        )));
     }
     if let Some(last) = tensor.last_position {
         if last >= elements {
@@ -59,7 +61,9 @@ fn prefetch(target: &[u8], at: usize) {
     #[cfg(target_arch = "x86_64")]
     if let Some(byte) = target.get(at) {
         // SAFETY: a prefetch is only a hint; the address is inside `target`, and SSE is baseline on x86_64.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(byte).cast()) };
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(byte).cast())
+        };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (target, at);
@@ -104,9 +108,7 @@ pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> 
     // Largest first, so the biggest tensor does not start last and leave one thread working alone.
     targets.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
     crate::core::pool::install(|| {
-        targets
-            .into_par_iter()
-            .try_for_each(|(index, target)| apply_tensor(&delta.tensors[index], target))
+        targets.into_par_iter().try_for_each(|(index, target)| apply_tensor(&delta.tensors[index], target))
     })
 }
 
@@ -162,9 +164,12 @@ mod tests {
         let old = vec![0u8; 8];
         let mut new = old.clone();
         new[2] = 9;
-        let tensors =
-            diff(&[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![4], old: &old, new: &new }], ValueCodec::Diff, Codec::Varint)
-                .unwrap();
+        let tensors = diff(
+            &[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![4], old: &old, new: &new }],
+            ValueCodec::Diff,
+            Codec::Varint,
+        )
+        .unwrap();
         let delta = Delta { tensors, ..Default::default() };
         let mut small = vec![0u8; 6];
         assert!(matches!(apply(&delta, vec![(0, &mut small[..])]), Err(Error::BaseMismatch { .. })));

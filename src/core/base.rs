@@ -203,7 +203,9 @@ mod tests {
     fn hex_is_sixteen_lowercase_digits() {
         assert_eq!(to_hex(0x0123_4567_89ab_cdef), "0123456789abcdef");
         assert_eq!(parse_hex("0123456789abcdef"), Some(0x0123_4567_89ab_cdef));
-        for bad in ["0123456789ABCDEF", "0123456789abcde", "0123456789abcdef0", "0123456789abcdeg", "+123456789abcdef", ""] {
+        for bad in
+            ["0123456789ABCDEF", "0123456789abcde", "0123456789abcdef0", "0123456789abcdeg", "+123456789abcdef", ""]
+        {
             assert_eq!(parse_hex(bad), None, "{bad:?}");
         }
     }
@@ -224,7 +226,8 @@ mod tests {
                     (ValueCodec::Diff, Codec::Compact),
                     (ValueCodec::Abs, Codec::Compact),
                 ] {
-                    let input = DiffInput { name: "w".into(), dtype, shape: vec![(len / width) as u64], old: &old, new: &new };
+                    let input =
+                        DiffInput { name: "w".into(), dtype, shape: vec![(len / width) as u64], old: &old, new: &new };
                     let tensor = diff(&[input], values, codec).unwrap().remove(0);
                     let what = format!("{len} bytes of {width}, {values:?} {codec:?}");
                     if tensor.is_dense() {
@@ -238,7 +241,10 @@ mod tests {
                     }
                     let err = check_base(&tensor, &new).unwrap_err();
                     assert!(matches!(err, Error::BaseMismatch { .. }), "{what}");
-                    assert!(err.to_string().contains("tensor \"w\"") && err.to_string().contains("applied already"), "{err}");
+                    assert!(
+                        err.to_string().contains("tensor \"w\"") && err.to_string().contains("applied already"),
+                        "{err}"
+                    );
                     let mut flipped = old.clone();
                     flipped[len - 1] ^= 0x80;
                     assert!(matches!(check_base(&tensor, &flipped), Err(Error::BaseMismatch { .. })), "{what}");

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 
-use crate::core::codec::values::ValueReader;
 use crate::core::codec::compact::{self, BitReader, RiceReader};
+use crate::core::codec::values::ValueReader;
 use crate::core::codec::varint::{self, PositionReader};
 use crate::core::codec::{PositionCodec, PositionSource, ValueCodec};
 use crate::core::dtype::{self, Dtype};
@@ -257,13 +257,19 @@ impl TensorDelta {
 }
 
 /// Checks that a value stream holds exactly `changed` entries.
-fn check_value_stream<const W: usize>(bytes: &[u8], codec: ValueCodec, changed: u64) -> std::result::Result<(), String> {
+fn check_value_stream<const W: usize>(
+    bytes: &[u8],
+    codec: ValueCodec,
+    changed: u64,
+) -> std::result::Result<(), String> {
     let width = W;
     if codec == ValueCodec::DiffBits {
         return compact::check_diffbits::<W>(bytes, changed);
     }
     let end = match codec {
-        ValueCodec::Abs => changed.checked_mul(width as u64).map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+        ValueCodec::Abs => {
+            changed.checked_mul(width as u64).map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX))
+        }
         _ if width == 1 => changed.try_into().unwrap_or(usize::MAX),
         _ => {
             // Every byte between escapes is a whole value: jump from escape to escape.
@@ -346,9 +352,7 @@ impl Delta {
                 return Err(Error::format(source_name, format!("tensor {:?} appears twice", tensor.name)));
             }
         }
-        crate::core::pool::install(|| {
-            self.tensors.par_iter_mut().try_for_each(|tensor| tensor.validate(source_name))
-        })
+        crate::core::pool::install(|| self.tensors.par_iter_mut().try_for_each(|tensor| tensor.validate(source_name)))
     }
 
     pub fn position_of(&self, name: &str) -> Option<usize> {

@@ -61,7 +61,13 @@ fn check_len(name: &str, dtype: Dtype, shape: &[u64], lens: &[usize]) -> Result<
 
 /// Joins a tensor's chunks into the compact codec's streams (codec::compact::smallest_streams), or stores it whole
 /// when that is no larger.
-fn assemble(input: &DiffInput<'_>, chunks: &[Changes], width: usize, scanned_values: ValueCodec, base: u64) -> TensorDelta {
+fn assemble(
+    input: &DiffInput<'_>,
+    chunks: &[Changes],
+    width: usize,
+    scanned_values: ValueCodec,
+    base: u64,
+) -> TensorDelta {
     let changed: u64 = chunks.iter().map(|c| c.count).sum();
     let last_position = chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position);
     let tensor = tensor_shell(input, scanned_values, changed, last_position, base);
@@ -121,31 +127,45 @@ pub fn diff_with(
     // so the task that assembles a tensor sees them all.
     let hash_blocks = |index: usize, bytes: &std::ops::Range<usize>| {
         let first = first_block[index] + bytes.start / base::BLOCK_BYTES;
-        for (slot, block) in block_hashes[first..].iter().zip(inputs[index].old[bytes.clone()].chunks(base::BLOCK_BYTES)) {
+        for (slot, block) in
+            block_hashes[first..].iter().zip(inputs[index].old[bytes.clone()].chunks(base::BLOCK_BYTES))
+        {
             slot.store(base::block_hash(block), Ordering::Relaxed);
         }
     };
     let tensor_base = |index: usize| {
-        let hashes: Vec<u64> = block_hashes[first_block[index]..first_block[index + 1]].iter().map(|h| h.load(Ordering::Relaxed)).collect();
+        let hashes: Vec<u64> = block_hashes[first_block[index]..first_block[index + 1]]
+            .iter()
+            .map(|h| h.load(Ordering::Relaxed))
+            .collect();
         base::combine(&hashes)
     };
     let results: Vec<Mutex<Option<TensorDelta>>> = inputs.iter().map(|_| Mutex::new(None)).collect();
-    let store = |index: usize, tensor: TensorDelta| *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(tensor);
+    let store =
+        |index: usize, tensor: TensorDelta| *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(tensor);
     if codec == Codec::Varint {
         // Chunks are appended to their tensor's streams straight from the scan's buffer as soon as every chunk
         // before them is in (a thread mostly takes a tensor's chunks in order); a chunk that finishes early waits
         // as a copy. The task that appends a tensor's last chunk assembles it.
-        let builds: Vec<Mutex<InOrder>> =
-            chunk_counts.iter().zip(inputs).map(|(&n, input)| Mutex::new(InOrder::new(Joined::default(), n, input.new.len()))).collect();
+        let builds: Vec<Mutex<InOrder>> = chunk_counts
+            .iter()
+            .zip(inputs)
+            .map(|(&n, input)| Mutex::new(InOrder::new(Joined::default(), n, input.new.len())))
+            .collect();
         crate::core::pool::install(|| {
             tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
                 let (input, width) = (&inputs[index], widths[index]);
                 let bytes = start * width..end * width;
                 let chunk = task - first_task[index];
                 hash_blocks(index, &bytes);
-                let complete = scan::scan_then(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values, |changes| {
-                    builds[index].lock().unwrap_or_else(|e| e.into_inner()).add(chunk, changes)
-                });
+                let complete = scan::scan_then(
+                    &input.old[bytes.clone()],
+                    &input.new[bytes.clone()],
+                    start as u64,
+                    width,
+                    scanned_values,
+                    |changes| builds[index].lock().unwrap_or_else(|e| e.into_inner()).add(chunk, changes),
+                );
                 compared(index, bytes);
                 if let Some(joined) = complete {
                     store(index, assemble_joined(input, joined, scanned_values, tensor_base(index)));
@@ -163,7 +183,13 @@ pub fn diff_with(
                 let (input, width) = (&inputs[index], widths[index]);
                 let bytes = start * width..end * width;
                 hash_blocks(index, &bytes);
-                let changes = scan::scan(&input.old[bytes.clone()], &input.new[bytes.clone()], start as u64, width, scanned_values);
+                let changes = scan::scan(
+                    &input.old[bytes.clone()],
+                    &input.new[bytes.clone()],
+                    start as u64,
+                    width,
+                    scanned_values,
+                );
                 compared(index, bytes);
                 *slots[task].lock().unwrap_or_else(|e| e.into_inner()) = Some(changes);
                 if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {
@@ -181,16 +207,23 @@ pub fn diff_with(
         .enumerate()
         .map(|(index, result)| {
             // A tensor without elements has no chunk, hence no task.
-            result.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| {
-                assemble(&inputs[index], &[], widths[index], scanned_values, base::combine(&[]))
-            })
+            result
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(|| assemble(&inputs[index], &[], widths[index], scanned_values, base::combine(&[])))
         })
         .collect())
 }
 
 /// A tensor's fields but its streams, for `changed` changes ending at `last_position`, made against the base
 /// of identity `base`.
-fn tensor_shell(input: &DiffInput<'_>, scanned_values: ValueCodec, changed: u64, last_position: Option<u64>, base: u64) -> TensorDelta {
+fn tensor_shell(
+    input: &DiffInput<'_>,
+    scanned_values: ValueCodec,
+    changed: u64,
+    last_position: Option<u64>,
+    base: u64,
+) -> TensorDelta {
     TensorDelta {
         name: input.name.clone(),
         dtype: input.dtype,
@@ -264,11 +297,23 @@ mod tests {
             }
         }
         let chunks: Vec<Changes> = (0..9)
-            .map(|c| scan::scan(&old[c * n * 2..(c + 1) * n * 2], &new[c * n * 2..(c + 1) * n * 2], (c * n) as u64, 2, ValueCodec::Diff))
+            .map(|c| {
+                scan::scan(
+                    &old[c * n * 2..(c + 1) * n * 2],
+                    &new[c * n * 2..(c + 1) * n * 2],
+                    (c * n) as u64,
+                    2,
+                    ValueCodec::Diff,
+                )
+            })
             .collect();
         let want = scan::join_streams(&chunks);
-        let orders: [[usize; 9]; 4] =
-            [[0, 1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1, 0], [4, 0, 8, 2, 6, 1, 3, 7, 5], [1, 2, 3, 4, 5, 6, 7, 8, 0]];
+        let orders: [[usize; 9]; 4] = [
+            [0, 1, 2, 3, 4, 5, 6, 7, 8],
+            [8, 7, 6, 5, 4, 3, 2, 1, 0],
+            [4, 0, 8, 2, 6, 1, 3, 7, 5],
+            [1, 2, 3, 4, 5, 6, 7, 8, 0],
+        ];
         for order in orders {
             let mut build = InOrder::new(Joined::default(), 9, old.len());
             let mut finished = None;
@@ -329,7 +374,8 @@ mod tests {
     fn compact_is_smaller_where_it_can_be_and_never_larger() {
         // Sparse ±1 changes of a bf16 tensor: Rice positions and 2-bit values win.
         let n = CHUNK_ELEMENTS + 5000;
-        let old: Vec<u8> = (0..n as u32).flat_map(|i| ((i.wrapping_mul(2654435761) >> 16) as u16 & 0x3fff).to_le_bytes()).collect();
+        let old: Vec<u8> =
+            (0..n as u32).flat_map(|i| ((i.wrapping_mul(2654435761) >> 16) as u16 & 0x3fff).to_le_bytes()).collect();
         let mut new = old.clone();
         let (mut p, mut k, mut state) = (0usize, 0usize, 1u64);
         while p < n {
@@ -346,10 +392,14 @@ mod tests {
         assert_eq!(changes(&compact[0]), changes(&varint[0]));
         // Arbitrary f32 changes at every other element: the difference code cannot win, so `diff` stays.
         let old32: Vec<u8> = (0..4096u32).flat_map(|i| i.wrapping_mul(2654435761).to_le_bytes()).collect();
-        let new32: Vec<u8> = old32.chunks(4).enumerate().flat_map(|(i, c)| {
-            let v = u32::from_le_bytes(c.try_into().unwrap());
-            (if i % 2 == 0 { v ^ 0x5a5a_0000 } else { v }).to_le_bytes()
-        }).collect();
+        let new32: Vec<u8> = old32
+            .chunks(4)
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let v = u32::from_le_bytes(c.try_into().unwrap());
+                (if i % 2 == 0 { v ^ 0x5a5a_0000 } else { v }).to_le_bytes()
+            })
+            .collect();
         let compact = diff(&[input(&old32, &new32, Dtype::F32, vec![4096])], ValueCodec::Diff, Codec::Compact).unwrap();
         let varint = diff(&[input(&old32, &new32, Dtype::F32, vec![4096])], ValueCodec::Diff, Codec::Varint).unwrap();
         assert_eq!(compact[0].values_codec, ValueCodec::Diff);

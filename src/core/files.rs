@@ -43,22 +43,25 @@ pub fn diff_files(
     curr: &Path,
     values_codec: ValueCodec,
     codec: Codec,
-    progress: &mut dyn FnMut(u64, u64) -> bool) -> Result<Delta> {
+    progress: &mut dyn FnMut(u64, u64) -> bool,
+) -> Result<Delta> {
     let (prev_map, curr_map) = (map(prev)?, map(curr)?);
     let prev_header = read_header(&prev_map, &prev.display().to_string())?;
     let curr_header = read_header(&curr_map, &curr.display().to_string())?;
     if let Some(missing) = prev_header.tensors.keys().find(|k| !curr_header.tensors.contains_key(*k)) {
-        return Err(Error::mismatch(format!("tensor {missing:?} is in {} but not in {}", prev.display(), curr.display())));
+        return Err(Error::mismatch(format!(
+            "tensor {missing:?} is in {} but not in {}",
+            prev.display(),
+            curr.display()
+        )));
     }
     // Check every pair before comparing any, so a mismatch fails fast.
     let mut pairs = Vec::with_capacity(curr_header.tensors.len());
     for name in names_in_order(&curr_header) {
         let (dtype, shape, curr_range) = curr_header.tensors[&name].clone();
-        let (prev_dtype, prev_shape, prev_range) = prev_header
-            .tensors
-            .get(&name)
-            .cloned()
-            .ok_or_else(|| Error::mismatch(format!("tensor {name:?} is in {} but not in {}", curr.display(), prev.display())))?;
+        let (prev_dtype, prev_shape, prev_range) = prev_header.tensors.get(&name).cloned().ok_or_else(|| {
+            Error::mismatch(format!("tensor {name:?} is in {} but not in {}", curr.display(), prev.display()))
+        })?;
         if prev_dtype != dtype || prev_shape != shape {
             return Err(Error::mismatch(format!(
                 "tensor {name:?}: {} {prev_shape:?} in {}, {} {shape:?} in {}",
@@ -120,11 +123,9 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> R
     let header = read_header(&base_map, &base.display().to_string())?;
     let mut targets = Vec::with_capacity(delta.tensors.len());
     for tensor in &delta.tensors {
-        let (dtype, shape, range) = header
-            .tensors
-            .get(&tensor.name)
-            .cloned()
-            .ok_or_else(|| Error::mismatch(format!("tensor {:?} is in the delta but not in {}", tensor.name, base.display())))?;
+        let (dtype, shape, range) = header.tensors.get(&tensor.name).cloned().ok_or_else(|| {
+            Error::mismatch(format!("tensor {:?} is in the delta but not in {}", tensor.name, base.display()))
+        })?;
         check_target(tensor, dtype, Some(&shape), range.len())?;
         targets.push((tensor, range));
     }
@@ -144,7 +145,8 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> R
             apply_tensor(tensor, &mut out_map[range.clone()]).map_err(std::io::Error::other)?;
             // SAFETY: a shared file mapping keeps written pages in the page cache; dropping them from this
             // process loses nothing.
-            let _ = unsafe { out_map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
+            let _ =
+                unsafe { out_map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
         }
         out_map.flush()
     })

@@ -329,14 +329,20 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
     match metadata.get("format_version").map(String::as_str) {
         Some(FORMAT_VERSION) => {}
         Some(other) => {
-            return Err(bad(format!("format_version {other:?} is not supported (this reader knows {FORMAT_VERSION:?})")))
+            return Err(bad(format!(
+                "format_version {other:?} is not supported (this reader knows {FORMAT_VERSION:?})"
+            )))
         }
         None => return Err(bad("no 'format_version' in the header metadata".into())),
     }
     let records_json = metadata.get("tensors").ok_or_else(|| bad("no 'tensors' list in the header metadata".into()))?;
     let records: Vec<TensorRecord> =
         serde_json::from_str(records_json).map_err(|e| bad(format!("the 'tensors' metadata is malformed: {e}")))?;
-    let take_stream = |tensors: &mut HashMap<String, (Dtype, Vec<u64>, std::ops::Range<usize>)>, key: String, name: &str, required: bool| -> Result<Stream> {
+    let take_stream = |tensors: &mut HashMap<String, (Dtype, Vec<u64>, std::ops::Range<usize>)>,
+                       key: String,
+                       name: &str,
+                       required: bool|
+     -> Result<Stream> {
         match tensors.remove(&key) {
             Some((Dtype::U8, shape, range)) if shape.len() == 1 => {
                 Ok(Stream::Shared { backing: Arc::clone(&backing), range })
@@ -358,7 +364,8 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
         check_tensor_name(&name).map_err(|e| bad(e.to_string()))?;
         let dtype = dtype::parse(&record.dtype).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
         if let Some(shape) = &record.shape {
-            let numel = dtype::numel(shape).ok_or_else(|| bad(format!("tensor {name:?}: shape {shape:?} overflows")))?;
+            let numel =
+                dtype::numel(shape).ok_or_else(|| bad(format!("tensor {name:?}: shape {shape:?} overflows")))?;
             total_elements = total_elements
                 .checked_add(numel)
                 .ok_or_else(|| bad(format!("tensor {name:?}: the tensors' element counts overflow 64 bits")))?;
@@ -383,17 +390,21 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
             base,
         };
         if tensor.is_dense() {
-            let shape = tensor.shape.clone().ok_or_else(|| bad(format!("tensor {name:?}: a dense tensor needs a shape")))?;
+            let shape =
+                tensor.shape.clone().ok_or_else(|| bad(format!("tensor {name:?}: a dense tensor needs a shape")))?;
             match header.tensors.remove(&name) {
                 Some((stored, stored_shape, range)) if stored == dtype && stored_shape == shape => {
                     tensor.values = Stream::Shared { backing: Arc::clone(&backing), range };
                 }
-                Some(_) => return Err(bad(format!("tensor {name:?}: stored dtype or shape disagrees with its record"))),
+                Some(_) => {
+                    return Err(bad(format!("tensor {name:?}: stored dtype or shape disagrees with its record")))
+                }
                 None => return Err(bad(format!("tensor {name:?}: its data is missing"))),
             }
         } else if tensor.changed > 0 {
             let has_positions = tensor.positions_codec != PositionCodec::All;
-            tensor.positions = take_stream(&mut header.tensors, format!("{name}{POSITIONS_SUFFIX}"), &name, has_positions)?;
+            tensor.positions =
+                take_stream(&mut header.tensors, format!("{name}{POSITIONS_SUFFIX}"), &name, has_positions)?;
             tensor.values = take_stream(&mut header.tensors, format!("{name}{VALUES_SUFFIX}"), &name, true)?;
         }
         tensors.push(tensor);
@@ -406,7 +417,11 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
         tensors,
         step: parse_step(&metadata, "step", source_name)?,
         base_step: parse_step(&metadata, "base_step", source_name)?,
-        metadata: metadata.iter().filter(|(k, _)| !RESERVED_KEYS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect(),
+        metadata: metadata
+            .iter()
+            .filter(|(k, _)| !RESERVED_KEYS.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
     };
     delta.validate(source_name)?;
     let kind = metadata.get("kind").map_or("(missing)", String::as_str);
@@ -442,7 +457,13 @@ mod tests {
         let tensors = diff(
             &[
                 DiffInput { name: "a.weight".into(), dtype: Dtype::BF16, shape: vec![10, 10], old: &old, new: &new },
-                DiffInput { name: "b".into(), dtype: Dtype::U8, shape: vec![4], old: &[1, 2, 3, 4], new: &[5, 6, 7, 8] },
+                DiffInput {
+                    name: "b".into(),
+                    dtype: Dtype::U8,
+                    shape: vec![4],
+                    old: &[1, 2, 3, 4],
+                    new: &[5, 6, 7, 8],
+                },
                 DiffInput { name: "c".into(), dtype: Dtype::F32, shape: vec![1], old: &[0; 4], new: &[0; 4] },
             ],
             ValueCodec::Diff,

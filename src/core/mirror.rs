@@ -155,7 +155,8 @@ impl MirrorTensor {
             ranges.extend(scanned);
         } else {
             // Each task's changes are appended to the tensor's streams as soon as the tasks before it are done.
-            let order = Mutex::new(InOrder::new(std::mem::take(&mut self.joined), pieces.len(), self.numel as usize * width));
+            let order =
+                Mutex::new(InOrder::new(std::mem::take(&mut self.joined), pieces.len(), self.numel as usize * width));
             let joined = crate::core::pool::install(|| {
                 pieces
                     .into_par_iter()
@@ -216,16 +217,18 @@ impl MirrorTensor {
             });
             if let (Some(ranges), true) = (&compact_ranges, tensor.changed > 0) {
                 let (width, codec) = (self.width, self.codec);
-                return Ok(match crate::core::pool::install(|| compact::smallest_streams(ranges, width, codec, dense_len)) {
-                    None => tensor.into_whole(whole),
-                    Some(streams) => TensorDelta {
-                        positions_codec: streams.positions_codec,
-                        values_codec: streams.values_codec,
-                        positions: streams.positions.into(),
-                        values: streams.values.into(),
-                        ..tensor
+                return Ok(
+                    match crate::core::pool::install(|| compact::smallest_streams(ranges, width, codec, dense_len)) {
+                        None => tensor.into_whole(whole),
+                        Some(streams) => TensorDelta {
+                            positions_codec: streams.positions_codec,
+                            values_codec: streams.values_codec,
+                            positions: streams.positions.into(),
+                            values: streams.values.into(),
+                            ..tensor
+                        },
                     },
-                });
+                );
             }
             if tensor.changed > 0 && self.joined.positions.len() + self.joined.values.len() >= dense_len {
                 return Ok(tensor.into_whole(whole));
@@ -300,11 +303,24 @@ mod tests {
         assert_eq!(a.base, b.base);
     }
 
-    fn chunked(old: &[u8], new: &[u8], dtype: Dtype, chunk_elements: usize, codec: ValueCodec) -> (TensorDelta, Vec<u8>) {
+    fn chunked(
+        old: &[u8],
+        new: &[u8],
+        dtype: Dtype,
+        chunk_elements: usize,
+        codec: ValueCodec,
+    ) -> (TensorDelta, Vec<u8>) {
         chunked_in(old, new, dtype, chunk_elements, codec, Codec::Varint)
     }
 
-    fn chunked_in(old: &[u8], new: &[u8], dtype: Dtype, chunk_elements: usize, codec: ValueCodec, family: Codec) -> (TensorDelta, Vec<u8>) {
+    fn chunked_in(
+        old: &[u8],
+        new: &[u8],
+        dtype: Dtype,
+        chunk_elements: usize,
+        codec: ValueCodec,
+        family: Codec,
+    ) -> (TensorDelta, Vec<u8>) {
         let width = dtype::width_of(dtype).unwrap();
         let numel = (old.len() / width) as u64;
         let mut mirror = old.to_vec();
@@ -345,7 +361,11 @@ mod tests {
             for values in [ValueCodec::Diff, ValueCodec::Abs] {
                 let want = reference_in(&old, &new, dtype, values, Codec::Compact);
                 if values == ValueCodec::Diff {
-                    assert_eq!((want.positions_codec, want.values_codec), (PositionCodec::Rice, ValueCodec::DiffBits), "width {width}");
+                    assert_eq!(
+                        (want.positions_codec, want.values_codec),
+                        (PositionCodec::Rice, ValueCodec::DiffBits),
+                        "width {width}"
+                    );
                 }
                 // (Chunks of a few elements are in `compact_equals_diff_compact`.)
                 for chunk in [n, 4097, 65_537, TASK_ELEMENTS + 3] {
@@ -354,7 +374,13 @@ mod tests {
                     assert_eq!(mirror, new);
                 }
                 let mut mirror = old.clone();
-                let inputs = vec![MirrorInput { name: "t".into(), dtype, shape: vec![n as u64], mirror: &mut mirror, new: &new }];
+                let inputs = vec![MirrorInput {
+                    name: "t".into(),
+                    dtype,
+                    shape: vec![n as u64],
+                    mirror: &mut mirror,
+                    new: &new,
+                }];
                 same(&advance(inputs, values, Codec::Compact).unwrap().remove(0), &want);
             }
         }
@@ -367,7 +393,8 @@ mod tests {
         for p in (0..1000).step_by(7) {
             new[p] = 1;
         }
-        let mut tensor = MirrorTensor::begin("t", Dtype::U8, &[2000], ValueCodec::Diff).unwrap().with_codec(Codec::Compact);
+        let mut tensor =
+            MirrorTensor::begin("t", Dtype::U8, &[2000], ValueCodec::Diff).unwrap().with_codec(Codec::Compact);
         tensor.update(&mut mirror, &new, 500).unwrap();
         let tensor = tensor.finish(None).unwrap();
         assert_eq!((tensor.positions_codec, tensor.values_codec), (PositionCodec::Varint, ValueCodec::Diff));
@@ -467,7 +494,9 @@ mod tests {
         let err = tensor.update(&mut mirror[..2], &[0u8; 2], 8).unwrap_err();
         assert!(err.to_string().contains("outside"), "{err}");
         for reserved in ["x:pos", "x:val", "__metadata__"] {
-            let Err(err) = MirrorTensor::begin(reserved, Dtype::BF16, &[1], ValueCodec::Diff) else { panic!("{reserved} accepted") };
+            let Err(err) = MirrorTensor::begin(reserved, Dtype::BF16, &[1], ValueCodec::Diff) else {
+                panic!("{reserved} accepted")
+            };
             assert!(err.to_string().contains(&format!("{reserved:?}")), "{err}");
         }
     }
@@ -477,8 +506,20 @@ mod tests {
         let mut first = vec![0u8; 4];
         let mut second = vec![0u8; 4];
         let inputs = vec![
-            MirrorInput { name: "a".into(), dtype: Dtype::BF16, shape: vec![2], mirror: &mut first, new: &[1, 0, 0, 0] },
-            MirrorInput { name: "b".into(), dtype: Dtype::BF16, shape: vec![3], mirror: &mut second, new: &[1, 0, 0, 0] },
+            MirrorInput {
+                name: "a".into(),
+                dtype: Dtype::BF16,
+                shape: vec![2],
+                mirror: &mut first,
+                new: &[1, 0, 0, 0],
+            },
+            MirrorInput {
+                name: "b".into(),
+                dtype: Dtype::BF16,
+                shape: vec![3],
+                mirror: &mut second,
+                new: &[1, 0, 0, 0],
+            },
         ];
         let err = advance(inputs, ValueCodec::Diff, Codec::Varint).unwrap_err();
         assert!(err.to_string().contains("\"b\""), "{err}");

@@ -82,7 +82,8 @@ impl BlockMask for Portable {
         const HIGH: u64 = 0x8080_8080_8080_8080;
         let mut mask = 0u64;
         for k in 0..BLOCK_BYTES / 8 {
-            let x = std::ptr::read_unaligned(old.add(8 * k).cast::<u64>()) ^ std::ptr::read_unaligned(new.add(8 * k).cast::<u64>());
+            let x = std::ptr::read_unaligned(old.add(8 * k).cast::<u64>())
+                ^ std::ptr::read_unaligned(new.add(8 * k).cast::<u64>());
             let x = u64::from_le(x);
             // High bit of each byte set iff the byte is non-zero, then gather the eight high bits.
             let nonzero = (((x & LOW7) + LOW7) | x) & HIGH;
@@ -125,7 +126,8 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     #[inline]
     unsafe fn avx2_mask(old: *const u8, new: *const u8) -> u64 {
-        let low = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(old.cast()), _mm256_loadu_si256(new.cast())));
+        let low =
+            _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(old.cast()), _mm256_loadu_si256(new.cast())));
         let high = _mm256_movemask_epi8(_mm256_cmpeq_epi8(
             _mm256_loadu_si256(old.add(32).cast()),
             _mm256_loadu_si256(new.add(32).cast()),
@@ -364,7 +366,14 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
                 }
                 pending += found;
                 if pending >= BATCH {
-                    encode_batch::<W, COPY>(&batch[..pending], $scanned + PREFETCH_BYTES + BLOCK_BYTES * (marked + 1), range, &mut cursor, &mut positions, &mut values);
+                    encode_batch::<W, COPY>(
+                        &batch[..pending],
+                        $scanned + PREFETCH_BYTES + BLOCK_BYTES * (marked + 1),
+                        range,
+                        &mut cursor,
+                        &mut positions,
+                        &mut values,
+                    );
                     pending = 0;
                 }
             }
@@ -422,7 +431,15 @@ fn scan_pieces_then<const W: usize, const COPY: bool, R>(
         while start < len {
             // SAFETY: `start < len`, inside both ranges.
             let (old, new) = unsafe { (old.add(start), new.add(start)) };
-            let part = scan_pieces_then::<W, COPY, _>(old, new, (len - start).min(piece), first_element + (start / W) as u64, codec, piece, Changes::clone);
+            let part = scan_pieces_then::<W, COPY, _>(
+                old,
+                new,
+                (len - start).min(piece),
+                first_element + (start / W) as u64,
+                codec,
+                piece,
+                Changes::clone,
+            );
             join(&mut out, part);
             start += piece;
         }
@@ -459,7 +476,14 @@ const SCRATCH_KEEP_BYTES: usize = 8 << 20;
 ///
 /// # Safety
 /// As `scan_blocks`.
-unsafe fn dispatch<const W: usize, const COPY: bool>(old: *mut u8, new: *const u8, len: usize, first_element: u64, codec: ValueCodec, out: &mut Changes) {
+unsafe fn dispatch<const W: usize, const COPY: bool>(
+    old: *mut u8,
+    new: *const u8,
+    len: usize,
+    first_element: u64,
+    codec: ValueCodec,
+    out: &mut Changes,
+) {
     #[cfg(target_arch = "x86_64")]
     match kernel() {
         Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, out),
@@ -516,7 +540,11 @@ pub fn kernel() -> Kernel {
 fn best_kernel() -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("bmi1") {
+        if is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("bmi1")
+        {
             return Kernel::Avx512;
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("bmi1") {
@@ -645,7 +673,14 @@ fn check(old: usize, new: usize, width: usize) {
 }
 
 /// `scan_pieces_then` for an element width known at run time, over the whole range.
-fn scan_width<const COPY: bool, R>(old: *mut u8, new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
+fn scan_width<const COPY: bool, R>(
+    old: *mut u8,
+    new: &[u8],
+    first_element: u64,
+    width: usize,
+    codec: ValueCodec,
+    take: impl FnOnce(&Changes) -> R,
+) -> R {
     let (new, len) = (new.as_ptr(), new.len());
     match width {
         1 => scan_pieces_then::<1, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
@@ -657,7 +692,14 @@ fn scan_width<const COPY: bool, R>(old: *mut u8, new: &[u8], first_element: u64,
 
 /// The changes from `old` to `new` (element `first_element` at their start), handed to `take` before their
 /// buffer is reused: `scan` without the copy, for a caller that appends them somewhere at once.
-pub fn scan_then<R>(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
+pub fn scan_then<R>(
+    old: &[u8],
+    new: &[u8],
+    first_element: u64,
+    width: usize,
+    codec: ValueCodec,
+    take: impl FnOnce(&Changes) -> R,
+) -> R {
     check(old.len(), new.len(), width);
     // `COPY` is false: nothing is written through this pointer.
     scan_width::<false, R>(old.as_ptr().cast_mut(), new, first_element, width, codec, take)
@@ -669,7 +711,14 @@ pub fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: Val
 }
 
 /// `scan_update` handing the changes to `take` before their buffer is reused, as `scan_then`.
-pub fn scan_update_then<R>(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec, take: impl FnOnce(&Changes) -> R) -> R {
+pub fn scan_update_then<R>(
+    mirror: &mut [u8],
+    new: &[u8],
+    first_element: u64,
+    width: usize,
+    codec: ValueCodec,
+    take: impl FnOnce(&Changes) -> R,
+) -> R {
     check(mirror.len(), new.len(), width);
     scan_width::<true, R>(mirror.as_mut_ptr(), new, first_element, width, codec, take)
 }
@@ -781,10 +830,15 @@ mod tests {
                         for kernel in kernels() {
                             for copy in [false, true] {
                                 let (got, mirror) = run(kernel, &old, &new, width, codec, copy);
-                                let what = format!("{kernel:?} width {width} len {len_elements} density {density} {codec:?}");
+                                let what =
+                                    format!("{kernel:?} width {width} len {len_elements} density {density} {codec:?}");
                                 assert_eq!(got.count, want.count, "{what}");
                                 if want.count > 0 {
-                                    assert_eq!((got.first_position, got.last_position), (want.first_position, want.last_position), "{what}");
+                                    assert_eq!(
+                                        (got.first_position, got.last_position),
+                                        (want.first_position, want.last_position),
+                                        "{what}"
+                                    );
                                 }
                                 assert_eq!(got.positions, want.positions, "{what}");
                                 assert_eq!(got.values, want.values, "{what}");
@@ -809,7 +863,11 @@ mod tests {
             let (a, b) = (&old[skip..end], &new[skip..end]);
             for codec in [ValueCodec::Abs, ValueCodec::Diff] {
                 let (got, want) = (scan(a, b, 0, width, codec), reference(a, b, width, codec));
-                assert_eq!((got.count, &got.positions, &got.values), (want.count, &want.positions, &want.values), "{skip} {width}");
+                assert_eq!(
+                    (got.count, &got.positions, &got.values),
+                    (want.count, &want.positions, &want.values),
+                    "{skip} {width}"
+                );
             }
         }
     }
@@ -826,8 +884,19 @@ mod tests {
             let whole = reference(&old, &new, 2, codec);
             for piece in [64usize, 4096, 1 << 16] {
                 let mut mirror = old.clone();
-                let got = scan_pieces_then::<2, true, _>(mirror.as_mut_ptr(), new.as_ptr(), old.len(), 0, codec, piece, Changes::clone);
-                assert_eq!((got.count, got.first_position, got.last_position), (whole.count, whole.first_position, whole.last_position));
+                let got = scan_pieces_then::<2, true, _>(
+                    mirror.as_mut_ptr(),
+                    new.as_ptr(),
+                    old.len(),
+                    0,
+                    codec,
+                    piece,
+                    Changes::clone,
+                );
+                assert_eq!(
+                    (got.count, got.first_position, got.last_position),
+                    (whole.count, whole.first_position, whole.last_position)
+                );
                 assert_eq!((&got.positions, &got.values), (&whole.positions, &whole.values), "piece {piece}");
                 assert_eq!(mirror, new);
             }

@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 
 use crate::core::codec::{compact, varint, Codec, PositionCodec};
-use crate::core::dtype;
-use crate::core::scan::Changes;
 use crate::core::delta::{Delta, TensorDelta};
+use crate::core::dtype;
 use crate::core::error::{Error, Result};
+use crate::core::scan::Changes;
 
 /// The first position of a varint stream (its first gap counts from element 0).
 fn first_position(tensor: &TensorDelta) -> Result<u64> {
@@ -136,9 +136,11 @@ mod tests {
             new[p * 2] = (p % 200) as u8 + 1;
         }
         for bounds in [vec![0, 500, 1000], vec![0, 334, 668, 1000], vec![0, 0, 1000], vec![0, 2, 1000]] {
-            let parts: Vec<Delta> = bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
+            let parts: Vec<Delta> =
+                bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
             let joined = join(parts, Codec::Varint).unwrap();
-            let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
+            let input =
+                DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
             let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap().remove(0);
             let tensor = &joined.tensors[0];
             assert_eq!((tensor.changed, tensor.last_position), (whole.changed, whole.last_position));
@@ -162,7 +164,8 @@ mod tests {
         for p in (0..numel).step_by(11) {
             new[p * 2] = if p % 2 == 0 { 1 } else { 255 };
         }
-        let parts: Vec<Delta> = [0usize, 1000, 2001, 3000].windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
+        let parts: Vec<Delta> =
+            [0usize, 1000, 2001, 3000].windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
         let joined = join(parts, Codec::Compact).unwrap();
         let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
         let whole = diff(&[input], ValueCodec::Diff, Codec::Compact).unwrap().remove(0);

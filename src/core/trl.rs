@@ -29,15 +29,24 @@ fn gap_width(dtype: Dtype) -> Option<usize> {
 }
 
 /// Turns TRL positions (raw int32 or unsigned gaps) into our varint stream, checking that they increase.
-fn positions_to_varint(bytes: &[u8], dtype: Dtype, gap_coded: bool, name: &str, source: &str) -> Result<(Vec<u8>, u64, Option<u64>)> {
+fn positions_to_varint(
+    bytes: &[u8],
+    dtype: Dtype,
+    gap_coded: bool,
+    name: &str,
+    source: &str,
+) -> Result<(Vec<u8>, u64, Option<u64>)> {
     let bad = |message: String| Error::format(source, format!("tensor {name:?}: {message}"));
     let mut positions = Vec::new();
     if gap_coded {
-        let width = gap_width(dtype).ok_or_else(|| bad(format!("gap_delta indices must be unsigned, not {}", dtype::name_of(dtype))))?;
+        let width = gap_width(dtype)
+            .ok_or_else(|| bad(format!("gap_delta indices must be unsigned, not {}", dtype::name_of(dtype))))?;
         let mut next = 0u64;
         for gap in bytes.chunks_exact(width) {
             // Each index is the previous one plus one plus its gap; past u64::MAX is a format error, not a wrap.
-            let position = next.checked_add(crate::core::codec::values::load(gap, width)).ok_or_else(|| bad("index overflows".into()))?;
+            let position = next
+                .checked_add(crate::core::codec::values::load(gap, width))
+                .ok_or_else(|| bad("index overflows".into()))?;
             positions.push(position);
             next = position.checked_add(1).ok_or_else(|| bad("index overflows".into()))?;
         }
@@ -118,23 +127,37 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                 .get(&value_key)
                 .ok_or_else(|| bad(format!("tensor {name:?}: {key:?} has no {value_key:?}")))?;
             if index_shape.len() != 1 || value_shape.len() != 1 || index_shape[0] != value_shape[0] {
-                return Err(bad(format!("tensor {name:?}: indices {index_shape:?} and values {value_shape:?} must be 1-D of one length")));
+                return Err(bad(format!(
+                    "tensor {name:?}: indices {index_shape:?} and values {value_shape:?} must be 1-D of one length"
+                )));
             }
             dtype::width_of(*value_dtype).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
-            jobs.push((name.to_owned(), *index_dtype, index_range.clone(), *value_dtype, value_range.clone(), gap_coded && *index_suffix == ".idx"));
+            jobs.push((
+                name.to_owned(),
+                *index_dtype,
+                index_range.clone(),
+                *value_dtype,
+                value_range.clone(),
+                gap_coded && *index_suffix == ".idx",
+            ));
             used += 2;
         }
         if used != header.tensors.len() {
-            let stray = header
-                .tensors
-                .keys()
-                .find(|k| !jobs.iter().any(|job| LAYOUTS.iter().any(|(i, v)| **k == format!("{}{i}", job.0) || **k == format!("{}{v}", job.0))));
-            return Err(bad(format!("tensor {:?} is not part of an index/value pair", stray.map_or("?", |s| s.as_str()))));
+            let stray = header.tensors.keys().find(|k| {
+                !jobs.iter().any(|job| {
+                    LAYOUTS.iter().any(|(i, v)| **k == format!("{}{i}", job.0) || **k == format!("{}{v}", job.0))
+                })
+            });
+            return Err(bad(format!(
+                "tensor {:?} is not part of an index/value pair",
+                stray.map_or("?", |s| s.as_str())
+            )));
         }
         tensors = crate::core::pool::install(|| {
             jobs.par_iter()
                 .map(|(name, index_dtype, index_range, value_dtype, value_range, gap)| {
-                    let (positions, count, last) = positions_to_varint(&bytes[index_range.clone()], *index_dtype, *gap, name, source)?;
+                    let (positions, count, last) =
+                        positions_to_varint(&bytes[index_range.clone()], *index_dtype, *gap, name, source)?;
                     Ok(TensorDelta {
                         name: name.clone(),
                         dtype: *value_dtype,
@@ -175,7 +198,9 @@ fn int32_positions(t: &TensorDelta) -> Result<Vec<u8>> {
     };
     walk.map_err(|m| Error::format("delta", format!("tensor {:?}: {m}", t.name)))?;
     match overflow {
-        Some(position) => Err(Error::invalid(format!("tensor {:?}: position {position} does not fit TRL's int32 indices", t.name))),
+        Some(position) => {
+            Err(Error::invalid(format!("tensor {:?}: position {position} does not fit TRL's int32 indices", t.name)))
+        }
         None => Ok(indices),
     }
 }
@@ -195,15 +220,29 @@ pub fn encode_v1(delta: &Delta) -> Result<Encoded<'_>> {
     let mut entries = Vec::new();
     if anchor {
         for t in &included {
-            entries.push(Entry { key: t.name.clone(), dtype: t.dtype, shape: t.shape.clone().unwrap_or_default(), data: Cow::Borrowed(&t.values[..]) });
+            entries.push(Entry {
+                key: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone().unwrap_or_default(),
+                data: Cow::Borrowed(&t.values[..]),
+            });
         }
     } else {
-        let indices: Vec<Vec<u8>> = crate::core::pool::install(|| {
-            included.par_iter().map(|t| int32_positions(t)).collect::<Result<Vec<_>>>()
-        })?;
+        let indices: Vec<Vec<u8>> =
+            crate::core::pool::install(|| included.par_iter().map(|t| int32_positions(t)).collect::<Result<Vec<_>>>())?;
         for (t, indices) in included.iter().zip(indices) {
-            entries.push(Entry { key: format!("{}.indices", t.name), dtype: Dtype::I32, shape: vec![t.changed], data: Cow::Owned(indices) });
-            entries.push(Entry { key: format!("{}.values", t.name), dtype: t.dtype, shape: vec![t.changed], data: Cow::Borrowed(&t.values[..]) });
+            entries.push(Entry {
+                key: format!("{}.indices", t.name),
+                dtype: Dtype::I32,
+                shape: vec![t.changed],
+                data: Cow::Owned(indices),
+            });
+            entries.push(Entry {
+                key: format!("{}.values", t.name),
+                dtype: t.dtype,
+                shape: vec![t.changed],
+                data: Cow::Borrowed(&t.values[..]),
+            });
         }
     }
     // Wider dtypes first keeps every tensor aligned to its element size.
@@ -241,7 +280,12 @@ mod tests {
         let mut new = old.clone();
         new[6] = 3;
         new[40] = 1;
-        let tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![32], old: &old, new: &new }], ValueCodec::Abs, Codec::Varint).unwrap();
+        let tensors = diff(
+            &[DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![32], old: &old, new: &new }],
+            ValueCodec::Abs,
+            Codec::Varint,
+        )
+        .unwrap();
         let delta = Delta { tensors, step: Some(3), ..Default::default() };
         let bytes = encode_v1(&delta).unwrap().to_vec();
         let header = read_header(&bytes, "mem").unwrap();
@@ -262,8 +306,18 @@ mod tests {
                 .collect();
         let count = gaps.len() as u64;
         let entries = vec![
-            Entry { key: "w.idx".into(), dtype: Dtype::U64, shape: vec![count], data: Cow::Owned(gaps.iter().flat_map(|g| g.to_le_bytes()).collect()) },
-            Entry { key: "w.val".into(), dtype: Dtype::F32, shape: vec![count], data: Cow::Owned(vec![0; gaps.len() * 4]) },
+            Entry {
+                key: "w.idx".into(),
+                dtype: Dtype::U64,
+                shape: vec![count],
+                data: Cow::Owned(gaps.iter().flat_map(|g| g.to_le_bytes()).collect()),
+            },
+            Entry {
+                key: "w.val".into(),
+                dtype: Dtype::F32,
+                shape: vec![count],
+                data: Cow::Owned(vec![0; gaps.len() * 4]),
+            },
         ];
         encode_entries(&metadata, entries).unwrap().to_vec()
     }
@@ -273,7 +327,9 @@ mod tests {
         assert_eq!(from_bytes(v3_gap_patch(&[2, 0]), "ok").unwrap().tensors[0].last_position, Some(3));
         for gaps in [&[u64::MAX][..], &[5, u64::MAX - 6], &[u64::MAX - 1, 0]] {
             match from_bytes(v3_gap_patch(gaps), "gaps") {
-                Err(Error::Format { message, .. }) => assert!(message.contains("\"w\"") && message.contains("overflows"), "{message}"),
+                Err(Error::Format { message, .. }) => {
+                    assert!(message.contains("\"w\"") && message.contains("overflows"), "{message}")
+                }
                 other => panic!("gaps {gaps:?}: {other:?}"),
             }
         }
@@ -281,7 +337,12 @@ mod tests {
 
     #[test]
     fn diff_values_cannot_become_trl() {
-        let tensors = diff(&[DiffInput { name: "w".into(), dtype: Dtype::U8, shape: vec![3], old: &[0, 0, 0], new: &[0, 1, 0] }], ValueCodec::Diff, Codec::Varint).unwrap();
+        let tensors = diff(
+            &[DiffInput { name: "w".into(), dtype: Dtype::U8, shape: vec![3], old: &[0, 0, 0], new: &[0, 1, 0] }],
+            ValueCodec::Diff,
+            Codec::Varint,
+        )
+        .unwrap();
         let delta = Delta { tensors, ..Default::default() };
         assert!(matches!(encode_v1(&delta), Err(Error::InvalidInput { .. })));
     }

@@ -17,8 +17,14 @@ import deltasync_rs as ds
 
 HERE = Path(__file__).resolve().parent
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-DTYPES = {"BF16": ("bfloat16", 2), "F32": ("float32", 4), "U8": ("uint8", 1), "F8_E4M3": ("float8_e4m3fn", 1),
-          "I64": ("int64", 8), "F16": ("float16", 2)}
+DTYPES = {
+    "BF16": ("bfloat16", 2),
+    "F32": ("float32", 4),
+    "U8": ("uint8", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "I64": ("int64", 8),
+    "F16": ("float16", 2),
+}
 
 
 def with_changes(base: list[int], changes: dict[int, int], width: int) -> list[int]:
@@ -33,17 +39,38 @@ def with_changes(base: list[int], changes: dict[int, int], width: int) -> list[i
 def vectors() -> dict[str, dict]:
     return {
         "bf16_diff": {
-            "values": "diff", "step": 2, "base_step": 1, "metadata": {},
-            "tensors": {"w": {"dtype": "BF16", "shape": [4, 4], "base": [0x3F80 + i for i in range(16)],
-                              "changes": {0: 1, 5: -1, 15: 300}}},
+            "values": "diff",
+            "step": 2,
+            "base_step": 1,
+            "metadata": {},
+            "tensors": {
+                "w": {
+                    "dtype": "BF16",
+                    "shape": [4, 4],
+                    "base": [0x3F80 + i for i in range(16)],
+                    "changes": {0: 1, 5: -1, 15: 300},
+                }
+            },
         },
         "f32_abs": {
-            "values": "abs", "step": None, "base_step": None, "metadata": {},
-            "tensors": {"bias": {"dtype": "F32", "shape": [10], "base": [0x3F800000] * 10,
-                                 "changes": {3: 0x100, 9: -0x3F800000}}},
+            "values": "abs",
+            "step": None,
+            "base_step": None,
+            "metadata": {},
+            "tensors": {
+                "bias": {
+                    "dtype": "F32",
+                    "shape": [10],
+                    "base": [0x3F800000] * 10,
+                    "changes": {3: 0x100, 9: -0x3F800000},
+                }
+            },
         },
         "mixed": {
-            "values": "diff", "step": 7, "base_step": 6, "metadata": {"run": "vectors"},
+            "values": "diff",
+            "step": 7,
+            "base_step": 6,
+            "metadata": {"run": "vectors"},
             "tensors": {
                 "emb": {"dtype": "BF16", "shape": [300], "base": [0x3C00] * 300, "changes": {2: 1, 290: -2}},
                 "small": {"dtype": "U8", "shape": [4], "base": [1, 2, 3, 4], "changes": {0: 1, 1: 1, 2: 1, 3: 1}},
@@ -52,15 +79,25 @@ def vectors() -> dict[str, dict]:
             },
         },
         "bf16_compact": {
-            "values": "diff", "codec": "compact", "step": 3, "base_step": 2, "metadata": {},
+            "values": "diff",
+            "codec": "compact",
+            "step": 3,
+            "base_step": 2,
+            "metadata": {},
             "tensors": {
-                "w": {"dtype": "BF16", "shape": [8, 8], "base": [0x3F80 + i for i in range(64)],
-                      "changes": {3: 1, 9: -1, 20: 1, 26: 2, 33: -1, 41: 1, 50: -2, 63: 300}},
+                "w": {
+                    "dtype": "BF16",
+                    "shape": [8, 8],
+                    "base": [0x3F80 + i for i in range(64)],
+                    "changes": {3: 1, 9: -1, 20: 1, 26: 2, 33: -1, 41: 1, 50: -2, 63: 300},
+                },
                 "f": {"dtype": "F32", "shape": [4], "base": [0x3F800000] * 4, "changes": {1: 0x10000}},
             },
         },
         "anchor": {
-            "anchor": True, "step": 10, "metadata": {},
+            "anchor": True,
+            "step": 10,
+            "metadata": {},
             "tensors": {
                 "a": {"dtype": "F16", "shape": [2, 2], "base": [0, 0, 0, 0], "changes": {0: 0x3C00, 3: 0x4000}},
                 "b": {"dtype": "U8", "shape": [3], "base": [0, 0, 0], "changes": {1: 9}},
@@ -85,8 +122,15 @@ def build(spec: dict) -> tuple[ds.Delta, dict, dict]:
     if spec.get("anchor"):
         delta = ds.anchor(expected, step=spec["step"], metadata=spec["metadata"])
     else:
-        delta = ds.diff(base, expected, values=spec["values"], codec=spec.get("codec", "varint"), step=spec["step"],
-                        base_step=spec["base_step"], metadata=spec["metadata"])
+        delta = ds.diff(
+            base,
+            expected,
+            values=spec["values"],
+            codec=spec.get("codec", "varint"),
+            step=spec["step"],
+            base_step=spec["base_step"],
+            metadata=spec["metadata"],
+        )
     return delta, base, expected
 
 

@@ -19,8 +19,15 @@ class DeltaSyncCallback(TrainerCallback):
     each time as the delta from the last published state. Only the main process publishes. With ``enabled=False``
     (or once ``enabled`` is set to False) it does nothing at all."""
 
-    def __init__(self, publisher: Any, sync_every: int = 1, *, dtype: torch.dtype = torch.bfloat16,
-                 chunk_bytes: int = 64 << 20, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        publisher: Any,
+        sync_every: int = 1,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        chunk_bytes: int = 64 << 20,
+        enabled: bool = True,
+    ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise DeltaSyncError(f"sync_every must be a positive integer, not {sync_every!r}")
         self.publisher = publisher
@@ -36,8 +43,14 @@ class DeltaSyncCallback(TrainerCallback):
         if model is None:
             raise DeltaSyncError("DeltaSyncCallback needs the model: the Trainer passes it to on_train_begin")
         step = self.publisher.step if self.publisher.step is not None else state.global_step
-        self.mirror = Mirror(model, self.dtype, chunk_bytes=self.chunk_bytes, values=self.publisher.values,
-                             codec=self.publisher.codec, step=step)
+        self.mirror = Mirror(
+            model,
+            self.dtype,
+            chunk_bytes=self.chunk_bytes,
+            values=self.publisher.values,
+            codec=self.publisher.codec,
+            step=step,
+        )
         self.publisher.publish_shared(step, self.mirror.tensors)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -56,9 +56,19 @@ class DeltaSyncWeightTransfer:
     Any failure while streaming leaves the mirror between two steps; later syncs then refuse with that reason.
     """
 
-    def __init__(self, publisher: Any, server_url: str, *, store_url: str | None = None,
-                 dtype: torch.dtype = torch.bfloat16, start_step: int = 0, server_step: int | None = None,
-                 timeout: float = 30.0, update_timeout: float = 600.0, upload_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        publisher: Any,
+        server_url: str,
+        *,
+        store_url: str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        start_step: int = 0,
+        server_step: int | None = None,
+        timeout: float = 30.0,
+        update_timeout: float = 600.0,
+        upload_timeout: float = 600.0,
+    ) -> None:
         if not dtype.is_floating_point:
             raise DeltaSyncError(f"the shipped dtype must be a floating-point dtype, not {dtype}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -91,8 +101,9 @@ class DeltaSyncWeightTransfer:
         try:
             self._init_engine()
         except _Unreachable as reason:
-            log.warning("vLLM server %s is out of reach (%s); it will be initialised at the next sync",
-                        self.server_url, reason)
+            log.warning(
+                "vLLM server %s is out of reach (%s); it will be initialised at the next sync", self.server_url, reason
+            )
 
     def pause(self) -> None:
         self._post_or_warn("/pause?mode=keep", None)
@@ -103,8 +114,10 @@ class DeltaSyncWeightTransfer:
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Publishes the weights ``iterator`` yields as the next step, then has the server pull it."""
         if self._broken is not None:
-            raise DeltaSyncError(f"an earlier sync failed while streaming ({self._broken}), so the mirror is between "
-                                 "two steps: make a new DeltaSyncWeightTransfer and Publisher (resumed from the store)")
+            raise DeltaSyncError(
+                f"an earlier sync failed while streaming ({self._broken}), so the mirror is between "
+                "two steps: make a new DeltaSyncWeightTransfer and Publisher (resumed from the store)"
+            )
         step = self._next_step
         if not self._tensors:
             try:
@@ -134,8 +147,10 @@ class DeltaSyncWeightTransfer:
     def _host(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the CPU in the shipped dtype, contiguous: the tensor itself when it already is."""
         if isinstance(tensor, _dtensor_type() or ()):
-            raise DeltaSyncError(f"tensor {name!r} is a DTensor shard: send whole tensors (TRL gathers them with "
-                                 "full_tensor()), or diff shards per rank with ds.torch.attach")
+            raise DeltaSyncError(
+                f"tensor {name!r} is a DTensor shard: send whole tensors (TRL gathers them with "
+                "full_tensor()), or diff shards per rank with ds.torch.attach"
+            )
         if not isinstance(tensor, torch.Tensor):
             raise DeltaSyncError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         shipped = self.dtype if tensor.dtype.is_floating_point else tensor.dtype
@@ -167,8 +182,10 @@ class DeltaSyncWeightTransfer:
                 raise DeltaSyncError(f"tensor {name!r} was sent twice in one sync")
             host = self._host(name, tensor)
             if host.dtype != mirror.dtype or host.shape != mirror.shape:
-                raise BaseMismatchError(f"tensor {name!r}: sent as {host.dtype}{list(host.shape)}, mirrored as "
-                                        f"{mirror.dtype}{list(mirror.shape)}")
+                raise BaseMismatchError(
+                    f"tensor {name!r}: sent as {host.dtype}{list(host.shape)}, mirrored as "
+                    f"{mirror.dtype}{list(mirror.shape)}"
+                )
             dtype_name, shape = _arrays.describe(mirror, name)
             builder.advance([(name, dtype_name, list(shape), self._bytes[name], host)])
             seen.add(name)
@@ -199,8 +216,14 @@ class DeltaSyncWeightTransfer:
             self._post("/reset_prefix_cache", None)
         except _Unreachable as reason:
             self._engine_ready = False  # a restarted server needs the store again
-            log.warning("published step %d, but vLLM server %s is out of reach (%s); it is at step %s and will "
-                        "catch up from the store at the next sync", step, self.server_url, reason, self.server_step)
+            log.warning(
+                "published step %d, but vLLM server %s is out of reach (%s); it is at step %s and will "
+                "catch up from the store at the next sync",
+                step,
+                self.server_url,
+                reason,
+                self.server_step,
+            )
 
     def _init_engine(self) -> None:
         info: dict[str, Any] = {"store": self.store_url}
@@ -217,8 +240,9 @@ class DeltaSyncWeightTransfer:
 
     def _post(self, route: str, body: dict[str, Any] | None, timeout: float | None = None) -> None:
         data = b"" if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.server_url + route, data=data, method="POST",
-                                         headers={"content-type": "application/json"})
+        request = urllib.request.Request(
+            self.server_url + route, data=data, method="POST", headers={"content-type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
                 response.read()

@@ -159,7 +159,8 @@ impl<'a> BitReader<'a> {
     /// True when every bit has been read and the padding of the last byte is zero.
     pub fn is_exhausted(&self) -> bool {
         let used_bytes = self.bit.div_ceil(8);
-        used_bytes == self.bytes.len() && (self.bit.is_multiple_of(8) || self.bytes[used_bytes - 1] >> (self.bit % 8) == 0)
+        used_bytes == self.bytes.len()
+            && (self.bit.is_multiple_of(8) || self.bytes[used_bytes - 1] >> (self.bit % 8) == 0)
     }
 
     /// Counts one bits up to a zero (consumed too), or returns None after `ESCAPE_ONES` ones.
@@ -408,7 +409,12 @@ fn pairs_fast<const W: usize>(
 
 /// Checks a `rice` position stream and a `diffbits` value stream of `changed` changes together, as the walk would,
 /// and returns the last position: the two streams' decoding chains overlap in one loop.
-pub fn check_rice_diffbits<const W: usize>(positions: &[u8], values: &[u8], changed: u64, numel: u64) -> Result<Option<u64>, String> {
+pub fn check_rice_diffbits<const W: usize>(
+    positions: &[u8],
+    values: &[u8],
+    changed: u64,
+    numel: u64,
+) -> Result<Option<u64>, String> {
     let mut position_reader = RiceReader::new(positions, numel)?;
     let mut value_bits = BitReader::new(values);
     let (mut sum, mut carried) = (0u64, false);
@@ -691,7 +697,12 @@ fn compact_range(range: &Changes, k: u32, previous_end: u64, width: usize, diffe
 /// `diffbits` values, each kept only where smaller than its `varint`/`diff` stream; None when the tensor stored
 /// whole, `dense_len` bytes, is no larger. Ranges are re-encoded side by side in the rayon pool; codes are
 /// appended code by code, so the bytes do not depend on how the tensor was cut into ranges.
-pub fn smallest_streams(ranges: &[Changes], width: usize, scanned_values: ValueCodec, dense_len: usize) -> Option<TensorStreams> {
+pub fn smallest_streams(
+    ranges: &[Changes],
+    width: usize,
+    scanned_values: ValueCodec,
+    dense_len: usize,
+) -> Option<TensorStreams> {
     let (varint_len, byte_values_len) = scan::joined_lens(ranges);
     let differences = scanned_values == ValueCodec::Diff;
     let (k, previous_ends) = rice_plan(ranges);
@@ -739,16 +750,15 @@ pub fn smallest_streams(ranges: &[Changes], width: usize, scanned_values: ValueC
 mod tests {
     use super::*;
 
-/// Bits taken by `gap` with Rice parameter `k`.
-fn rice_bits(gap: u64, k: u32) -> u64 {
-    let quotient = gap >> k;
-    if quotient < u64::from(ESCAPE_ONES) {
-        quotient + 1 + u64::from(k)
-    } else {
-        u64::from(ESCAPE_ONES) + 64
+    /// Bits taken by `gap` with Rice parameter `k`.
+    fn rice_bits(gap: u64, k: u32) -> u64 {
+        let quotient = gap >> k;
+        if quotient < u64::from(ESCAPE_ONES) {
+            quotient + 1 + u64::from(k)
+        } else {
+            u64::from(ESCAPE_ONES) + 64
+        }
     }
-}
-
 
     fn positions_from_gaps(gaps: &[u64]) -> Vec<u64> {
         let mut next = 0u64;
@@ -794,7 +804,8 @@ fn rice_bits(gap: u64, k: u32) -> u64 {
 
     #[test]
     fn appending_bit_streams_equals_writing_once() {
-        let pieces: Vec<Vec<(u64, u32)>> = vec![vec![(1, 1), (0x1ff, 9)], vec![], vec![(0xabcdef, 24); 9], vec![(3, 2), (0, 5)]];
+        let pieces: Vec<Vec<(u64, u32)>> =
+            vec![vec![(1, 1), (0x1ff, 9)], vec![], vec![(0xabcdef, 24); 9], vec![(3, 2), (0, 5)]];
         let mut whole = BitWriter::with_capacity(0);
         let mut joined = BitWriter::with_capacity(0);
         joined.put(0b101, 3);

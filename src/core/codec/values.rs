@@ -181,7 +181,9 @@ mod tests {
     fn diff_roundtrips_all_widths() {
         for width in [1, 2, 4, 8] {
             let m = mask(width);
-            for (old, new) in [(0, 1), (1, 0), (5, 132), (132, 5), (0, m), (m, 0), (m / 2, m / 2 + 1), (7, 7 + 127), (7 + 128, 7)] {
+            for (old, new) in
+                [(0, 1), (1, 0), (5, 132), (132, 5), (0, m), (m, 0), (m / 2, m / 2 + 1), (7, 7 + 127), (7 + 128, 7)]
+            {
                 roundtrip(old & m, new & m, width);
             }
         }
