@@ -526,6 +526,32 @@ mod tests {
         assert_eq!(first, vec![0u8; 4]);
     }
 
+    /// `numel` random elements of `width` bytes, and a copy in which each element changes with probability
+    /// `density`, as `change(element bytes, a random number)` says.
+    fn random_step(
+        width: usize,
+        numel: usize,
+        seed: u64,
+        density: f64,
+        change: impl Fn(&mut [u8], u64),
+    ) -> (Vec<u8>, Vec<u8>) {
+        let mut state = seed | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let old: Vec<u8> = (0..numel * width).map(|_| next() as u8).collect();
+        let mut new = old.clone();
+        for element in new.chunks_mut(width.max(1)) {
+            if (next() % 1000) as f64 / 1000.0 < density {
+                change(element, next());
+            }
+        }
+        (old, new)
+    }
+
     fn dtype_of(width: usize) -> Dtype {
         match width {
             1 => Dtype::U8,
@@ -545,16 +571,11 @@ mod tests {
             chunk in 1usize..300,
             abs in any::<bool>(),
         ) {
-            let mut state = seed | 1;
-            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
-            let old: Vec<u8> = (0..numel * width).map(|_| next() as u8).collect();
-            let mut new = old.clone();
-            for element in 0..numel {
-                if (next() % 1000) as f64 / 1000.0 < density {
-                    let byte = element * width + (next() as usize % width);
-                    new[byte] = new[byte].wrapping_add(1 + (next() % 3) as u8);
-                }
-            }
+            // One byte of the element moves by 1 to 3.
+            let (old, new) = random_step(width, numel, seed, density, |element, random| {
+                let byte = random as usize % element.len();
+                element[byte] = element[byte].wrapping_add(1 + (random >> 8) as u8 % 3);
+            });
             let codec = if abs { ValueCodec::Abs } else { ValueCodec::Diff };
             let dtype = dtype_of(width);
             let (tensor, mirror) = chunked(&old, &new, dtype, chunk, codec);
@@ -571,16 +592,10 @@ mod tests {
             chunk in 1usize..300,
             abs in any::<bool>(),
         ) {
-            let mut state = seed | 1;
-            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
-            let old: Vec<u8> = (0..numel * width).map(|_| next() as u8).collect();
-            let mut new = old.clone();
-            for element in 0..numel {
-                if (next() % 1000) as f64 / 1000.0 < density {
-                    let byte = element * width;
-                    new[byte] = new[byte].wrapping_add([1u8, 255, 2, 254, 9][(next() % 5) as usize]);
-                }
-            }
+            // The low byte moves by +-1, +-2 or 9: the differences the compact value codes are made for.
+            let (old, new) = random_step(width, numel, seed, density, |element, random| {
+                element[0] = element[0].wrapping_add([1u8, 255, 2, 254, 9][(random % 5) as usize]);
+            });
             let codec = if abs { ValueCodec::Abs } else { ValueCodec::Diff };
             let dtype = dtype_of(width);
             let (tensor, mirror) = chunked_in(&old, &new, dtype, chunk, codec, Codec::Compact);
