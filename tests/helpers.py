@@ -1,8 +1,15 @@
-"""Shared test helpers: bit-level equality and state copies."""
+"""Shared test helpers: bit-level equality, state copies, and scenarios run in another virtualenv."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -32,3 +39,29 @@ def assert_states_equal(a, b):
 
 def clone_state(state):
     return {k: (v.copy() if isinstance(v, np.ndarray) else v.clone()) for k, v in state.items()}
+
+
+def run_scenario(python, setup: str, script: str, *args: str, timeout: int, logs=None, **environment: str) -> dict:
+    """Runs ``tests/<script>`` with another virtualenv's ``python`` (skipped, naming the ``make`` target ``setup``,
+    when it is missing) and returns the JSON of its last ``RESULT`` line; on failure, prints the end of its output
+    and of every ``*.log`` under ``logs``, and fails the test."""
+    if not Path(python).exists():
+        pytest.skip(f"no environment at {python}: run `make {setup}`")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **environment)
+    env.pop("VLLM_TARGET_DEVICE", None)  # the CPU build knows its platform
+    process = subprocess.run(
+        [str(python), str(root / "tests" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=root,
+    )
+    results = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    if process.returncode != 0 or not results:
+        sys.stderr.write(process.stdout[-20000:] + process.stderr[-20000:])
+        for log in sorted(Path(logs).glob("*.log")) if logs is not None else []:
+            sys.stderr.write(f"--- {log.name}\n" + log.read_text(errors="replace")[-5000:])
+        pytest.fail(f"{script} {' '.join(args)} failed (rc {process.returncode}); its output is above")
+    return json.loads(results[-1].removeprefix("RESULT "))

