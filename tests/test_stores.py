@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import stat
+import time
 
 import pytest
 
@@ -56,6 +57,33 @@ def test_local_writes_are_atomic_and_leave_no_temp_files(tmp_path):
     store = LocalStore(tmp_path / "s")
     store.put("k/v.bin", b"1" * 1000)
     assert [p.name for p in (tmp_path / "s" / "k").iterdir()] == ["v.bin"]
+
+
+def test_local_writers_remove_temp_files_left_by_killed_writers(tmp_path):
+    """A writer killed mid-put leaves a `.deltasync-*.tmp` in the store; the next writer into that folder removes
+    it once it is stale, and leaves a live writer's alone, as well as links and anything not its own."""
+    root = tmp_path / "s"
+    (root / "deltas").mkdir(parents=True)
+    stale, live = root / "deltas" / ".deltasync-1234-abcd.tmp", root / "deltas" / ".deltasync-5678-ef01.tmp"
+    other = root / "deltas" / "notes.tmp"
+    outside = tmp_path / "outside.tmp"
+    for path in (stale, live, other, outside):
+        path.write_bytes(b"half an anchor")
+    link = root / "deltas" / ".deltasync-9999-0000.tmp"
+    link.symlink_to(outside)
+    old = time.time() - 3600
+    for path in (stale, other, outside):
+        os.utime(path, (old, old))
+    os.utime(link, (old, old), follow_symlinks=False)
+    store = LocalStore(root)
+    assert store.list() == ["deltas/notes.tmp"]  # temp files are never listed
+    store.put("deltas/step_000000000001.safetensors", b"x")
+    assert not stale.exists()
+    assert live.exists() and other.exists() and outside.exists() and link.is_symlink()
+    stale.write_bytes(b"again")
+    os.utime(stale, (old, old))
+    LocalStore(root, create=False).list()  # readers never delete
+    assert stale.exists()
 
 
 def test_open_store_dispatch(tmp_path, s3_url):

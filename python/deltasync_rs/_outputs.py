@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from collections.abc import Callable
 
 from .errors import DeltaSyncError
 from .store import TEMP_PREFIX
-
-# A temporary file untouched this long belongs to a run that was killed: live writers keep touching theirs.
-STALE_TEMP_SECONDS = 15 * 60
+from .store import remove_stale_temps as _remove_stale_temps
 
 
 def require_regular_file(path: str) -> None:
@@ -37,27 +34,17 @@ def refuse_overwriting_inputs(output: str, inputs: list[str]) -> None:
 
 
 def remove_stale_temps(output: str) -> None:
-    """Removes `.deltasync-*.tmp` files in the output's folder untouched for STALE_TEMP_SECONDS (a kill -9 during
-    a write leaves one behind; nothing else would ever remove it)."""
+    """Removes stale `.deltasync-*.tmp` files in the output's folder (see store.remove_stale_temps): a kill -9
+    during a write leaves one behind."""
     folder = os.path.dirname(os.path.abspath(output))
-    cutoff = time.time() - STALE_TEMP_SECONDS
     try:
-        with os.scandir(folder) as entries:
-            stale = [
-                e
-                for e in entries
-                if e.name.startswith(TEMP_PREFIX)
-                and e.name.endswith(".tmp")
-                and e.is_file(follow_symlinks=False)
-                and e.stat(follow_symlinks=False).st_mtime < cutoff
-            ]
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
-    for entry in stale:
-        try:
-            os.unlink(entry.path)
-        except OSError:
-            pass
+    try:
+        _remove_stale_temps(fd)
+    finally:
+        os.close(fd)
 
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:

@@ -10,6 +10,7 @@ import re
 import secrets
 import stat
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,7 +71,36 @@ class Store(ABC):
 
 
 TEMP_PREFIX = ".deltasync-"
+# A temporary file untouched this long belongs to a writer that was killed: live writers keep touching theirs.
+STALE_TEMP_SECONDS = 15 * 60
 _NO_LINK_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def remove_stale_temps(dir_fd: int) -> int:
+    """Removes the ``.deltasync-*.tmp`` files directly in a folder (given as a descriptor) untouched for
+    STALE_TEMP_SECONDS: a writer killed mid-write (``kill -9``, a lost machine) leaves one behind, and nothing else
+    would ever remove it. Links and non-regular files are left alone. Returns how many were removed."""
+    cutoff = time.time() - STALE_TEMP_SECONDS
+    removed = 0
+    try:
+        with os.scandir(dir_fd) as entries:
+            stale = [
+                e.name
+                for e in entries
+                if e.name.startswith(TEMP_PREFIX)
+                and e.name.endswith(".tmp")
+                and e.is_file(follow_symlinks=False)
+                and e.stat(follow_symlinks=False).st_mtime < cutoff
+            ]
+    except OSError:
+        return 0
+    for name in stale:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def too_large(where: str, max_bytes: int) -> StoreError:
@@ -93,6 +123,7 @@ class LocalStore(Store):
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as error:
                 raise StoreError(f"{self.root}: cannot create the store folder: {error}") from error
+        self._swept: set[tuple[str, ...]] = set()
 
     def _open_folder(self, parts: list[str], *, create: bool) -> int:
         """A descriptor of the folder root/parts; FileNotFoundError when a part is absent and ``create`` is False."""
@@ -136,6 +167,9 @@ class LocalStore(Store):
             dir_fd = self._open_folder(folder, create=True)
         except OSError as error:
             raise StoreError(f"{path}: cannot write: {error}") from error
+        if tuple(folder) not in self._swept:  # once per folder and store object: writers clean up after killed ones
+            self._swept.add(tuple(folder))
+            remove_stale_temps(dir_fd)
         temp = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp"
         try:
             # Mode 0o666 less the umask, as any new file gets (mkstemp's 0o600 would survive the rename).
