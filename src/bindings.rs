@@ -214,36 +214,7 @@ pub struct RawDelta {
 
 impl RawDelta {
     fn extend(&mut self, tensors: Vec<crate::core::TensorDelta>) -> PyResult<()> {
-        for tensor in &tensors {
-            if self.delta.position_of(&tensor.name).is_some() {
-                return Err(DeltaSyncError::new_err(format!("tensor {:?} is already in this delta", tensor.name)));
-            }
-        }
-        self.delta.tensors.extend(tensors);
-        Ok(())
-    }
-
-    /// Refuses targets whose memory overlaps: sorted by address, each must end before the next begins (O(n log n);
-    /// comparing every pair took seconds at 160k tensors). An empty target writes nothing and overlaps nothing.
-    fn check_disjoint(&self, slices: &[(usize, RawSlice)]) -> PyResult<()> {
-        let mut spans: Vec<(usize, usize, usize)> = slices
-            .iter()
-            .filter(|(_, s)| s.len > 0)
-            .map(|(index, s)| (s.ptr as usize, s.ptr as usize + s.len, *index))
-            .collect();
-        spans.sort_unstable();
-        for pair in spans.windows(2) {
-            let ((_, end, first), (start, _, second)) = (pair[0], pair[1]);
-            if start < end {
-                let name = |index: usize| self.delta.tensors[index].name.clone();
-                return Err(DeltaSyncError::new_err(format!(
-                    "target of tensor {:?} overlaps the target of tensor {:?}",
-                    name(second),
-                    name(first)
-                )));
-            }
-        }
-        Ok(())
+        self.delta.extend(tensors).map_err(to_py)
     }
 
     fn tensor(&self, index: usize) -> PyResult<&crate::core::TensorDelta> {
@@ -465,10 +436,8 @@ impl RawDelta {
         let tensor = self.tensor(index)?;
         let dtype = dtype::parse(dtype_name)
             .map_err(|e| BaseMismatchError::new_err(format!("tensor {:?}: {e}", tensor.name)))?;
-        let len = dtype::numel(&shape)
-            .and_then(|n| n.checked_mul(dtype::width_of(dtype).ok()? as u64))
-            .ok_or_else(|| BaseMismatchError::new_err(format!("tensor {:?}: target shape overflows", tensor.name)))?;
-        apply::check_target(tensor, dtype, Some(&shape), len as usize).map_err(to_py)
+        let len = apply::target_len(tensor, dtype, &shape).map_err(to_py)?;
+        apply::check_target(tensor, dtype, Some(&shape), len).map_err(to_py)
     }
 
     /// The base identity (16 hex digits) that tensor `index` must be applied to, or None when it applies to any
@@ -510,7 +479,8 @@ impl RawDelta {
             held.push(buffer);
             slices.push((*index, slice));
         }
-        self.check_disjoint(&slices)?;
+        let spans: Vec<(usize, usize, usize)> = slices.iter().map(|(i, s)| (*i, s.ptr as usize, s.len)).collect();
+        apply::check_disjoint(&self.delta, &spans).map_err(to_py)?;
         let delta = &self.delta;
         py.detach(|| {
             // SAFETY: buffers are held, writable and pairwise disjoint (checked above).
@@ -555,14 +525,7 @@ impl RawDelta {
 
     /// True when tensors `a` and `b` carry the same changes (as tied weights do).
     fn same_changes(&self, a: usize, b: usize) -> PyResult<bool> {
-        let (x, y) = (self.tensor(a)?, self.tensor(b)?);
-        Ok(x.dtype == y.dtype
-            && x.shape == y.shape
-            && x.changed == y.changed
-            && x.positions_codec == y.positions_codec
-            && x.values_codec == y.values_codec
-            && x.positions[..] == y.positions[..]
-            && x.values[..] == y.values[..])
+        Ok(self.tensor(a)?.same_changes(self.tensor(b)?))
     }
 }
 

@@ -70,6 +70,18 @@ impl TensorDelta {
         self.positions_codec == PositionCodec::All && self.values_codec == ValueCodec::Abs
     }
 
+    /// True when both carry the same changes to tensors of the same dtype and shape (as tied weights do), so
+    /// applying one is applying the other.
+    pub fn same_changes(&self, other: &TensorDelta) -> bool {
+        self.dtype == other.dtype
+            && self.shape == other.shape
+            && self.changed == other.changed
+            && self.positions_codec == other.positions_codec
+            && self.values_codec == other.values_codec
+            && self.positions[..] == other.positions[..]
+            && self.values[..] == other.values[..]
+    }
+
     /// Walks every change in order, calling `visit(position, value)`; checks the streams fully.
     /// `value` is the raw new bits for `abs` and the wrapping difference for `diff`.
     pub fn for_each_change(&self, visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {
@@ -357,5 +369,17 @@ impl Delta {
 
     pub fn position_of(&self, name: &str) -> Option<usize> {
         self.tensors.iter().position(|t| t.name == name)
+    }
+
+    /// Adds tensors, refusing (before adding any) a name that is already in the delta or twice among them.
+    pub fn extend(&mut self, tensors: Vec<TensorDelta>) -> Result<()> {
+        let mut seen: std::collections::HashSet<&str> = self.tensors.iter().map(|t| t.name.as_str()).collect();
+        for tensor in &tensors {
+            if !seen.insert(tensor.name.as_str()) {
+                return Err(Error::invalid(format!("tensor {:?} is already in this delta", tensor.name)));
+            }
+        }
+        self.tensors.extend(tensors);
+        Ok(())
     }
 }
