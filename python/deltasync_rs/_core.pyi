@@ -23,6 +23,7 @@ __all__ = [
     "scan_kernel",
     "set_num_threads",
     "state_digest",
+    "write_anchor",
 ]
 __version__: str
 FORMAT_VERSION: str
