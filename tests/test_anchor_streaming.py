@@ -229,3 +229,18 @@ def test_pull_streams_the_anchor_to_a_file(tmp_path, private_tmp, monkeypatch):
     assert_states_equal(replica, state)
     assert list(private_tmp.iterdir()) == []
     assert verify_store(store) == []
+
+
+def test_a_failed_anchor_upload_removes_its_file(tmp_path, private_tmp):
+    class Unreachable(ds.LocalStore):
+        def put_file(self, key, path):
+            raise ds.StoreError(f"{key}: connection reset")
+
+    store = Unreachable(tmp_path / "store")
+    publisher = ds.Publisher(store, retries=2)
+    publisher.publish(0, _state())
+    with pytest.raises(ds.DeltaSyncError, match="connection reset"):
+        publisher.flush()
+    publisher.close()
+    assert not [p for p in (tmp_path / "store").rglob(".deltasync-*")]
+    assert store.list("anchors/") == [] and store.list("manifest/") == []
