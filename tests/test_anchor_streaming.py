@@ -244,3 +244,15 @@ def test_a_failed_anchor_upload_removes_its_file(tmp_path, private_tmp):
     publisher.close()
     assert not [p for p in (tmp_path / "store").rglob(".deltasync-*")]
     assert store.list("anchors/") == [] and store.list("manifest/") == []
+
+
+def test_a_resumed_publisher_streams_its_first_anchor(tmp_path, private_tmp):
+    """resume() without the step's entry makes the next publish an anchor, written from the resumed mirror."""
+    state = _state()
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, anchor_every=100) as publisher:
+        publisher.resume(state, step=5)
+        _change(state, 6)
+        publisher.publish(6, state)
+    assert store.get(anchor_key(6)) == ds.anchor(state, step=6).to_bytes()
+    assert list(private_tmp.iterdir()) == []
