@@ -623,7 +623,8 @@ fn apply_file(
 }
 
 /// Writes the anchor of tensors given as (name, dtype, shape, bytes) into the existing file at `path`, straight
-/// from their memory (core::anchors::write_anchor); returns the file's size and SHA-256 (hex).
+/// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex) and the tensors' state
+/// digest (as `state_digest` gives it), all from one pass.
 #[pyfunction]
 #[pyo3(signature = (path, entries, step = None, metadata = BTreeMap::new()))]
 fn write_anchor(
@@ -632,7 +633,7 @@ fn write_anchor(
     entries: Vec<FullEntry<'_>>,
     step: Option<u64>,
     metadata: BTreeMap<String, String>,
-) -> PyResult<(u64, String)> {
+) -> PyResult<(u64, String, String)> {
     let (held, specs) = export_tensors(&entries)?;
     let written = py
         .detach(|| {
@@ -651,7 +652,7 @@ fn write_anchor(
         .map_err(to_py)?;
     drop(held);
     let hex: String = written.sha256.iter().map(|byte| format!("{byte:02x}")).collect();
-    Ok((written.size, hex))
+    Ok((written.size, hex, written.state_digest))
 }
 
 /// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).

@@ -53,10 +53,15 @@ def test_streamed_anchor_is_byte_identical_to_to_bytes(tmp_path):
     state = _state()
     path = tmp_path / "anchor.safetensors"
     path.write_bytes(b"longer old content that the write truncates" * 100)
-    size, sha256 = write_anchor_file(state, path, step=12, metadata={"origin": "test"})
+    state["lm_head.weight"] = state["embed.weight"]  # tied: one memory, two names
+    state["empty"] = torch.zeros(0, 8).bfloat16()
+    state["embed.T"] = state["embed.weight"].view(64, 300).contiguous()  # a copy of the same bytes, another shape
+    state["embed.flat"] = state["embed.weight"].view(-1)  # the same memory as another shape
+    size, sha256, digest = write_anchor_file(state, path, step=12, metadata={"origin": "test"})
     expected = ds.anchor(state, step=12, metadata={"origin": "test"}).to_bytes()
     assert path.read_bytes() == expected
     assert (size, sha256) == (len(expected), hashlib.sha256(expected).hexdigest())
+    assert digest == ds.state_digest(state)  # hashed in the same pass
 
 
 def test_streamed_anchor_refuses_a_bad_state_before_writing(tmp_path):

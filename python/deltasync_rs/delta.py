@@ -277,11 +277,12 @@ def anchor(state: State, *, step: int | None = None, metadata: Mapping[str, str]
 
 def write_anchor_file(
     state: State, path: str | os.PathLike[str], *, step: int | None = None, metadata: Mapping[str, str] | None = None
-) -> tuple[int, str]:
+) -> tuple[int, str, str]:
     """Writes the file ``anchor(state, step=step, metadata=metadata).to_bytes()`` gives (the same bytes) into the
     existing file at ``path``, straight from the tensors' memory: no copy of the state is made (CPU tensors and
-    arrays are read in place; others are copied to the host first). Returns the file's size and SHA-256 (hex),
-    hashed on the way. The tensors must not change until this returns; the file is not fsynced."""
+    arrays are read in place; others are copied to the host first). Returns the file's size, its SHA-256 (hex) and
+    ``state_digest(state)``, all hashed in the same pass as the write. The tensors must not change until this
+    returns; the file is not fsynced."""
     entries = []
     for name, tensor in _as_mapping(state, "state").items():
         dtype, shape = _arrays.describe(tensor, name)

@@ -245,7 +245,8 @@ class Publisher:
         # mapping, and every change in place waits for _mirror_free).
         full = dict(self._mirror.tensors) if due else None
         self._since_anchor = 0 if due else self._since_anchor + 1
-        job = (step, delta, full, self._mirror.digest(), self._mirror_elements())
+        # An anchor step's state digest comes from the anchor's own pass over the mirror.
+        job = (step, delta, full, None if due else self._mirror.digest(), self._mirror_elements())
         if self._queue is None:
             self._upload(*job)
             return
@@ -301,31 +302,32 @@ class Publisher:
                 log.warning("writing %s failed (%s); retrying", key, error)
                 time.sleep(0.05 * 2**attempt)
 
-    def _anchor_file(self, tensors: Mapping[str, Any], step: int) -> tuple[str, dict[str, Any]]:
+    def _anchor_file(self, tensors: Mapping[str, Any], step: int) -> tuple[str, dict[str, Any], str]:
         """Writes the anchor of ``tensors`` into a new temporary file (in the store's own folder when it has one,
-        so a local store links it in place) and returns its path and manifest reference. The mirror is free
-        again once this returns, whatever happens."""
+        so a local store links it in place) and returns its path, its manifest reference and the state digest
+        (hashed in the same pass). The mirror is free again once this returns, whatever happens."""
         try:
             folder = self.store.staging_folder() or tempfile.gettempdir()
             path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
             try:
-                size, sha256 = write_anchor_file(tensors, path, step=step)
+                size, sha256, digest = write_anchor_file(tensors, path, step=step)
             except BaseException:
                 os.unlink(path)
                 raise
         finally:
             self._mirror_free.set()
-        return path, {"key": anchor_key(step), "size": size, "sha256": sha256}
+        return path, {"key": anchor_key(step), "size": size, "sha256": sha256}, digest
 
     def _upload(
-        self, step: int, delta: Delta | None, full: Mapping[str, Any] | None, digest: str, elements: int
+        self, step: int, delta: Delta | None, full: Mapping[str, Any] | None, digest: str | None, elements: int
     ) -> None:
         started = time.perf_counter()
         delta_ref = anchor_ref = None
         anchor_path = None
         if full is not None:
-            anchor_path, anchor_ref = self._anchor_file(full, step)
+            anchor_path, anchor_ref, digest = self._anchor_file(full, step)
+        assert digest is not None  # given for every step without an anchor
         try:
             if delta is not None:
                 blob = delta.to_bytes()

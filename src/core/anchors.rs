@@ -1,7 +1,7 @@
 //! Anchors at scale: written from the caller's tensors straight into a file, hashed (SHA-256) on the way, and read
 //! back through a memory map, so neither side holds a second copy of the whole state.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
@@ -9,6 +9,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 
 use crate::core::diff::{self, FullInput};
+use crate::core::digest;
 use crate::core::error::{Error, Result};
 use crate::core::format;
 use crate::core::stream::{Backing, Stream};
@@ -17,10 +18,11 @@ use crate::core::Delta;
 /// Bytes hashed on one thread while the other writes them.
 const CHUNK_BYTES: usize = 8 << 20;
 
-/// What `write_anchor` wrote: the file's size and SHA-256.
+/// What `write_anchor` wrote: the file's size and SHA-256, and the state digest of its tensors (core::digest).
 pub struct Written {
     pub size: u64,
     pub sha256: [u8; 32],
+    pub state_digest: String,
 }
 
 /// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode` lays out
@@ -41,19 +43,39 @@ impl AsRef<[u8]> for Lent {
     }
 }
 
-/// A writer that hashes what it writes; large writes are hashed and written side by side, chunk by chunk.
-struct Hashing<W: Write> {
+/// A writer that hashes what it writes with SHA-256, and each tensor's bytes with its state-digest hash when they
+/// pass whole (`write_to` hands over each piece as the very slice it was lent, before any buffering); large writes
+/// are hashed and written side by side, chunk by chunk.
+struct Hashing<'a, 'b, W: Write> {
     inner: W,
-    hasher: Sha256,
+    sha256: Sha256,
     size: u64,
+    inputs: &'a [FullInput<'b>],
+    /// Tensors not yet seen, by the address and length of their bytes (aliased tensors queue under one key).
+    pending: HashMap<(usize, usize), Vec<usize>>,
+    tensor_hashes: Vec<Option<u128>>,
 }
 
-impl<W: Write + Send> Write for Hashing<W> {
+impl<W: Write + Send> Write for Hashing<'_, '_, W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let tensor = self.pending.get_mut(&(buf.as_ptr() as usize, buf.len())).and_then(Vec::pop);
+        let mut tensor_hasher = tensor.map(|index| {
+            let input = &self.inputs[index];
+            digest::tensor_hasher(input.dtype, &input.shape)
+        });
         for chunk in buf.chunks(CHUNK_BYTES) {
-            let (hasher, inner) = (&mut self.hasher, &mut self.inner);
-            let ((), written) = rayon::join(|| hasher.update(chunk), || inner.write_all(chunk));
+            let (sha256, inner, hasher) = (&mut self.sha256, &mut self.inner, &mut tensor_hasher);
+            let hash = || {
+                sha256.update(chunk);
+                if let Some(hasher) = hasher.as_mut() {
+                    hasher.update(chunk);
+                }
+            };
+            let ((), written) = rayon::join(hash, || inner.write_all(chunk));
             written?;
+        }
+        if let (Some(index), Some(hasher)) = (tensor, tensor_hasher) {
+            self.tensor_hashes[index] = Some(hasher.digest128());
         }
         self.size += buf.len() as u64;
         Ok(buf.len())
@@ -65,9 +87,10 @@ impl<W: Write + Send> Write for Hashing<W> {
 }
 
 /// Writes the anchor of `inputs` (the bytes `format::to_bytes` gives for `diff::full(inputs)` with this step and
-/// metadata) into the file at `path`, truncating it, and returns its size and SHA-256. Each tensor is copied once,
-/// from its own memory into the file; nothing the size of the state is allocated. The caller keeps `inputs`
-/// unchanged until this returns, and makes the file durable (fsync) where it needs to.
+/// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 and state digest, all three
+/// hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the size of the
+/// state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file durable (fsync)
+/// where it needs to.
 pub fn write_anchor(
     inputs: &[FullInput<'_>],
     step: Option<u64>,
@@ -84,14 +107,37 @@ pub fn write_anchor(
     let delta = Delta { tensors, step, base_step: None, metadata: metadata.clone() };
     let encoded = format::encode(&delta)?;
     let file = std::fs::OpenOptions::new().write(true).truncate(true).open(path).map_err(|e| Error::io(path, e))?;
-    let mut writer =
-        Hashing { inner: std::io::BufWriter::with_capacity(1 << 20, file), hasher: Sha256::new(), size: 0 };
+    let mut pending: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+    for (index, input) in inputs.iter().enumerate() {
+        pending.entry((input.data.as_ptr() as usize, input.data.len())).or_default().push(index);
+    }
+    let mut writer = Hashing {
+        inner: std::io::BufWriter::with_capacity(1 << 20, file),
+        sha256: Sha256::new(),
+        size: 0,
+        inputs,
+        pending,
+        tensor_hashes: vec![None; inputs.len()],
+    };
     crate::core::pool::install(|| encoded.write_to(&mut writer).and_then(|()| writer.flush()))
         .map_err(|e| Error::io(path, e))?;
     // `delta` (and the lent windows in it) ends here, while `inputs` is still borrowed.
     drop(encoded);
     drop(delta);
-    Ok(Written { size: writer.size, sha256: writer.hasher.finalize().into() })
+    // Empty tensors are never written, so never seen: their hash is their dtype and shape alone.
+    let named: Vec<(&str, u128)> = inputs
+        .iter()
+        .zip(&writer.tensor_hashes)
+        .map(|(input, hash)| {
+            let hash = hash.unwrap_or_else(|| {
+                let mut hasher = digest::tensor_hasher(input.dtype, &input.shape);
+                hasher.update(input.data);
+                hasher.digest128()
+            });
+            (input.name.as_str(), hash)
+        })
+        .collect();
+    Ok(Written { size: writer.size, sha256: writer.sha256.finalize().into(), state_digest: digest::combine(&named) })
 }
 
 /// Reads and validates a delta file through a read-only memory map: a tensor stored whole stays a window onto the
@@ -144,6 +190,11 @@ mod tests {
         assert_eq!(file, expected);
         assert_eq!(written.size, expected.len() as u64);
         assert_eq!(written.sha256, <[u8; 32]>::from(Sha256::digest(&expected)));
+        let digest_inputs: Vec<digest::DigestInput<'_>> = inputs
+            .iter()
+            .map(|i| digest::DigestInput { name: &i.name, dtype: i.dtype, shape: &i.shape, data: i.data })
+            .collect();
+        assert_eq!(written.state_digest, digest::state_digest(&digest_inputs));
 
         let mapped = load_mapped(&path).unwrap();
         assert!(mapped.is_anchor());
