@@ -8,13 +8,15 @@ in its own process, which resets its peak resident set size (writing 5 to /proc/
 VmRSS) before the measured call and reports VmHWM less the resident size before it. Rows:
 
 - publish, streamed: the second publish of a Publisher whose mirror holds the state (anchor_every=1, so an empty
-  delta and an anchor), through flush(): the diff against the mirror, the state digest, then the anchor. The
-  publisher rows' peak extra is over state + mirror.
-- publish, in memory (the path before streaming): ``ds.anchor(mirror).to_bytes()``, SHA-256, ``store.put``.
+  delta and an anchor), through flush(): the diff against the mirror, then the anchor. The publisher rows' peak
+  extra is over state + mirror.
+- anchor alone, streamed: the anchor's own work in the upload thread: the file written from the mirror, hashed
+  (SHA-256 and the state digest in the same pass), then ``store.put_file`` (fsync, link into the store).
+- anchor alone, in memory (the path before streaming): ``ds.anchor(mirror).to_bytes()``, SHA-256, ``store.put``.
 - pull, streamed: a fresh Subscriber's ``pull`` into a zeroed target (allocated and touched before the reset).
 - pull, in memory (before): ``store.get``, SHA-256, ``ds.load(blob).apply_(target)``.
 - the floors: ``cp`` of the anchor file on the same disk (then ``sync`` of the copy), the same bytes written with
-  numpy's ``tofile`` (then fsync), and reading the file in 8 MiB pieces. The page cache is warm for every row.
+  numpy's ``tofile`` (then fsync), reading the file in 8 MiB pieces, and reading it with hashlib's SHA-256. The page cache is warm for every row.
 Linux only.
 """
 
@@ -69,7 +71,7 @@ with ds.Publisher(store, anchor_every=1, keep_anchors=2) as publisher:
         publisher.publish(1, state)
         publisher.flush()
     elif mode == "anchor only":
-        path, ref = publisher._anchor_file(publisher._mirror.tensors, 1)
+        path, ref, _ = publisher._anchor_file(publisher._mirror.tensors, 1)
         store.put_file(ref["key"], path)
         os.unlink(path)
     else:
