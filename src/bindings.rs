@@ -16,7 +16,7 @@ use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
 use crate::core::digest::{self, DigestInput};
 use crate::core::stream::Backing;
-use crate::core::{apply, base, diff, dtype, files, format, pool, trl, Delta, Error};
+use crate::core::{anchors, apply, base, diff, dtype, files, format, pool, trl, Delta, Error};
 
 mod mirror;
 
@@ -431,6 +431,14 @@ impl RawDelta {
         Ok(RawDelta { delta })
     }
 
+    /// Reads and fully validates a delta file through a read-only memory map (core::anchors::load_mapped): the
+    /// file must stay unchanged while the delta lives.
+    #[staticmethod]
+    fn map(py: Python<'_>, path: PathBuf) -> PyResult<RawDelta> {
+        let delta = py.detach(|| anchors::load_mapped(&path)).map_err(to_py)?;
+        Ok(RawDelta { delta })
+    }
+
     /// Raises BaseMismatchError unless tensor `index` can be applied to a target of this dtype and shape.
     fn check_target(&self, index: usize, dtype_name: &str, shape: Vec<u64>) -> PyResult<()> {
         let tensor = self.tensor(index)?;
@@ -577,6 +585,39 @@ fn apply_file(
     py.detach(|| files::apply_file(&base, delta, &out, check_base)).map_err(to_py)
 }
 
+/// Writes the anchor of tensors given as (name, dtype, shape, bytes) into the existing file at `path`, straight
+/// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex) and the tensors' state
+/// digest (as `state_digest` gives it), all from one pass.
+#[pyfunction]
+#[pyo3(signature = (path, entries, step = None, metadata = BTreeMap::new()))]
+fn write_anchor(
+    py: Python<'_>,
+    path: PathBuf,
+    entries: Vec<FullEntry<'_>>,
+    step: Option<u64>,
+    metadata: BTreeMap<String, String>,
+) -> PyResult<(u64, String, String)> {
+    let (held, specs) = export_tensors(&entries)?;
+    let written = py
+        .detach(|| {
+            let inputs: Vec<FullInput<'_>> = specs
+                .iter()
+                // SAFETY: `held` keeps every buffer exported until after this call.
+                .map(|(name, dtype, shape, data)| FullInput {
+                    name: (*name).to_owned(),
+                    dtype: *dtype,
+                    shape: shape.to_vec(),
+                    data: unsafe { data.get() },
+                })
+                .collect();
+            anchors::write_anchor(&inputs, step, &metadata, &path)
+        })
+        .map_err(to_py)?;
+    drop(held);
+    let hex: String = written.sha256.iter().map(|byte| format!("{byte:02x}")).collect();
+    Ok((written.size, hex, written.state_digest))
+}
+
 /// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).
 #[pyfunction]
 fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
@@ -638,6 +679,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(diff_files, m)?)?;
     m.add_function(wrap_pyfunction!(apply_file, m)?)?;
     m.add_function(wrap_pyfunction!(state_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import inspect
+import io
 import os
 import stat
 import time
@@ -195,3 +197,79 @@ def test_readers_never_create_a_store_folder(tmp_path):
             read()
         assert not isinstance(caught.value, ds.MissingObjectError) and str(typo) in str(caught.value)
     assert not typo.exists()
+
+
+def test_put_file_and_get_file_roundtrip(store, tmp_path):
+    """Objects go in from a file and come out into one, streamed, on every backend; a missing key is an error."""
+    payload = bytes(range(256)) * 5000
+    source = tmp_path / "source.bin"
+    source.write_bytes(payload)
+    store.put_file("anchors/step_000000000001.safetensors", source)
+    assert store.get("anchors/step_000000000001.safetensors") == payload
+    out = io.BytesIO()
+    assert store.get_file("anchors/step_000000000001.safetensors", out) == len(payload)
+    assert out.getvalue() == payload
+    with open(tmp_path / "out.bin", "w+b") as real_file:  # a real file: the local store copies in the kernel
+        real_file.write(b"head:")
+        assert store.get_file("anchors/step_000000000001.safetensors", real_file) == len(payload)
+        real_file.seek(0)
+        assert real_file.read() == b"head:" + payload
+    source.unlink()  # the caller's file may go once put_file returned (it must never be written to)
+    assert store.get("anchors/step_000000000001.safetensors") == payload
+    with pytest.raises(ds.MissingObjectError):
+        store.get_file("anchors/step_000000000002.safetensors", io.BytesIO())
+    with pytest.raises(ds.StoreError):
+        store.put_file("../up", tmp_path / "missing")
+
+
+def test_local_put_file_links_in_place_or_copies(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "s")
+    staged = store.staging_folder() / ".deltasync-1-aa.tmp"
+    staged.write_bytes(b"anchor bytes")
+    store.put_file("anchors/step_000000000001.safetensors", staged)
+    stored = tmp_path / "s" / "anchors" / "step_000000000001.safetensors"
+    assert stored.read_bytes() == b"anchor bytes" and os.path.samefile(stored, staged)  # linked, not copied
+    staged.unlink()
+    assert store.list() == ["anchors/step_000000000001.safetensors"]
+
+    def cross_device(*args, **kwargs):
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"copied")
+    store.put_file("anchors/step_000000000002.safetensors", elsewhere)
+    copied = tmp_path / "s" / "anchors" / "step_000000000002.safetensors"
+    assert copied.read_bytes() == b"copied" and not os.path.samefile(copied, elsewhere)
+    assert sorted(p.name for p in (tmp_path / "s" / "anchors").iterdir()) == [
+        "step_000000000001.safetensors",
+        "step_000000000002.safetensors",
+    ]
+
+
+def test_local_put_file_leaves_nothing_behind_on_error(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "s")
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"x" * 1000)
+    with pytest.raises(ds.StoreError):
+        store.put_file("anchors/step_000000000001.safetensors", tmp_path / "no-such-file")
+    real_replace = os.replace
+
+    def failing_replace(*args, **kwargs):
+        raise OSError(errno.EIO, "disk gone")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(ds.StoreError, match="disk gone"):
+        store.put_file("anchors/step_000000000001.safetensors", source)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert list((tmp_path / "s" / "anchors").iterdir()) == []
+    assert source.read_bytes() == b"x" * 1000
+
+
+def test_local_get_file_refuses_links(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    (tmp_path / "outside.bin").write_bytes(b"secret")
+    (tmp_path / "s" / "anchors").mkdir()
+    (tmp_path / "s" / "anchors" / "step_000000000001.safetensors").symlink_to(tmp_path / "outside.bin")
+    with pytest.raises(ds.StoreError, match="symbolic link"):
+        store.get_file("anchors/step_000000000001.safetensors", io.BytesIO())

@@ -11,6 +11,7 @@ import numpy as np
 from . import _arrays, _write
 from ._core import BaseMismatchError, DeltaSyncError, RawDelta
 from ._core import state_digest as _state_digest
+from ._core import write_anchor as _write_anchor
 
 #: Name under which a single tensor (not a mapping) is stored.
 DEFAULT_NAME = "tensor"
@@ -274,6 +275,22 @@ def anchor(state: State, *, step: int | None = None, metadata: Mapping[str, str]
     return _finish(raw, step, None, metadata)
 
 
+def write_anchor_file(
+    state: State, path: str | os.PathLike[str], *, step: int | None = None, metadata: Mapping[str, str] | None = None
+) -> tuple[int, str, str]:
+    """Writes the file ``anchor(state, step=step, metadata=metadata).to_bytes()`` gives (the same bytes) into the
+    existing file at ``path``, straight from the tensors' memory: no copy of the state is made (CPU tensors and
+    arrays are read in place; others are copied to the host first). Returns the file's size, its SHA-256 (hex) and
+    ``state_digest(state)``, all hashed in the same pass as the write. The tensors must not change until this
+    returns; the file is not fsynced."""
+    entries = []
+    for name, tensor in _as_mapping(state, "state").items():
+        dtype, shape = _arrays.describe(tensor, name)
+        data, _ = _arrays.host_bytes(tensor)
+        entries.append((name, dtype, list(shape), data))
+    return _write_anchor(os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}))
+
+
 def state_digest(state: State) -> str:
     """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §10)."""
     entries = []
@@ -300,14 +317,18 @@ def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Ma
     return Delta(raw)
 
 
-def load(source: Source) -> Delta:
+def load(source: Source, *, mmap: bool = False) -> Delta:
     """Reads a delta from a path or from bytes: a deltasync file or a TRL v1/v3 weight patch.
-    Everything is validated up front; a bad file raises :class:`DeltaFormatError`."""
+    Everything is validated up front; a bad file raises :class:`DeltaFormatError`.
+
+    With ``mmap=True`` a file is memory-mapped instead of read: tensors stored whole (an anchor's) stay in the file
+    and their pages are dropped as ``apply_`` copies them, so applying holds little of the file at a time. The file
+    must then not change while the delta lives (a private copy may be unlinked right away)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return Delta(RawDelta.from_bytes(source))
     if isinstance(source, (str, os.PathLike)):
-        return Delta(RawDelta.load(os.fspath(source)))
+        return Delta((RawDelta.map if mmap else RawDelta.load)(os.fspath(source)))
     raise DeltaSyncError(f"load takes a path or bytes, not {type(source).__name__}")
 
 
-__all__ = ["DEFAULT_NAME", "Delta", "TensorInfo", "anchor", "diff", "load", "state_digest"]
+__all__ = ["DEFAULT_NAME", "Delta", "TensorInfo", "anchor", "diff", "load", "state_digest", "write_anchor_file"]

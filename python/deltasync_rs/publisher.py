@@ -9,7 +9,9 @@ import logging
 import math
 import os
 import queue
+import secrets
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -17,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _arrays
-from .delta import Delta, anchor, check_codec, state_digest
+from .delta import Delta, check_codec, state_digest, write_anchor_file
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
 from .manifest import (
     LATEST_KEY,
@@ -35,7 +37,7 @@ from .manifest import (
     step_of,
 )
 from .mirror import Mirror
-from .store import Store, open_store
+from .store import TEMP_PREFIX, Store, open_store
 from .subscriber import Subscriber
 
 log = logging.getLogger("deltasync_rs.sync")
@@ -52,6 +54,11 @@ class Publisher:
     ``keep_anchors`` anchors are kept, with the deltas after the oldest of them; older files are deleted.
     ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``/``diffbits``
     streams where smaller, which every reader of this version reads.
+
+    Anchors are streamed: the upload thread writes the anchor file straight from the publisher's mirror into a
+    temporary file (hashing it on the way) and uploads from that file, so an anchor costs no copy of the state in
+    memory. The mirror must hold still until that file is written, so a publish that follows an anchor waits for
+    the anchor's file first (not for its upload).
 
     Every entry carries the store's run id (``run.json``, made by the first publisher of the store) and the
     SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
@@ -93,6 +100,9 @@ class Publisher:
         self._last_step = self._store_latest_step()
         self._base_entry: tuple[int, str] | None = None  # (step, SHA-256) of the last entry written
         self._closed = False
+        # Set while no anchor file is being written from the mirror: the mirror may change only then.
+        self._mirror_free = threading.Event()
+        self._mirror_free.set()
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         if background:
@@ -152,6 +162,7 @@ class Publisher:
             self._mirror.reset(state, step=step)
             self._enqueue(step, None)
             return
+        self._wait_for_mirror()
         delta = self._mirror.advance(state, step=step, values=self.values, codec=self.codec)
         self._enqueue(step, delta)
 
@@ -186,6 +197,7 @@ class Publisher:
             raise DeltaSyncError("publish a full state first: the publisher has no state to apply a delta to")
         if delta.base_step is None:
             delta.base_step = self._mirror.step
+        self._wait_for_mirror()
         self._mirror.apply(delta)
         self._mirror.step = step
         delta.step = step
@@ -214,22 +226,35 @@ class Publisher:
                 raise DeltaSyncError(f"the shared mirror is at step {self._mirror.step}, not {step}: pass advance()")
             return
         self._check_step(step)
+        self._wait_for_mirror()
         delta = advance()
         delta.base_step = self._mirror.step
         delta.step = step
         self._mirror.step = step
         self._enqueue(step, delta)
 
+    def _wait_for_mirror(self) -> None:
+        """Waits until no anchor file is being written from the mirror, so the mirror may change."""
+        while not self._mirror_free.wait(0.1):
+            if self._worker is None or not self._worker.is_alive():
+                raise DeltaSyncError(f"{self.store.url}: the upload thread stopped while writing an anchor")
+
     def _enqueue(self, step: int, delta: Delta | None) -> None:
         due = delta is None or self._since_anchor + 1 >= self.anchor_every
-        full = anchor(self._mirror.tensors, step=step) if due else None
+        # An anchor is written later, from the mirror itself (the tensors of this step: a reset replaces the
+        # mapping, and every change in place waits for _mirror_free).
+        full = dict(self._mirror.tensors) if due else None
         self._since_anchor = 0 if due else self._since_anchor + 1
-        job = (step, delta, full, self._mirror.digest(), self._mirror_elements())
+        # An anchor step's state digest comes from the anchor's own pass over the mirror.
+        job = (step, delta, full, None if due else self._mirror.digest(), self._mirror_elements())
         if self._queue is None:
             self._upload(*job)
             return
+        if full is not None:
+            self._mirror_free.clear()
         while True:  # never wait on a full queue that no thread drains any more
             if self._worker is None or not self._worker.is_alive():
+                self._mirror_free.set()
                 raise DeltaSyncError(f"{self.store.url}: the upload thread stopped; step {step} was not published")
             try:
                 self._queue.put(job, timeout=0.1)
@@ -266,17 +291,53 @@ class Publisher:
                 log.warning("writing %s failed (%s); retrying", key, error)
                 time.sleep(0.05 * 2**attempt)
 
-    def _upload(self, step: int, delta: Delta | None, full: Delta | None, digest: str, elements: int) -> None:
+    def _put_file(self, key: str, path: str) -> None:
+        for attempt in range(self.retries):
+            try:
+                self.store.put_file(key, path)
+                return
+            except StoreError as error:
+                if attempt + 1 == self.retries:
+                    raise
+                log.warning("writing %s failed (%s); retrying", key, error)
+                time.sleep(0.05 * 2**attempt)
+
+    def _anchor_file(self, tensors: Mapping[str, Any], step: int) -> tuple[str, dict[str, Any], str]:
+        """Writes the anchor of ``tensors`` into a new temporary file (in the store's own folder when it has one,
+        so a local store links it in place) and returns its path, its manifest reference and the state digest
+        (hashed in the same pass). The mirror is free again once this returns, whatever happens."""
+        try:
+            folder = self.store.staging_folder() or tempfile.gettempdir()
+            path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+            try:
+                size, sha256, digest = write_anchor_file(tensors, path, step=step)
+            except BaseException:
+                os.unlink(path)
+                raise
+        finally:
+            self._mirror_free.set()
+        return path, {"key": anchor_key(step), "size": size, "sha256": sha256}, digest
+
+    def _upload(
+        self, step: int, delta: Delta | None, full: Mapping[str, Any] | None, digest: str | None, elements: int
+    ) -> None:
         started = time.perf_counter()
         delta_ref = anchor_ref = None
-        if delta is not None:
-            blob = delta.to_bytes()
-            delta_ref = file_ref(delta_key(step), blob)
-            self._put(delta_key(step), blob)
+        anchor_path = None
         if full is not None:
-            blob = full.to_bytes()
-            anchor_ref = file_ref(anchor_key(step), blob)
-            self._put(anchor_key(step), blob)
+            anchor_path, anchor_ref, digest = self._anchor_file(full, step)
+        assert digest is not None  # given for every step without an anchor
+        try:
+            if delta is not None:
+                blob = delta.to_bytes()
+                delta_ref = file_ref(delta_key(step), blob)
+                self._put(delta_key(step), blob)
+            if anchor_path is not None:
+                self._put_file(anchor_key(step), anchor_path)
+        finally:
+            if anchor_path is not None:
+                os.unlink(anchor_path)
         base_step = delta.base_step if delta is not None else None
         # A base entry that was never written (its upload failed) leaves the link empty: subscribers then take
         # the anchor that follows such a failure.

@@ -8,15 +8,16 @@ import errno
 import os
 import re
 import secrets
+import shutil
 import stat
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
-from .errors import MissingObjectError, StoreError
+from .errors import DeltaSyncError, MissingObjectError, StoreError
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -29,6 +30,12 @@ def check_key(key: str) -> str:
     if any(not _KEY_PART.match(part) or part in (".", "..") for part in parts):
         raise StoreError(f"invalid store key {key!r}: use letters, digits, '.', '_', '-' and '/' between parts")
     return key
+
+
+class Sink(Protocol):
+    """Where ``Store.get_file`` writes: a binary file, or anything with its ``write``."""
+
+    def write(self, data: bytes, /) -> object: ...
 
 
 class Store(ABC):
@@ -50,6 +57,23 @@ class Store(ABC):
         if len(data) > max_bytes:
             raise too_large(f"{self.url}/{key}", max_bytes)
         return data
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Writes the object from a local file, as atomically as ``put``; the file must not change until this
+        returns (a LocalStore may link it in place: delete it afterwards, never write to it). Backends upload from
+        the file; this fallback reads it into memory."""
+        self.put(key, Path(path).read_bytes())
+
+    def staging_folder(self) -> Path | None:
+        """A local folder where a file meant for ``put_file`` is best made (None: anywhere, e.g. the temp folder)."""
+        return None
+
+    def get_file(self, key: str, out: Sink) -> int:
+        """Writes the object's bytes into ``out`` (a writable binary file) in pieces and returns how many; raises
+        MissingObjectError when absent. Backends stream; this fallback holds the object in memory."""
+        data = self.get(key)
+        out.write(data)
+        return len(data)
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
@@ -101,6 +125,10 @@ def remove_stale_temps(dir_fd: int) -> int:
         except OSError:
             pass
     return removed
+
+
+#: Bytes read and written at a time when an object is streamed to or from a file.
+COPY_BYTES = 8 << 20
 
 
 def too_large(where: str, max_bytes: int) -> StoreError:
@@ -161,6 +189,41 @@ class LocalStore(Store):
         return parts[:-1], parts[-1]
 
     def put(self, key: str, data: bytes) -> None:
+        def write(dir_fd: int, temp: str) -> None:
+            with os.fdopen(_create(temp, dir_fd), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+        self._replace(key, write)
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Links the file into the store's folder when both are on one filesystem (the object then has the file's
+        mode), else copies it there; either way made durable, then renamed into place."""
+        source = os.fspath(path)
+
+        def write(dir_fd: int, temp: str) -> None:
+            try:
+                os.link(source, temp, dst_dir_fd=dir_fd, follow_symlinks=False)
+                fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            except OSError as error:
+                if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+                    raise
+                with open(source, "rb") as src, os.fdopen(_create(temp, dir_fd), "wb") as f:
+                    shutil.copyfileobj(src, f, COPY_BYTES)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        self._replace(key, write)
+
+    def _replace(self, key: str, write: Callable[[int, str], None]) -> None:
+        """Has ``write(dir_fd, temp)`` make a durable temporary file in the key's folder, then renames it over the
+        key; the temporary file is removed if anything fails."""
         folder, name = self._split(key)
         path = self.root / key
         try:
@@ -172,13 +235,8 @@ class LocalStore(Store):
             remove_stale_temps(dir_fd)
         temp = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp"
         try:
-            # Mode 0o666 less the umask, as any new file gets (mkstemp's 0o600 would survive the rename).
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dir_fd)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                write(dir_fd, temp)
                 os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except BaseException:
                 try:
@@ -191,7 +249,14 @@ class LocalStore(Store):
         finally:
             os.close(dir_fd)
 
-    def _read(self, key: str, max_bytes: int | None) -> bytes:
+    def staging_folder(self) -> Path | None:
+        """The store's root: a temporary file made there can be linked into the store instead of copied (its
+        name must start with ``.deltasync-`` and end with ``.tmp``, so listings skip it and writers sweep it
+        once stale)."""
+        return self.root
+
+    def _open_object(self, key: str) -> BinaryIO:
+        """The object's regular file, opened for reading without following a link."""
         folder, name = self._split(key)
         path = self.root / key
         try:
@@ -209,9 +274,15 @@ class LocalStore(Store):
             raise StoreError(f"{path}: cannot read: {error}") from error
         finally:
             os.close(dir_fd)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise StoreError(f"{path}: not a regular file; the store reads only regular files")
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
+            raise StoreError(f"{path}: not a regular file; the store reads only regular files")
+        return f
+
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
+        path = self.root / key
+        with self._open_object(key) as f:
             try:
                 data = f.read() if max_bytes is None else f.read(max_bytes + 1)
             except OSError as error:
@@ -225,6 +296,19 @@ class LocalStore(Store):
 
     def get_small(self, key: str, max_bytes: int) -> bytes:
         return self._read(key, max_bytes)
+
+    def get_file(self, key: str, out: Sink) -> int:
+        """Into a real file (one with a ``fileno``), the kernel copies the bytes (copy_file_range), never through
+        this process's memory; into anything else, in pieces."""
+        with self._open_object(key) as f:
+            try:
+                out_fd = _fileno(out)
+                if out_fd is None:
+                    return _copy(f, out)
+                out.flush()  # type: ignore[attr-defined]  # a file object: what it buffered goes first
+                return _copy_in_kernel(f.fileno(), out_fd)
+            except OSError as error:
+                raise StoreError(f"{self.root / key}: cannot read: {error}") from error
 
     def list(self, prefix: str = "") -> list[str]:
         parts = [p for p in prefix.split("/") if p]
@@ -261,6 +345,40 @@ class LocalStore(Store):
                 raise StoreError(f"{self.root / key}: cannot delete: {error}") from error
             finally:
                 os.close(dir_fd)
+
+
+def _create(name: str, dir_fd: int) -> int:
+    """A new file in a folder, never through a link; mode 0o666 less the umask, as any new file gets (mkstemp's
+    0o600 would survive the rename)."""
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dir_fd)
+
+
+def _copy(source: BinaryIO, out: Sink) -> int:
+    """Copies ``source`` to ``out`` in COPY_BYTES pieces; returns the bytes copied."""
+    copied = 0
+    while piece := source.read(COPY_BYTES):
+        out.write(piece)
+        copied += len(piece)
+    return copied
+
+
+def _fileno(out: Sink) -> int | None:
+    """The descriptor of a real file with a position (copy_file_range's target), else None."""
+    if not hasattr(os, "copy_file_range"):
+        return None
+    try:
+        fd = out.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError):  # no file behind it (io.BytesIO raises UnsupportedOperation)
+        return None
+    return fd if isinstance(fd, int) and stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _copy_in_kernel(source: int, out: int) -> int:
+    """Copies the rest of descriptor ``source`` to ``out`` at its position with copy_file_range."""
+    copied = 0
+    while done := os.copy_file_range(source, out, 1 << 30):
+        copied += done
+    return copied
 
 
 def _regular_files(dir_fd: int) -> Iterator[list[str]]:
@@ -305,6 +423,23 @@ class FsspecStore(Store):
             self.fs.pipe_file(self._path(key), data)
         except Exception as error:  # fsspec backends raise their own exception types
             raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        try:
+            self.fs.put_file(os.fspath(path), self._path(key))
+        except Exception as error:
+            raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
+
+    def get_file(self, key: str, out: Sink) -> int:
+        try:
+            with self.fs.open(self._path(key), "rb", block_size=COPY_BYTES) as source:
+                return _copy(source, out)
+        except FileNotFoundError:
+            raise MissingObjectError(f"{self.url}/{key}: no such object") from None
+        except DeltaSyncError:
+            raise  # the sink's own verdict (e.g. too many bytes)
+        except Exception as error:
+            raise StoreError(f"{self.url}/{key}: cannot read: {error}") from error
 
     def get(self, key: str) -> bytes:
         try:
@@ -387,25 +522,40 @@ class HFBucketStore(Store):
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot upload: {error}") from error
 
-    def _download(self, key: str, max_bytes: int | None) -> bytes:
-        remote = self._remote(key)
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        try:
+            self.api.batch_bucket_files(self.bucket_id, add=[(os.fspath(path), self._remote(key))], token=self.token)
+        except Exception as error:
+            raise StoreError(f"{self.url}/{key}: cannot upload: {error}") from error
+
+    def get_file(self, key: str, out: Sink) -> int:
         with tempfile.TemporaryDirectory(prefix="deltasync-") as folder:
-            local = Path(folder) / "object"
-            try:
-                self.api.download_bucket_files(
-                    self.bucket_id, files=[(remote, str(local))], raise_on_missing_files=True, token=self.token
-                )
-            except FileNotFoundError:
+            local = self._download_to(key, Path(folder) / "object", None)
+            with open(local, "rb") as source:
+                return _copy(source, out)
+
+    def _download(self, key: str, max_bytes: int | None) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="deltasync-") as folder:
+            return self._download_to(key, Path(folder) / "object", max_bytes).read_bytes()
+
+    def _download_to(self, key: str, local: Path, max_bytes: int | None) -> Path:
+        """Downloads the object to ``local`` (a path in a private folder) and returns it."""
+        remote = self._remote(key)
+        try:
+            self.api.download_bucket_files(
+                self.bucket_id, files=[(remote, str(local))], raise_on_missing_files=True, token=self.token
+            )
+        except FileNotFoundError:
+            raise MissingObjectError(f"{self.url}/{key}: no such object") from None
+        except Exception as error:
+            if "not found" in str(error).lower() or "missing" in str(error).lower():
                 raise MissingObjectError(f"{self.url}/{key}: no such object") from None
-            except Exception as error:
-                if "not found" in str(error).lower() or "missing" in str(error).lower():
-                    raise MissingObjectError(f"{self.url}/{key}: no such object") from None
-                raise StoreError(f"{self.url}/{key}: cannot download: {error}") from error
-            if not local.exists():
-                raise MissingObjectError(f"{self.url}/{key}: no such object")
-            if max_bytes is not None and local.stat().st_size > max_bytes:
-                raise too_large(f"{self.url}/{key}", max_bytes)
-            return local.read_bytes()
+            raise StoreError(f"{self.url}/{key}: cannot download: {error}") from error
+        if not local.exists():
+            raise MissingObjectError(f"{self.url}/{key}: no such object")
+        if max_bytes is not None and local.stat().st_size > max_bytes:
+            raise too_large(f"{self.url}/{key}", max_bytes)
+        return local
 
     def get(self, key: str) -> bytes:
         return self._download(key, None)
@@ -448,4 +598,4 @@ def open_store(store: str | os.PathLike[str] | Store, *, create: bool = True, **
     return LocalStore(text.removeprefix("file://"), create=create)
 
 
-__all__ = ["FsspecStore", "HFBucketStore", "LocalStore", "Store", "check_key", "open_store"]
+__all__ = ["FsspecStore", "HFBucketStore", "LocalStore", "Sink", "Store", "check_key", "open_store"]

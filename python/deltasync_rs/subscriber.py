@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -37,7 +38,7 @@ from .manifest import (
     resolve_signing_key,
     step_of,
 )
-from .store import Store, open_store
+from .store import TEMP_PREFIX, Store, open_store
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -207,10 +208,7 @@ class Subscriber:
 
     def _file(self, ref: dict[str, Any], step: int, kind: str) -> Delta:
         def read() -> Delta:
-            blob = self.store.get(ref["key"])
-            if len(blob) != ref["size"] or hashlib.sha256(blob).hexdigest() != ref["sha256"]:
-                raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
-            delta = load(blob)
+            delta = self._streamed(ref) if kind == "anchor" else self._in_memory(ref)
             if delta.step is not None and delta.step != step:
                 raise IntegrityError(f"{ref['key']}: the file says step {delta.step}, its entry step {step}")
             if kind == "anchor" and not delta.is_anchor:
@@ -218,6 +216,31 @@ class Subscriber:
             return delta
 
         return self._retry(ref["key"], read)
+
+    def _in_memory(self, ref: dict[str, Any]) -> Delta:
+        blob = self.store.get(ref["key"])
+        if len(blob) != ref["size"] or hashlib.sha256(blob).hexdigest() != ref["sha256"]:
+            raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
+        return load(blob)
+
+    def _streamed(self, ref: dict[str, Any]) -> Delta:
+        """An anchor downloaded into a private temporary file (in TMPDIR), checked against its entry's size and
+        SHA-256 (read back in pieces), then memory-mapped: its tensors are copied from the file as they are
+        applied, never held in memory whole. The file is unlinked before this returns; the mapping keeps it."""
+        fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w+b") as file:
+                self.store.get_file(ref["key"], file)
+                file.flush()
+                size = file.seek(0, os.SEEK_END)
+                if size != ref["size"]:
+                    raise IntegrityError(f"{ref['key']}: {size} bytes, its manifest entry says {ref['size']}")
+                file.seek(0)
+                if hashlib.file_digest(file, "sha256").hexdigest() != ref["sha256"]:
+                    raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
+            return load(path, mmap=True)
+        finally:
+            os.unlink(path)
 
     # -- planning ---------------------------------------------------------------------------------------------------
     def _walk_back(self, target: int, floor: int, stop: Callable[[Entry], bool]) -> list[Entry]:

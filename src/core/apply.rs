@@ -7,6 +7,9 @@ use crate::core::delta::{Delta, TensorDelta, BATCH};
 use crate::core::dtype;
 use crate::core::error::{Error, Result};
 
+/// Bytes of a tensor stored whole copied (and, from a mapped file, released) at a time.
+const DENSE_PIECE_BYTES: usize = 32 << 20;
+
 /// Checks that a target of `len` bytes, `dtype` and `shape` can take this tensor's changes.
 pub fn check_target(tensor: &TensorDelta, dtype: dtype::Dtype, shape: Option<&[u64]>, len: usize) -> Result<()> {
     let name = &tensor.name;
@@ -77,7 +80,12 @@ pub fn check_disjoint(delta: &Delta, targets: &[(usize, usize, usize)]) -> Resul
 /// Writes one tensor's changes into `target`, which `check_target` has accepted.
 pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
     if tensor.is_dense() {
-        target.copy_from_slice(&tensor.values);
+        // In pieces, each dropped once copied when it is mapped from a file: an anchor's pages never pile up.
+        for (index, piece) in target.chunks_mut(DENSE_PIECE_BYTES).enumerate() {
+            let start = index * DENSE_PIECE_BYTES;
+            piece.copy_from_slice(&tensor.values[start..start + piece.len()]);
+            tensor.values.release(start..start + piece.len());
+        }
         return Ok(());
     }
     match tensor.width() {

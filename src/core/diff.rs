@@ -253,26 +253,28 @@ fn assemble_joined(input: &DiffInput<'_>, joined: Joined, scanned_values: ValueC
 
 /// Stores each tensor whole: positions `all`, values `abs`.
 pub fn full(inputs: &[FullInput<'_>]) -> Result<Vec<TensorDelta>> {
-    inputs
-        .iter()
-        .map(|input| {
-            crate::core::format::check_tensor_name(&input.name)?;
-            let width = check_len(&input.name, input.dtype, &input.shape, &[input.data.len()])?;
-            let numel = (input.data.len() / width) as u64;
-            Ok(TensorDelta {
-                name: input.name.clone(),
-                dtype: input.dtype,
-                shape: Some(input.shape.clone()),
-                changed: numel,
-                positions_codec: PositionCodec::All,
-                values_codec: ValueCodec::Abs,
-                positions: Stream::empty(),
-                values: input.data.to_vec().into(),
-                last_position: numel.checked_sub(1),
-                base: None,
-            })
-        })
-        .collect()
+    inputs.iter().map(|input| whole(input, input.data.to_vec().into())).collect()
+}
+
+/// One tensor stored whole, holding `values`: a copy of `input.data`, or a window that lends exactly those bytes
+/// (core::anchors writes an anchor straight from the caller's tensors that way).
+pub fn whole(input: &FullInput<'_>, values: Stream) -> Result<TensorDelta> {
+    crate::core::format::check_tensor_name(&input.name)?;
+    let width = check_len(&input.name, input.dtype, &input.shape, &[input.data.len()])?;
+    debug_assert_eq!(values.len(), input.data.len());
+    let numel = (input.data.len() / width) as u64;
+    Ok(TensorDelta {
+        name: input.name.clone(),
+        dtype: input.dtype,
+        shape: Some(input.shape.clone()),
+        changed: numel,
+        positions_codec: PositionCodec::All,
+        values_codec: ValueCodec::Abs,
+        positions: Stream::empty(),
+        values,
+        last_position: numel.checked_sub(1),
+        base: None,
+    })
 }
 
 #[cfg(test)]

@@ -14,16 +14,35 @@ pub struct DigestInput<'a> {
     pub data: &'a [u8],
 }
 
-fn tensor_hash(input: &DigestInput<'_>) -> u128 {
+/// A tensor's hasher with its dtype and shape already fed: feed it the tensor's bytes, in order, then `digest128`.
+pub fn tensor_hasher(dtype: Dtype, shape: &[u64]) -> Xxh3 {
     let mut hasher = Xxh3::new();
-    hasher.update(dtype::name_of(input.dtype).as_bytes());
+    hasher.update(dtype::name_of(dtype).as_bytes());
     hasher.update(&[0]);
-    hasher.update(&(input.shape.len() as u64).to_le_bytes());
-    for dim in input.shape {
+    hasher.update(&(shape.len() as u64).to_le_bytes());
+    for dim in shape {
         hasher.update(&dim.to_le_bytes());
     }
+    hasher
+}
+
+fn tensor_hash(input: &DigestInput<'_>) -> u128 {
+    let mut hasher = tensor_hasher(input.dtype, input.shape);
     hasher.update(input.data);
     hasher.digest128()
+}
+
+/// The state digest from each tensor's name and hash (`tensor_hasher`'s result), in any order.
+pub fn combine(tensors: &[(&str, u128)]) -> String {
+    let mut order: Vec<&(&str, u128)> = tensors.iter().collect();
+    order.sort_by(|a, b| a.0.cmp(b.0));
+    let mut hasher = Xxh3::new();
+    for (name, hash) in order {
+        hasher.update(name.as_bytes());
+        hasher.update(&[0]);
+        hasher.update(&hash.to_le_bytes());
+    }
+    format!("{:032x}", hasher.digest128())
 }
 
 /// The digest of a state: XXH3-128 over, for each tensor in name order, the name's UTF-8 bytes, a zero byte
@@ -31,15 +50,8 @@ fn tensor_hash(input: &DigestInput<'_>) -> u128 {
 /// little-endian bytes. Returned as 32 lowercase hex digits.
 pub fn state_digest(inputs: &[DigestInput<'_>]) -> String {
     let hashes: Vec<u128> = crate::core::pool::install(|| inputs.par_iter().map(tensor_hash).collect());
-    let mut order: Vec<usize> = (0..inputs.len()).collect();
-    order.sort_by(|&a, &b| inputs[a].name.cmp(inputs[b].name));
-    let mut hasher = Xxh3::new();
-    for index in order {
-        hasher.update(inputs[index].name.as_bytes());
-        hasher.update(&[0]);
-        hasher.update(&hashes[index].to_le_bytes());
-    }
-    format!("{:032x}", hasher.digest128())
+    let named: Vec<(&str, u128)> = inputs.iter().zip(hashes).map(|(input, hash)| (input.name, hash)).collect();
+    combine(&named)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! The plain-Rust core of deltasync-rs: bit-compare, codecs, the safetensors container and apply.
 //! Nothing under `core` knows about Python.
 
+pub mod anchors;
 pub mod apply;
 pub mod base;
 pub mod codec;

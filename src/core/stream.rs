@@ -33,6 +33,18 @@ impl Stream {
     pub fn empty() -> Self {
         Stream::Owned(Arc::new(Vec::new()))
     }
+
+    /// Drops the pages of `range` (within this stream) from the process's memory when the stream is a window onto
+    /// a file mapping, which keeps them: a later read faults them in again. Elsewhere a no-op.
+    pub fn release(&self, range: Range<usize>) {
+        if let Stream::Shared { backing, range: window } = self {
+            if let Backing::Mapped(map) = &**backing {
+                let start = window.start + range.start;
+                // SAFETY: the mapping is read-only and private: dropping its pages only means re-reading the file.
+                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, range.len()) };
+            }
+        }
+    }
 }
 
 impl From<Vec<u8>> for Stream {

@@ -1,0 +1,202 @@
+"""Anchors at scale: time and peak memory of publishing an anchor and of a fresh pull, against copying the file.
+
+    python benches/anchors.py [GB] [folder]
+
+A bf16 state of about GB gigabytes (default 0.5: one embedding of a quarter of it, the rest in 32 MB tensors) is
+published to a LocalStore in ``folder`` (default: a temporary folder under TMPDIR) and pulled back. Each side runs
+in its own process, which resets its peak resident set size (writing 5 to /proc/self/clear_refs sets VmHWM to
+VmRSS) before the measured call and reports VmHWM less the resident size before it. Rows:
+
+- publish, streamed: the second publish of a Publisher whose mirror holds the state (anchor_every=1, so an empty
+  delta and an anchor), through flush(): the diff against the mirror, then the anchor. The publisher rows' peak
+  extra is over state + mirror.
+- anchor alone, streamed: the anchor's own work in the upload thread: the file written from the mirror, hashed
+  (SHA-256 and the state digest in the same pass), then ``store.put_file`` (fsync, link into the store).
+- anchor alone, in memory (the path before streaming): ``ds.anchor(mirror).to_bytes()``, SHA-256, ``store.put``.
+- pull, streamed: a fresh Subscriber's ``pull`` into a zeroed target (allocated and touched before the reset).
+- pull, in memory (before): ``store.get``, SHA-256, ``ds.load(blob).apply_(target)``.
+- the floors: ``cp`` of the anchor file on the same disk (then ``sync`` of the copy), the same bytes written with
+  numpy's ``tofile`` (then fsync), reading the file in 8 MiB pieces, and reading it with hashlib's SHA-256. The page cache is warm for every row.
+Linux only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COMMON = r"""
+import hashlib, json, os, sys, time
+import numpy as np, torch
+import deltasync_rs as ds
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status("VmRSS")
+
+def make_state(gb, seed):
+    total = int(gb * 1e9) // 2
+    g = torch.Generator().manual_seed(seed)
+    state = {"embed.weight": torch.randint(-32768, 32767, (total // 4 // 1024, 1024), dtype=torch.int16, generator=g)}
+    rest, layer = total - state["embed.weight"].numel(), 16 << 20
+    for i in range(max(1, rest // layer)):
+        state[f"layers.{i}.weight"] = torch.randint(-32768, 32767, (layer // 2048, 2048), dtype=torch.int16, generator=g)
+    return {k: v.view(torch.bfloat16) for k, v in state.items()}
+
+gb, store_path, mode = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+"""
+
+PUBLISH = r"""
+state = make_state(gb, 0)
+store = ds.LocalStore(store_path)
+with ds.Publisher(store, anchor_every=1, keep_anchors=2) as publisher:
+    publisher.publish(0, state)
+    publisher.flush()
+    before = reset_peak()
+    started = time.perf_counter()
+    if mode == "streamed":
+        publisher.publish(1, state)
+        publisher.flush()
+    elif mode == "anchor only":
+        path, ref, _ = publisher._anchor_file(publisher._mirror.tensors, 1)
+        store.put_file(ref["key"], path)
+        os.unlink(path)
+    else:
+        blob = ds.anchor(publisher._mirror.tensors, step=1).to_bytes()
+        hashlib.sha256(blob).hexdigest()
+        store.put("anchors/step_000000000001.safetensors", blob)
+        del blob
+    seconds = time.perf_counter() - started
+print(json.dumps({"seconds": seconds, "peak_extra": status("VmHWM") - before,
+                  "state": sum(t.numel() * 2 for t in state.values())}))
+"""
+
+PULL = r"""
+store = ds.LocalStore(store_path, create=False)
+subscriber = ds.Subscriber(store)
+ref = subscriber.entry(subscriber.latest_step()).anchor
+shapes = json.loads(os.environ["ANCHOR_SHAPES"])
+target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}  # touched: zeroed
+before = reset_peak()
+started = time.perf_counter()
+if mode == "streamed":
+    subscriber.pull(target)
+else:
+    blob = store.get(ref["key"])
+    assert hashlib.sha256(blob).hexdigest() == ref["sha256"]
+    ds.load(blob).apply_(target)
+    del blob
+seconds = time.perf_counter() - started
+print(json.dumps({"seconds": seconds, "peak_extra": status("VmHWM") - before}))
+"""
+
+
+def child(code: str, gb: float, store: Path, mode: str, env: dict | None = None) -> dict:
+    run = subprocess.run(
+        [sys.executable, "-c", COMMON + code, str(gb), str(store), mode],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    if run.returncode:
+        raise SystemExit(f"{mode}: {run.stderr}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def timed(command: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, check=True)
+    return time.perf_counter() - started
+
+
+def floors(anchor: Path, scratch: Path) -> dict[str, float]:
+    import numpy as np
+
+    copy = scratch / "copy.safetensors"
+    out = {"cp": timed(["cp", str(anchor), str(copy)])}
+    copy.unlink()
+    out["cp + sync"] = timed(["sh", "-c", f"cp '{anchor}' '{copy}' && sync '{copy}'"])
+    copy.unlink()
+    data = np.fromfile(anchor, dtype=np.uint8)
+    started = time.perf_counter()
+    with open(copy, "wb") as f:
+        data.tofile(f)
+    out["numpy tofile"] = time.perf_counter() - started
+    with open(copy, "r+b") as f:
+        os.fsync(f.fileno())
+    out["numpy tofile + fsync"] = time.perf_counter() - started
+    copy.unlink()
+    del data
+    started = time.perf_counter()
+    with open(anchor, "rb", buffering=0) as f:
+        buffer = bytearray(8 << 20)
+        while f.readinto(buffer):
+            pass
+    out["read the file"] = time.perf_counter() - started
+    started = time.perf_counter()
+    with open(anchor, "rb") as f:
+        hashlib.file_digest(f, "sha256")
+    out["read + SHA-256 (hashlib)"] = time.perf_counter() - started
+    return out
+
+
+def main() -> None:
+    gb = float(sys.argv[1]) if len(sys.argv) > 1 else 0.5
+    folder = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
+    store = folder / "store-0"
+    # A fresh store per publishing run (each publishes steps 0 and 1); the pulls read the first one.
+    modes = ("streamed", "anchor only", "in memory")
+    publish = {mode: child(PUBLISH, gb, folder / f"store-{i}", mode) for i, mode in enumerate(modes)}
+    anchor = store / "anchors" / "step_000000000001.safetensors"
+    import safetensors
+
+    with safetensors.safe_open(anchor, "np") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    env = {"ANCHOR_SHAPES": json.dumps(shapes)}
+    pull = {mode: child(PULL, gb, store, mode, env) for mode in ("streamed", "in memory")}
+    base = floors(anchor, folder)
+    size = anchor.stat().st_size
+    gib = 1 << 30
+    print(
+        f"anchor file: {size / 1e9:.2f} GB; state {publish['streamed']['state'] / 1e9:.2f} GB; threads {os.cpu_count()}"
+    )
+    print()
+    print("| what | seconds | GB/s | peak RSS beyond state + mirror (publish) or target (pull) |")
+    print("|---|---:|---:|---:|")
+    for name, row in (
+        ("publish, streamed", publish["streamed"]),
+        ("anchor alone, streamed (file, fsync, link)", publish["anchor only"]),
+        ("anchor alone, in memory (before)", publish["in memory"]),
+        ("pull, streamed", pull["streamed"]),
+        ("pull, in memory (before)", pull["in memory"]),
+    ):
+        print(
+            f"| {name} | {row['seconds']:.2f} | {size / row['seconds'] / 1e9:.2f} | {row['peak_extra'] / gib:.2f} GiB |"
+        )
+    for name, seconds in base.items():
+        print(f"| {name} | {seconds:.2f} | {size / seconds / 1e9:.2f} | |")
+    ratio = publish["anchor only"]["seconds"]
+    print()
+    print(
+        f"anchor alone / cp = {ratio / base['cp']:.2f}, anchor alone / (cp + sync) = {ratio / base['cp + sync']:.2f}, "
+        f"anchor alone / (numpy tofile + fsync) = {ratio / base['numpy tofile + fsync']:.2f}, "
+        f"pull / read = {pull['streamed']['seconds'] / base['read the file']:.2f}, "
+        f"pull / (read + SHA-256) = {pull['streamed']['seconds'] / base['read + SHA-256 (hashlib)']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

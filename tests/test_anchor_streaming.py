@@ -1,0 +1,263 @@
+"""Anchors at scale: written straight from the publisher's mirror into a file and uploaded from it, pulled into a
+temporary file, hashed on the way and applied through a memory map (issue 16)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import deltasync_rs as ds
+import deltasync_rs.publisher as publisher_module
+from deltasync_rs.delta import load, write_anchor_file
+from deltasync_rs.sync import anchor_key, entry_key, verify_store
+from tests.helpers import assert_states_equal, clone_state
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=g).bfloat16(),
+        "layer.weight": torch.randn(64, 64, generator=g),
+        "norm.weight": torch.ones(64).bfloat16(),
+        "counts": np.arange(100, dtype=np.int32),
+    }
+
+
+def _fresh(like):
+    return {k: np.zeros_like(v) if isinstance(v, np.ndarray) else torch.zeros_like(v) for k, v in like.items()}
+
+
+def _change(state, step):
+    for t in state.values():
+        flat = t.reshape(-1) if isinstance(t, np.ndarray) else t.view(-1)
+        flat[step % flat.shape[0]] += 1
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """TMPDIR for the code under test, so a leftover temporary file can be seen."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_streamed_anchor_is_byte_identical_to_to_bytes(tmp_path):
+    state = _state()
+    path = tmp_path / "anchor.safetensors"
+    path.write_bytes(b"longer old content that the write truncates" * 100)
+    state["lm_head.weight"] = state["embed.weight"]  # tied: one memory, two names
+    state["empty"] = torch.zeros(0, 8).bfloat16()
+    state["embed.T"] = state["embed.weight"].view(64, 300).contiguous()  # a copy of the same bytes, another shape
+    state["embed.flat"] = state["embed.weight"].view(-1)  # the same memory as another shape
+    size, sha256, digest = write_anchor_file(state, path, step=12, metadata={"origin": "test"})
+    expected = ds.anchor(state, step=12, metadata={"origin": "test"}).to_bytes()
+    assert path.read_bytes() == expected
+    assert (size, sha256) == (len(expected), hashlib.sha256(expected).hexdigest())
+    assert digest == ds.state_digest(state)  # hashed in the same pass
+
+
+def test_streamed_anchor_refuses_a_bad_state_before_writing(tmp_path):
+    path = tmp_path / "anchor.safetensors"
+    path.write_bytes(b"kept")
+    with pytest.raises(ds.DeltaSyncError):
+        write_anchor_file({"x:pos": torch.zeros(4)}, path)
+    with pytest.raises(ds.DeltaSyncError):
+        write_anchor_file({"x": torch.zeros(4)}, path, step=-1)
+    assert path.read_bytes() == b"kept"
+
+
+def test_mapped_load_applies_like_a_loaded_one(tmp_path):
+    state = _state()
+    path = tmp_path / "anchor.safetensors"
+    ds.anchor(state, step=3).save(path)
+    mapped = load(path, mmap=True)
+    assert mapped.is_anchor and mapped.step == 3 and mapped.names == load(path).names
+    target = _fresh(state)
+    mapped.apply_(target)
+    assert_states_equal(target, state)
+    path.unlink()  # the mapping keeps the bytes of a file unlinked after loading
+    again = _fresh(state)
+    mapped.apply_(again)
+    assert_states_equal(again, state)
+
+
+def test_a_bad_mapped_file_is_a_format_error(tmp_path):
+    path = tmp_path / "anchor.safetensors"
+    blob = bytearray(ds.anchor(_state()).to_bytes())
+    path.write_bytes(bytes(blob[: len(blob) // 2]))
+    with pytest.raises(ds.DeltaFormatError):
+        load(path, mmap=True)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_published_anchor_equals_the_in_memory_anchor_and_leaves_no_temp_files(tmp_path, private_tmp, background):
+    state = _state()
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, anchor_every=2, background=background) as publisher:
+        for step in range(4):
+            _change(state, step)
+            publisher.publish(step, state)
+            if step == 2:
+                expected = ds.anchor(state, step=2).to_bytes()
+    stored = (tmp_path / "store" / anchor_key(2)).read_bytes()
+    assert stored == expected
+    entry = json.loads((tmp_path / "store" / entry_key(2)).read_bytes())
+    assert entry["anchor"] == {
+        "key": anchor_key(2),
+        "size": len(expected),
+        "sha256": hashlib.sha256(expected).hexdigest(),
+    }
+    assert not [p for p in (tmp_path / "store").rglob(".deltasync-*")]
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_anchor_upload_from_a_file_on_every_store(store, private_tmp):
+    state = _state()
+    with ds.Publisher(store, anchor_every=3) as publisher:
+        for step in range(5):
+            _change(state, step)
+            publisher.publish(step, state)
+            if step == 3:
+                expected = ds.anchor(state, step=3).to_bytes()
+    assert store.get(anchor_key(3)) == expected
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 4
+    assert_states_equal(replica, state)
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_the_next_publish_waits_for_the_anchor_file(tmp_path, monkeypatch):
+    """The upload thread reads the mirror while it writes the anchor: a publish right after must not change the
+    mirror before that file is written, or the anchor would hold bits of the next step."""
+    started, release = threading.Event(), threading.Event()
+    real = publisher_module.write_anchor_file
+
+    def slow_write(tensors, path, **options):
+        started.set()
+        assert release.wait(10)
+        return real(tensors, path, **options)
+
+    monkeypatch.setattr(publisher_module, "write_anchor_file", slow_write)
+    state = _state()
+    first = clone_state(state)
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, anchor_every=100) as publisher:
+        publisher.publish(0, state)
+        assert started.wait(10)
+        _change(state, 1)
+        waiter = threading.Thread(target=publisher.publish, args=(1, state))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()  # waiting for the anchor file, the mirror untouched
+        release.set()
+        waiter.join(10)
+    assert store.get(anchor_key(0)) == ds.anchor(first, step=0).to_bytes()
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 1
+    assert_states_equal(replica, state)
+
+
+def test_a_failed_anchor_write_is_reported_cleaned_up_and_re_anchored(tmp_path, private_tmp, monkeypatch):
+    calls = []
+    real = publisher_module.write_anchor_file
+
+    def failing_once(tensors, path, **options):
+        calls.append(path)
+        if len(calls) == 1:
+            Path(path).write_bytes(b"half an anchor")
+            raise OSError("disk full")
+        return real(tensors, path, **options)
+
+    monkeypatch.setattr(publisher_module, "write_anchor_file", failing_once)
+    state = _state()
+    store = ds.LocalStore(tmp_path / "store")
+    publisher = ds.Publisher(store, anchor_every=100)
+    publisher.publish(0, state)
+    with pytest.raises(ds.DeltaSyncError, match="disk full"):
+        publisher.flush()
+    assert not Path(calls[0]).exists()
+    _change(state, 1)
+    publisher.publish(1, state)  # does not hang on the mirror, and anchors again
+    publisher.close()
+    assert store.list("anchors/") == [anchor_key(1)]
+    assert not [p for p in (tmp_path / "store").rglob(".deltasync-*")]
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 1
+    assert_states_equal(replica, state)
+
+
+def _one_anchor_store(tmp_path):
+    state = _state()
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, anchor_every=100, background=False) as publisher:
+        publisher.publish(0, state)
+    return state, store, tmp_path / "store" / anchor_key(0)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend"])
+def test_a_pull_from_a_damaged_anchor_is_refused_and_leaves_the_target_unchanged(tmp_path, private_tmp, damage):
+    state, store, path = _one_anchor_store(tmp_path)
+    blob = bytearray(path.read_bytes())
+    if damage == "flip":
+        blob[-5] ^= 0x40  # inside the data: the safetensors file stays valid, only the hash can tell
+    elif damage == "truncate":
+        del blob[-100:]
+    else:
+        blob += b"\0" * 4096
+    path.write_bytes(bytes(blob))
+    replica = {k: v.clone() if isinstance(v, torch.Tensor) else v.copy() for k, v in _fresh(state).items()}
+    before = clone_state(replica)
+    with pytest.raises(ds.ChainError, match="does not match|its manifest entry says"):
+        ds.Subscriber(store, retry_delay=0).pull(replica)
+    assert_states_equal(replica, before)
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_pull_streams_the_anchor_to_a_file(tmp_path, private_tmp, monkeypatch):
+    """The anchor is never read whole into memory: the subscriber uses get_file, not get."""
+    state, store, _ = _one_anchor_store(tmp_path)
+
+    def no_whole_reads(key):
+        raise AssertionError(f"{key} read whole into memory")
+
+    monkeypatch.setattr(store, "get", no_whole_reads)
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 0
+    assert_states_equal(replica, state)
+    assert list(private_tmp.iterdir()) == []
+    assert verify_store(store) == []
+
+
+def test_a_failed_anchor_upload_removes_its_file(tmp_path, private_tmp):
+    class Unreachable(ds.LocalStore):
+        def put_file(self, key, path):
+            raise ds.StoreError(f"{key}: connection reset")
+
+    store = Unreachable(tmp_path / "store")
+    publisher = ds.Publisher(store, retries=2)
+    publisher.publish(0, _state())
+    with pytest.raises(ds.DeltaSyncError, match="connection reset"):
+        publisher.flush()
+    publisher.close()
+    assert not [p for p in (tmp_path / "store").rglob(".deltasync-*")]
+    assert store.list("anchors/") == [] and store.list("manifest/") == []
+
+
+def test_a_resumed_publisher_streams_its_first_anchor(tmp_path, private_tmp):
+    """resume() without the step's entry makes the next publish an anchor, written from the resumed mirror."""
+    state = _state()
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, anchor_every=100) as publisher:
+        publisher.resume(state, step=5)
+        _change(state, 6)
+        publisher.publish(6, state)
+    assert store.get(anchor_key(6)) == ds.anchor(state, step=6).to_bytes()
+    assert list(private_tmp.iterdir()) == []
