@@ -312,7 +312,9 @@ impl RawDelta {
             })
             .map_err(to_py)?;
         drop(held);
-        self.extend(tensors)
+        self.extend(tensors)?;
+        self.delta.packed |= codec == Codec::Compact;
+        Ok(())
     }
 
     /// Stores tensors given as (name, dtype, shape, bytes) whole, as in an anchor.
@@ -365,6 +367,17 @@ impl RawDelta {
         self.delta.metadata = metadata;
         Ok(())
     }
+    /// True when the file is written in the packed layout (docs/format.md §4.1), as the compact codec's writers
+    /// and packed files ask; a delta whose tensors are all stored whole is written as an anchor all the same.
+    #[getter]
+    fn packed(&self) -> bool {
+        self.delta.packed
+    }
+    #[setter]
+    fn set_packed(&mut self, packed: bool) {
+        self.delta.packed = packed;
+    }
+    /// Elements that differ from the base (of a tensor stored whole, only those that changed, where known).
     #[getter]
     fn num_changed(&self) -> u64 {
         self.delta.num_changed()
@@ -382,7 +395,7 @@ impl RawDelta {
         self.delta.is_anchor()
     }
 
-    /// Per tensor: (name, dtype, shape or None, changed, positions codec, values codec, stream bytes).
+    /// Per tensor: (name, dtype, shape or None, changed elements, positions codec, values codec, stream bytes).
     #[allow(clippy::type_complexity)]
     fn tensors(&self) -> Vec<(String, String, Option<Vec<u64>>, u64, &'static str, &'static str, u64)> {
         self.delta
@@ -393,7 +406,7 @@ impl RawDelta {
                     t.name.clone(),
                     dtype::name_of(t.dtype),
                     t.shape.clone(),
-                    t.changed,
+                    t.num_changed(),
                     t.positions_codec.name(),
                     t.values_codec.name(),
                     t.nbytes(),

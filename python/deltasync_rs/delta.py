@@ -67,7 +67,8 @@ class Delta:
 
     @property
     def num_changed(self) -> int:
-        """Changed elements over all tensors (every element of a tensor stored whole)."""
+        """Changed elements over all tensors. A tensor stored whole counts the elements that differ from the base
+        where the writer knew them, else (anchors, TRL imports, older files) every element."""
         return self._raw.num_changed
 
     @property

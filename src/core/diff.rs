@@ -235,6 +235,7 @@ fn tensor_shell(
         values: Stream::empty(),
         last_position,
         base: Some(base),
+        differing: None,
     }
 }
 
@@ -270,6 +271,7 @@ pub fn full(inputs: &[FullInput<'_>]) -> Result<Vec<TensorDelta>> {
                 values: input.data.to_vec().into(),
                 last_position: numel.checked_sub(1),
                 base: None,
+                differing: None,
             })
         })
         .collect()
