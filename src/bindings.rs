@@ -395,7 +395,8 @@ impl RawDelta {
         self.delta.is_anchor()
     }
 
-    /// Per tensor: (name, dtype, shape or None, changed elements, positions codec, values codec, stream bytes).
+    /// Per tensor: (name, dtype, shape or None, changed, positions codec, values codec, stream bytes). `changed` is
+    /// what `decode` yields: every element of a tensor stored whole (`changed_elements` has the real count).
     #[allow(clippy::type_complexity)]
     fn tensors(&self) -> Vec<(String, String, Option<Vec<u64>>, u64, &'static str, &'static str, u64)> {
         self.delta
@@ -406,13 +407,19 @@ impl RawDelta {
                     t.name.clone(),
                     dtype::name_of(t.dtype),
                     t.shape.clone(),
-                    t.num_changed(),
+                    t.changed,
                     t.positions_codec.name(),
                     t.values_codec.name(),
                     t.nbytes(),
                 )
             })
             .collect()
+    }
+
+    /// Per tensor, the elements that differ from the base: `changed`, but for a tensor stored whole whose file
+    /// records fewer (docs/format.md §3, `differing`).
+    fn changed_elements(&self) -> Vec<u64> {
+        self.delta.tensors.iter().map(crate::core::TensorDelta::num_changed).collect()
     }
 
     fn __len__(&self) -> usize {

@@ -28,6 +28,7 @@ class TensorInfo(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...] | None
+    #: Elements that differ from the base; for a tensor stored whole, every element unless the file records fewer.
     changed: int
     positions: str
     values: str
@@ -61,8 +62,8 @@ class Delta:
     @property
     def tensors(self) -> list[TensorInfo]:
         return [
-            TensorInfo(n, d, tuple(s) if s is not None else None, c, p, v, b)
-            for n, d, s, c, p, v, b in self._raw.tensors()
+            TensorInfo(n, d, tuple(s) if s is not None else None, changed, p, v, b)
+            for (n, d, s, _, p, v, b), changed in zip(self._raw.tensors(), self._raw.changed_elements(), strict=True)
         ]
 
     @property
