@@ -377,6 +377,11 @@ impl RawDelta {
     fn set_packed(&mut self, packed: bool) {
         self.delta.packed = packed;
     }
+    /// The `format_version` the file is written with: "2" in the packed layout, else "1".
+    #[getter]
+    fn format_version(&self) -> &'static str {
+        format::version_of(&self.delta)
+    }
     /// Elements that differ from the base (of a tensor stored whole, only those that changed, where known).
     #[getter]
     fn num_changed(&self) -> u64 {

@@ -111,6 +111,9 @@ def test_a_tensor_stored_whole_reports_its_real_count(tmp_path, capsys):
         assert main(["inspect", str(path), "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["num_changed"] == 6 and report["tensors"][0]["changed"] == 5
+        assert report["packed"] == (codec == "compact") == (delta._raw.format_version == "2")
+        assert main(["inspect", str(path)]) == 0
+        assert ("packed layout (format version 2)" in capsys.readouterr().out.splitlines()[0]) == (codec == "compact")
     # Anchors know no base: every element counts.
     assert ds.anchor(curr).num_changed == 1006
 

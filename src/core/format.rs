@@ -192,13 +192,23 @@ pub fn check_tensor_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Builds the header for `delta` and lists the pieces that follow it: the packed layout when `delta.packed` asks
-/// for it and some tensor is not stored whole (an anchor stays an ordinary checkpoint), else the named one.
+/// The `format_version` that `encode` writes for `delta`: the packed layout's when `delta.packed` asks for it and
+/// some tensor is not stored whole (an anchor stays an ordinary checkpoint), else the named layout's.
+pub fn version_of(delta: &Delta) -> &'static str {
+    if delta.packed && !delta.is_anchor() {
+        PACKED_FORMAT_VERSION
+    } else {
+        FORMAT_VERSION
+    }
+}
+
+/// Builds the header for `delta` and lists the pieces that follow it, in the layout of `version_of(delta)`.
 pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
     for tensor in &delta.tensors {
         check_tensor_name(&tensor.name)?;
     }
-    let packed = delta.packed && !delta.is_anchor();
+    let version = version_of(delta);
+    let packed = version == PACKED_FORMAT_VERSION;
     let records: Vec<Record> = delta
         .tensors
         .iter()
@@ -222,7 +232,7 @@ pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
         metadata.insert(key.clone(), value.clone());
     }
     metadata.insert("format".into(), FORMAT_NAME.into());
-    metadata.insert("format_version".into(), if packed { PACKED_FORMAT_VERSION } else { FORMAT_VERSION }.into());
+    metadata.insert("format_version".into(), version.into());
     metadata.insert("kind".into(), if delta.is_anchor() { "anchor" } else { "delta" }.into());
     if !packed {
         metadata.insert("tensors".into(), records::to_json(&records));
