@@ -283,7 +283,9 @@ impl RawDelta {
             })
             .map_err(to_py)?;
         drop(held);
-        self.extend(tensors)
+        self.extend(tensors)?;
+        self.delta.packed |= codec == Codec::Compact;
+        Ok(())
     }
 
     /// Stores tensors given as (name, dtype, shape, bytes) whole, as in an anchor.
@@ -336,6 +338,22 @@ impl RawDelta {
         self.delta.metadata = metadata;
         Ok(())
     }
+    /// True when the file is written in the packed layout (docs/format.md §4.1), as the compact codec's writers
+    /// and packed files ask; a delta whose tensors are all stored whole is written as an anchor all the same.
+    #[getter]
+    fn packed(&self) -> bool {
+        self.delta.packed
+    }
+    #[setter]
+    fn set_packed(&mut self, packed: bool) {
+        self.delta.packed = packed;
+    }
+    /// The `format_version` the file is written with: "2" in the packed layout, else "1".
+    #[getter]
+    fn format_version(&self) -> &'static str {
+        format::version_of(&self.delta)
+    }
+    /// Elements that differ from the base (of a tensor stored whole, only those that changed, where known).
     #[getter]
     fn num_changed(&self) -> u64 {
         self.delta.num_changed()
@@ -353,7 +371,8 @@ impl RawDelta {
         self.delta.is_anchor()
     }
 
-    /// Per tensor: (name, dtype, shape or None, changed, positions codec, values codec, stream bytes).
+    /// Per tensor: (name, dtype, shape or None, changed, positions codec, values codec, stream bytes). `changed` is
+    /// what `decode` yields: every element of a tensor stored whole (`changed_elements` has the real count).
     #[allow(clippy::type_complexity)]
     fn tensors(&self) -> Vec<(String, String, Option<Vec<u64>>, u64, &'static str, &'static str, u64)> {
         self.delta
@@ -371,6 +390,12 @@ impl RawDelta {
                 )
             })
             .collect()
+    }
+
+    /// Per tensor, the elements that differ from the base: `changed`, but for a tensor stored whole whose file
+    /// records fewer (docs/format.md §3, `differing`).
+    fn changed_elements(&self) -> Vec<u64> {
+        self.delta.tensors.iter().map(crate::core::TensorDelta::num_changed).collect()
     }
 
     fn __len__(&self) -> usize {

@@ -134,7 +134,10 @@ def test_special_values(dtype, codec):
     # a NaN with a non-default payload, and a -0.0 → +0.0 change, which compare equal as floats
     curr.view(INT_VIEW[curr.element_size()])[0] += 1
     delta = _check_roundtrip(prev, curr, "diff", codec)
-    assert delta.num_changed == 7
+    # Every element whose bits differ (not all 7 in bf16, where the NaN payload step is lost); the tensor is stored
+    # whole, and reports the real count.
+    int_view = INT_VIEW[curr.element_size()]
+    assert delta.num_changed == int((prev.view(int_view) != curr.view(int_view)).sum()) >= 6
     unchanged_but_float_equal = torch.tensor([0.0], dtype=dtype)
     negative_zero = torch.tensor([-0.0], dtype=dtype)
     assert ds.diff(unchanged_but_float_equal, negative_zero).num_changed == 1

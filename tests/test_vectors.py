@@ -80,3 +80,42 @@ def test_compact_example_in_format_doc():
     assert "02 ae 59 d9 e3 00" in doc and "48 a4 03 b2 04 00" in doc
     codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
     assert codecs == {"w": ("rice", "diffbits"), "f": ("varint", "diff")}
+
+
+def test_packed_example_in_format_doc():
+    """docs/format.md §8.2 walks through bf16_packed; keep the two in step."""
+    blob = (VECTORS / "bf16_packed.safetensors").read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_len])
+    data = blob[8 + header_len :]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    section = doc[doc.index("### 8.2") : doc.index("## 9.")]
+    printed = json.loads(section[section.index("```json") + 7 : section.index("```\n\nand the data")])
+    assert printed == header and header["__metadata__"]["format_version"] == "2"
+    records = slice(*header["__deltasync_records__"]["data_offsets"])
+    streams = slice(*header["__deltasync_streams__"]["data_offsets"])
+    listing = section[section.index("```\n08") + 4 :]
+    listing = listing[: listing.index("```")]
+    # Each line of the listing starts with its bytes in hex, then two spaces and what they are.
+    dumped = " ".join(line.strip().split("  ")[0] for line in listing.splitlines())
+    assert dumped == data[records].hex(" ")
+    assert data[: header["layer.1.n"]["data_offsets"][1]].hex(" ") == "ac 40 80 3f" and "`ac 40 80 3f`" in section
+    assert data[streams].hex(" ") == "02 ae 59 d9 e3 00 48 a4 03 b2 04 00 01 80 00 00 01 00"
+    assert f"The file is {len(blob)} bytes" in section
+    delta = ds.load(blob)
+    assert delta._raw.packed
+    assert [(t.name, t.changed) for t in delta.tensors] == [
+        ("layer.0.w", 8),
+        ("layer.0.b", 1),
+        ("layer.1.n", 1),
+        ("layer.1.s", 0),
+    ]
+    assert [delta.base_identity(i) for i in range(4)] == [
+        "8d4e7e6376420f99",
+        "8a052c13562c91b9",
+        None,
+        "577c181a05f23882",
+    ]
+    named = ds.load(blob)
+    named._raw.packed = False
+    assert f"named layout takes {len(named.to_bytes()):,}" in section

@@ -11,7 +11,10 @@ fuzz_target!(|data: &[u8]| {
     let again = format::from_bytes(encoded, "re-encoded").expect("a delta we wrote must load");
     assert_eq!(again.tensors.len(), delta.tensors.len());
     for (a, b) in again.tensors.iter().zip(&delta.tensors) {
-        assert_eq!((&a.name, a.dtype, &a.shape, a.changed), (&b.name, b.dtype, &b.shape, b.changed));
+        assert_eq!(
+            (&a.name, a.dtype, &a.shape, a.changed, a.differing),
+            (&b.name, b.dtype, &b.shape, b.changed, b.differing)
+        );
         assert_eq!((&a.positions[..], &a.values[..]), (&b.positions[..], &b.values[..]));
     }
 });

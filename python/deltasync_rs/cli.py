@@ -98,6 +98,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "kind": "anchor" if delta.is_anchor else "delta",
+                    "packed": raw.format_version == "2",
                     "step": delta.step,
                     "base_step": delta.base_step,
                     "metadata": delta.metadata,
@@ -110,7 +111,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"{args.delta}: {'anchor' if raw.is_anchor else 'delta'}, step={delta.step}, base_step={delta.base_step}")
+    layout = ", packed layout (format version 2)" if raw.format_version == "2" else ""
+    print(
+        f"{args.delta}: {'anchor' if raw.is_anchor else 'delta'}{layout}, step={delta.step}, base_step={delta.base_step}"
+    )
     for key, value in sorted(delta.metadata.items()):
         print(f"  {key} = {value}")
     name_width = max([len(t.name) for t in delta.tensors] + [6])

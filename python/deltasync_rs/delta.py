@@ -29,6 +29,7 @@ class TensorInfo(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...] | None
+    #: Elements that differ from the base; for a tensor stored whole, every element unless the file records fewer.
     changed: int
     positions: str
     values: str
@@ -62,13 +63,14 @@ class Delta:
     @property
     def tensors(self) -> list[TensorInfo]:
         return [
-            TensorInfo(n, d, tuple(s) if s is not None else None, c, p, v, b)
-            for n, d, s, c, p, v, b in self._raw.tensors()
+            TensorInfo(n, d, tuple(s) if s is not None else None, changed, p, v, b)
+            for (n, d, s, _, p, v, b), changed in zip(self._raw.tensors(), self._raw.changed_elements(), strict=True)
         ]
 
     @property
     def num_changed(self) -> int:
-        """Changed elements over all tensors (every element of a tensor stored whole)."""
+        """Changed elements over all tensors. A tensor stored whole counts the elements that differ from the base
+        where the writer knew them, else (anchors, TRL imports, older files) every element."""
         return self._raw.num_changed
 
     @property

@@ -143,7 +143,7 @@ impl MirrorDiff {
         if let Some(open) = &self.open {
             return Err(DeltaSyncError::new_err(format!("tensor {:?} is still open: finish it first", open.name())));
         }
-        let mut raw = RawDelta { delta: Delta::default() };
+        let mut raw = RawDelta { delta: Delta { packed: self.codec == Codec::Compact, ..Delta::default() } };
         raw.extend(std::mem::take(&mut self.done))?;
         Ok(raw)
     }

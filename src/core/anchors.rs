@@ -104,7 +104,7 @@ pub fn write_anchor(
             diff::whole(input, Stream::Shared { backing: Arc::new(lent), range: 0..input.data.len() })
         })
         .collect::<Result<Vec<_>>>()?;
-    let delta = Delta { tensors, step, base_step: None, metadata: metadata.clone() };
+    let delta = Delta { tensors, step, base_step: None, metadata: metadata.clone(), packed: false };
     let encoded = format::encode(&delta)?;
     let file = std::fs::OpenOptions::new().write(true).truncate(true).open(path).map_err(|e| Error::io(path, e))?;
     let mut pending: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
@@ -180,6 +180,7 @@ mod tests {
             step: Some(7),
             base_step: None,
             metadata: metadata.clone(),
+            packed: false,
         })
         .unwrap();
         let folder = tempfile::tempdir().unwrap();

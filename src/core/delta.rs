@@ -32,6 +32,9 @@ pub struct TensorDelta {
     pub last_position: Option<u64>,
     /// The base identity of the tensor before the change (core::base), for records that apply to one base only.
     pub base: Option<u64>,
+    /// For a tensor stored whole (where `changed` counts every element): how many elements differ from the base,
+    /// when the writer knew and fewer than all did.
+    pub differing: Option<u64>,
 }
 
 impl TensorDelta {
@@ -54,6 +57,7 @@ impl TensorDelta {
         let changed = (data.len() / self.width()) as u64;
         TensorDelta {
             changed,
+            differing: (self.changed < changed).then_some(self.changed),
             positions_codec: PositionCodec::All,
             values_codec: ValueCodec::Abs,
             positions: Stream::empty(),
@@ -63,6 +67,11 @@ impl TensorDelta {
             base: None,
             ..self
         }
+    }
+
+    /// Elements that differ from the base: `changed`, but for a tensor stored whole where fewer differ.
+    pub fn num_changed(&self) -> u64 {
+        self.differing.unwrap_or(self.changed)
     }
 
     /// True when the tensor is stored whole: every element, new raw values.
@@ -333,6 +342,9 @@ pub struct Delta {
     pub base_step: Option<u64>,
     /// Caller-supplied string metadata, stored in the file header beside the reserved keys.
     pub metadata: BTreeMap<String, String>,
+    /// Written in the packed layout (docs/format.md §4.1) unless every tensor is stored whole: set by the writers
+    /// of the `compact` codec, and by loading a packed file.
+    pub packed: bool,
 }
 
 impl Delta {
@@ -344,7 +356,7 @@ impl Delta {
     // The sums saturate instead of wrapping; a loaded file's declared sizes are checked so that they fit
     // (core::format's reader).
     pub fn num_changed(&self) -> u64 {
-        self.tensors.iter().map(|t| t.changed).fold(0, u64::saturating_add)
+        self.tensors.iter().map(TensorDelta::num_changed).fold(0, u64::saturating_add)
     }
 
     /// Elements covered, counting only tensors whose shape is known.

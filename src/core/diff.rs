@@ -235,6 +235,7 @@ fn tensor_shell(
         values: Stream::empty(),
         last_position,
         base: Some(base),
+        differing: None,
     }
 }
 
@@ -274,6 +275,7 @@ pub fn whole(input: &FullInput<'_>, values: Stream) -> Result<TensorDelta> {
         values,
         last_position: numel.checked_sub(1),
         base: None,
+        differing: None,
     })
 }
 

@@ -113,7 +113,7 @@ pub fn diff_files(
         }
         start = end;
     }
-    Ok(Delta { tensors, ..Default::default() })
+    Ok(Delta { tensors, packed: codec == Codec::Compact, ..Default::default() })
 }
 
 /// Writes `base` with `delta` applied to `out`, atomically. Everything is checked before a byte is written; with

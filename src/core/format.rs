@@ -1,4 +1,6 @@
-//! The on-disk container: a valid safetensors file of U8 streams plus JSON metadata (docs/format.md).
+//! The on-disk container: a valid safetensors file of U8 streams plus metadata (docs/format.md), in the named
+//! layout (version 1: a `W:pos`/`W:val` pair per tensor, JSON records) or the packed one (version 2, §4.1: one
+//! tensor of binary records, one of all streams).
 //!
 //! Writing is zero-copy: the header is built, then each stream is copied once, straight from the delta
 //! into the output. Reading validates the safetensors header with the safetensors crate, then every
@@ -8,44 +10,28 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::mem::MaybeUninit;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
-use crate::core::codec::{PositionCodec, ValueCodec};
+use crate::core::codec::PositionCodec;
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
+use crate::core::records::{self, Record, RECORDS_KEY, STREAMS_KEY};
 use crate::core::stream::{Backing, Stream};
 
 pub const FORMAT_NAME: &str = "deltasync";
+/// The version of the named layout, which varint deltas and anchors keep.
 pub const FORMAT_VERSION: &str = "1";
+/// The version of the packed layout (§4.1), which older readers refuse by its number.
+pub const PACKED_FORMAT_VERSION: &str = "2";
 pub const POSITIONS_SUFFIX: &str = ":pos";
 pub const VALUES_SUFFIX: &str = ":val";
 /// The safetensors header's own key: no tensor may be stored under it.
 pub const METADATA_KEY: &str = "__metadata__";
 /// Header keys the format owns; caller metadata may not use them.
 pub const RESERVED_KEYS: [&str; 6] = ["format", "format_version", "kind", "tensors", "step", "base_step"];
-
-/// One entry of the `tensors` metadata list.
-#[derive(Serialize, Deserialize)]
-struct TensorRecord {
-    name: String,
-    dtype: String,
-    shape: Option<Vec<u64>>,
-    changed: u64,
-    positions: PositionCodec,
-    values: ValueCodec,
-    /// The base identity (core::base), 16 lowercase hex digits; absent for records that apply to any base.
-    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present_string")]
-    base: Option<String>,
-}
-
-/// An optional field that, when present, must be a string (`null` is refused, not read as absent).
-fn present_string<'de, D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Option<String>, D::Error> {
-    String::deserialize(deserializer).map(Some)
-}
 
 /// One safetensors entry of the output, usually borrowing its bytes from the delta.
 pub struct Entry<'a> {
@@ -133,40 +119,70 @@ impl Encoded<'_> {
 /// Files smaller than this are copied on the calling thread.
 const PARALLEL_FILL_BYTES: usize = 1 << 20;
 
-fn entries(delta: &Delta) -> Vec<Entry<'_>> {
-    // Whole tensors first, widest dtype first, so each lands aligned to its element size.
+/// One entry as laid out in the file: its bytes in one or more pieces, copied one after another.
+struct Laid<'a> {
+    key: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    pieces: Vec<Cow<'a, [u8]>>,
+}
+
+impl<'a> From<Entry<'a>> for Laid<'a> {
+    fn from(entry: Entry<'a>) -> Self {
+        Laid { key: entry.key, dtype: entry.dtype, shape: entry.shape, pieces: vec![entry.data] }
+    }
+}
+
+/// A `U8` entry of the given pieces.
+fn bytes_entry<'a>(key: String, pieces: Vec<Cow<'a, [u8]>>) -> Laid<'a> {
+    let len = pieces.iter().map(|p| p.len() as u64).sum();
+    Laid { key, dtype: Dtype::U8, shape: vec![len], pieces }
+}
+
+/// The entries of `delta`'s file: whole tensors first, widest dtype first, so each lands aligned to its element
+/// size; then the streams, per tensor (`W:pos`, `W:val`) or packed after the packed record list.
+fn entries<'a>(delta: &'a Delta, packed_records: Option<Vec<u8>>) -> Vec<Laid<'a>> {
     let mut dense: Vec<&TensorDelta> = delta.tensors.iter().filter(|t| t.is_dense()).collect();
     dense.sort_by_key(|t| std::cmp::Reverse(t.width()));
-    let mut out: Vec<Entry<'_>> = dense
+    let mut out: Vec<Laid<'a>> = dense
         .into_iter()
-        .map(|t| Entry {
+        .map(|t| Laid {
             key: t.name.clone(),
             dtype: t.dtype,
             shape: t.shape.clone().unwrap_or_default(),
-            data: Cow::Borrowed(&t.values[..]),
+            pieces: vec![Cow::Borrowed(&t.values[..])],
         })
         .collect();
-    for t in delta.tensors.iter().filter(|t| !t.is_dense() && t.changed > 0) {
-        for (suffix, stream) in [(POSITIONS_SUFFIX, &t.positions), (VALUES_SUFFIX, &t.values)] {
-            if !stream.is_empty() {
-                out.push(Entry {
-                    key: format!("{}{suffix}", t.name),
-                    dtype: Dtype::U8,
-                    shape: vec![stream.len() as u64],
-                    data: Cow::Borrowed(&stream[..]),
-                });
+    let sparse = delta.tensors.iter().filter(|t| !t.is_dense() && t.changed > 0);
+    let streams = |t: &'a TensorDelta| [&t.positions, &t.values].into_iter().filter(|stream| !stream.is_empty());
+    match packed_records {
+        Some(records) => {
+            out.push(bytes_entry(RECORDS_KEY.to_owned(), vec![Cow::Owned(records)]));
+            let pieces = sparse.flat_map(streams).map(|stream| Cow::Borrowed(&stream[..])).collect();
+            out.push(bytes_entry(STREAMS_KEY.to_owned(), pieces));
+        }
+        None => {
+            for t in sparse {
+                for (suffix, stream) in [(POSITIONS_SUFFIX, &t.positions), (VALUES_SUFFIX, &t.values)] {
+                    if !stream.is_empty() {
+                        out.push(bytes_entry(format!("{}{suffix}", t.name), vec![Cow::Borrowed(&stream[..])]));
+                    }
+                }
             }
         }
     }
     out
 }
 
-/// Refuses a tensor name the container cannot store: the safetensors header's `__metadata__` key, and names
-/// ending in the stream suffixes, which would collide with another tensor's streams. Every writer (diff, anchor,
-/// mirror, encode) calls this, and the reader refuses what it refuses.
+/// Refuses a tensor name the container cannot store: the safetensors header's `__metadata__` key, the packed
+/// layout's two tensors, and names ending in the stream suffixes, which would collide with another tensor's
+/// streams. Every writer (diff, anchor, mirror, encode) calls this, and the reader refuses what it refuses.
 pub fn check_tensor_name(name: &str) -> Result<()> {
     if name == METADATA_KEY {
         return Err(Error::invalid(format!("tensor {name:?}: the name is the safetensors header's own key")));
+    }
+    if name == RECORDS_KEY || name == STREAMS_KEY {
+        return Err(Error::invalid(format!("tensor {name:?}: the name is reserved for the packed layout")));
     }
     if name.ends_with(POSITIONS_SUFFIX) || name.ends_with(VALUES_SUFFIX) {
         return Err(Error::invalid(format!(
@@ -176,22 +192,36 @@ pub fn check_tensor_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Builds the header for `delta` and lists the pieces that follow it.
+/// The `format_version` that `encode` writes for `delta`: the packed layout's when `delta.packed` asks for it and
+/// some tensor is not stored whole (an anchor stays an ordinary checkpoint), else the named layout's.
+pub fn version_of(delta: &Delta) -> &'static str {
+    if delta.packed && !delta.is_anchor() {
+        PACKED_FORMAT_VERSION
+    } else {
+        FORMAT_VERSION
+    }
+}
+
+/// Builds the header for `delta` and lists the pieces that follow it, in the layout of `version_of(delta)`.
 pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
     for tensor in &delta.tensors {
         check_tensor_name(&tensor.name)?;
     }
-    let records: Vec<TensorRecord> = delta
+    let version = version_of(delta);
+    let packed = version == PACKED_FORMAT_VERSION;
+    let records: Vec<Record> = delta
         .tensors
         .iter()
-        .map(|t| TensorRecord {
+        .map(|t| Record {
             name: t.name.clone(),
-            dtype: dtype::name_of(t.dtype),
+            dtype: t.dtype,
             shape: t.shape.clone(),
             changed: t.changed,
             positions: t.positions_codec,
             values: t.values_codec,
-            base: t.base.map(crate::core::base::to_hex),
+            base: t.base,
+            differing: t.differing,
+            stream_lengths: (packed && !t.is_dense()).then(|| (t.positions.len() as u64, t.values.len() as u64)),
         })
         .collect();
     let mut metadata: BTreeMap<String, String> = BTreeMap::new();
@@ -202,21 +232,26 @@ pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
         metadata.insert(key.clone(), value.clone());
     }
     metadata.insert("format".into(), FORMAT_NAME.into());
-    metadata.insert("format_version".into(), FORMAT_VERSION.into());
+    metadata.insert("format_version".into(), version.into());
     metadata.insert("kind".into(), if delta.is_anchor() { "anchor" } else { "delta" }.into());
-    metadata.insert("tensors".into(), serde_json::to_string(&records).expect("records serialize"));
+    if !packed {
+        metadata.insert("tensors".into(), records::to_json(&records));
+    }
     if let Some(step) = delta.step {
         metadata.insert("step".into(), step.to_string());
     }
     if let Some(base) = delta.base_step {
         metadata.insert("base_step".into(), base.to_string());
     }
-
-    encode_entries(&metadata, entries(delta))
+    lay_out(&metadata, entries(delta, packed.then(|| records::to_packed(&records))))
 }
 
 /// Lays out any safetensors file: string metadata plus entries in the given data order.
 pub fn encode_entries<'a>(metadata: &BTreeMap<String, String>, entries: Vec<Entry<'a>>) -> Result<Encoded<'a>> {
+    lay_out(metadata, entries.into_iter().map(Laid::from).collect())
+}
+
+fn lay_out<'a>(metadata: &BTreeMap<String, String>, entries: Vec<Laid<'a>>) -> Result<Encoded<'a>> {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::to_value(metadata).expect("strings serialize"));
     let mut offset = 0usize;
@@ -225,7 +260,7 @@ pub fn encode_entries<'a>(metadata: &BTreeMap<String, String>, entries: Vec<Entr
         if !keys.insert(entry.key.as_str()) {
             return Err(Error::invalid(format!("two tensors would be stored under the key {:?}", entry.key)));
         }
-        let end = offset + entry.data.len();
+        let end = offset + entry.pieces.iter().map(|p| p.len()).sum::<usize>();
         header.insert(
             entry.key.clone(),
             serde_json::json!({
@@ -239,7 +274,8 @@ pub fn encode_entries<'a>(metadata: &BTreeMap<String, String>, entries: Vec<Entr
     let mut header = serde_json::to_vec(&serde_json::Value::Object(header)).expect("header serializes");
     // Pad with spaces so that data starts 8-byte aligned, as safetensors writers do.
     header.resize(header.len().div_ceil(8) * 8, b' ');
-    Ok(Encoded { header, pieces: entries.into_iter().map(|e| e.data).collect() })
+    let pieces = entries.into_iter().flat_map(|e| e.pieces).filter(|p| !p.is_empty()).collect();
+    Ok(Encoded { header, pieces })
 }
 
 /// Serializes a delta to one byte vector.
@@ -277,7 +313,7 @@ pub fn save(delta: &Delta, path: &Path) -> Result<()> {
 /// A parsed safetensors header: metadata, and each tensor's dtype, shape and absolute byte range.
 pub struct Header {
     pub metadata: HashMap<String, String>,
-    pub tensors: HashMap<String, (Dtype, Vec<u64>, std::ops::Range<usize>)>,
+    pub tensors: HashMap<String, (Dtype, Vec<u64>, Range<usize>)>,
 }
 
 /// Parses and validates a safetensors header with the safetensors crate.
@@ -323,35 +359,50 @@ pub fn read(backing: Arc<Backing>, source_name: &str) -> Result<Delta> {
     }
 }
 
+/// Takes a 1-D `U8` tensor out of the header: its byte range, or None when it is absent.
+fn take_bytes(header: &mut Header, key: &str, bad: &impl Fn(String) -> Error) -> Result<Option<Range<usize>>> {
+    match header.tensors.remove(key) {
+        Some((Dtype::U8, shape, range)) if shape.len() == 1 => Ok(Some(range)),
+        Some(_) => Err(bad(format!("tensor {key:?} must be a 1-D U8 tensor"))),
+        None => Ok(None),
+    }
+}
+
+/// Where the streams of a file's records are: named tensors (version 1), or consecutive slices of the packed
+/// streams tensor (version 2), the next one starting at `next`.
+enum Streams {
+    Named,
+    Packed { next: usize, end: usize },
+}
+
 fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) -> Result<Delta> {
     let bad = |message: String| Error::format(source_name, message);
-    let metadata = &header.metadata;
-    match metadata.get("format_version").map(String::as_str) {
-        Some(FORMAT_VERSION) => {}
+    let (records, mut streams) = match header.metadata.get("format_version").map(String::as_str) {
+        Some(FORMAT_VERSION) => {
+            let json =
+                header.metadata.get("tensors").ok_or_else(|| bad("no 'tensors' list in the header metadata".into()))?;
+            (records::from_json(json).map_err(bad)?, Streams::Named)
+        }
+        Some(PACKED_FORMAT_VERSION) => {
+            if header.metadata.contains_key("tensors") {
+                return Err(bad("a packed file keeps its records in a tensor, not in the 'tensors' metadata".into()));
+            }
+            let missing = |key: &str| bad(format!("the packed tensor {key:?} is missing"));
+            let list = take_bytes(&mut header, RECORDS_KEY, &bad)?.ok_or_else(|| missing(RECORDS_KEY))?;
+            let packed = take_bytes(&mut header, STREAMS_KEY, &bad)?.ok_or_else(|| missing(STREAMS_KEY))?;
+            let records =
+                records::from_packed(&backing[list]).map_err(|e| bad(format!("tensor {RECORDS_KEY:?}: {e}")))?;
+            (records, Streams::Packed { next: packed.start, end: packed.end })
+        }
         Some(other) => {
             return Err(bad(format!(
-                "format_version {other:?} is not supported (this reader knows {FORMAT_VERSION:?})"
+                "format_version {other:?} is not supported (this reader knows {FORMAT_VERSION:?} and \
+                 {PACKED_FORMAT_VERSION:?})"
             )))
         }
         None => return Err(bad("no 'format_version' in the header metadata".into())),
-    }
-    let records_json = metadata.get("tensors").ok_or_else(|| bad("no 'tensors' list in the header metadata".into()))?;
-    let records: Vec<TensorRecord> =
-        serde_json::from_str(records_json).map_err(|e| bad(format!("the 'tensors' metadata is malformed: {e}")))?;
-    let take_stream = |tensors: &mut HashMap<String, (Dtype, Vec<u64>, std::ops::Range<usize>)>,
-                       key: String,
-                       name: &str,
-                       required: bool|
-     -> Result<Stream> {
-        match tensors.remove(&key) {
-            Some((Dtype::U8, shape, range)) if shape.len() == 1 => {
-                Ok(Stream::Shared { backing: Arc::clone(&backing), range })
-            }
-            Some(_) => Err(bad(format!("tensor {name:?}: stream {key:?} must be a 1-D U8 tensor"))),
-            None if required => Err(bad(format!("tensor {name:?}: stream {key:?} is missing"))),
-            None => Ok(Stream::empty()),
-        }
     };
+    let packed = matches!(streams, Streams::Packed { .. });
     let mut names = HashSet::with_capacity(records.len());
     if let Some(twice) = records.iter().find(|r| !names.insert(r.name.as_str())) {
         return Err(bad(format!("tensor {:?} is listed twice", twice.name)));
@@ -360,9 +411,8 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
     // Declared sizes are checked, never wrapped: each shape's element count, and their sum (`Delta::num_elements`).
     let mut total_elements = 0u64;
     for record in records {
-        let name = record.name;
-        check_tensor_name(&name).map_err(|e| bad(e.to_string()))?;
-        let dtype = dtype::parse(&record.dtype).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
+        let name = record.name.as_str();
+        check_tensor_name(name).map_err(|e| bad(e.to_string()))?;
         if let Some(shape) = &record.shape {
             let numel =
                 dtype::numel(shape).ok_or_else(|| bad(format!("tensor {name:?}: shape {shape:?} overflows")))?;
@@ -370,47 +420,79 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
                 .checked_add(numel)
                 .ok_or_else(|| bad(format!("tensor {name:?}: the tensors' element counts overflow 64 bits")))?;
         }
-        let base = record
-            .base
-            .map(|text| {
-                crate::core::base::parse_hex(&text)
-                    .ok_or_else(|| bad(format!("tensor {name:?}: base {text:?} is not 16 lowercase hex digits")))
-            })
-            .transpose()?;
+        if let Some(differing) = record.differing {
+            if !record.is_whole() || differing == 0 || differing > record.changed {
+                return Err(bad(format!(
+                    "tensor {name:?}: differing={differing} needs a tensor stored whole with changed={} or more, \
+                     and more than 0",
+                    record.changed
+                )));
+            }
+        }
         let mut tensor = TensorDelta {
-            name: name.clone(),
-            dtype,
-            shape: record.shape,
+            name: record.name.clone(),
+            dtype: record.dtype,
+            shape: record.shape.clone(),
             changed: record.changed,
             positions_codec: record.positions,
             values_codec: record.values,
             positions: Stream::empty(),
             values: Stream::empty(),
             last_position: None,
-            base,
+            base: record.base,
+            differing: record.differing,
         };
+        let shared = |range: Range<usize>| Stream::Shared { backing: Arc::clone(&backing), range };
         if tensor.is_dense() {
             let shape =
                 tensor.shape.clone().ok_or_else(|| bad(format!("tensor {name:?}: a dense tensor needs a shape")))?;
-            match header.tensors.remove(&name) {
-                Some((stored, stored_shape, range)) if stored == dtype && stored_shape == shape => {
-                    tensor.values = Stream::Shared { backing: Arc::clone(&backing), range };
+            match header.tensors.remove(name) {
+                Some((stored, stored_shape, range)) if stored == record.dtype && stored_shape == shape => {
+                    tensor.values = shared(range);
                 }
                 Some(_) => {
                     return Err(bad(format!("tensor {name:?}: stored dtype or shape disagrees with its record")))
                 }
                 None => return Err(bad(format!("tensor {name:?}: its data is missing"))),
             }
+        } else if let Streams::Packed { next, end } = &mut streams {
+            let (positions_len, values_len) = record.stream_lengths.expect("a packed record not stored whole");
+            let mut slice = |len: u64, what: &str| -> Result<Stream> {
+                let stop = usize::try_from(len).ok().and_then(|len| next.checked_add(len)).filter(|stop| stop <= end);
+                let stop = stop.ok_or_else(|| {
+                    bad(format!(
+                        "tensor {name:?}: its {what} stream of {len} bytes runs past the end of {STREAMS_KEY:?}"
+                    ))
+                })?;
+                let stream = shared(*next..stop);
+                *next = stop;
+                Ok(stream)
+            };
+            tensor.positions = slice(positions_len, "position")?;
+            tensor.values = slice(values_len, "value")?;
         } else if tensor.changed > 0 {
-            let has_positions = tensor.positions_codec != PositionCodec::All;
-            tensor.positions =
-                take_stream(&mut header.tensors, format!("{name}{POSITIONS_SUFFIX}"), &name, has_positions)?;
-            tensor.values = take_stream(&mut header.tensors, format!("{name}{VALUES_SUFFIX}"), &name, true)?;
+            let mut take_stream = |suffix: &str, required: bool| -> Result<Stream> {
+                let key = format!("{name}{suffix}");
+                match take_bytes(&mut header, &key, &|_| {
+                    bad(format!("tensor {name:?}: stream {key:?} must be a 1-D U8 tensor"))
+                })? {
+                    Some(range) => Ok(shared(range)),
+                    None if required => Err(bad(format!("tensor {name:?}: stream {key:?} is missing"))),
+                    None => Ok(Stream::empty()),
+                }
+            };
+            tensor.positions = take_stream(POSITIONS_SUFFIX, tensor.positions_codec != PositionCodec::All)?;
+            tensor.values = take_stream(VALUES_SUFFIX, true)?;
         }
         tensors.push(tensor);
     }
+    if let Streams::Packed { next, end } = streams {
+        if next != end {
+            return Err(bad(format!("tensor {STREAMS_KEY:?} has {} bytes after the records' last stream", end - next)));
+        }
+    }
     if let Some(extra) = header.tensors.keys().next() {
-        return Err(bad(format!("tensor {extra:?} is stored but not listed in the 'tensors' metadata")));
+        return Err(bad(format!("tensor {extra:?} is stored but not listed in the file's records")));
     }
     let metadata = header.metadata;
     let mut delta = Delta {
@@ -422,6 +504,7 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
             .filter(|(k, _)| !RESERVED_KEYS.contains(&k.as_str()))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
+        packed,
     };
     delta.validate(source_name)?;
     let kind = metadata.get("kind").map_or("(missing)", String::as_str);
@@ -446,7 +529,7 @@ pub fn load(path: &Path) -> Result<Delta> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::codec::Codec;
+    use crate::core::codec::{Codec, ValueCodec};
     use crate::core::diff::{diff, DiffInput};
 
     fn sample() -> Delta {
@@ -470,7 +553,13 @@ mod tests {
             Codec::Varint,
         )
         .unwrap();
-        Delta { tensors, step: Some(7), base_step: Some(6), metadata: [("run".to_owned(), "x".to_owned())].into() }
+        Delta {
+            tensors,
+            step: Some(7),
+            base_step: Some(6),
+            metadata: [("run".to_owned(), "x".to_owned())].into(),
+            packed: false,
+        }
     }
 
     #[test]
@@ -558,5 +647,193 @@ mod tests {
         let mut delta = sample();
         delta.metadata.insert("kind".into(), "x".into());
         assert!(matches!(to_bytes(&delta), Err(Error::InvalidInput { .. })));
+    }
+
+    fn packed_sample() -> Delta {
+        Delta { packed: true, ..sample() }
+    }
+
+    #[test]
+    fn packed_roundtrip_and_safetensors_valid() {
+        let delta = packed_sample();
+        let bytes = to_bytes(&delta).unwrap();
+        let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = parsed.names();
+        names.sort();
+        assert_eq!(names, ["__deltasync_records__", "__deltasync_streams__", "b"]);
+        let header = read_header(&bytes, "mem").unwrap();
+        assert_eq!(header.metadata["format_version"], "2");
+        assert!(!header.metadata.contains_key("tensors"));
+        let back = from_bytes(bytes.clone(), "mem").unwrap();
+        assert!(back.packed);
+        assert_eq!((back.step, back.base_step, &back.metadata), (delta.step, delta.base_step, &delta.metadata));
+        for (a, b) in back.tensors.iter().zip(&delta.tensors) {
+            assert_eq!(
+                (&a.name, a.dtype, &a.shape, a.changed, a.base),
+                (&b.name, b.dtype, &b.shape, b.changed, b.base)
+            );
+            assert_eq!((a.positions_codec, a.values_codec), (b.positions_codec, b.values_codec));
+            assert_eq!((&a.positions[..], &a.values[..]), (&b.positions[..], &b.values[..]));
+        }
+        assert_eq!(to_bytes(&back).unwrap(), bytes);
+        assert!(bytes.len() < to_bytes(&sample()).unwrap().len());
+    }
+
+    #[test]
+    fn anchors_and_unpacked_deltas_keep_version_1() {
+        let anchor = Delta { tensors: vec![sample().tensors.swap_remove(1)], packed: true, ..Delta::default() };
+        assert!(anchor.is_anchor());
+        let bytes = to_bytes(&anchor).unwrap();
+        assert_eq!(bytes, to_bytes(&Delta { packed: false, ..anchor }).unwrap());
+        assert_eq!(read_header(&bytes, "mem").unwrap().metadata["format_version"], "1");
+        assert!(!from_bytes(bytes, "mem").unwrap().packed);
+    }
+
+    #[test]
+    fn every_packed_truncation_is_a_format_error_and_every_flip_harmless() {
+        let bytes = to_bytes(&packed_sample()).unwrap();
+        for cut in 0..bytes.len() {
+            let err = from_bytes(bytes[..cut].to_vec(), "cut").unwrap_err();
+            assert!(matches!(err, Error::Format { .. }), "cut at {cut}: {err}");
+        }
+        for at in 0..bytes.len() {
+            for flip in [0x01, 0x80, 0xff] {
+                let mut broken = bytes.clone();
+                broken[at] ^= flip;
+                if let Err(err) = from_bytes(broken, "flip") {
+                    assert!(matches!(err, Error::Format { .. }), "flip {flip:#x} at {at}: {err}");
+                }
+            }
+        }
+    }
+
+    /// A packed file of `records` and a streams tensor of `streams`, as a writer that lies could make one.
+    fn packed_file(records: &[Record], streams: &[u8], extra: &[(&str, &str)]) -> Vec<u8> {
+        let mut metadata: BTreeMap<String, String> =
+            [("format", "deltasync"), ("format_version", "2"), ("kind", "delta")]
+                .iter()
+                .chain(extra)
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+        metadata.retain(|_, v| !v.is_empty());
+        let entries = vec![
+            bytes_entry(RECORDS_KEY.to_owned(), vec![Cow::Owned(records::to_packed(records))]),
+            bytes_entry(STREAMS_KEY.to_owned(), vec![Cow::Owned(streams.to_vec())]),
+        ];
+        lay_out(&metadata, entries).unwrap().to_vec()
+    }
+
+    fn varint_record(lengths: (u64, u64)) -> Record {
+        Record {
+            name: "w".into(),
+            dtype: Dtype::U8,
+            shape: Some(vec![10]),
+            changed: 2,
+            positions: PositionCodec::Varint,
+            values: ValueCodec::Diff,
+            base: None,
+            differing: None,
+            stream_lengths: Some(lengths),
+        }
+    }
+
+    #[test]
+    fn stream_lengths_must_cover_the_packed_streams_exactly() {
+        let streams = [0, 1, 5, 6];
+        let loaded = from_bytes(packed_file(&[varint_record((2, 2))], &streams, &[]), "ok").unwrap();
+        assert_eq!((&loaded.tensors[0].positions[..], &loaded.tensors[0].values[..]), (&[0, 1][..], &[5, 6][..]));
+        for (lengths, complaint) in [
+            ((2, 1), "1 bytes after the records' last stream"),
+            ((2, 3), "runs past the end"),
+            ((u64::MAX, 0), "runs past the end"),
+            ((1, u64::MAX), "runs past the end"),
+            ((0, 0), "after the records' last stream"),
+        ] {
+            let err = from_bytes(packed_file(&[varint_record(lengths)], &streams, &[]), "bad").unwrap_err();
+            assert!(matches!(err, Error::Format { .. }) && err.to_string().contains(complaint), "{lengths:?}: {err}");
+        }
+        // Two records may not share or skip bytes: each takes the next ones.
+        let twice = [varint_record((2, 2)), Record { name: "v".into(), ..varint_record((2, 2)) }];
+        assert!(from_bytes(packed_file(&twice, &streams, &[]), "short").is_err());
+        let loaded = from_bytes(packed_file(&twice, &[0, 1, 5, 6, 0, 2, 7, 8], &[]), "two").unwrap();
+        assert_eq!(&loaded.tensors[1].values[..], &[7, 8]);
+    }
+
+    #[test]
+    fn packed_files_must_be_whole() {
+        let streams = [0, 1, 5, 6];
+        let records = [varint_record((2, 2))];
+        for (extra, complaint) in [
+            (vec![("tensors", "[]")], "not in the 'tensors' metadata"),
+            (vec![("format_version", "3")], "not supported"),
+            (vec![("kind", "anchor")], "kind"),
+        ] {
+            let err = from_bytes(packed_file(&records, &streams, &extra), "bad").unwrap_err();
+            assert!(err.to_string().contains(complaint), "{extra:?}: {err}");
+        }
+        let file = packed_file(&records, &streams, &[]);
+        for missing in [RECORDS_KEY, STREAMS_KEY] {
+            let mut renamed = file.clone();
+            let at = file.windows(missing.len()).position(|w| w == missing.as_bytes()).unwrap();
+            renamed[at + 2] = b'D';
+            let err = from_bytes(renamed, "missing").unwrap_err();
+            assert!(err.to_string().contains("is missing"), "{missing}: {err}");
+        }
+    }
+
+    #[test]
+    fn reserved_names_are_refused() {
+        for name in [RECORDS_KEY, STREAMS_KEY, "x:pos", "x:val", "__metadata__"] {
+            let input = DiffInput { name: name.into(), dtype: Dtype::U8, shape: vec![1], old: &[0], new: &[1] };
+            assert!(matches!(diff(&[input], ValueCodec::Diff, Codec::Compact), Err(Error::InvalidInput { .. })));
+            let mut delta = packed_sample();
+            delta.tensors[0].name = name.into();
+            assert!(matches!(to_bytes(&delta), Err(Error::InvalidInput { .. })), "{name}");
+        }
+        let records = [Record { name: STREAMS_KEY.into(), ..varint_record((2, 2)) }];
+        assert!(from_bytes(packed_file(&records, &[0, 1, 5, 6], &[]), "reserved").is_err());
+    }
+
+    /// A tensor of four elements, three of which change: stored whole, with the real count beside it.
+    fn partly_changed() -> Delta {
+        let tensors = diff(
+            &[DiffInput { name: "d".into(), dtype: Dtype::U8, shape: vec![4], old: &[1, 2, 3, 4], new: &[9, 2, 8, 7] }],
+            ValueCodec::Diff,
+            Codec::Varint,
+        )
+        .unwrap();
+        Delta { tensors, ..Delta::default() }
+    }
+
+    #[test]
+    fn a_whole_tensor_reports_its_real_count() {
+        for packed in [false, true] {
+            let mut delta = Delta { packed, ..partly_changed() };
+            delta.tensors.extend(sample().tensors.into_iter().take(1));
+            assert!(delta.tensors[0].is_dense());
+            assert_eq!((delta.tensors[0].changed, delta.tensors[0].differing), (4, Some(3)));
+            assert_eq!(delta.num_changed(), 3 + 2);
+            let bytes = to_bytes(&delta).unwrap();
+            let back = from_bytes(bytes.clone(), "mem").unwrap();
+            assert_eq!((back.tensors[0].differing, back.num_changed()), (Some(3), 5));
+            assert_eq!(to_bytes(&back).unwrap(), bytes);
+        }
+        let bytes = to_bytes(&partly_changed()).unwrap();
+        assert!(String::from_utf8_lossy(&bytes).contains(r#"\"changed\":4,\"differing\":3,"#));
+        let without = with_header(&bytes, |header| header.replacen(r#",\"differing\":3"#, "", 1));
+        assert_eq!(from_bytes(without, "old").unwrap().num_changed(), 4);
+        for replacement in ["0", "5", "null", "\\\"3\\\""] {
+            let broken = with_header(&bytes, |header| {
+                header.replacen(r#"\"differing\":3"#, &format!(r#"\"differing\":{replacement}"#), 1)
+            });
+            let err = from_bytes(broken, "bad").unwrap_err();
+            assert!(matches!(err, Error::Format { .. }), "{replacement}: {err}");
+        }
+        // Only a tensor stored whole may carry the field.
+        let sparse = [Record { differing: Some(1), ..varint_record((2, 2)) }];
+        assert!(from_bytes(packed_file(&sparse, &[0, 1, 5, 6], &[]), "sparse")
+            .unwrap_err()
+            .to_string()
+            .contains("differing"));
     }
 }

@@ -200,6 +200,7 @@ impl MirrorTensor {
             values: Stream::empty(),
             last_position: self.joined.last_position,
             base: None,
+            differing: None,
         };
         if let Some(whole) = whole_mirror {
             let dense_len = self.numel as usize * self.width;

@@ -14,6 +14,7 @@ pub mod files;
 pub mod format;
 pub mod mirror;
 pub mod pool;
+pub mod records;
 pub mod scan;
 pub mod shards;
 pub mod stream;

@@ -98,7 +98,13 @@ pub fn join(deltas: Vec<Delta>, codec: Codec) -> Result<Delta> {
     let first = deltas.next().ok_or_else(|| Error::invalid("no shard deltas to join"))?;
     let mut order: Vec<String> = Vec::new();
     let mut by_name: BTreeMap<String, Vec<TensorDelta>> = BTreeMap::new();
-    let mut out = Delta { tensors: Vec::new(), step: first.step, base_step: first.base_step, metadata: first.metadata };
+    let mut out = Delta {
+        tensors: Vec::new(),
+        step: first.step,
+        base_step: first.base_step,
+        metadata: first.metadata,
+        packed: codec == Codec::Compact,
+    };
     for tensor in first.tensors.into_iter().chain(deltas.flat_map(|d| d.tensors)) {
         if !by_name.contains_key(&tensor.name) {
             order.push(tensor.name.clone());

@@ -110,6 +110,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                 values: bytes[range.clone()].to_vec().into(),
                 last_position: numel.checked_sub(1),
                 base: None,
+                differing: None,
             });
         }
     } else {
@@ -169,13 +170,14 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                         values: bytes[value_range.clone()].to_vec().into(),
                         last_position: last,
                         base: None,
+                        differing: None,
                     })
                 })
                 .collect::<Result<Vec<_>>>()
         })?;
     }
     let step = metadata.get("model_version").and_then(|v| v.parse::<u64>().ok());
-    let mut delta = Delta { tensors, step, base_step: None, metadata: BTreeMap::new() };
+    let mut delta = Delta { tensors, step, base_step: None, metadata: BTreeMap::new(), packed: false };
     delta.validate(source)?;
     Ok(delta)
 }
@@ -247,7 +249,8 @@ pub fn encode_v1(delta: &Delta) -> Result<Encoded<'_>> {
     }
     // Wider dtypes first keeps every tensor aligned to its element size.
     entries.sort_by_key(|e| std::cmp::Reverse(dtype::width_of(e.dtype).unwrap_or(1)));
-    let total_changed = delta.num_changed();
+    // The elements the file lists (every element of a tensor stored whole), as its indices count them.
+    let total_changed = included.iter().map(|t| t.changed).fold(0, u64::saturating_add);
     let total_elements = delta.num_elements();
     let sparsity = if total_elements == 0 { 0.0 } else { 1.0 - total_changed as f64 / total_elements as f64 };
     let metadata: BTreeMap<String, String> = [

@@ -78,9 +78,11 @@ def vectors() -> dict[str, dict]:
                 "count": {"dtype": "I64", "shape": [2], "base": [5, 1 << 40], "changes": {1: 1 << 33}},
             },
         },
+        # The compact codec in the named layout of version 1, as writers before the packed layout wrote it.
         "bf16_compact": {
             "values": "diff",
             "codec": "compact",
+            "packed": False,
             "step": 3,
             "base_step": 2,
             "metadata": {},
@@ -92,6 +94,24 @@ def vectors() -> dict[str, dict]:
                     "changes": {3: 1, 9: -1, 20: 1, 26: 2, 33: -1, 41: 1, 50: -2, 63: 300},
                 },
                 "f": {"dtype": "F32", "shape": [4], "base": [0x3F800000] * 4, "changes": {1: 0x10000}},
+            },
+        },
+        "bf16_packed": {
+            "values": "diff",
+            "codec": "compact",
+            "step": 4,
+            "base_step": 3,
+            "metadata": {},
+            "tensors": {
+                "layer.0.w": {
+                    "dtype": "BF16",
+                    "shape": [8, 8],
+                    "base": [0x3F80 + i for i in range(64)],
+                    "changes": {3: 1, 9: -1, 20: 1, 26: 2, 33: -1, 41: 1, 50: -2, 63: 300},
+                },
+                "layer.0.b": {"dtype": "F32", "shape": [4], "base": [0x3F800000] * 4, "changes": {1: 0x10000}},
+                "layer.1.n": {"dtype": "BF16", "shape": [2], "base": [0x3F80, 0x3F80], "changes": {0: 300}},
+                "layer.1.s": {"dtype": "F32", "shape": [2], "base": [0x3F800000] * 2, "changes": {}},
             },
         },
         "anchor": {
@@ -131,6 +151,8 @@ def build(spec: dict) -> tuple[ds.Delta, dict, dict]:
             base_step=spec["base_step"],
             metadata=spec["metadata"],
         )
+        if "packed" in spec:
+            delta._raw.packed = spec["packed"]
     return delta, base, expected
 
 

@@ -1,0 +1,133 @@
+"""The packed layout (docs/format.md §4.1): every compact writing path writes it, any safetensors reader opens it,
+it applies bit for bit, and a step of many small tensors no longer pays a header record per tensor."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import deltasync_rs as ds
+from deltasync_rs._core import RawDelta, join_shards
+from deltasync_rs.cli import main
+from deltasync_rs.mirror import Mirror
+from tests.test_compact import _states
+
+PACKED = {"__deltasync_records__", "__deltasync_streams__"}
+
+
+def _header(blob: bytes) -> dict:
+    return json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+
+
+def _small_tensors(count: int = 40, seed: int = 1) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Many small bf16 tensors (as bit patterns), a few elements of each moved by one in their bit pattern."""
+    rng = np.random.default_rng(seed)
+    prev = {
+        f"model.layers.{i // 4}.{['q', 'k', 'v', 'o'][i % 4]}_proj.weight": rng.integers(
+            0x3C00, 0x3F00, (64, 48), dtype=np.uint16
+        )
+        for i in range(count)
+    }
+    curr = {name: a.copy() for name, a in prev.items()}
+    for a in curr.values():
+        a.flat[rng.choice(a.size, size=3, replace=False)] += 1
+    return prev, curr
+
+
+@pytest.mark.parametrize("values", ["diff", "abs"])
+def test_compact_diff_is_packed_opens_anywhere_and_applies_bit_exact(tmp_path, values):
+    prev, curr = _states()
+    delta = ds.diff(prev, curr, values=values, codec="compact", step=2, base_step=1)
+    blob = delta.to_bytes()
+    header = _header(blob)
+    assert header["__metadata__"]["format_version"] == "2" and "tensors" not in header["__metadata__"]
+    path = tmp_path / "d.safetensors"
+    delta.save(path)
+    assert path.read_bytes() == blob
+    with safe_open(str(path), framework="numpy") as f:
+        assert set(f.keys()) == PACKED | {t.name for t in delta.tensors if t.positions == "all"}
+        assert f.get_tensor("__deltasync_records__").dtype == np.uint8
+    loaded = ds.load(blob)
+    assert loaded._raw.packed and loaded.to_bytes() == blob
+    assert loaded.tensors == delta.tensors and loaded.num_changed == delta.num_changed
+    target = {name: a.copy() for name, a in prev.items()}
+    loaded.apply_(target, check_base=True)
+    for name in curr:
+        assert np.array_equal(target[name], curr[name]), name
+    # Decoded the same as the named layout's file of the same delta.
+    named = ds.load(blob)
+    named._raw.packed = False
+    assert _header(named.to_bytes())["__metadata__"]["format_version"] == "1"
+    for index in range(len(loaded)):
+        assert ds.load(named.to_bytes())._raw.decode(index) == loaded._raw.decode(index)
+
+
+def test_varint_deltas_and_anchors_stay_version_1():
+    prev, curr = _states()
+    for delta in (ds.diff(prev, curr), ds.anchor(curr), ds.diff(prev, curr, codec="varint")):
+        header = _header(delta.to_bytes())
+        assert header["__metadata__"]["format_version"] == "1" and not PACKED & set(header)
+    compact_anchor = ds.anchor(curr)
+    compact_anchor._raw.packed = True
+    assert compact_anchor.to_bytes() == ds.anchor(curr).to_bytes()
+
+
+def test_every_compact_writer_packs():
+    prev, curr = _states()
+    expected = ds.diff(prev, curr, codec="compact", step=1).to_bytes()
+    mirror = Mirror({name: a.copy() for name, a in prev.items()})
+    assert mirror.advance(curr, step=1, codec="compact").to_bytes() == expected
+    assert not Mirror({name: a.copy() for name, a in prev.items()}).advance(curr, step=1)._raw.packed
+    sparse = [name for name in prev if name != "small"]  # shard parts are never stored whole
+    shard = ds.diff({n: prev[n] for n in sparse}, {n: curr[n] for n in sparse})._raw
+    assert join_shards([shard], "compact").packed and not join_shards([shard], "varint").packed
+
+
+def test_many_small_tensors_pay_no_record_per_tensor():
+    prev, curr = _small_tensors()
+    compact = ds.diff(prev, curr, codec="compact")
+    named = ds.load(compact.to_bytes())
+    named._raw.packed = False
+    packed_size, named_size = len(compact.to_bytes()), len(named.to_bytes())
+    per_tensor = (packed_size - compact.nbytes) / len(compact)
+    assert per_tensor < 50 < 200 < (named_size - compact.nbytes) / len(compact)
+
+
+def test_a_tensor_stored_whole_reports_its_real_count(tmp_path, capsys):
+    prev = {"w": np.arange(6, dtype=np.uint16), "big": np.zeros(1000, dtype=np.uint16)}
+    curr = {"w": prev["w"] + np.array([900, 900, 900, 900, 900, 0], dtype=np.uint16), "big": prev["big"].copy()}
+    curr["big"][7] = 1
+    for codec in ("varint", "compact"):
+        delta = ds.diff(prev, curr, codec=codec)
+        infos = {t.name: t for t in delta.tensors}
+        assert infos["w"].positions == "all" and infos["w"].changed == 5 and infos["w"].density == 5 / 6
+        assert delta.num_changed == 6
+        path = tmp_path / f"{codec}.safetensors"
+        delta.save(path)
+        assert ds.load(path).num_changed == 6
+        assert main(["inspect", str(path), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["num_changed"] == 6 and report["tensors"][0]["changed"] == 5
+        assert report["packed"] == (codec == "compact") == (delta._raw.format_version == "2")
+        assert main(["inspect", str(path)]) == 0
+        assert ("packed layout (format version 2)" in capsys.readouterr().out.splitlines()[0]) == (codec == "compact")
+    # Anchors know no base: every element counts.
+    assert ds.anchor(curr).num_changed == 1006
+
+
+def test_a_truncated_or_corrupt_packed_file_is_a_format_error():
+    prev, curr = _small_tensors(count=3)
+    blob = ds.diff(prev, curr, codec="compact").to_bytes()
+    for cut in range(0, len(blob), 7):
+        with pytest.raises(ds.DeltaFormatError):
+            ds.load(blob[:cut])
+    for at in range(0, len(blob), 3):
+        broken = bytearray(blob)
+        broken[at] ^= 0x5A
+        try:
+            RawDelta.from_bytes(bytes(broken))
+        except ds.DeltaFormatError:
+            pass
