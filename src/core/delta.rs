@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use crate::core::codec::compact::{self, BitReader, RiceReader};
+use crate::core::codec::rans;
 use crate::core::codec::values::ValueReader;
 use crate::core::codec::varint::{self, PositionReader};
 use crate::core::codec::{PositionCodec, PositionSource, ValueCodec};
@@ -135,7 +136,7 @@ impl TensorDelta {
     fn walk<const W: usize>(&self, mut visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {
         let width = W;
         let numel = self.numel().unwrap_or(u64::MAX);
-        let mut values = ValueReader::<W>::new(&self.values, self.values_codec);
+        let mut values = ValueReader::<W>::new(&self.values, self.values_codec)?;
         match self.positions_codec {
             PositionCodec::All => {
                 if self.shape.is_none() {
@@ -265,6 +266,9 @@ fn check_value_stream<const W: usize>(
     let width = W;
     if codec == ValueCodec::DiffBits {
         return compact::check_diffbits::<W>(bytes, changed);
+    }
+    if codec == ValueCodec::Rans {
+        return rans::check_rans::<W>(bytes, changed);
     }
     let end = match codec {
         ValueCodec::Abs => {
