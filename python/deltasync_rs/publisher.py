@@ -50,8 +50,8 @@ class Publisher:
     or a :class:`Store`. ``signing_key`` (or ``DELTASYNC_SIGNING_KEY``) signs every manifest entry with
     HMAC-SHA256, and with a key what the publisher reads back (run.json, the newest step) is verified too.
     ``keep_anchors`` anchors are kept, with the deltas after the oldest of them; older files are deleted.
-    ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``/``diffbits``
-    streams where smaller, which every reader of this version reads.
+    ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``, ``diffbits``
+    or ``rans`` streams where smaller, which every reader of this version reads.
 
     Every entry carries the store's run id (``run.json``, made by the first publisher of the store) and the
     SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
