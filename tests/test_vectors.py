@@ -80,3 +80,16 @@ def test_compact_example_in_format_doc():
     assert "02 ae 59 d9 e3 00" in doc and "48 a4 03 b2 04 00" in doc
     codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
     assert codecs == {"w": ("rice", "diffbits"), "f": ("varint", "diff")}
+
+
+def test_rans_example_in_format_doc():
+    """docs/format.md §8.2 walks through bf16_rans's value stream; keep the two in step."""
+    blob = (VECTORS / "bf16_rans.safetensors").read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    data = blob[8 + header_len :]
+    values = "04 40 c0 02 80 1c 00 80 01 2b 90 1c 12 5b 3a 47 6d 00"
+    assert data.hex(" ").endswith(values) and len(data) == 25 + 18
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    assert "40 c0 02 80 1c 00 80 01" in doc and "2b 90 1c 12" in doc and "5b 3a 47 6d 00" in doc
+    codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
+    assert codecs == {"w": ("rice", "rans")}
