@@ -332,6 +332,10 @@ mod tests {
     fn changes(tensor: &TensorDelta) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         tensor.for_each_change(|p, v| out.push((p, v))).unwrap();
+        // In batches (apply's path, with its own decoders for the bit codecs) too.
+        let mut batched = Vec::new();
+        tensor.for_each_batch(|ps, vs| batched.extend(ps.iter().copied().zip(vs.iter().copied()))).unwrap();
+        assert_eq!(batched, out);
         out
     }
 

@@ -482,6 +482,32 @@ pub fn read_pairs<const W: usize>(
     Ok(())
 }
 
+/// Fills `out` with the next positions of a `rice` stream, as `RiceReader::next_position` would one by one. The bulk
+/// is read without bounds checks while 16 bytes remain.
+pub fn read_positions(reader: &mut RiceReader<'_>, out: &mut [u64]) -> Result<(), String> {
+    let mut window = Window::new(reader.bits.bytes, reader.bits.bit);
+    let mut next = reader.next_allowed;
+    let mut filled = 0usize;
+    while filled < out.len() {
+        let Some((gap, length)) = window.peek_rice(reader.k) else { break };
+        window.take(length);
+        // Saturating: a position past the tensor is caught below, before it is handed out.
+        let position = next.saturating_add(gap);
+        next = position.saturating_add(1);
+        out[filled] = position;
+        filled += 1;
+    }
+    reader.bits.bit = window.bit;
+    if filled > 0 && out[filled - 1] >= reader.numel {
+        return Err(format!("position out of range (tensor has {} elements)", reader.numel));
+    }
+    reader.next_allowed = next;
+    for slot in &mut out[filled..] {
+        *slot = reader.next_position()?;
+    }
+    Ok(())
+}
+
 /// Checks a whole `rice` position stream of `changed` codes, as reading them one by one with `RiceReader` would,
 /// and returns the last position. The bulk is read without bounds checks while 16 bytes remain.
 pub fn check_rice(bytes: &[u8], changed: u64, numel: u64) -> Result<Option<u64>, String> {

@@ -380,22 +380,71 @@ impl<'a> RansReader<'a> {
         let t = usize::from(token);
         self.state = model.freq[t] * (self.state >> PROB_BITS) + slot - model.start[t];
         self.shift_in()?;
-        let (low_bits, mut u) = token_parts(token);
-        let mut read = 0;
-        while read < low_bits {
-            let bits = (low_bits - read).min(CHUNK_BITS);
-            u |= u64::from(self.state & ((1 << bits) - 1)) << read;
-            self.state >>= bits;
-            self.shift_in()?;
-            read += bits;
+        let (low_bits, base) = token_parts(token);
+        let low = if low_bits > 0 { read_low_bits(self.bytes, &mut self.at, &mut self.state, low_bits)? } else { 0 };
+        Ok(difference_of::<W>(base | low))
+    }
+
+    /// Fills `out` with the next values, as `next_value` would one by one.
+    pub fn read_values<const W: usize>(&mut self, out: &mut [u64]) -> Result<(), String> {
+        let model = self.model.as_deref().ok_or(EARLY)?;
+        let (bytes, mut at, mut state) = (self.bytes, self.at, self.state);
+        let mut result = Ok(());
+        for slot in out.iter_mut() {
+            let position = state & (PROB_SCALE - 1);
+            let token = model.slot_token[position as usize];
+            let t = usize::from(token);
+            state = model.freq[t] * (state >> PROB_BITS) + position - model.start[t];
+            // At most two bytes after a token (its frequency is at least 1), and after a chunk of low bits.
+            while state < STATE_LOW {
+                let Some(&byte) = bytes.get(at) else {
+                    result = Err(EARLY.to_owned());
+                    break;
+                };
+                at += 1;
+                state = (state << 8) | u32::from(byte);
+            }
+            if result.is_err() {
+                break;
+            }
+            if u64::from(token) < DIRECT {
+                *slot = difference_of::<W>(u64::from(token));
+                continue;
+            }
+            let (low_bits, base) = token_parts(token);
+            match read_low_bits(bytes, &mut at, &mut state, low_bits) {
+                Ok(low) => *slot = difference_of::<W>(base | low),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
         }
-        Ok(difference_of::<W>(u))
+        (self.at, self.state) = (at, state);
+        result
     }
 
     /// True when every byte has been read and the state is back where the encoder started.
     pub fn is_exhausted(&self) -> bool {
         self.at == self.bytes.len() && (self.model.is_none() || self.state == STATE_LOW)
     }
+}
+
+/// Reads `low_bits` low bits in chunks, least significant first, renormalising after each.
+fn read_low_bits(bytes: &[u8], at: &mut usize, state: &mut u32, low_bits: u32) -> Result<u64, String> {
+    let (mut value, mut read) = (0u64, 0);
+    while read < low_bits {
+        let bits = (low_bits - read).min(CHUNK_BITS);
+        value |= u64::from(*state & ((1 << bits) - 1)) << read;
+        *state >>= bits;
+        while *state < STATE_LOW {
+            let &byte = bytes.get(*at).ok_or(EARLY)?;
+            *at += 1;
+            *state = (*state << 8) | u32::from(byte);
+        }
+        read += bits;
+    }
+    Ok(value)
 }
 
 /// Checks that a `rans` value stream of `W`-byte elements holds exactly `changed` values and ends as the encoder
@@ -438,7 +487,16 @@ mod tests {
     fn decode<const W: usize>(stream: &[u8], n: usize) -> Result<Vec<u64>, String> {
         check_rans::<W>(stream, n as u64)?;
         let mut reader = RansReader::new(stream, W)?;
-        (0..n).map(|_| reader.next_value::<W>()).collect()
+        let one_by_one: Vec<u64> = (0..n).map(|_| reader.next_value::<W>()).collect::<Result<_, _>>()?;
+        // In batches, as apply reads them.
+        let mut reader = RansReader::new(stream, W)?;
+        let mut batched = vec![0u64; n];
+        for batch in batched.chunks_mut(7) {
+            reader.read_values::<W>(batch)?;
+        }
+        assert!(reader.is_exhausted());
+        assert_eq!(batched, one_by_one);
+        Ok(one_by_one)
     }
 
     fn roundtrip<const W: usize>(differences: &[u64]) -> Vec<u8> {
