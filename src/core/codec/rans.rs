@@ -241,23 +241,55 @@ impl Encoder {
     }
 
     #[inline(always)]
-    fn put_token(&mut self, freq: u32, start: u32) {
-        self.shift_out_while(freq << (23 - PROB_BITS + 8));
-        self.state = ((self.state / freq) << PROB_BITS) + self.state % freq + start;
+    fn put_token(&mut self, symbol: &EncodeSymbol) {
+        self.shift_out_while(symbol.limit);
+        self.state = symbol.next_state(self.state);
+    }
+}
+
+/// A token as the encoder takes it: `x -> (x div f) * M + x mod f + c` computed with a multiplication by a
+/// reciprocal instead of a division (exact for x below 2^31, as F. Giesen's ryg_rans shows).
+#[derive(Clone, Copy, Default)]
+struct EncodeSymbol {
+    /// Bytes are shifted out while the state is at or above this (`f << 19`).
+    limit: u32,
+    reciprocal: u32,
+    shift: u32,
+    bias: u32,
+    complement: u32,
+}
+
+impl EncodeSymbol {
+    fn new(freq: u32, start: u32) -> Self {
+        let limit = freq << (23 - PROB_BITS + 8);
+        let complement = PROB_SCALE - freq;
+        if freq < 2 {
+            // x div 1 = x: the reciprocal 2^32 - 1 gives x - 1, which the bias makes up for.
+            return EncodeSymbol { limit, reciprocal: u32::MAX, shift: 32, bias: start + PROB_SCALE - 1, complement };
+        }
+        let bits = 32 - (freq - 1).leading_zeros(); // ceil(log2 freq)
+        let reciprocal = (1u64 << (bits + 31)).div_ceil(u64::from(freq)) as u32;
+        EncodeSymbol { limit, reciprocal, shift: 32 + bits - 1, bias: start, complement }
+    }
+
+    #[inline(always)]
+    fn next_state(&self, state: u32) -> u32 {
+        let quotient = ((u64::from(state) * u64::from(self.reciprocal)) >> self.shift) as u32;
+        state + self.bias + quotient * self.complement
     }
 }
 
 /// The `rans` stream of the tokens of a tensor's consecutive ranges, with the frequencies `normalise` gave for their
 /// counts.
 pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
-    let mut starts = [0u32; MAX_TOKENS];
+    let mut symbols = [EncodeSymbol::default(); MAX_TOKENS];
     let mut start = 0;
-    for (token, &f) in freqs.iter().enumerate() {
-        starts[token] = start;
+    for (symbol, &f) in symbols.iter_mut().zip(freqs) {
+        if f > 0 {
+            *symbol = EncodeSymbol::new(f, start);
+        }
         start += f;
     }
-    let mut padded = [0u32; MAX_TOKENS];
-    padded[..freqs.len()].copy_from_slice(freqs);
     let total: usize = parts.iter().map(|p| p.tokens.len()).sum();
     let mut encoder = Encoder { state: STATE_LOW, reversed: Vec::with_capacity(total / 3 + 16) };
     // Backwards: the decoder reads the last symbol encoded first.
@@ -279,7 +311,7 @@ pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
                     chunk_start -= CHUNK_BITS;
                 }
             }
-            encoder.put_token(padded[usize::from(token)], starts[usize::from(token)]);
+            encoder.put_token(&symbols[usize::from(token)]);
         }
     }
     let mut out = Vec::with_capacity(table_len(freqs) + 4 + encoder.reversed.len());
@@ -548,6 +580,29 @@ mod tests {
         // One token alone costs nothing per value: the table and the state.
         let stream = roundtrip::<2>(&[1; 1000]);
         assert_eq!(stream, [2, 0, 0, 0x80, 0x20, 0x00, 0x00, 0x80, 0x00]);
+    }
+
+    #[test]
+    fn reciprocal_encoding_equals_division() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for freq in 1..=PROB_SCALE {
+            let start = PROB_SCALE - freq;
+            let symbol = EncodeSymbol::new(freq, start);
+            let limit = freq << 19;
+            for k in 0..64u32 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                // Any state from 1 to below the limit, edges included (the encoder holds them from limit / 256 on).
+                let x = match k {
+                    0 => 1,
+                    1 => limit - 1,
+                    _ => 1 + (state % u64::from(limit - 1)) as u32,
+                };
+                let want = ((x / freq) << PROB_BITS) + x % freq + start;
+                assert_eq!(symbol.next_state(x), want, "freq {freq} x {x}");
+            }
+        }
     }
 
     #[test]
