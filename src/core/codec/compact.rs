@@ -667,8 +667,6 @@ pub struct TensorStreams {
 struct CompactRange {
     positions: Vec<u8>,
     position_bits: u64,
-    values: Vec<u8>,
-    value_bits: u64,
     /// The differences as `rans` tokens, and how often each token occurs.
     tokens: Tokens,
     histogram: [u64; MAX_TOKENS],
@@ -709,55 +707,61 @@ fn compact_range(range: &Changes, k: u32, previous_end: u64, width: usize, diffe
             put_rice(&mut positions, gap, k);
         }
     }
-    let mut values = BitWriter::with_capacity(if differences { range.values.len() / 2 } else { 0 });
     let mut histogram = [0u64; MAX_TOKENS];
     let mut tokens = Tokens::default();
     if differences {
         let (stream, count) = (&range.values[..], range.count);
-        match width {
-            1 => {
-                diff_to_diffbits::<1>(stream, count, &mut values);
-                tokens = rans::tokenize_diff::<1>(stream, count, &mut histogram);
-            }
-            2 => {
-                diff_to_diffbits::<2>(stream, count, &mut values);
-                tokens = rans::tokenize_diff::<2>(stream, count, &mut histogram);
-            }
-            4 => {
-                diff_to_diffbits::<4>(stream, count, &mut values);
-                tokens = rans::tokenize_diff::<4>(stream, count, &mut histogram);
-            }
-            _ => {
-                diff_to_diffbits::<8>(stream, count, &mut values);
-                tokens = rans::tokenize_diff::<8>(stream, count, &mut histogram);
-            }
-        }
+        tokens = match width {
+            1 => rans::tokenize_diff::<1>(stream, count, &mut histogram),
+            2 => rans::tokenize_diff::<2>(stream, count, &mut histogram),
+            4 => rans::tokenize_diff::<4>(stream, count, &mut histogram),
+            _ => rans::tokenize_diff::<8>(stream, count, &mut histogram),
+        };
     }
-    let (position_bits, value_bits) = (positions.bit_len(), values.bit_len());
-    CompactRange {
-        positions: positions.finish(),
-        position_bits,
-        values: values.finish(),
-        value_bits,
-        tokens,
-        histogram,
+    let position_bits = positions.bit_len();
+    CompactRange { positions: positions.finish(), position_bits, tokens, histogram }
+}
+
+/// Bits of the `diffbits` stream of these differences, from their `rans` token counts (tokens 1 to 4 are ±1 and ±2)
+/// and how many of them the `diff` stream escapes.
+fn diffbits_bits(histogram: &[u64; MAX_TOKENS], escapes: u64, width: usize) -> u64 {
+    let (ones, twos) = (histogram[1] + histogram[2], histogram[3] + histogram[4]);
+    let others = histogram.iter().sum::<u64>() - ones - twos;
+    2 * ones + 3 * twos + 10 * others + 8 * width as u64 * escapes
+}
+
+/// The `diffbits` stream of a tensor's ranges, re-encoded side by side.
+fn diffbits_stream(ranges: &[Changes], width: usize) -> Vec<u8> {
+    let parts: Vec<(Vec<u8>, u64)> = ranges
+        .par_iter()
+        .map(|range| {
+            let mut values = BitWriter::with_capacity(range.values.len() / 2);
+            let (stream, count) = (&range.values[..], range.count);
+            match width {
+                1 => diff_to_diffbits::<1>(stream, count, &mut values),
+                2 => diff_to_diffbits::<2>(stream, count, &mut values),
+                4 => diff_to_diffbits::<4>(stream, count, &mut values),
+                _ => diff_to_diffbits::<8>(stream, count, &mut values),
+            }
+            let bits = values.bit_len();
+            (values.finish(), bits)
+        })
+        .collect();
+    let mut out = BitWriter::with_capacity(parts.iter().map(|p| p.1).sum::<u64>().div_ceil(8) as usize);
+    for (bytes, bits) in &parts {
+        out.append(bytes, *bits);
     }
+    out.finish()
 }
 
 /// The `rans` stream of a tensor's differences where it is smaller than `smaller_than` bytes.
-fn rans_stream(compacts: &[CompactRange], smaller_than: usize) -> Option<Vec<u8>> {
-    let mut histogram = [0u64; MAX_TOKENS];
-    for c in compacts {
-        for (total, count) in histogram.iter_mut().zip(&c.histogram) {
-            *total += count;
-        }
-    }
+fn rans_stream(compacts: &[CompactRange], histogram: &[u64; MAX_TOKENS], smaller_than: usize) -> Option<Vec<u8>> {
     if histogram.iter().all(|&c| c == 0) {
         return None;
     }
-    let freqs = rans::normalise(&histogram);
+    let freqs = rans::normalise(histogram);
     // The estimate is within a few bytes of the length: skip the encoding where it cannot win.
-    if rans::estimated_len(&histogram, &freqs) > smaller_than as f64 + 64.0 {
+    if rans::estimated_len(histogram, &freqs) > smaller_than as f64 + 64.0 {
         return None;
     }
     let parts: Vec<&Tokens> = compacts.iter().map(|c| &c.tokens).collect();
@@ -794,20 +798,25 @@ pub fn smallest_streams(
         }
         rice = Some(out.finish());
     }
-    let value_bits = compacts.iter().map(|c| c.value_bits).sum::<u64>();
-    let diffbits_len = value_bits.div_ceil(8) as usize;
     let mut values_codec = scanned_values;
     if differences {
-        let smaller_than = diffbits_len.min(byte_values_len);
-        if let Some(stream) = rans_stream(&compacts, smaller_than) {
+        let mut histogram = [0u64; MAX_TOKENS];
+        let mut escapes = 0;
+        for c in &compacts {
+            for (total, count) in histogram.iter_mut().zip(&c.histogram) {
+                *total += count;
+            }
+            escapes += c.tokens.escapes;
+        }
+        // Only the stream that is kept is encoded: `diffbits`'s length follows from the token counts.
+        let diffbits_len = diffbits_bits(&histogram, escapes, width).div_ceil(8) as usize;
+        if let Some(stream) = rans_stream(&compacts, &histogram, diffbits_len.min(byte_values_len)) {
             bit_values = Some(stream);
             values_codec = ValueCodec::Rans;
         } else if diffbits_len < byte_values_len {
-            let mut out = BitWriter::with_capacity(diffbits_len);
-            for c in &compacts {
-                out.append(&c.values, c.value_bits);
-            }
-            bit_values = Some(out.finish());
+            let stream = diffbits_stream(ranges, width);
+            assert_eq!(stream.len(), diffbits_len, "diffbits length counted from the tokens");
+            bit_values = Some(stream);
             values_codec = ValueCodec::DiffBits;
         }
     }

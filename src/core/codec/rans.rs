@@ -92,6 +92,8 @@ fn token_parts(token: u8) -> (u32, u64) {
 pub struct Tokens {
     pub tokens: Vec<u8>,
     pub low_bits: Vec<u64>,
+    /// How many of the differences the `diff` stream escaped.
+    pub escapes: u64,
 }
 
 /// The token and low bits of each byte of a `diff` stream of wide elements (but the escape byte and 0, whose codes
@@ -117,7 +119,7 @@ static BYTE_TOKENS: [(u8, u8, u8); 256] = {
 /// Tokenises a byte-coded `diff` value stream of `count` differences of `W`-byte elements, counting each token in
 /// `histogram`.
 pub fn tokenize_diff<const W: usize>(diff_stream: &[u8], count: u64, histogram: &mut [u64; MAX_TOKENS]) -> Tokens {
-    let mut out = Tokens { tokens: Vec::with_capacity(count as usize), low_bits: Vec::new() };
+    let mut out = Tokens { tokens: Vec::with_capacity(count as usize), low_bits: Vec::new(), escapes: 0 };
     let push = |u: u64, out: &mut Tokens, histogram: &mut [u64; MAX_TOKENS]| {
         let (token, bits) = token_of(u);
         out.tokens.push(token);
@@ -139,6 +141,7 @@ pub fn tokenize_diff<const W: usize>(diff_stream: &[u8], count: u64, histogram: 
             let mut word = [0u8; 8];
             word[..W].copy_from_slice(&diff_stream[at..at + W]);
             at += W;
+            out.escapes += 1;
             push(code_of(u64::from_le_bytes(word), W), &mut out, histogram);
         } else if byte == 0 {
             push(code_of(0, W), &mut out, histogram);
