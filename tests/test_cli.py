@@ -109,9 +109,9 @@ def test_compact_codec_is_smaller_and_applies_bit_exactly(tmp_path, capsys, ckpt
     varint, compact = ds.load(varint_path), ds.load(compact_path)
     assert compact.num_changed == varint.num_changed == _num_changed(prev, curr)
     assert compact.nbytes < varint.nbytes
-    assert {(t.positions, t.values) for t in compact.tensors if t.changed} >= {("rice", "diffbits")}
+    assert {(t.positions, t.values) for t in compact.tensors if t.changed} >= {("rice", "rans")}
     rc, out, err = _run(capsys, "inspect", compact_path)
-    assert rc == 0 and "rice/diffbits" in out
+    assert rc == 0 and "rice/rans" in out
     rc, out, err = _run(capsys, "apply", prev_path, compact_path, "-o", out_path)
     assert (rc, err) == (0, "")
     assert out_path.read_bytes() == curr_path.read_bytes()

@@ -17,7 +17,7 @@ from deltasync_rs.mirror import Mirror
 from deltasync_rs.store import LocalStore
 from tests.test_trainer import assert_same, bf16, replica_of, tiny_gpt2, train_step
 
-COMPACT = {"rice", "diffbits"}
+COMPACT = {"rice", "diffbits", "rans"}
 
 
 def _states(seed: int = 5) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -64,6 +64,23 @@ def compact(pos: bytes, val: bytes = bytes([0x08]), **fields) -> bytes:
     return craft(meta(record(positions="rice", values="diffbits", **fields)), {"w:pos": u8(pos), "w:val": u8(val)})
 
 
+# The same changes with rans values: two entries of 2048 for tokens 1 (-1) and 2 (+1), and the state 0x02000800, which
+# decodes +1, then -1, and ends at 2^23 with no byte to read.
+RANS_VALUES = bytes([0x02, 0x00, 0x80, 0x10, 0x80, 0x10, 0x00, 0x08, 0x00, 0x02])
+
+
+def rans(val: bytes = RANS_VALUES, **fields) -> bytes:
+    return craft(meta(record(values="rans", **fields)), {"w:pos": u8(bytes([1, 2])), "w:val": u8(val)})
+
+
+def test_the_handmade_rans_file_is_valid():
+    delta = ds.load(rans())
+    assert [(t.positions, t.values) for t in delta.tensors] == [("varint", "rans")]
+    target = torch.zeros(8, dtype=torch.bfloat16)
+    delta.apply_(target)
+    assert target.view(torch.int16).tolist() == [0, 1, 0, 0, -1, 0, 0, 0]
+
+
 def test_the_handmade_compact_file_is_valid():
     delta = ds.load(VALID_COMPACT)
     assert [(t.positions, t.values) for t in delta.tensors] == [("rice", "diffbits")]
@@ -159,6 +176,21 @@ CASES = {
     "diffbits escape payload cut short": compact(bytes([0x00, 0x0D]), val=bytes([0x0C, 0x08])),
     "diffbits trailing byte": compact(bytes([0x00, 0x0D]), val=bytes([0x08, 0x00])),
     "diffbits non-zero padding": compact(bytes([0x00, 0x0D]), val=bytes([0x18])),
+    "rans empty": rans(b""),
+    "rans table over the tokens of the width": rans(bytes([64]) + RANS_VALUES[1:]),
+    "rans frequencies under 4096": rans(bytes([0x02, 0x00, 0x80, 0x10, 0x7F]) + RANS_VALUES[6:]),
+    "rans frequency not in its shortest form": rans(bytes([0x02, 0x00, 0x80, 0x10, 0xFF, 0x00]) + RANS_VALUES[6:]),
+    "rans table ending with a zero": rans(bytes([0x03]) + RANS_VALUES[1:6] + bytes([0x00]) + RANS_VALUES[6:]),
+    "rans table cut short": rans(RANS_VALUES[:4]),
+    "rans state cut short": rans(RANS_VALUES[:8]),
+    "rans state below 2^23": rans(RANS_VALUES[:6] + bytes([0xFF, 0xFF, 0x7F, 0x00])),
+    "rans state from 2^31": rans(RANS_VALUES[:6] + bytes([0x00, 0x00, 0x00, 0x80])),
+    "rans trailing byte": rans(RANS_VALUES + bytes([0x00])),
+    "rans not ending in the initial state": craft(
+        meta(record(values="rans", changed=1)), {"w:pos": u8(bytes([1])), "w:val": u8(RANS_VALUES)}
+    ),
+    # token 1 of frequency 1 leaves x = 2048, and the two bytes renormalisation needs are missing
+    "rans ends inside a renormalisation": rans(bytes([0x02, 0x00, 0x01, 0xFF, 0x1F, 0x00, 0x00, 0x80, 0x00])),
     "rice stream missing": craft(meta(record(positions="rice", values="diffbits")), {"w:val": u8(bytes([0x08]))}),
     "offsets overlap": VALID[:8] + VALID[8:].replace(b'"data_offsets": [2, 4]', b'"data_offsets": [1, 3]'),
 }

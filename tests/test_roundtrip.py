@@ -158,8 +158,8 @@ def test_exact_counts_per_density():
             assert delta.nbytes / k < 3.0
         compact = _check_roundtrip(prev, curr, "diff", "compact")
         if density == 0.01:
-            # Rice gaps take about 8.1 bits at this density, and ±1 two bits
-            assert compact.tensors[0][4:6] == ("rice", "diffbits")
+            # Rice gaps take about 8.1 bits at this density, and ±1 about one bit (rans)
+            assert compact.tensors[0][4:6] == ("rice", "rans")
             assert compact.nbytes / k < 1.35
 
 
@@ -177,3 +177,32 @@ def test_state_dict_roundtrip_through_file_object():
     ds.load(memoryview(buffer.getvalue())).apply_(target)
     for name in curr:
         assert_bits_equal(target[name], curr[name], name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(0, 2**32 - 1),
+    st.floats(0.05, 1.0),
+    st.sampled_from(["small", "flips", "any"]),
+)
+def test_entropy_coded_values_roundtrip(width, seed, density, kind):
+    """Thousands of changes, so that the compact writer takes rans values: mostly ±1, with sign flips, larger steps and
+    arbitrary values mixed in, at every width."""
+    rng = np.random.default_rng(seed)
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    prev = rng.integers(0, np.iinfo(uint).max, size=6000, dtype=uint, endpoint=True)
+    curr = prev.copy()
+    where = np.flatnonzero(rng.random(prev.size) < density)
+    step = rng.choice(np.array([1, 1, 1, 1, 2, 3, 200], dtype=uint), size=where.size)
+    curr[where] = np.where(rng.random(where.size) < 0.5, curr[where] + step, curr[where] - step)
+    top = uint(1 << (8 * width - 1))
+    if kind != "small":
+        flips = where[rng.random(where.size) < 0.05]
+        curr[flips] = prev[flips] ^ top
+    if kind == "any":
+        wild = where[rng.random(where.size) < 0.03]
+        curr[wild] = rng.integers(0, np.iinfo(uint).max, size=wild.size, dtype=uint, endpoint=True)
+    delta = _check_roundtrip(prev, curr, "diff", "compact")
+    if where.size > 2000 and kind == "small":
+        assert delta.tensors[0].values == "rans"

@@ -89,7 +89,7 @@ def test_packed_example_in_format_doc():
     header = json.loads(blob[8 : 8 + header_len])
     data = blob[8 + header_len :]
     doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
-    section = doc[doc.index("### 8.2") : doc.index("## 9.")]
+    section = doc[doc.index("### 8.2") : doc.index("### 8.3")]
     printed = json.loads(section[section.index("```json") + 7 : section.index("```\n\nand the data")])
     assert printed == header and header["__metadata__"]["format_version"] == "2"
     records = slice(*header["__deltasync_records__"]["data_offsets"])
@@ -119,3 +119,16 @@ def test_packed_example_in_format_doc():
     named = ds.load(blob)
     named._raw.packed = False
     assert f"named layout takes {len(named.to_bytes()):,}" in section
+
+
+def test_rans_example_in_format_doc():
+    """docs/format.md §8.3 walks through bf16_rans's value stream; keep the two in step."""
+    blob = (VECTORS / "bf16_rans.safetensors").read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    data = blob[8 + header_len :]
+    values = "04 40 c0 02 80 1c 00 80 01 2b 90 1c 12 5b 3a 47 6d 00"
+    assert data.hex(" ").endswith(values) and len(data) == 25 + 18
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    assert "40 c0 02 80 1c 00 80 01" in doc and "2b 90 1c 12" in doc and "5b 3a 47 6d 00" in doc
+    codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
+    assert codecs == {"w": ("rice", "rans")}

@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--codec",
         choices=("varint", "compact"),
         default="varint",
-        help="byte-aligned streams, or rice/diffbits streams where smaller (read by this version's readers)",
+        help="byte-aligned streams, or rice/diffbits/rans streams where smaller (read by this version's readers)",
     )
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
     p.set_defaults(run=_cmd_publish)

@@ -52,8 +52,8 @@ class Publisher:
     or a :class:`Store`. ``signing_key`` (or ``DELTASYNC_SIGNING_KEY``) signs every manifest entry with
     HMAC-SHA256, and with a key what the publisher reads back (run.json, the newest step) is verified too.
     ``keep_anchors`` anchors are kept, with the deltas after the oldest of them; older files are deleted.
-    ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``/``diffbits``
-    streams where smaller, which every reader of this version reads.
+    ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``, ``diffbits``
+    or ``rans`` streams where smaller, which every reader of this version reads.
 
     Anchors are streamed: the upload thread writes the anchor file straight from the publisher's mirror into a
     temporary file (hashing it on the way) and uploads from that file, so an anchor costs no copy of the state in

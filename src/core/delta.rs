@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use crate::core::codec::compact::{self, BitReader, RiceReader};
+use crate::core::codec::rans::{self, RansReader};
 use crate::core::codec::values::ValueReader;
 use crate::core::codec::varint::{self, PositionReader};
 use crate::core::codec::{PositionCodec, PositionSource, ValueCodec};
@@ -137,6 +138,31 @@ impl TensorDelta {
             }
             return Ok(());
         }
+        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::Rans {
+            let numel = self.numel().unwrap_or(u64::MAX);
+            if self.changed > numel {
+                return Err(format!("changed={} exceeds the {numel} elements", self.changed));
+            }
+            let mut position_reader = RiceReader::new(&self.positions, numel)?;
+            let mut value_reader = RansReader::new(&self.values, W)?;
+            let mut left = self.changed;
+            while left > 0 {
+                let n = left.min(BATCH as u64) as usize;
+                compact::read_positions(&mut position_reader, &mut positions[..n])?;
+                value_reader.read_values::<W>(&mut values[..n])?;
+                visit(&positions[..n], &values[..n]);
+                left -= n as u64;
+            }
+            if !position_reader.is_exhausted() {
+                return Err("position stream has bytes after the last change".to_owned());
+            }
+            if !value_reader.is_exhausted() {
+                return Err(
+                    "value stream has bytes after the last change, or a rans end other than its start".to_owned()
+                );
+            }
+            return Ok(());
+        }
         let mut filled = 0;
         self.walk::<W>(|position, value| {
             positions[filled] = position;
@@ -156,7 +182,7 @@ impl TensorDelta {
     fn walk<const W: usize>(&self, mut visit: impl FnMut(u64, u64)) -> std::result::Result<(), String> {
         let width = W;
         let numel = self.numel().unwrap_or(u64::MAX);
-        let mut values = ValueReader::<W>::new(&self.values, self.values_codec);
+        let mut values = ValueReader::<W>::new(&self.values, self.values_codec)?;
         match self.positions_codec {
             PositionCodec::All => {
                 if self.shape.is_none() {
@@ -286,6 +312,9 @@ fn check_value_stream<const W: usize>(
     let width = W;
     if codec == ValueCodec::DiffBits {
         return compact::check_diffbits::<W>(bytes, changed);
+    }
+    if codec == ValueCodec::Rans {
+        return rans::check_rans::<W>(bytes, changed);
     }
     let end = match codec {
         ValueCodec::Abs => {

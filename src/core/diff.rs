@@ -336,6 +336,10 @@ mod tests {
     fn changes(tensor: &TensorDelta) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         tensor.for_each_change(|p, v| out.push((p, v))).unwrap();
+        // In batches (apply's path, with its own decoders for the bit codecs) too.
+        let mut batched = Vec::new();
+        tensor.for_each_batch(|ps, vs| batched.extend(ps.iter().copied().zip(vs.iter().copied()))).unwrap();
+        assert_eq!(batched, out);
         out
     }
 
@@ -376,7 +380,7 @@ mod tests {
 
     #[test]
     fn compact_is_smaller_where_it_can_be_and_never_larger() {
-        // Sparse ±1 changes of a bf16 tensor: Rice positions and 2-bit values win.
+        // Sparse ±1 changes of a bf16 tensor: Rice positions and entropy-coded values win.
         let n = CHUNK_ELEMENTS + 5000;
         let old: Vec<u8> =
             (0..n as u32).flat_map(|i| ((i.wrapping_mul(2654435761) >> 16) as u16 & 0x3fff).to_le_bytes()).collect();
@@ -391,17 +395,28 @@ mod tests {
         let shape = vec![n as u64];
         let varint = diff(&[input(&old, &new, Dtype::BF16, shape.clone())], ValueCodec::Diff, Codec::Varint).unwrap();
         let compact = diff(&[input(&old, &new, Dtype::BF16, shape.clone())], ValueCodec::Diff, Codec::Compact).unwrap();
-        assert_eq!((compact[0].positions_codec, compact[0].values_codec), (PositionCodec::Rice, ValueCodec::DiffBits));
+        assert_eq!((compact[0].positions_codec, compact[0].values_codec), (PositionCodec::Rice, ValueCodec::Rans));
         assert!(compact[0].nbytes() * 10 < varint[0].nbytes() * 7, "{} vs {}", compact[0].nbytes(), varint[0].nbytes());
         assert_eq!(changes(&compact[0]), changes(&varint[0]));
-        // Arbitrary f32 changes at every other element: the difference code cannot win, so `diff` stays.
+        // A few changes: the rANS table costs more than it saves, so the 2-bit codes stay.
+        let mut few = old.clone();
+        for p in [3usize, 900, 4000, 70_000] {
+            few[p * 2] = old[p * 2].wrapping_add(1);
+        }
+        few[5000 * 2] = old[5000 * 2].wrapping_sub(2);
+        let compact = diff(&[input(&old, &few, Dtype::BF16, shape.clone())], ValueCodec::Diff, Codec::Compact).unwrap();
+        assert_eq!(compact[0].values_codec, ValueCodec::DiffBits);
+        let varint = diff(&[input(&old, &few, Dtype::BF16, shape.clone())], ValueCodec::Diff, Codec::Varint).unwrap();
+        assert_eq!(changes(&compact[0]), changes(&varint[0]));
+        // A few arbitrary f32 changes: neither bit code wins over `diff`'s escapes, so `diff` stays. (With many, the
+        // rANS codes beat the escape byte.)
         let old32: Vec<u8> = (0..4096u32).flat_map(|i| i.wrapping_mul(2654435761).to_le_bytes()).collect();
         let new32: Vec<u8> = old32
             .chunks(4)
             .enumerate()
             .flat_map(|(i, c)| {
                 let v = u32::from_le_bytes(c.try_into().unwrap());
-                (if i % 2 == 0 { v ^ 0x5a5a_0000 } else { v }).to_le_bytes()
+                (if i % 1000 == 0 { v ^ 0x5a5a_0000 } else { v }).to_le_bytes()
             })
             .collect();
         let compact = diff(&[input(&old32, &new32, Dtype::F32, vec![4096])], ValueCodec::Diff, Codec::Compact).unwrap();
@@ -409,8 +424,9 @@ mod tests {
         assert_eq!(compact[0].values_codec, ValueCodec::Diff);
         assert!(compact[0].nbytes() <= varint[0].nbytes());
         assert_eq!(changes(&compact[0]), changes(&varint[0]));
-        // Everything changed: stored whole, as with varint.
-        let all_new: Vec<u8> = old.iter().map(|b| b.wrapping_add(1)).collect();
+        // Everything changed at random: stored whole, as with varint.
+        let all_new: Vec<u8> =
+            old.iter().enumerate().map(|(i, b)| b ^ (1 | (i as u32).wrapping_mul(2654435761) >> 24) as u8).collect();
         let compact = diff(&[input(&old, &all_new, Dtype::BF16, shape)], ValueCodec::Diff, Codec::Compact).unwrap();
         assert!(compact[0].is_dense());
     }

@@ -348,7 +348,7 @@ mod tests {
 
     #[test]
     fn compact_matches_diff_across_tasks_chunks_and_widths() {
-        // Sparse small steps (Rice and diffbits win), a dense patch, and escapes, over several tasks.
+        // Sparse small steps (Rice and rans win), a dense patch, and escapes, over several tasks.
         for (dtype, width) in [(Dtype::U8, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4), (Dtype::F64, 8)] {
             let n = TASK_ELEMENTS * 2 + 4099;
             let old: Vec<u8> = (0..n * width).map(|i| (i * 131 % 251) as u8).collect();
@@ -364,7 +364,7 @@ mod tests {
                 if values == ValueCodec::Diff {
                     assert_eq!(
                         (want.positions_codec, want.values_codec),
-                        (PositionCodec::Rice, ValueCodec::DiffBits),
+                        (PositionCodec::Rice, ValueCodec::Rans),
                         "width {width}"
                     );
                 }

@@ -272,7 +272,7 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
         let new_bits = values::load_const::<W>(std::slice::from_raw_parts(new.add(offset), W));
         match codec {
             ValueCodec::Abs => values.put(new_bits, W),
-            ValueCodec::Diff | ValueCodec::DiffBits => {
+            ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => {
                 let old_bits = values::load_const::<W>(std::slice::from_raw_parts(old.add(offset), W));
                 let difference = new_bits.wrapping_sub(old_bits) & values::mask(W);
                 if W == 1 {

@@ -176,7 +176,7 @@ mod tests {
         let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
         let whole = diff(&[input], ValueCodec::Diff, Codec::Compact).unwrap().remove(0);
         let tensor = &joined.tensors[0];
-        assert_eq!((tensor.positions_codec, tensor.values_codec), (PositionCodec::Rice, ValueCodec::DiffBits));
+        assert_eq!((tensor.positions_codec, tensor.values_codec), (PositionCodec::Rice, ValueCodec::Rans));
         assert_eq!((tensor.changed, tensor.last_position), (whole.changed, whole.last_position));
         assert_eq!((&tensor.positions[..], &tensor.values[..]), (&whole.positions[..], &whole.values[..]));
     }

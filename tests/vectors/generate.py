@@ -114,6 +114,26 @@ def vectors() -> dict[str, dict]:
                 "layer.1.s": {"dtype": "F32", "shape": [2], "base": [0x3F800000] * 2, "changes": {}},
             },
         },
+        # The rans value codec (§6.2), in the named layout so that its worked example shows one stream alone.
+        "bf16_rans": {
+            "values": "diff",
+            "codec": "compact",
+            "packed": False,
+            "step": 4,
+            "base_step": 3,
+            "metadata": {},
+            "tensors": {
+                "w": {
+                    "dtype": "BF16",
+                    "shape": [16, 16],
+                    "base": [0x3F80 + i for i in range(256)],
+                    # Every fourth element: a sign flip, then mostly +1, five -1 and two +2.
+                    "changes": {
+                        4 * i: 0x8000 if i == 0 else -1 if i % 13 == 5 else 2 if i in (20, 40) else 1 for i in range(64)
+                    },
+                }
+            },
+        },
         "anchor": {
             "anchor": True,
             "step": 10,

@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use super::rans::{self, Tokens, MAX_TOKENS};
 use super::values::{mask, ESCAPE};
 use super::{varint, PositionCodec, ValueCodec};
 use crate::core::scan::{self, Changes};
@@ -481,6 +482,32 @@ pub fn read_pairs<const W: usize>(
     Ok(())
 }
 
+/// Fills `out` with the next positions of a `rice` stream, as `RiceReader::next_position` would one by one. The bulk
+/// is read without bounds checks while 16 bytes remain.
+pub fn read_positions(reader: &mut RiceReader<'_>, out: &mut [u64]) -> Result<(), String> {
+    let mut window = Window::new(reader.bits.bytes, reader.bits.bit);
+    let mut next = reader.next_allowed;
+    let mut filled = 0usize;
+    while filled < out.len() {
+        let Some((gap, length)) = window.peek_rice(reader.k) else { break };
+        window.take(length);
+        // Saturating: a position past the tensor is caught below, before it is handed out.
+        let position = next.saturating_add(gap);
+        next = position.saturating_add(1);
+        out[filled] = position;
+        filled += 1;
+    }
+    reader.bits.bit = window.bit;
+    if filled > 0 && out[filled - 1] >= reader.numel {
+        return Err(format!("position out of range (tensor has {} elements)", reader.numel));
+    }
+    reader.next_allowed = next;
+    for slot in &mut out[filled..] {
+        *slot = reader.next_position()?;
+    }
+    Ok(())
+}
+
 /// Checks a whole `rice` position stream of `changed` codes, as reading them one by one with `RiceReader` would,
 /// and returns the last position. The bulk is read without bounds checks while 16 bytes remain.
 pub fn check_rice(bytes: &[u8], changed: u64, numel: u64) -> Result<Option<u64>, String> {
@@ -640,8 +667,9 @@ pub struct TensorStreams {
 struct CompactRange {
     positions: Vec<u8>,
     position_bits: u64,
-    values: Vec<u8>,
-    value_bits: u64,
+    /// The differences as `rans` tokens, and how often each token occurs.
+    tokens: Tokens,
+    histogram: [u64; MAX_TOKENS],
 }
 
 /// How a tensor's gaps are coded: its Rice parameter, and where each range's first gap starts.
@@ -679,22 +707,71 @@ fn compact_range(range: &Changes, k: u32, previous_end: u64, width: usize, diffe
             put_rice(&mut positions, gap, k);
         }
     }
-    let mut values = BitWriter::with_capacity(if differences { range.values.len() / 2 } else { 0 });
+    let mut histogram = [0u64; MAX_TOKENS];
+    let mut tokens = Tokens::default();
     if differences {
-        match width {
-            1 => diff_to_diffbits::<1>(&range.values, range.count, &mut values),
-            2 => diff_to_diffbits::<2>(&range.values, range.count, &mut values),
-            4 => diff_to_diffbits::<4>(&range.values, range.count, &mut values),
-            _ => diff_to_diffbits::<8>(&range.values, range.count, &mut values),
-        }
+        let (stream, count) = (&range.values[..], range.count);
+        tokens = match width {
+            1 => rans::tokenize_diff::<1>(stream, count, &mut histogram),
+            2 => rans::tokenize_diff::<2>(stream, count, &mut histogram),
+            4 => rans::tokenize_diff::<4>(stream, count, &mut histogram),
+            _ => rans::tokenize_diff::<8>(stream, count, &mut histogram),
+        };
     }
-    let (position_bits, value_bits) = (positions.bit_len(), values.bit_len());
-    CompactRange { positions: positions.finish(), position_bits, values: values.finish(), value_bits }
+    let position_bits = positions.bit_len();
+    CompactRange { positions: positions.finish(), position_bits, tokens, histogram }
+}
+
+/// Bits of the `diffbits` stream of these differences, from their `rans` token counts (tokens 1 to 4 are ±1 and ±2)
+/// and how many of them the `diff` stream escapes.
+fn diffbits_bits(histogram: &[u64; MAX_TOKENS], escapes: u64, width: usize) -> u64 {
+    let (ones, twos) = (histogram[1] + histogram[2], histogram[3] + histogram[4]);
+    let others = histogram.iter().sum::<u64>() - ones - twos;
+    2 * ones + 3 * twos + 10 * others + 8 * width as u64 * escapes
+}
+
+/// The `diffbits` stream of a tensor's ranges, re-encoded side by side.
+fn diffbits_stream(ranges: &[Changes], width: usize) -> Vec<u8> {
+    let parts: Vec<(Vec<u8>, u64)> = ranges
+        .par_iter()
+        .map(|range| {
+            let mut values = BitWriter::with_capacity(range.values.len() / 2);
+            let (stream, count) = (&range.values[..], range.count);
+            match width {
+                1 => diff_to_diffbits::<1>(stream, count, &mut values),
+                2 => diff_to_diffbits::<2>(stream, count, &mut values),
+                4 => diff_to_diffbits::<4>(stream, count, &mut values),
+                _ => diff_to_diffbits::<8>(stream, count, &mut values),
+            }
+            let bits = values.bit_len();
+            (values.finish(), bits)
+        })
+        .collect();
+    let mut out = BitWriter::with_capacity(parts.iter().map(|p| p.1).sum::<u64>().div_ceil(8) as usize);
+    for (bytes, bits) in &parts {
+        out.append(bytes, *bits);
+    }
+    out.finish()
+}
+
+/// The `rans` stream of a tensor's differences where it is smaller than `smaller_than` bytes.
+fn rans_stream(compacts: &[CompactRange], histogram: &[u64; MAX_TOKENS], smaller_than: usize) -> Option<Vec<u8>> {
+    if histogram.iter().all(|&c| c == 0) {
+        return None;
+    }
+    let freqs = rans::normalise(histogram);
+    // The estimate is within a few bytes of the length: skip the encoding where it cannot win.
+    if rans::estimated_len(histogram, &freqs) > smaller_than as f64 + 64.0 {
+        return None;
+    }
+    let parts: Vec<&Tokens> = compacts.iter().map(|c| &c.tokens).collect();
+    let stream = rans::encode(&parts, &freqs);
+    (stream.len() < smaller_than).then_some(stream)
 }
 
 /// The `compact` codec's choice for one tensor, made by every writer of it (core::diff, core::mirror): from the
-/// scan's changes of the tensor's consecutive ranges (values scanned as `abs` or `diff`), `rice` positions and
-/// `diffbits` values, each kept only where smaller than its `varint`/`diff` stream; None when the tensor stored
+/// scan's changes of the tensor's consecutive ranges (values scanned as `abs` or `diff`), `rice` positions kept only
+/// where smaller than `varint`, and the smallest of `diff`, `diffbits` and `rans` values (the older on a tie); None when the tensor stored
 /// whole, `dense_len` bytes, is no larger. Ranges are re-encoded side by side in the rayon pool; codes are
 /// appended code by code, so the bytes do not depend on how the tensor was cut into ranges.
 pub fn smallest_streams(
@@ -711,7 +788,7 @@ pub fn smallest_streams(
         .zip(previous_ends)
         .map(|(range, previous_end)| compact_range(range, k, previous_end, width, differences))
         .collect();
-    let (mut rice, mut diffbits) = (None, None);
+    let (mut rice, mut bit_values) = (None, None);
     let position_bits = 8 + compacts.iter().map(|c| c.position_bits).sum::<u64>();
     if position_bits.div_ceil(8) < varint_len as u64 {
         let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
@@ -721,26 +798,39 @@ pub fn smallest_streams(
         }
         rice = Some(out.finish());
     }
-    let value_bits = compacts.iter().map(|c| c.value_bits).sum::<u64>();
-    if differences && value_bits.div_ceil(8) < byte_values_len as u64 {
-        let mut out = BitWriter::with_capacity(value_bits.div_ceil(8) as usize);
+    let mut values_codec = scanned_values;
+    if differences {
+        let mut histogram = [0u64; MAX_TOKENS];
+        let mut escapes = 0;
         for c in &compacts {
-            out.append(&c.values, c.value_bits);
+            for (total, count) in histogram.iter_mut().zip(&c.histogram) {
+                *total += count;
+            }
+            escapes += c.tokens.escapes;
         }
-        diffbits = Some(out.finish());
+        // Only the stream that is kept is encoded: `diffbits`'s length follows from the token counts.
+        let diffbits_len = diffbits_bits(&histogram, escapes, width).div_ceil(8) as usize;
+        if let Some(stream) = rans_stream(&compacts, &histogram, diffbits_len.min(byte_values_len)) {
+            bit_values = Some(stream);
+            values_codec = ValueCodec::Rans;
+        } else if diffbits_len < byte_values_len {
+            let stream = diffbits_stream(ranges, width);
+            assert_eq!(stream.len(), diffbits_len, "diffbits length counted from the tokens");
+            bit_values = Some(stream);
+            values_codec = ValueCodec::DiffBits;
+        }
     }
     let positions_len = rice.as_ref().map_or(varint_len, Vec::len);
-    let values_len = diffbits.as_ref().map_or(byte_values_len, Vec::len);
+    let values_len = bit_values.as_ref().map_or(byte_values_len, Vec::len);
     if positions_len + values_len >= dense_len {
         return None;
     }
     let positions_codec = if rice.is_some() { PositionCodec::Rice } else { PositionCodec::Varint };
-    let values_codec = if diffbits.is_some() { ValueCodec::DiffBits } else { scanned_values };
-    let (positions, values) = match (rice, diffbits) {
+    let (positions, values) = match (rice, bit_values) {
         (Some(positions), Some(values)) => (positions, values),
-        (rice, diffbits) => {
+        (rice, bit_values) => {
             let (varint_positions, byte_values) = scan::join_streams(ranges);
-            (rice.unwrap_or(varint_positions), diffbits.unwrap_or(byte_values))
+            (rice.unwrap_or(varint_positions), bit_values.unwrap_or(byte_values))
         }
     };
     Some(TensorStreams { positions_codec, values_codec, positions, values })

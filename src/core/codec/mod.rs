@@ -2,6 +2,7 @@
 //! Each codec is named in the file's per-tensor metadata, so new ones slot in beside these.
 
 pub mod compact;
+pub mod rans;
 pub mod values;
 pub mod varint;
 
@@ -41,13 +42,15 @@ pub enum ValueCodec {
     Diff,
     /// The same difference in a bit-packed prefix code: 2 bits for ±1, 3 for ±2 (the `compact` codec).
     DiffBits,
+    /// The same difference entropy-coded: static rANS over a per-tensor frequency table (the `compact` codec).
+    Rans,
 }
 
 impl ValueCodec {
     /// True when the decoded values are wrapping bit-pattern differences to add to the base, false when they
     /// are the new bits. Every writer of changes, in Rust and in Python, takes this rule from here.
     pub fn holds_differences(self) -> bool {
-        matches!(self, ValueCodec::Diff | ValueCodec::DiffBits)
+        matches!(self, ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans)
     }
 }
 
@@ -84,8 +87,8 @@ pub enum Codec {
     /// Byte-aligned streams: `varint` positions, `diff` or `abs` values. Read by every version-1 reader.
     #[default]
     Varint,
-    /// Bit-packed streams: `rice` positions, `diffbits` values, each chosen per tensor only when smaller than
-    /// its `varint`/`diff` counterpart.
+    /// Bit-packed streams: `rice` positions, `diffbits` or `rans` values, each chosen per tensor only when smaller
+    /// than its `varint`/`diff` counterpart (and `rans` only when smaller than `diffbits` too).
     Compact,
 }
 
@@ -115,6 +118,7 @@ impl ValueCodec {
             ValueCodec::Abs => "abs",
             ValueCodec::Diff => "diff",
             ValueCodec::DiffBits => "diffbits",
+            ValueCodec::Rans => "rans",
         }
     }
 

@@ -5,6 +5,7 @@
 //! byte is the whole difference.
 
 use super::compact::{read_difference, BitReader};
+use super::rans::RansReader;
 use super::ValueCodec;
 
 /// The escape byte of the `diff` codec for elements wider than one byte.
@@ -58,7 +59,7 @@ pub fn store(out: &mut [u8], value: u64, width: usize) {
 pub fn write_const<const W: usize>(out: &mut Vec<u8>, codec: ValueCodec, old: &[u8], new: &[u8]) {
     match codec {
         ValueCodec::Abs => out.extend_from_slice(&new[..W]),
-        ValueCodec::Diff | ValueCodec::DiffBits => {
+        ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => {
             let difference = load_const::<W>(new).wrapping_sub(load_const::<W>(old)) & mask(W);
             write_difference(out, difference, W);
         }
@@ -81,8 +82,9 @@ pub fn write_difference(out: &mut Vec<u8>, difference: u64, width: usize) {
     }
 }
 
-#[inline]
-fn sign_extend(value: u64, width: usize) -> i64 {
+/// The low `width` bytes of `value` read as a signed integer.
+#[inline(always)]
+pub fn sign_extend(value: u64, width: usize) -> i64 {
     let shift = 64 - 8 * width as u32;
     ((value << shift) as i64) >> shift
 }
@@ -94,11 +96,15 @@ pub struct ValueReader<'a, const W: usize> {
     codec: ValueCodec,
     /// Used by `diffbits` only.
     bits: BitReader<'a>,
+    /// Used by `rans` only.
+    rans: Option<RansReader<'a>>,
 }
 
 impl<'a, const W: usize> ValueReader<'a, W> {
-    pub fn new(bytes: &'a [u8], codec: ValueCodec) -> Self {
-        ValueReader { bytes, at: 0, codec, bits: BitReader::new(bytes) }
+    /// Fails where a `rans` stream's table or initial state is bad.
+    pub fn new(bytes: &'a [u8], codec: ValueCodec) -> Result<Self, String> {
+        let rans = if codec == ValueCodec::Rans { Some(RansReader::new(bytes, W)?) } else { None };
+        Ok(ValueReader { bytes, at: 0, codec, bits: BitReader::new(bytes), rans })
     }
 
     #[inline(always)]
@@ -128,13 +134,16 @@ impl<'a, const W: usize> ValueReader<'a, W> {
                 }
             }
             ValueCodec::DiffBits => read_difference::<W>(&mut self.bits),
+            ValueCodec::Rans => self.rans.as_mut().expect("made with the codec").next_value::<W>(),
         }
     }
 
-    /// True once every byte has been consumed (for `diffbits`: every bit, with zero padding).
+    /// True once every byte has been consumed (for `diffbits`: every bit, with zero padding; for `rans`: with the
+    /// state back at its start).
     pub fn is_exhausted(&self) -> bool {
         match self.codec {
             ValueCodec::DiffBits => self.bits.is_exhausted(),
+            ValueCodec::Rans => self.rans.as_ref().is_some_and(RansReader::is_exhausted),
             _ => self.at == self.bytes.len(),
         }
     }
@@ -168,7 +177,7 @@ mod tests {
         for codec in [ValueCodec::Abs, ValueCodec::Diff] {
             let mut out = Vec::new();
             write_const::<W>(&mut out, codec, &o, &n);
-            let mut reader = ValueReader::<W>::new(&out, codec);
+            let mut reader = ValueReader::<W>::new(&out, codec).unwrap();
             let value = reader.next_value().unwrap();
             assert!(reader.is_exhausted());
             let mut target = o;

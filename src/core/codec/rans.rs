@@ -1,0 +1,700 @@
+//! The `rans` value codec: bit-pattern differences entropy-coded with a static rANS coder over a per-tensor
+//! frequency table (docs/format.md §6.2).
+//!
+//! A difference `d` is sign-extended to `s` and zigzagged to `u` (0, -1, 1, -2, 2, ... -> 0, 1, 2, 3, 4, ...).
+//! Values of `u` below 16 are tokens of their own; larger ones are a token for their bit length and the two bits
+//! after the leading one, followed by the remaining low bits, coded as uniform symbols in the same state.
+
+use super::values::{mask, sign_extend, ESCAPE};
+
+/// Probabilities are in units of 2^-PROB_BITS.
+pub const PROB_BITS: u32 = 12;
+pub const PROB_SCALE: u32 = 1 << PROB_BITS;
+/// The state lies in [STATE_LOW, 256 * STATE_LOW) between symbols; the encoder starts and the decoder ends here.
+pub const STATE_LOW: u32 = 1 << 23;
+/// `u` below this is a token of its own.
+const DIRECT: u64 = 16;
+/// Low bits beyond a token are coded in chunks of at most this many bits.
+const CHUNK_BITS: u32 = 16;
+/// Tokens for every element width (32 per byte of the width).
+pub const MAX_TOKENS: usize = 256;
+
+/// How many tokens `W`-byte elements have: 16 direct ones, and 4 per bit length from 5 to 8W bits.
+pub const fn token_count(width: usize) -> usize {
+    32 * width
+}
+
+/// The zigzag code of a wrapping difference of a `width`-byte element.
+#[inline(always)]
+fn zigzag(difference: u64, width: usize) -> u64 {
+    let signed = sign_extend(difference, width);
+    ((signed << 1) ^ (signed >> 63)) as u64
+}
+
+/// The wrapping difference (all 64 bits; mask to the width) of a zigzag code.
+#[inline(always)]
+fn unzigzag(u: u64) -> u64 {
+    (u >> 1) ^ (u & 1).wrapping_neg()
+}
+
+/// The code of a wrapping difference of a `width`-byte element: its zigzag code, except that `d = 0` (never a
+/// change) and `d = 2^(8W-1)` (a flip of the top bit, a float's sign) swap codes, so that a sign flip costs a token
+/// and no low bits.
+#[inline(always)]
+pub fn code_of(difference: u64, width: usize) -> u64 {
+    let z = zigzag(difference, width);
+    if z == 0 {
+        mask(width)
+    } else if z == mask(width) {
+        0
+    } else {
+        z
+    }
+}
+
+/// The wrapping difference of a `W`-byte element with code `u`.
+#[inline(always)]
+fn difference_of<const W: usize>(u: u64) -> u64 {
+    let z = if u == 0 {
+        mask(W)
+    } else if u == mask(W) {
+        0
+    } else {
+        u
+    };
+    unzigzag(z) & mask(W)
+}
+
+/// The token of a zigzag code, and how many low bits follow it.
+#[inline(always)]
+pub fn token_of(u: u64) -> (u8, u32) {
+    if u < DIRECT {
+        return (u as u8, 0);
+    }
+    let length = 63 - u.leading_zeros(); // position of the leading one, 4..=63
+    let after_leading = ((u >> (length - 2)) & 3) as u32;
+    ((16 + 4 * (length - 4) + after_leading) as u8, length - 2)
+}
+
+/// The low bits that follow `token`, and the value of the token's code with those bits zero.
+#[inline(always)]
+fn token_parts(token: u8) -> (u32, u64) {
+    if u64::from(token) < DIRECT {
+        return (0, u64::from(token));
+    }
+    let t = u32::from(token) - 16;
+    let low_bits = 2 + t / 4;
+    (low_bits, u64::from(4 + t % 4) << low_bits)
+}
+
+/// A range's differences as tokens, with the low bits of the tokens that have them, in order.
+#[derive(Default)]
+pub struct Tokens {
+    pub tokens: Vec<u8>,
+    pub low_bits: Vec<u64>,
+    /// How many of the differences the `diff` stream escaped.
+    pub escapes: u64,
+}
+
+/// The token and low bits of each byte of a `diff` stream of wide elements (but the escape byte and 0, whose codes
+/// depend on the width): (token, low bits, number of low bits).
+static BYTE_TOKENS: [(u8, u8, u8); 256] = {
+    let mut table = [(0u8, 0u8, 0u8); 256];
+    let mut byte = 0;
+    while byte < 256 {
+        let signed = byte as u8 as i8 as i64;
+        let u = ((signed << 1) ^ (signed >> 63)) as u64;
+        table[byte] = if u < DIRECT {
+            (u as u8, 0, 0)
+        } else {
+            let length = 63 - u.leading_zeros();
+            let after_leading = ((u >> (length - 2)) & 3) as u32;
+            ((16 + 4 * (length - 4) + after_leading) as u8, (u & ((1 << (length - 2)) - 1)) as u8, (length - 2) as u8)
+        };
+        byte += 1;
+    }
+    table
+};
+
+/// Tokenises a byte-coded `diff` value stream of `count` differences of `W`-byte elements, counting each token in
+/// `histogram`.
+pub fn tokenize_diff<const W: usize>(diff_stream: &[u8], count: u64, histogram: &mut [u64; MAX_TOKENS]) -> Tokens {
+    let mut out = Tokens { tokens: Vec::with_capacity(count as usize), low_bits: Vec::new(), escapes: 0 };
+    let push = |u: u64, out: &mut Tokens, histogram: &mut [u64; MAX_TOKENS]| {
+        let (token, bits) = token_of(u);
+        out.tokens.push(token);
+        histogram[usize::from(token)] += 1;
+        if bits > 0 {
+            out.low_bits.push(u & ((1u64 << bits) - 1));
+        }
+    };
+    if W == 1 {
+        for &byte in &diff_stream[..count as usize] {
+            push(code_of(u64::from(byte), 1), &mut out, histogram);
+        }
+        return out;
+    }
+    let mut at = 0;
+    while let Some(&byte) = diff_stream.get(at) {
+        at += 1;
+        if byte == ESCAPE {
+            let mut word = [0u8; 8];
+            word[..W].copy_from_slice(&diff_stream[at..at + W]);
+            at += W;
+            out.escapes += 1;
+            push(code_of(u64::from_le_bytes(word), W), &mut out, histogram);
+        } else if byte == 0 {
+            push(code_of(0, W), &mut out, histogram);
+        } else {
+            let (token, low, bits) = BYTE_TOKENS[usize::from(byte)];
+            out.tokens.push(token);
+            histogram[usize::from(token)] += 1;
+            if bits > 0 {
+                out.low_bits.push(u64::from(low));
+            }
+        }
+    }
+    out
+}
+
+/// Token frequencies summing to `PROB_SCALE`, every counted token at least 1, from the counts of `W`-byte elements'
+/// tokens (not all zero); the list ends at the last counted token.
+pub fn normalise(histogram: &[u64; MAX_TOKENS]) -> Vec<u32> {
+    let used = histogram.iter().rposition(|&c| c > 0).map_or(0, |last| last + 1);
+    let total: u64 = histogram.iter().sum();
+    assert!(total > 0, "no token to normalise");
+    let mut freqs: Vec<u32> = histogram[..used]
+        .iter()
+        .map(|&c| {
+            if c == 0 {
+                0
+            } else {
+                // Rounded to nearest; u128 keeps count * scale exact.
+                let scaled = (u128::from(c) * u128::from(PROB_SCALE) + u128::from(total) / 2) / u128::from(total);
+                (scaled as u32).max(1)
+            }
+        })
+        .collect();
+    let mut sum: u32 = freqs.iter().sum();
+    // Rounding leaves the sum a little off: take from or give to the largest frequencies, which lose the least.
+    while sum > PROB_SCALE {
+        let largest = (0..used).max_by_key(|&t| (freqs[t], std::cmp::Reverse(t))).expect("a token");
+        freqs[largest] -= 1;
+        sum -= 1;
+    }
+    while sum < PROB_SCALE {
+        let largest = (0..used).max_by_key(|&t| (histogram[t], std::cmp::Reverse(t))).expect("a token");
+        freqs[largest] += 1;
+        sum += 1;
+    }
+    freqs
+}
+
+/// Bytes the stream of these counts would take with these frequencies, from their information content: within a
+/// few bytes of the real length.
+pub fn estimated_len(histogram: &[u64; MAX_TOKENS], freqs: &[u32]) -> f64 {
+    let mut bits = 0f64;
+    for (token, (&count, &freq)) in histogram.iter().zip(freqs).enumerate() {
+        if count > 0 {
+            let low_bits = token_parts(token as u8).0;
+            bits += count as f64 * (f64::from(PROB_BITS) - f64::from(freq).log2() + f64::from(low_bits));
+        }
+    }
+    table_len(freqs) as f64 + 4.0 + bits / 8.0
+}
+
+fn table_len(freqs: &[u32]) -> usize {
+    1 + freqs.iter().map(|&f| if f < 0x80 { 1 } else { 2 }).sum::<usize>()
+}
+
+/// Appends the frequency table: the number of entries less one, then each frequency in one byte (below 128) or two
+/// (`0x80 | f & 0x7f`, then `f >> 7`).
+fn write_table(out: &mut Vec<u8>, freqs: &[u32]) {
+    out.push((freqs.len() - 1) as u8);
+    for &f in freqs {
+        if f < 0x80 {
+            out.push(f as u8);
+        } else {
+            out.push(0x80 | (f & 0x7f) as u8);
+            out.push((f >> 7) as u8);
+        }
+    }
+}
+
+/// The rANS encoder: the state, and the bytes it has shifted out (in reverse of the order they are read in).
+struct Encoder {
+    state: u32,
+    reversed: Vec<u8>,
+}
+
+impl Encoder {
+    #[inline(always)]
+    fn shift_out_while(&mut self, limit: u32) {
+        while self.state >= limit {
+            self.reversed.push(self.state as u8);
+            self.state >>= 8;
+        }
+    }
+
+    /// Encodes `bits <= CHUNK_BITS` uniform low bits.
+    #[inline(always)]
+    fn put_bits(&mut self, value: u64, bits: u32) {
+        self.shift_out_while(1 << (31 - bits));
+        self.state = (self.state << bits) | value as u32;
+    }
+
+    #[inline(always)]
+    fn put_token(&mut self, symbol: &EncodeSymbol) {
+        self.shift_out_while(symbol.limit);
+        self.state = symbol.next_state(self.state);
+    }
+}
+
+/// A token as the encoder takes it: `x -> (x div f) * M + x mod f + c` computed with a multiplication by a
+/// reciprocal instead of a division (exact for x below 2^31, as F. Giesen's ryg_rans shows).
+#[derive(Clone, Copy, Default)]
+struct EncodeSymbol {
+    /// Bytes are shifted out while the state is at or above this (`f << 19`).
+    limit: u32,
+    reciprocal: u32,
+    shift: u32,
+    bias: u32,
+    complement: u32,
+}
+
+impl EncodeSymbol {
+    fn new(freq: u32, start: u32) -> Self {
+        let limit = freq << (23 - PROB_BITS + 8);
+        let complement = PROB_SCALE - freq;
+        if freq < 2 {
+            // x div 1 = x: the reciprocal 2^32 - 1 gives x - 1, which the bias makes up for.
+            return EncodeSymbol { limit, reciprocal: u32::MAX, shift: 32, bias: start + PROB_SCALE - 1, complement };
+        }
+        let bits = 32 - (freq - 1).leading_zeros(); // ceil(log2 freq)
+        let reciprocal = (1u64 << (bits + 31)).div_ceil(u64::from(freq)) as u32;
+        EncodeSymbol { limit, reciprocal, shift: 32 + bits - 1, bias: start, complement }
+    }
+
+    #[inline(always)]
+    fn next_state(&self, state: u32) -> u32 {
+        let quotient = ((u64::from(state) * u64::from(self.reciprocal)) >> self.shift) as u32;
+        state + self.bias + quotient * self.complement
+    }
+}
+
+/// The `rans` stream of the tokens of a tensor's consecutive ranges, with the frequencies `normalise` gave for their
+/// counts.
+pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
+    let mut symbols = [EncodeSymbol::default(); MAX_TOKENS];
+    let mut start = 0;
+    for (symbol, &f) in symbols.iter_mut().zip(freqs) {
+        if f > 0 {
+            *symbol = EncodeSymbol::new(f, start);
+        }
+        start += f;
+    }
+    let total: usize = parts.iter().map(|p| p.tokens.len()).sum();
+    let mut encoder = Encoder { state: STATE_LOW, reversed: Vec::with_capacity(total / 3 + 16) };
+    // Backwards: the decoder reads the last symbol encoded first.
+    for part in parts.iter().rev() {
+        let mut low_at = part.low_bits.len();
+        for &token in part.tokens.iter().rev() {
+            let (low_bits, _) = token_parts(token);
+            if low_bits > 0 {
+                low_at -= 1;
+                let low = part.low_bits[low_at];
+                // Chunks are read least significant first, so the most significant is encoded first.
+                let mut chunk_start = (low_bits - 1) / CHUNK_BITS * CHUNK_BITS;
+                loop {
+                    let bits = (low_bits - chunk_start).min(CHUNK_BITS);
+                    encoder.put_bits((low >> chunk_start) & ((1 << bits) - 1), bits);
+                    if chunk_start == 0 {
+                        break;
+                    }
+                    chunk_start -= CHUNK_BITS;
+                }
+            }
+            encoder.put_token(&symbols[usize::from(token)]);
+        }
+    }
+    let mut out = Vec::with_capacity(table_len(freqs) + 4 + encoder.reversed.len());
+    write_table(&mut out, freqs);
+    out.extend_from_slice(&encoder.state.to_le_bytes());
+    out.extend(encoder.reversed.iter().rev());
+    out
+}
+
+/// The decoding tables of one stream.
+struct Model {
+    /// The token of each of the `PROB_SCALE` slots.
+    slot_token: [u8; PROB_SCALE as usize],
+    freq: [u32; MAX_TOKENS],
+    start: [u32; MAX_TOKENS],
+}
+
+/// Decodes a `rans` value stream one value at a time, checking every read against the end of the stream.
+pub struct RansReader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    state: u32,
+    /// None for an empty stream (a tensor with no change), from which no value can be read.
+    model: Option<Box<Model>>,
+}
+
+const EARLY: &str = "value stream ends early";
+
+impl<'a> RansReader<'a> {
+    /// Reads the frequency table and the initial state of a stream of `width`-byte elements' differences.
+    pub fn new(bytes: &'a [u8], width: usize) -> Result<Self, String> {
+        if bytes.is_empty() {
+            return Ok(RansReader { bytes, at: 0, state: STATE_LOW, model: None });
+        }
+        let entries = usize::from(bytes[0]) + 1;
+        if entries > token_count(width) {
+            return Err(format!(
+                "rans table of {entries} entries, over the {} tokens of {width}-byte elements",
+                token_count(width)
+            ));
+        }
+        let mut model =
+            Box::new(Model { slot_token: [0; PROB_SCALE as usize], freq: [0; MAX_TOKENS], start: [0; MAX_TOKENS] });
+        let mut at = 1;
+        let mut sum = 0u32;
+        for token in 0..entries {
+            let &first = bytes.get(at).ok_or(EARLY)?;
+            at += 1;
+            let freq = if first < 0x80 {
+                u32::from(first)
+            } else {
+                let &second = bytes.get(at).ok_or(EARLY)?;
+                at += 1;
+                let freq = u32::from(first & 0x7f) | (u32::from(second) << 7);
+                if !(0x80..=PROB_SCALE).contains(&freq) {
+                    return Err(format!("rans frequency {freq} is out of range or not in its shortest form"));
+                }
+                freq
+            };
+            if sum + freq > PROB_SCALE {
+                return Err(format!("rans frequencies sum to more than {PROB_SCALE}"));
+            }
+            model.freq[token] = freq;
+            model.start[token] = sum;
+            model.slot_token[sum as usize..(sum + freq) as usize].fill(token as u8);
+            sum += freq;
+        }
+        if sum != PROB_SCALE {
+            return Err(format!("rans frequencies sum to {sum}, not {PROB_SCALE}"));
+        }
+        if model.freq[entries - 1] == 0 {
+            return Err("rans table ends with a zero frequency".to_owned());
+        }
+        let state = bytes.get(at..at + 4).ok_or(EARLY)?;
+        let state = u32::from_le_bytes(state.try_into().expect("4 bytes"));
+        if !(STATE_LOW..STATE_LOW << 8).contains(&state) {
+            return Err(format!("rans initial state {state:#x} is out of range"));
+        }
+        Ok(RansReader { bytes, at: at + 4, state, model: Some(model) })
+    }
+
+    #[inline(always)]
+    fn shift_in(&mut self) -> Result<(), String> {
+        while self.state < STATE_LOW {
+            let &byte = self.bytes.get(self.at).ok_or(EARLY)?;
+            self.at += 1;
+            self.state = (self.state << 8) | u32::from(byte);
+        }
+        Ok(())
+    }
+
+    /// The next difference, as the low `W` bytes of a u64.
+    #[inline(always)]
+    pub fn next_value<const W: usize>(&mut self) -> Result<u64, String> {
+        let model = self.model.as_deref().ok_or(EARLY)?;
+        let slot = self.state & (PROB_SCALE - 1);
+        let token = model.slot_token[slot as usize];
+        let t = usize::from(token);
+        self.state = model.freq[t] * (self.state >> PROB_BITS) + slot - model.start[t];
+        self.shift_in()?;
+        let (low_bits, base) = token_parts(token);
+        let low = if low_bits > 0 { read_low_bits(self.bytes, &mut self.at, &mut self.state, low_bits)? } else { 0 };
+        Ok(difference_of::<W>(base | low))
+    }
+
+    /// Fills `out` with the next values, as `next_value` would one by one.
+    pub fn read_values<const W: usize>(&mut self, out: &mut [u64]) -> Result<(), String> {
+        let model = self.model.as_deref().ok_or(EARLY)?;
+        let (bytes, mut at, mut state) = (self.bytes, self.at, self.state);
+        let mut result = Ok(());
+        for slot in out.iter_mut() {
+            let position = state & (PROB_SCALE - 1);
+            let token = model.slot_token[position as usize];
+            let t = usize::from(token);
+            state = model.freq[t] * (state >> PROB_BITS) + position - model.start[t];
+            // At most two bytes after a token (its frequency is at least 1), and after a chunk of low bits.
+            while state < STATE_LOW {
+                let Some(&byte) = bytes.get(at) else {
+                    result = Err(EARLY.to_owned());
+                    break;
+                };
+                at += 1;
+                state = (state << 8) | u32::from(byte);
+            }
+            if result.is_err() {
+                break;
+            }
+            if u64::from(token) < DIRECT {
+                *slot = difference_of::<W>(u64::from(token));
+                continue;
+            }
+            let (low_bits, base) = token_parts(token);
+            match read_low_bits(bytes, &mut at, &mut state, low_bits) {
+                Ok(low) => *slot = difference_of::<W>(base | low),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        (self.at, self.state) = (at, state);
+        result
+    }
+
+    /// True when every byte has been read and the state is back where the encoder started.
+    pub fn is_exhausted(&self) -> bool {
+        self.at == self.bytes.len() && (self.model.is_none() || self.state == STATE_LOW)
+    }
+}
+
+/// Reads `low_bits` low bits in chunks, least significant first, renormalising after each.
+fn read_low_bits(bytes: &[u8], at: &mut usize, state: &mut u32, low_bits: u32) -> Result<u64, String> {
+    let (mut value, mut read) = (0u64, 0);
+    while read < low_bits {
+        let bits = (low_bits - read).min(CHUNK_BITS);
+        value |= u64::from(*state & ((1 << bits) - 1)) << read;
+        *state >>= bits;
+        while *state < STATE_LOW {
+            let &byte = bytes.get(*at).ok_or(EARLY)?;
+            *at += 1;
+            *state = (*state << 8) | u32::from(byte);
+        }
+        read += bits;
+    }
+    Ok(value)
+}
+
+/// Checks that a `rans` value stream of `W`-byte elements holds exactly `changed` values and ends as the encoder
+/// ends, by decoding it.
+pub fn check_rans<const W: usize>(bytes: &[u8], changed: u64) -> Result<(), String> {
+    let mut reader = RansReader::new(bytes, W)?;
+    for _ in 0..changed {
+        reader.next_value::<W>()?;
+    }
+    if reader.at != reader.bytes.len() {
+        return Err("value stream has bytes after the last change".to_owned());
+    }
+    if !reader.is_exhausted() {
+        return Err("rans stream does not end in the encoder's initial state".to_owned());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Encodes differences of `W`-byte elements as one range.
+    fn encode_differences<const W: usize>(differences: &[u64]) -> Vec<u8> {
+        let mut histogram = [0u64; MAX_TOKENS];
+        let mut tokens = Tokens::default();
+        for &d in differences {
+            let u = code_of(d & mask(W), W);
+            let (token, bits) = token_of(u);
+            tokens.tokens.push(token);
+            histogram[usize::from(token)] += 1;
+            if bits > 0 {
+                tokens.low_bits.push(u & ((1 << bits) - 1));
+            }
+        }
+        encode(&[&tokens], &normalise(&histogram))
+    }
+
+    fn decode<const W: usize>(stream: &[u8], n: usize) -> Result<Vec<u64>, String> {
+        check_rans::<W>(stream, n as u64)?;
+        let mut reader = RansReader::new(stream, W)?;
+        let one_by_one: Vec<u64> = (0..n).map(|_| reader.next_value::<W>()).collect::<Result<_, _>>()?;
+        // In batches, as apply reads them.
+        let mut reader = RansReader::new(stream, W)?;
+        let mut batched = vec![0u64; n];
+        for batch in batched.chunks_mut(7) {
+            reader.read_values::<W>(batch)?;
+        }
+        assert!(reader.is_exhausted());
+        assert_eq!(batched, one_by_one);
+        Ok(one_by_one)
+    }
+
+    fn roundtrip<const W: usize>(differences: &[u64]) -> Vec<u8> {
+        let stream = encode_differences::<W>(differences);
+        let want: Vec<u64> = differences.iter().map(|&d| d & mask(W)).collect();
+        assert_eq!(decode::<W>(&stream, differences.len()).unwrap(), want, "W={W}");
+        stream
+    }
+
+    #[test]
+    fn tokens_cover_every_width() {
+        for width in [1usize, 2, 4, 8] {
+            let largest = token_of(mask(width)).0;
+            assert_eq!(usize::from(largest) + 1, token_count(width), "width {width}");
+            // The sign flip takes token 0, and 0 the top code.
+            assert_eq!(code_of(1 << (8 * width - 1), width), 0);
+            assert_eq!(code_of(0, width), mask(width));
+            assert_eq!(code_of(1, width), 2);
+            assert_eq!(code_of(mask(width), width), 1);
+        }
+        for u in (0..5000u64).chain([u64::MAX, u64::MAX - 1, 1 << 63, (1 << 32) - 1]) {
+            let (token, bits) = token_of(u);
+            let (low_bits, base) = token_parts(token);
+            assert_eq!(bits, low_bits);
+            assert_eq!(base | (u & ((1u64 << low_bits) - 1)), u, "u={u}");
+        }
+        for byte in 0..=255u8 {
+            if byte != ESCAPE && byte != 0 {
+                let (token, low, bits) = BYTE_TOKENS[usize::from(byte)];
+                let u = zigzag(u64::from(byte) | if byte >= 0x80 { !0xff } else { 0 }, 8);
+                let (want_token, want_bits) = token_of(u);
+                assert_eq!((token, u32::from(bits)), (want_token, want_bits));
+                assert_eq!(u64::from(low), u & ((1 << want_bits) - 1));
+            }
+        }
+    }
+
+    #[test]
+    fn roundtrips_edges_of_every_width() {
+        let edges: Vec<u64> = [1i64, -1, 2, -2, 3, -3, 7, 8, -8, -9, 127, -127, 128, -128, 300, 0, 0x8000, -0x8000]
+            .iter()
+            .map(|&d| d as u64)
+            .chain([i64::MIN as u64, i64::MAX as u64, 1 << 31, 0x8000_0000, 0xffff_ffff, 1 << 40])
+            .collect();
+        roundtrip::<1>(&edges);
+        roundtrip::<2>(&edges);
+        roundtrip::<4>(&edges);
+        roundtrip::<8>(&edges);
+        // One token alone costs nothing per value: the table and the state.
+        let stream = roundtrip::<2>(&[1; 1000]);
+        assert_eq!(stream, [2, 0, 0, 0x80, 0x20, 0x00, 0x00, 0x80, 0x00]);
+    }
+
+    #[test]
+    fn reciprocal_encoding_equals_division() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for freq in 1..=PROB_SCALE {
+            let start = PROB_SCALE - freq;
+            let symbol = EncodeSymbol::new(freq, start);
+            let limit = freq << 19;
+            for k in 0..64u32 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                // Any state from 1 to below the limit, edges included (the encoder holds them from limit / 256 on).
+                let x = match k {
+                    0 => 1,
+                    1 => limit - 1,
+                    _ => 1 + (state % u64::from(limit - 1)) as u32,
+                };
+                let want = ((x / freq) << PROB_BITS) + x % freq + start;
+                assert_eq!(symbol.next_state(x), want, "freq {freq} x {x}");
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_tables_and_ends() {
+        let stream = roundtrip::<2>(&[1, 1, u64::MAX, 1, 2, 1, 1, 0x8000]);
+        // Every truncation fails, and so does a trailing byte.
+        for cut in 0..stream.len() {
+            assert!(check_rans::<2>(&stream[..cut], 8).is_err(), "cut at {cut}");
+        }
+        let mut longer = stream.clone();
+        longer.push(0);
+        assert!(check_rans::<2>(&longer, 8).is_err());
+        // One value fewer leaves the state where the encoder did not start.
+        assert!(check_rans::<2>(&stream, 7).is_err());
+        // Tables: too many entries for the width, a bad sum, a trailing zero, an overlong frequency.
+        assert!(RansReader::new(&[32, 0], 1).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x1f, 0, 0, 0x80, 0], 2).is_err());
+        assert!(RansReader::new(&[1, 0x80, 0x20, 0, 0, 0, 0x80, 0], 2).is_err());
+        assert!(RansReader::new(&[0, 0xff, 0x00, 0, 0, 0x80, 0], 2).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0x80, 0], 2).is_ok());
+        // An initial state outside [2^23, 2^31).
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0xff, 0xff, 0x7f, 0], 2).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0, 0x80], 2).is_err());
+    }
+
+    #[test]
+    fn flipped_bytes_fail_or_decode() {
+        let differences: Vec<u64> =
+            (0..500u64).map(|i| [1, u64::MAX, 2, 1, 1, 77, 1, 0x8000][(i % 8) as usize]).collect();
+        let stream = roundtrip::<2>(&differences);
+        for at in 0..stream.len() {
+            for bit in 0..8 {
+                let mut bad = stream.clone();
+                bad[at] ^= 1 << bit;
+                let _ = decode::<2>(&bad, differences.len());
+            }
+        }
+    }
+
+    #[test]
+    fn near_the_entropy_of_training_steps() {
+        // 90% ±1, 4% ±2, 5.5% ±3..±200, 0.5% sign flips, as benches/workload.py.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state >> 11
+        };
+        let differences: Vec<u64> = (0..100_000)
+            .map(|_| {
+                let (u, sign) = (next() % 1000, if next() % 2 == 0 { 1i64 } else { -1 });
+                let magnitude = match u {
+                    0..900 => 1,
+                    900..940 => 2,
+                    940..995 => 3 + (next() % 198) as i64,
+                    _ => return 0x8000,
+                };
+                (sign * magnitude) as u64 & 0xffff
+            })
+            .collect();
+        let mut counts = std::collections::HashMap::new();
+        for &d in &differences {
+            *counts.entry(d).or_insert(0u64) += 1;
+        }
+        let n = differences.len() as f64;
+        let entropy: f64 = counts.values().map(|&c| c as f64 / n * (n / c as f64).log2()).sum();
+        let bits = roundtrip::<2>(&differences).len() as f64 * 8.0 / n;
+        assert!(bits < entropy + 0.1, "{bits} bits per value, entropy {entropy}");
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrips_any_differences(
+            width in prop::sample::select(vec![1usize, 2, 4, 8]),
+            small in prop::collection::vec(-4i64..5, 0..300),
+            any_values in prop::collection::vec(any::<u64>(), 0..20),
+            seed in any::<u64>(),
+        ) {
+            let mut differences: Vec<u64> = small.iter().map(|&d| d as u64).chain(any_values).collect();
+            if differences.is_empty() {
+                return Ok(());
+            }
+            let len = differences.len();
+            differences.rotate_left(seed as usize % len);
+            match width {
+                1 => { roundtrip::<1>(&differences); }
+                2 => { roundtrip::<2>(&differences); }
+                4 => { roundtrip::<4>(&differences); }
+                _ => { roundtrip::<8>(&differences); }
+            }
+        }
+    }
+}
