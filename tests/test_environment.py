@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 import pytest
 
@@ -106,3 +107,27 @@ def test_thread_count_is_bounded():
     )
     env = {**os.environ, "DELTASYNC_NUM_THREADS": "20000"}
     subprocess.run([sys.executable, "-W", "ignore", "-c", "import os\n" + script], env=env, check=True)
+
+
+@pytest.mark.parametrize("module_skip", [False, True])
+def test_ci_turns_skips_into_failures(module_skip):
+    """Under DELTASYNC_NO_SKIP=1 (set by .ci/run) a skip fails the run, in a test or at collection; a GPU skip does
+    not. Without the variable both are plain skips."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    probe = str(root / "tests" / "skip_probe.py")
+
+    def run(no_skip: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "DELTASYNC_NO_SKIP": no_skip, "SKIP_PROBE_MODULE": "1" if module_skip else "0"}
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", probe]
+        return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+    strict, lenient = run("1"), run("0")
+    assert lenient.returncode == (5 if module_skip else 0), lenient.stdout + lenient.stderr  # 5: nothing ran
+    assert strict.returncode in (1, 2), strict.stdout + strict.stderr  # 2: an error at collection
+    assert "skipped in CI, where every test must run" in strict.stdout
+    if not module_skip:
+        assert "1 failed, 1 skipped" in strict.stdout, strict.stdout
