@@ -252,7 +252,7 @@ impl RawDelta {
     }
 
     /// Diffs tensors given as (name, dtype, shape, old bytes, new bytes) and appends them.
-    #[pyo3(signature = (entries, values, codec = "varint"))]
+    #[pyo3(signature = (entries, values, codec = "compact"))]
     fn add_diff(&mut self, py: Python<'_>, entries: Vec<DiffEntry<'_>>, values: &str, codec: &str) -> PyResult<()> {
         let values = parse_values(values)?;
         let codec = parse_codec(codec)?;
@@ -565,7 +565,7 @@ impl RawDelta {
 /// Diffs two safetensors checkpoints on disk, memory-mapped, in batches of tensors; `progress(done, total)`
 /// is called with bytes compared after each batch.
 #[pyfunction]
-#[pyo3(signature = (prev, curr, values = "diff", progress = None, codec = "varint"))]
+#[pyo3(signature = (prev, curr, values = "diff", progress = None, codec = "compact"))]
 fn diff_files(
     py: Python<'_>,
     prev: PathBuf,

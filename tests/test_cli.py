@@ -103,8 +103,8 @@ def test_compact_codec_is_smaller_and_applies_bit_exactly(tmp_path, capsys, ckpt
     prev, curr, prev_path, curr_path = ckpts
     varint_path, compact_path = tmp_path / "varint.safetensors", tmp_path / "compact.safetensors"
     out_path = tmp_path / "out.safetensors"
-    assert _run(capsys, "diff", prev_path, curr_path, "-o", varint_path)[0] == 0
-    rc, out, err = _run(capsys, "diff", prev_path, curr_path, "-o", compact_path, "--codec", "compact")
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", varint_path, "--codec", "varint")[0] == 0
+    rc, out, err = _run(capsys, "diff", prev_path, curr_path, "-o", compact_path)  # compact is the default
     assert (rc, err) == (0, "")
     varint, compact = ds.load(varint_path), ds.load(compact_path)
     assert compact.num_changed == varint.num_changed == _num_changed(prev, curr)

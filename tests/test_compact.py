@@ -71,13 +71,18 @@ def test_mirror_advance_and_chunks_equal_diff_compact(values):
     mirror = Mirror(prev, step=0)
     delta = mirror.advance(curr, step=1, values=values, codec="compact")
     assert delta.to_bytes() == reference.to_bytes()
-    assert delta.to_bytes() != ds.diff(prev, curr, values=values, step=1, base_step=0).to_bytes()
+    assert delta.to_bytes() == mirror_default(prev, curr, values)  # compact is the default
+    assert delta.to_bytes() != ds.diff(prev, curr, values=values, codec="varint", step=1, base_step=0).to_bytes()
     for chunk in (1_000, 4_099, 262_147, 1 << 22):
         raw = _chunked(prev, curr, values, "compact", chunk)
         raw.step, raw.base_step = 1, 0
         assert raw.to_bytes() == reference.to_bytes(), chunk
     with pytest.raises(ds.DeltaSyncError, match="codec"):
         Mirror(prev, step=0).advance(curr, step=1, codec="rice")
+
+
+def mirror_default(prev, curr, values):
+    return Mirror(prev, step=0).advance(curr, step=1, values=values).to_bytes()
 
 
 @pytest.mark.parametrize("chunk_bytes", [998, 9_998, 64 << 20])

@@ -67,7 +67,8 @@ def test_compact_diff_is_packed_opens_anywhere_and_applies_bit_exact(tmp_path, v
 
 def test_varint_deltas_and_anchors_stay_version_1():
     prev, curr = _states()
-    for delta in (ds.diff(prev, curr), ds.anchor(curr), ds.diff(prev, curr, codec="varint")):
+    assert _header(ds.diff(prev, curr).to_bytes())["__metadata__"]["format_version"] == "2"  # compact, the default
+    for delta in (ds.anchor(curr), ds.diff(prev, curr, codec="varint")):
         header = _header(delta.to_bytes())
         assert header["__metadata__"]["format_version"] == "1" and not PACKED & set(header)
     compact_anchor = ds.anchor(curr)
@@ -80,10 +81,12 @@ def test_every_compact_writer_packs():
     expected = ds.diff(prev, curr, codec="compact", step=1).to_bytes()
     mirror = Mirror({name: a.copy() for name, a in prev.items()})
     assert mirror.advance(curr, step=1, codec="compact").to_bytes() == expected
-    assert not Mirror({name: a.copy() for name, a in prev.items()}).advance(curr, step=1)._raw.packed
+    assert Mirror({name: a.copy() for name, a in prev.items()}).advance(curr, step=1)._raw.packed
+    assert not Mirror({name: a.copy() for name, a in prev.items()}).advance(curr, step=1, codec="varint")._raw.packed
     sparse = [name for name in prev if name != "small"]  # shard parts are never stored whole
-    shard = ds.diff({n: prev[n] for n in sparse}, {n: curr[n] for n in sparse})._raw
+    shard = ds.diff({n: prev[n] for n in sparse}, {n: curr[n] for n in sparse}, codec="varint")._raw
     assert join_shards([shard], "compact").packed and not join_shards([shard], "varint").packed
+    assert join_shards([shard]).packed  # compact is the default
 
 
 def test_many_small_tensors_pay_no_record_per_tensor():

@@ -314,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--codec",
         choices=("varint", "compact"),
-        default="varint",
-        help="byte-aligned streams (read by every version-1 reader) or Rice/bit-packed streams (smallest)",
+        default="compact",
+        help="compact: packed records, Rice positions, bit-packed or rANS values (smallest, the default); varint: byte-aligned streams that version-1 readers also read",
     )
     p.add_argument("--format", choices=("deltasync", "trl"), default="deltasync", help="file layout to write")
     p.add_argument("--step", type=_step_number, default=None, help="step number to record")
@@ -344,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--codec",
         choices=("varint", "compact"),
-        default="varint",
-        help="byte-aligned streams, or rice/diffbits/rans streams where smaller (read by this version's readers)",
+        default="compact",
+        help="compact (smallest, the default) or varint (byte-aligned, read by version-1 readers too)",
     )
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
     p.set_defaults(run=_cmd_publish)

@@ -224,7 +224,7 @@ def diff(
     curr: State,
     *,
     values: str = "diff",
-    codec: str = "varint",
+    codec: str = "compact",
     step: int | None = None,
     base_step: int | None = None,
     metadata: Mapping[str, str] | None = None,
@@ -235,10 +235,11 @@ def diff(
     shapes. ``values="diff"`` (the default) stores bit-pattern differences, one byte for most changes;
     ``values="abs"`` stores the new values, which apply to any base and convert to TRL files.
 
-    ``codec="varint"`` (the default) writes byte-aligned streams that every version-1 reader knows;
-    ``codec="compact"`` writes Golomb-Rice positions and bit-packed or entropy-coded values (``rice``, ``diffbits``
-    or ``rans``), about 45% smaller on training steps, chosen per tensor and per stream only where smaller than the
-    varint streams.
+    ``codec="compact"`` (the default) writes the packed layout of format version 2 (one compact record index and
+    one stream tensor) with Golomb-Rice positions and bit-packed or entropy-coded values (``rice``, ``diffbits`` or
+    ``rans``), chosen per tensor and per stream only where smaller than the varint streams: about half the size of
+    ``codec="varint"`` on training steps. ``codec="varint"`` writes byte-aligned streams in the named layout of
+    version 1, for readers older than this version.
     """
     if values not in ("diff", "abs"):
         raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')

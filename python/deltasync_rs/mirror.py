@@ -58,7 +58,7 @@ class Mirror:
         self._tensors = tensors  # type: ignore[assignment]
         self.step = step
 
-    def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "varint") -> Delta:
+    def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "compact") -> Delta:
         """The delta from the mirror to ``state``; the mirror moves to ``state`` and ``step``.
 
         One pass per tensor: the core compares and writes the new bits into the mirror as it records the changes.

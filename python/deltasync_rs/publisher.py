@@ -72,7 +72,7 @@ class Publisher:
         anchor_every: int = 10,
         keep_anchors: int = 2,
         values: str = "diff",
-        codec: str = "varint",
+        codec: str = "compact",
         signing_key: bytes | str | None = None,
         background: bool = True,
         max_pending: int = 2,

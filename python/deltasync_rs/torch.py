@@ -90,7 +90,7 @@ class Mirror:
         *,
         chunk_bytes: int = 64 << 20,
         values: str = "diff",
-        codec: str = "varint",
+        codec: str = "compact",
         step: int | None = None,
         pin_memory: bool | None = None,
     ) -> None:

@@ -38,7 +38,7 @@ impl MirrorDiff {
 #[pymethods]
 impl MirrorDiff {
     #[new]
-    #[pyo3(signature = (values = "diff", codec = "varint"))]
+    #[pyo3(signature = (values = "diff", codec = "compact"))]
     fn new(values: &str, codec: &str) -> PyResult<Self> {
         Ok(MirrorDiff { values: parse_values(values)?, codec: parse_codec(codec)?, open: None, done: Vec::new() })
     }
@@ -158,7 +158,7 @@ impl MirrorDiff {
 /// disjoint element ranges with positions in the whole tensor's index space. With `codec="compact"` each joined
 /// tensor is re-encoded as `diff` would encode it (never stored whole).
 #[pyfunction]
-#[pyo3(signature = (parts, codec = "varint"))]
+#[pyo3(signature = (parts, codec = "compact"))]
 pub fn join_shards(py: Python<'_>, parts: Vec<PyRef<'_, RawDelta>>, codec: &str) -> PyResult<RawDelta> {
     let codec = parse_codec(codec)?;
     let deltas: Vec<Delta> = parts.iter().map(|part| part.delta.clone()).collect();

@@ -84,11 +84,13 @@ impl PositionSource for compact::RiceReader<'_> {
 /// Which family of stream codecs a diff writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Codec {
-    /// Byte-aligned streams: `varint` positions, `diff` or `abs` values. Read by every version-1 reader.
-    #[default]
+    /// Byte-aligned streams: `varint` positions, `diff` or `abs` values, in the named layout of version 1. Read
+    /// by every reader, version-1 readers included.
     Varint,
     /// Bit-packed streams: `rice` positions, `diffbits` or `rans` values, each chosen per tensor only when smaller
-    /// than its `varint`/`diff` counterpart (and `rans` only when smaller than `diffbits` too).
+    /// than its `varint`/`diff` counterpart (and `rans` only when smaller than `diffbits` too), in the packed
+    /// layout of version 2. The default: the smallest files, read by every reader of this version.
+    #[default]
     Compact,
 }
 
