@@ -73,10 +73,21 @@ def order0_bound(prev: dict, curr: dict) -> tuple[float, float]:
 
 
 def breakdown(blob: bytes) -> dict[str, int] | None:
-    """Bytes of a deltasync file by role: header (8-byte length + JSON), positions (``W:pos``), values (``W:val``)
-    and whole (a tensor stored under its own name). None when some stream is of a kind this does not know."""
+    """Bytes of a deltasync file by role: header (8-byte length + JSON, and in the packed layout the record list),
+    positions (``W:pos``), values (``W:val``) and whole (a tensor stored under its own name). None when some stream
+    is of a kind this does not know."""
     (header_len,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + header_len])
+    if "__deltasync_streams__" in header:
+        # The packed layout (format version 2) holds every stream in one tensor: split them by writing the same
+        # delta in the named layout, whose streams are the same bytes; the header is everything else.
+        named = ds.load(blob)
+        named._raw.packed = False
+        parts = breakdown(named.to_bytes())
+        if parts is None:
+            return None
+        parts["header"] = len(blob) - parts["positions"] - parts["values"] - parts["whole"]
+        return parts
     records = {record["name"] for record in json.loads(header.get("__metadata__", {}).get("tensors", "[]"))}
     parts = {"header": 8 + header_len, "positions": 0, "values": 0, "whole": 0}
     for key, info in header.items():
