@@ -241,6 +241,22 @@ fn export_tensors<'a>(
     Ok((held, specs))
 }
 
+/// The core's view of `export_tensors`' specs.
+///
+/// # Safety
+/// The `Held` buffers that `export_tensors` returned with `specs` must outlive the returned inputs.
+unsafe fn full_inputs<'a>(specs: &'a [(&'a str, dtype::Dtype, &'a [u64], RawSlice)]) -> Vec<FullInput<'a>> {
+    specs
+        .iter()
+        .map(|(name, dtype, shape, data)| FullInput {
+            name: (*name).to_owned(),
+            dtype: *dtype,
+            shape: shape.to_vec(),
+            data: unsafe { data.get() },
+        })
+        .collect()
+}
+
 type DiffEntry<'py> = (String, String, Vec<u64>, Bound<'py, PyAny>, Bound<'py, PyAny>);
 type FullEntry<'py> = (String, String, Vec<u64>, Bound<'py, PyAny>);
 
@@ -293,16 +309,8 @@ impl RawDelta {
         let (held, specs) = export_tensors(&entries)?;
         let tensors = py
             .detach(|| {
-                let inputs: Vec<FullInput<'_>> = specs
-                    .iter()
-                    // SAFETY: `held` keeps every buffer exported until after this call.
-                    .map(|(name, dtype, shape, data)| FullInput {
-                        name: (*name).to_owned(),
-                        dtype: *dtype,
-                        shape: shape.to_vec(),
-                        data: unsafe { data.get() },
-                    })
-                    .collect();
+                // SAFETY: `held` keeps every buffer exported until after this call.
+                let inputs = unsafe { full_inputs(&specs) };
                 diff::full(&inputs)
             })
             .map_err(to_py)?;
@@ -625,16 +633,8 @@ fn write_anchor(
     let (held, specs) = export_tensors(&entries)?;
     let written = py
         .detach(|| {
-            let inputs: Vec<FullInput<'_>> = specs
-                .iter()
-                // SAFETY: `held` keeps every buffer exported until after this call.
-                .map(|(name, dtype, shape, data)| FullInput {
-                    name: (*name).to_owned(),
-                    dtype: *dtype,
-                    shape: shape.to_vec(),
-                    data: unsafe { data.get() },
-                })
-                .collect();
+            // SAFETY: `held` keeps every buffer exported until after this call.
+            let inputs = unsafe { full_inputs(&specs) };
             anchors::write_anchor(&inputs, step, &metadata, &path)
         })
         .map_err(to_py)?;

@@ -281,20 +281,16 @@ class Publisher:
                 self._queue.task_done()
 
     def _put(self, key: str, blob: bytes) -> None:
-        for attempt in range(self.retries):
-            try:
-                self.store.put(key, blob)
-                return
-            except StoreError as error:
-                if attempt + 1 == self.retries:
-                    raise
-                log.warning("writing %s failed (%s); retrying", key, error)
-                time.sleep(0.05 * 2**attempt)
+        self._retrying(key, lambda: self.store.put(key, blob))
 
     def _put_file(self, key: str, path: str) -> None:
+        self._retrying(key, lambda: self.store.put_file(key, path))
+
+    def _retrying(self, key: str, write: Callable[[], None]) -> None:
+        """Calls ``write`` up to ``retries`` times, backing off after each StoreError; the last one is raised."""
         for attempt in range(self.retries):
             try:
-                self.store.put_file(key, path)
+                write()
                 return
             except StoreError as error:
                 if attempt + 1 == self.retries:
