@@ -4,8 +4,10 @@
 //! The bytes are hashed in blocks of `BLOCK_BYTES` (XXH3-64 each), and the identity is the XXH3-64 of the block
 //! hashes, little-endian: blocks can be hashed in parallel, or by the diff's scan right after it compared them.
 
+use std::hash::Hasher;
+
 use rayon::prelude::*;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use twox_hash::XxHash3_64;
 
 use crate::core::apply::check_target;
 use crate::core::delta::{Delta, TensorDelta};
@@ -16,16 +18,16 @@ pub const BLOCK_BYTES: usize = 1 << 18;
 
 /// The hash of one block.
 pub fn block_hash(block: &[u8]) -> u64 {
-    xxh3_64(block)
+    XxHash3_64::oneshot(block)
 }
 
 /// The identity of a tensor from the hashes of its blocks, in order.
 pub fn combine(block_hashes: &[u64]) -> u64 {
-    let mut hasher = Xxh3::new();
+    let mut hasher = XxHash3_64::new();
     for hash in block_hashes {
-        hasher.update(&hash.to_le_bytes());
+        hasher.write(&hash.to_le_bytes());
     }
-    hasher.digest()
+    hasher.finish()
 }
 
 /// The identity of `bytes`, its blocks hashed in parallel in the deltasync pool.
@@ -152,7 +154,10 @@ mod tests {
     use crate::core::diff::{diff, DiffInput};
     use crate::core::dtype::Dtype;
 
-    /// The definition, literally: hash each block, concatenate the hashes little-endian, hash that.
+    use xxhash_rust::xxh3::xxh3_64;
+
+    /// The definition, literally (with a second XXH3 implementation): hash each block, concatenate the hashes
+    /// little-endian, hash that.
     fn reference(bytes: &[u8]) -> u64 {
         let mut concatenated = Vec::new();
         for block in bytes.chunks(1 << 18) {
