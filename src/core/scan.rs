@@ -4,13 +4,13 @@
 //! The range is read in 64-byte blocks. Each block gives a 64-bit mask of differing bytes (one AVX-512BW
 //! compare, two AVX2 compares or four SSE2 compares, picked at run time; plain word XORs elsewhere), which is
 //! folded to one bit per element and walked with `trailing_zeros`. Streams are written through raw stores
-//! after one capacity check per block that has changes, so a change costs a few instructions and no branch
-//! that depends on the data except the rare long gap and value escape.
+//! after one capacity check per block that has changes, by the codec's inline encoders (`varint::put`,
+//! `values::put_diff`), so a change costs a few instructions and no branch that depends on the data except the
+//! rare long gap and value escape.
 
-use crate::core::codec::elements::{load_const, mask, sign_extend};
+use crate::core::codec::elements::load_const;
 use crate::core::codec::ranges::Changes;
-use crate::core::codec::values::ESCAPE;
-use crate::core::codec::{with_width, ValueCodec};
+use crate::core::codec::{values, varint, with_width, ValueCodec, WordSink};
 
 /// Bytes compared at once.
 pub const BLOCK_BYTES: usize = 64;
@@ -34,16 +34,6 @@ impl<'a> Sink<'a> {
         self.at = unsafe { self.buf.as_mut_ptr().add(self.buf.len()) };
     }
 
-    /// Stores the 8 little-endian bytes of `word` and keeps the first `len` (≤ 8).
-    ///
-    /// # Safety
-    /// Between `open` and `close`, with the room asked for not yet used up, 8 bytes of overhang included.
-    #[inline(always)]
-    unsafe fn put(&mut self, word: u64, len: usize) {
-        std::ptr::write_unaligned(self.at.cast::<u64>(), word.to_le());
-        self.at = self.at.add(len);
-    }
-
     /// # Safety
     /// After `open`, with every put within the room.
     #[inline(always)]
@@ -51,6 +41,15 @@ impl<'a> Sink<'a> {
         let len = self.at.offset_from(self.buf.as_ptr()) as usize;
         debug_assert!(len <= self.buf.capacity());
         self.buf.set_len(len);
+    }
+}
+
+impl WordSink for Sink<'_> {
+    /// Safe between `open` and `close`, with the room asked for not yet used up, 8 bytes of overhang included.
+    #[inline(always)]
+    unsafe fn put(&mut self, word: u64, len: usize) {
+        std::ptr::write_unaligned(self.at.cast::<u64>(), word.to_le());
+        self.at = self.at.add(len);
     }
 }
 
@@ -241,46 +240,16 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
         if count == 0 {
             first = position;
         } else {
-            let gap = position - next_expected;
-            if gap < 1 << 14 {
-                // One or two LEB128 bytes, without a branch.
-                let long = gap >= 0x80;
-                let word = if long { (gap & 0x7f) | 0x80 | ((gap >> 7) << 8) } else { gap };
-                positions.put(word, 1 + usize::from(long));
-            } else {
-                let mut rest = gap;
-                while rest >= 0x80 {
-                    positions.put((rest & 0x7f) | 0x80, 1);
-                    rest >>= 7;
-                }
-                positions.put(rest, 1);
-            }
+            varint::put(positions, position - next_expected);
         }
         next_expected = position + 1;
         count += 1;
         let new_bits = load_const::<W>(std::slice::from_raw_parts(new.add(offset), W));
         match codec {
-            ValueCodec::Abs => values.put(new_bits, W),
+            ValueCodec::Abs => values::put_abs::<W, _>(values, new_bits),
             ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => {
                 let old_bits = load_const::<W>(std::slice::from_raw_parts(old.add(offset), W));
-                let difference = new_bits.wrapping_sub(old_bits) & mask(W);
-                if W == 1 {
-                    values.put(difference, 1);
-                } else {
-                    let signed = sign_extend(difference, W);
-                    let small = signed.wrapping_add(127) as u64 <= 254;
-                    if W == 8 {
-                        if small {
-                            values.put(signed as u64 & 0xff, 1);
-                        } else {
-                            values.put(u64::from(ESCAPE), 1);
-                            values.put(difference, 8);
-                        }
-                    } else {
-                        let word = if small { signed as u64 & 0xff } else { u64::from(ESCAPE) | (difference << 8) };
-                        values.put(word, if small { 1 } else { 1 + W });
-                    }
-                }
+                values::put_diff::<W, _>(values, old_bits, new_bits);
             }
         }
         if COPY {
@@ -602,7 +571,7 @@ pub fn scan_update(mirror: &mut [u8], new: &[u8], first_element: u64, width: usi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::codec::{elements, values, varint};
+    use crate::core::codec::elements;
 
     /// The obvious element-by-element scan.
     fn reference(old: &[u8], new: &[u8], width: usize, codec: ValueCodec) -> Changes {

@@ -43,6 +43,16 @@ macro_rules! with_width {
 }
 pub(crate) use with_width;
 
+/// A byte buffer written through unaligned 8-byte stores, as the scan kernel's: the encoders that run inside the
+/// kernel (`varint::put`, `values::put_diff`) append through it without a length check per byte.
+pub trait WordSink {
+    /// Stores the 8 little-endian bytes of `word` and keeps the first `len` (≤ 8).
+    ///
+    /// # Safety
+    /// The sink has room for 8 bytes past its end.
+    unsafe fn put(&mut self, word: u64, len: usize);
+}
+
 use serde::{Deserialize, Serialize};
 
 /// The position after a gap: `next_allowed + gap`, which must lie below `numel`; moves `next_allowed` past it.

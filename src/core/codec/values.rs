@@ -6,7 +6,7 @@
 //! byte is the whole difference.
 
 use super::elements::{load_const, mask, sign_extend, store_const};
-use super::ValueCodec;
+use super::{ValueCodec, WordSink};
 
 /// The escape byte of the `diff` codec for elements wider than one byte.
 pub const ESCAPE: u8 = 0x80;
@@ -36,6 +36,42 @@ pub fn write_difference(out: &mut Vec<u8>, difference: u64, width: usize) {
     } else {
         out.push(ESCAPE);
         out.extend_from_slice(&difference.to_le_bytes()[..width]);
+    }
+}
+
+/// Appends the `abs` value of a `W`-byte element (its new bits) through raw stores, as the scan kernel writes.
+///
+/// # Safety
+/// As `WordSink::put`.
+#[inline(always)]
+pub unsafe fn put_abs<const W: usize, S: WordSink>(out: &mut S, new_bits: u64) {
+    out.put(new_bits, W);
+}
+
+/// Appends the `diff` value of a `W`-byte element that went from `old_bits` to `new_bits` through raw stores, as
+/// the scan kernel writes: only the escape of 8-byte elements branches on the data.
+///
+/// # Safety
+/// As `WordSink::put`, with room for `1 + W` bytes and the store's overhang.
+#[inline(always)]
+pub unsafe fn put_diff<const W: usize, S: WordSink>(out: &mut S, old_bits: u64, new_bits: u64) {
+    let difference = new_bits.wrapping_sub(old_bits) & mask(W);
+    if W == 1 {
+        out.put(difference, 1);
+        return;
+    }
+    let signed = sign_extend(difference, W);
+    let small = fits_one_byte(signed);
+    if W == 8 {
+        if small {
+            out.put(signed as u64 & 0xff, 1);
+        } else {
+            out.put(u64::from(ESCAPE), 1);
+            out.put(difference, 8);
+        }
+    } else {
+        let word = if small { signed as u64 & 0xff } else { u64::from(ESCAPE) | (difference << 8) };
+        out.put(word, if small { 1 } else { 1 + W });
     }
 }
 

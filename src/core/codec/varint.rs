@@ -1,6 +1,8 @@
 //! The `varint` position codec: LEB128 gaps of strictly increasing positions, both directions, and LEB128 itself
 //! (the record list's numbers use it too).
 
+use super::WordSink;
+
 /// Appends `value` as an unsigned LEB128 varint.
 #[inline]
 pub fn write(out: &mut Vec<u8>, mut value: u64) {
@@ -9,6 +11,27 @@ pub fn write(out: &mut Vec<u8>, mut value: u64) {
         value >>= 7;
     }
     out.push(value as u8);
+}
+
+/// Appends `gap` as a LEB128 varint through raw stores, as the scan kernel writes: one or two bytes (gaps below
+/// 2^14, nearly all) without a branch on which, longer ones a byte at a time.
+///
+/// # Safety
+/// As `WordSink::put`, with room for ten bytes and the store's overhang.
+#[inline(always)]
+pub unsafe fn put<S: WordSink>(out: &mut S, gap: u64) {
+    if gap < 1 << 14 {
+        let long = gap >= 0x80;
+        let word = if long { (gap & 0x7f) | 0x80 | ((gap >> 7) << 8) } else { gap };
+        out.put(word, 1 + usize::from(long));
+    } else {
+        let mut rest = gap;
+        while rest >= 0x80 {
+            out.put((rest & 0x7f) | 0x80, 1);
+            rest >>= 7;
+        }
+        out.put(rest, 1);
+    }
 }
 
 /// Encoded length of `value` in bytes.
