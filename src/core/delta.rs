@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use crate::core::codec::decode::EncodedTensor;
+use crate::core::codec::plan::TensorStreams;
 use crate::core::codec::{PositionCodec, ValueCodec};
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
@@ -60,6 +61,17 @@ impl TensorDelta {
             last_position: changed.checked_sub(1),
             // A whole tensor applies to any base.
             base: None,
+            ..self
+        }
+    }
+
+    /// This tensor holding the streams the compact codec chose for it (codec::plan::smallest_streams).
+    pub fn with_streams(self, streams: TensorStreams) -> TensorDelta {
+        TensorDelta {
+            positions_codec: streams.positions_codec,
+            values_codec: streams.values_codec,
+            positions: streams.positions.into(),
+            values: streams.values.into(),
             ..self
         }
     }

@@ -77,13 +77,7 @@ fn assemble(
     }
     match plan::smallest_streams(chunks, width, scanned_values, input.new.len()) {
         None => tensor.into_whole(input.new),
-        Some(streams) => TensorDelta {
-            positions_codec: streams.positions_codec,
-            values_codec: streams.values_codec,
-            positions: streams.positions.into(),
-            values: streams.values.into(),
-            ..tensor
-        },
+        Some(streams) => tensor.with_streams(streams),
     }
 }
 

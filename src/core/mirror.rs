@@ -222,13 +222,7 @@ impl MirrorTensor {
                 return Ok(
                     match crate::core::pool::install(|| plan::smallest_streams(ranges, width, codec, dense_len)) {
                         None => tensor.into_whole(whole),
-                        Some(streams) => TensorDelta {
-                            positions_codec: streams.positions_codec,
-                            values_codec: streams.values_codec,
-                            positions: streams.positions.into(),
-                            values: streams.values.into(),
-                            ..tensor
-                        },
+                        Some(streams) => tensor.with_streams(streams),
                     },
                 );
             }

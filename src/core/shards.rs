@@ -82,13 +82,7 @@ fn to_compact(tensor: TensorDelta) -> Result<TensorDelta> {
         values: tensor.values.to_vec(),
     };
     let streams = plan::smallest_streams(&[range], width, tensor.values_codec, usize::MAX).expect("never whole");
-    Ok(TensorDelta {
-        positions_codec: streams.positions_codec,
-        values_codec: streams.values_codec,
-        positions: streams.positions.into(),
-        values: streams.values.into(),
-        ..tensor
-    })
+    Ok(tensor.with_streams(streams))
 }
 
 /// Joins the deltas of all shards (in rank order) into one: tensors in order of first appearance, each one's
