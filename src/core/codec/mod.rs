@@ -139,12 +139,11 @@ impl ValueCodec {
     /// True when the decoded values are wrapping bit-pattern differences to add to the base, false when they
     /// are the new bits. Every writer of changes, in Rust and in Python, takes this rule from here.
     pub fn holds_differences(self) -> bool {
-        matches!(self, ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans)
-    }
-
-    /// True when values are differences to add to the old bits, false when they are the new bits.
-    pub fn is_difference(self) -> bool {
-        self != ValueCodec::Abs
+        // Exhaustive, so that a new value codec has to say which it holds.
+        match self {
+            ValueCodec::Abs => false,
+            ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => true,
+        }
     }
 
     /// The value codecs a caller may ask a diff for (`diffbits` and `rans` are chosen per tensor, never asked).
