@@ -240,7 +240,7 @@ fn assemble_joined(input: &DiffInput<'_>, joined: Joined, scanned_values: ValueC
     if joined.count == 0 {
         return tensor;
     }
-    if joined.positions.len() + joined.values.len() >= input.new.len() {
+    if !plan::streams_win(joined.positions.len() + joined.values.len(), input.new.len()) {
         return tensor.into_whole(input.new);
     }
     let (positions, values) = joined.into_streams();

@@ -226,7 +226,9 @@ impl MirrorTensor {
                     },
                 );
             }
-            if tensor.changed > 0 && self.joined.positions.len() + self.joined.values.len() >= dense_len {
+            if tensor.changed > 0
+                && !plan::streams_win(self.joined.positions.len() + self.joined.values.len(), dense_len)
+            {
                 return Ok(tensor.into_whole(whole));
             }
         }

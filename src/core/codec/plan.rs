@@ -18,6 +18,13 @@ pub struct TensorStreams {
     pub values: Vec<u8>,
 }
 
+/// True when a tensor's streams, `streams_len` bytes in all, are kept: storing the tensor whole (`dense_len` bytes,
+/// positions `all`, values `abs`) is larger. The rule of both codec families.
+#[inline]
+pub fn streams_win(streams_len: usize, dense_len: usize) -> bool {
+    streams_len < dense_len
+}
+
 /// A range's changes re-encoded in the compact codec: Rice codes of its gaps (its first gap included) and, for
 /// differences, their `rans` tokens.
 struct CompactRange {
@@ -139,7 +146,7 @@ pub fn smallest_streams(
     }
     let positions_len = rice.as_ref().map_or(varint_len, Vec::len);
     let values_len = bit_values.as_ref().map_or(byte_values_len, Vec::len);
-    if positions_len + values_len >= dense_len {
+    if !streams_win(positions_len + values_len, dense_len) {
         return None;
     }
     let positions_codec = if rice.is_some() { PositionCodec::Rice } else { PositionCodec::Varint };
