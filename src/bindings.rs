@@ -559,7 +559,7 @@ impl RawDelta {
     }
 
     /// True when tensor `index`'s decoded values are wrapping bit-pattern differences to add to the base
-    /// (`diff`, `diffbits`), false when they are the new bits (`abs`).
+    /// (`diff`, `diffbits`, `rans`), false when they are the new bits (`abs`).
     fn holds_differences(&self, index: usize) -> PyResult<bool> {
         Ok(self.tensor(index)?.values_codec.holds_differences())
     }

@@ -2,8 +2,9 @@
 
 use rayon::prelude::*;
 
-use crate::core::codec::values;
-use crate::core::delta::{Delta, TensorDelta, BATCH};
+use crate::core::codec::decode::BATCH;
+use crate::core::codec::{elements, values, with_width};
+use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype;
 use crate::core::error::{Error, Result};
 
@@ -88,13 +89,8 @@ pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
         }
         return Ok(());
     }
-    match tensor.width() {
-        1 => scatter::<1>(tensor, target),
-        2 => scatter::<2>(tensor, target),
-        4 => scatter::<4>(tensor, target),
-        _ => scatter::<8>(tensor, target),
-    }
-    .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+    with_width!(tensor.width(), W => scatter::<W>(tensor, target))
+        .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
 }
 
 #[inline(always)]
@@ -166,7 +162,7 @@ pub fn decode_into(tensor: &TensorDelta, positions_out: &mut [u8], values_out: &
     tensor
         .for_each_change(|position, value| {
             positions_out[k * 8..k * 8 + 8].copy_from_slice(&(position as i64).to_le_bytes());
-            values::store(&mut values_out[k * width..], value, width);
+            elements::store(&mut values_out[k * width..], value, width);
             k += 1;
         })
         .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))

@@ -14,12 +14,13 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use crate::core::base;
-use crate::core::codec::compact;
+use crate::core::codec::plan;
+use crate::core::codec::ranges::{Changes, InOrder, Joined};
 use crate::core::codec::{Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
-use crate::core::scan::{self, Changes, InOrder, Joined};
+use crate::core::scan;
 use crate::core::stream::Stream;
 
 /// Elements per chunk: big enough to amortise scheduling, small enough to balance two to many threads. A multiple
@@ -59,7 +60,7 @@ fn check_len(name: &str, dtype: Dtype, shape: &[u64], lens: &[usize]) -> Result<
     Ok(width)
 }
 
-/// Joins a tensor's chunks into the compact codec's streams (codec::compact::smallest_streams), or stores it whole
+/// Joins a tensor's chunks into the compact codec's streams (codec::plan::smallest_streams), or stores it whole
 /// when that is no larger.
 fn assemble(
     input: &DiffInput<'_>,
@@ -74,15 +75,9 @@ fn assemble(
     if changed == 0 {
         return tensor;
     }
-    match compact::smallest_streams(chunks, width, scanned_values, input.new.len()) {
+    match plan::smallest_streams(chunks, width, scanned_values, input.new.len()) {
         None => tensor.into_whole(input.new),
-        Some(streams) => TensorDelta {
-            positions_codec: streams.positions_codec,
-            values_codec: streams.values_codec,
-            positions: streams.positions.into(),
-            values: streams.values.into(),
-            ..tensor
-        },
+        Some(streams) => tensor.with_streams(streams),
     }
 }
 
@@ -245,7 +240,7 @@ fn assemble_joined(input: &DiffInput<'_>, joined: Joined, scanned_values: ValueC
     if joined.count == 0 {
         return tensor;
     }
-    if joined.positions.len() + joined.values.len() >= input.new.len() {
+    if !plan::streams_win(joined.positions.len() + joined.values.len(), input.new.len()) {
         return tensor.into_whole(input.new);
     }
     let (positions, values) = joined.into_streams();
@@ -311,7 +306,7 @@ mod tests {
                 )
             })
             .collect();
-        let want = scan::join_streams(&chunks);
+        let want = crate::core::codec::ranges::join_streams(&chunks);
         let orders: [[usize; 9]; 4] = [
             [0, 1, 2, 3, 4, 5, 6, 7, 8],
             [8, 7, 6, 5, 4, 3, 2, 1, 0],

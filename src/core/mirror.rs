@@ -11,18 +11,19 @@
 //! the next chunk. A shard, which sees only part of the tensor, records no base.
 //!
 //! With the compact codec each task's changes are kept apart until `finish`, which re-encodes them as `diff::diff`
-//! does (codec::compact::smallest_streams); a shard keeps `varint` streams.
+//! does (codec::plan::smallest_streams); a shard keeps `varint` streams.
 
 use std::sync::Mutex;
 
 use rayon::prelude::*;
 
 use crate::core::base::{self, BlockHasher};
-use crate::core::codec::{compact, Codec, PositionCodec, ValueCodec};
+use crate::core::codec::ranges::{self, Changes, InOrder, Joined};
+use crate::core::codec::{plan, Codec, PositionCodec, ValueCodec};
 use crate::core::delta::TensorDelta;
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
-use crate::core::scan::{self, Changes, InOrder, Joined};
+use crate::core::scan;
 use crate::core::stream::Stream;
 
 /// Elements scanned by one rayon task: whole base identity blocks at every width.
@@ -219,19 +220,15 @@ impl MirrorTensor {
             if let (Some(ranges), true) = (&compact_ranges, tensor.changed > 0) {
                 let (width, codec) = (self.width, self.codec);
                 return Ok(
-                    match crate::core::pool::install(|| compact::smallest_streams(ranges, width, codec, dense_len)) {
+                    match crate::core::pool::install(|| plan::smallest_streams(ranges, width, codec, dense_len)) {
                         None => tensor.into_whole(whole),
-                        Some(streams) => TensorDelta {
-                            positions_codec: streams.positions_codec,
-                            values_codec: streams.values_codec,
-                            positions: streams.positions.into(),
-                            values: streams.values.into(),
-                            ..tensor
-                        },
+                        Some(streams) => tensor.with_streams(streams),
                     },
                 );
             }
-            if tensor.changed > 0 && self.joined.positions.len() + self.joined.values.len() >= dense_len {
+            if tensor.changed > 0
+                && !plan::streams_win(self.joined.positions.len() + self.joined.values.len(), dense_len)
+            {
                 return Ok(tensor.into_whole(whole));
             }
         }
@@ -239,7 +236,7 @@ impl MirrorTensor {
             return Ok(tensor);
         }
         let (positions, values) = match compact_ranges {
-            Some(ranges) => scan::join_streams(&ranges),
+            Some(ranges) => ranges::join_streams(&ranges),
             None => self.joined.into_streams(),
         };
         Ok(TensorDelta { positions: positions.into(), values: values.into(), ..tensor })

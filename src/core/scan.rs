@@ -4,27 +4,16 @@
 //! The range is read in 64-byte blocks. Each block gives a 64-bit mask of differing bytes (one AVX-512BW
 //! compare, two AVX2 compares or four SSE2 compares, picked at run time; plain word XORs elsewhere), which is
 //! folded to one bit per element and walked with `trailing_zeros`. Streams are written through raw stores
-//! after one capacity check per block that has changes, so a change costs a few instructions and no branch
-//! that depends on the data except the rare long gap and value escape.
+//! after one capacity check per block that has changes, by the codec's inline encoders (`varint::put`,
+//! `values::put_diff`), so a change costs a few instructions and no branch that depends on the data except the
+//! rare long gap and value escape.
 
-use crate::core::codec::values::{self, ESCAPE};
-use crate::core::codec::{varint, ValueCodec};
+use crate::core::codec::elements::load_const;
+use crate::core::codec::ranges::Changes;
+use crate::core::codec::{values, varint, with_width, ValueCodec, WordSink};
 
 /// Bytes compared at once.
 pub const BLOCK_BYTES: usize = 64;
-
-/// The changes found in one range of elements, in the `varint` position codec and the `abs` or `diff` value codec.
-/// A clone's streams are exactly their length.
-#[derive(Default, Clone)]
-pub struct Changes {
-    pub count: u64,
-    /// Position of the first change; its gap is not in `positions` (it depends on the range before this one).
-    pub first_position: u64,
-    pub last_position: u64,
-    /// Gap varints after the first change.
-    pub positions: Vec<u8>,
-    pub values: Vec<u8>,
-}
 
 /// Appends through unaligned 8-byte stores: `open` makes room and takes the write position into a local pointer
 /// (so that no store to the buffer makes the compiler reload the vector's length), `close` sets the length.
@@ -45,16 +34,6 @@ impl<'a> Sink<'a> {
         self.at = unsafe { self.buf.as_mut_ptr().add(self.buf.len()) };
     }
 
-    /// Stores the 8 little-endian bytes of `word` and keeps the first `len` (≤ 8).
-    ///
-    /// # Safety
-    /// Between `open` and `close`, with the room asked for not yet used up, 8 bytes of overhang included.
-    #[inline(always)]
-    unsafe fn put(&mut self, word: u64, len: usize) {
-        std::ptr::write_unaligned(self.at.cast::<u64>(), word.to_le());
-        self.at = self.at.add(len);
-    }
-
     /// # Safety
     /// After `open`, with every put within the room.
     #[inline(always)]
@@ -62,6 +41,15 @@ impl<'a> Sink<'a> {
         let len = self.at.offset_from(self.buf.as_ptr()) as usize;
         debug_assert!(len <= self.buf.capacity());
         self.buf.set_len(len);
+    }
+}
+
+impl WordSink for Sink<'_> {
+    /// Safe between `open` and `close`, with the room asked for not yet used up, 8 bytes of overhang included.
+    #[inline(always)]
+    unsafe fn put(&mut self, word: u64, len: usize) {
+        std::ptr::write_unaligned(self.at.cast::<u64>(), word.to_le());
+        self.at = self.at.add(len);
     }
 }
 
@@ -252,47 +240,16 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
         if count == 0 {
             first = position;
         } else {
-            let gap = position - next_expected;
-            if gap < 1 << 14 {
-                // One or two LEB128 bytes, without a branch.
-                let long = gap >= 0x80;
-                let word = if long { (gap & 0x7f) | 0x80 | ((gap >> 7) << 8) } else { gap };
-                positions.put(word, 1 + usize::from(long));
-            } else {
-                let mut rest = gap;
-                while rest >= 0x80 {
-                    positions.put((rest & 0x7f) | 0x80, 1);
-                    rest >>= 7;
-                }
-                positions.put(rest, 1);
-            }
+            varint::put(positions, position - next_expected);
         }
         next_expected = position + 1;
         count += 1;
-        let new_bits = values::load_const::<W>(std::slice::from_raw_parts(new.add(offset), W));
+        let new_bits = load_const::<W>(std::slice::from_raw_parts(new.add(offset), W));
         match codec {
-            ValueCodec::Abs => values.put(new_bits, W),
+            ValueCodec::Abs => values::put_abs::<W, _>(values, new_bits),
             ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => {
-                let old_bits = values::load_const::<W>(std::slice::from_raw_parts(old.add(offset), W));
-                let difference = new_bits.wrapping_sub(old_bits) & values::mask(W);
-                if W == 1 {
-                    values.put(difference, 1);
-                } else {
-                    let shift = 64 - 8 * W as u32;
-                    let signed = ((difference << shift) as i64) >> shift;
-                    let small = signed.wrapping_add(127) as u64 <= 254;
-                    if W == 8 {
-                        if small {
-                            values.put(signed as u64 & 0xff, 1);
-                        } else {
-                            values.put(u64::from(ESCAPE), 1);
-                            values.put(difference, 8);
-                        }
-                    } else {
-                        let word = if small { signed as u64 & 0xff } else { u64::from(ESCAPE) | (difference << 8) };
-                        values.put(word, if small { 1 } else { 1 + W });
-                    }
-                }
+                let old_bits = load_const::<W>(std::slice::from_raw_parts(old.add(offset), W));
+                values::put_diff::<W, _>(values, old_bits, new_bits);
             }
         }
         if COPY {
@@ -440,7 +397,7 @@ fn scan_pieces_then<const W: usize, const COPY: bool, R>(
                 piece,
                 Changes::clone,
             );
-            join(&mut out, part);
+            out.append(part);
             start += piece;
         }
         return take(&out);
@@ -556,118 +513,6 @@ fn best_kernel() -> Kernel {
     Kernel::Portable
 }
 
-/// Byte lengths of the position and value streams that `join_streams` makes of `parts`.
-pub fn joined_lens(parts: &[Changes]) -> (usize, usize) {
-    let (mut positions, mut values, mut previous_end) = (0usize, 0usize, 0u64);
-    for part in parts.iter().filter(|p| p.count > 0) {
-        positions += varint::len(part.first_position - previous_end) + part.positions.len();
-        values += part.values.len();
-        previous_end = part.last_position + 1;
-    }
-    (positions, values)
-}
-
-/// One tensor's `varint` position stream and its value stream, from the changes of its consecutive ranges
-/// (each range's first gap, which depends on the range before it, written in here).
-pub fn join_streams(parts: &[Changes]) -> (Vec<u8>, Vec<u8>) {
-    let (positions_len, values_len) = joined_lens(parts);
-    let mut joined = Joined::default();
-    joined.positions.reserve_exact(positions_len);
-    joined.values.reserve_exact(values_len);
-    for part in parts {
-        joined.append(part);
-    }
-    (joined.positions, joined.values)
-}
-
-/// A tensor's `varint` position stream and value stream, built by appending the changes of its consecutive ranges
-/// in order.
-#[derive(Default)]
-pub struct Joined {
-    pub count: u64,
-    pub last_position: Option<u64>,
-    pub positions: Vec<u8>,
-    pub values: Vec<u8>,
-}
-
-impl Joined {
-    /// Appends the changes of the range after the last one appended, writing their first gap.
-    pub fn append(&mut self, part: &Changes) {
-        if part.count == 0 {
-            return;
-        }
-        let previous_end = self.last_position.map_or(0, |last| last + 1);
-        varint::write(&mut self.positions, part.first_position - previous_end);
-        self.positions.extend_from_slice(&part.positions);
-        self.values.extend_from_slice(&part.values);
-        self.count += part.count;
-        self.last_position = Some(part.last_position);
-    }
-
-    /// The position and value streams, shrunk to their length.
-    pub fn into_streams(mut self) -> (Vec<u8>, Vec<u8>) {
-        self.positions.shrink_to_fit();
-        self.values.shrink_to_fit();
-        (self.positions, self.values)
-    }
-}
-
-/// A tensor's streams while the changes of its consecutive ranges ("chunks") come in, in any order: a chunk is
-/// appended as soon as every chunk before it is in, straight from the caller's buffer; one that comes early waits
-/// as a copy.
-pub struct InOrder {
-    next: usize,
-    joined: Joined,
-    waiting: Vec<Option<Changes>>,
-    /// Streams are not reserved beyond this many bytes (the tensor's size: larger streams are not kept).
-    cap: usize,
-}
-
-impl InOrder {
-    /// Appends `chunks` chunks to `joined` (empty, or the streams of the ranges before them).
-    pub fn new(joined: Joined, chunks: usize, cap: usize) -> Self {
-        InOrder { next: 0, joined, waiting: (0..chunks).map(|_| None).collect(), cap }
-    }
-
-    /// Takes chunk `chunk`'s changes; returns the streams once the last chunk is appended (to exactly one caller).
-    pub fn add(&mut self, chunk: usize, changes: &Changes) -> Option<Joined> {
-        if chunk != self.next {
-            self.waiting[chunk] = Some(changes.clone());
-            return None;
-        }
-        if self.next == 0 {
-            // Room for every chunk, guessed from the first, so that the streams rarely grow by copying.
-            let left = self.waiting.len() as u64;
-            let guess = |len: usize| (len as u64 * left + len as u64 * left / 8 + 64).min(self.cap as u64) as usize;
-            self.joined.positions.reserve(guess(changes.positions.len()));
-            self.joined.values.reserve(guess(changes.values.len()));
-        }
-        self.joined.append(changes);
-        self.next += 1;
-        while let Some(waiting) = self.waiting.get_mut(self.next).and_then(Option::take) {
-            self.joined.append(&waiting);
-            self.next += 1;
-        }
-        (self.next == self.waiting.len()).then(|| std::mem::take(&mut self.joined))
-    }
-}
-
-/// Appends the changes of the range after `out`'s to `out`.
-fn join(out: &mut Changes, next: Changes) {
-    if next.count == 0 {
-        return;
-    }
-    if out.count == 0 {
-        *out = next;
-        return;
-    }
-    varint::write(&mut out.positions, next.first_position - out.last_position - 1);
-    out.positions.extend_from_slice(&next.positions);
-    out.values.extend_from_slice(&next.values);
-    out.count += next.count;
-    out.last_position = next.last_position;
-}
-
 fn check(old: usize, new: usize, width: usize) {
     assert!(old == new && old.is_multiple_of(width), "scan of {old} and {new} bytes of {width}-byte elements");
 }
@@ -682,12 +527,7 @@ fn scan_width<const COPY: bool, R>(
     take: impl FnOnce(&Changes) -> R,
 ) -> R {
     let (new, len) = (new.as_ptr(), new.len());
-    match width {
-        1 => scan_pieces_then::<1, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
-        2 => scan_pieces_then::<2, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
-        4 => scan_pieces_then::<4, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
-        _ => scan_pieces_then::<8, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take),
-    }
+    with_width!(width, W => scan_pieces_then::<W, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take))
 }
 
 /// The changes from `old` to `new` (element `first_element` at their start), handed to `take` before their
@@ -731,6 +571,7 @@ pub fn scan_update(mirror: &mut [u8], new: &[u8], first_element: u64, width: usi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::codec::elements;
 
     /// The obvious element-by-element scan.
     fn reference(old: &[u8], new: &[u8], width: usize, codec: ValueCodec) -> Changes {
@@ -750,7 +591,8 @@ mod tests {
             match codec {
                 ValueCodec::Abs => out.values.extend_from_slice(b),
                 _ => {
-                    let difference = values::load(b, width).wrapping_sub(values::load(a, width)) & values::mask(width);
+                    let difference =
+                        elements::load(b, width).wrapping_sub(elements::load(a, width)) & elements::mask(width);
                     values::write_difference(&mut out.values, difference, width);
                 }
             }
@@ -766,7 +608,7 @@ mod tests {
     /// Scans with one kernel; `copy` scans a copy of `old` as a mirror. Returns the changes and that copy.
     fn run(kernel: Kernel, old: &[u8], new: &[u8], width: usize, codec: ValueCodec, copy: bool) -> (Changes, Vec<u8>) {
         macro_rules! go {
-            ($w:literal, $copy:literal) => {{
+            ($w:ident, $copy:literal) => {{
                 let mut mirror = old.to_vec();
                 let mut out = Changes::default();
                 let (target, source, len) = (mirror.as_mut_ptr(), new.as_ptr(), old.len());
@@ -786,15 +628,10 @@ mod tests {
                 (out, mirror)
             }};
         }
-        match (width, copy) {
-            (1, false) => go!(1, false),
-            (2, false) => go!(2, false),
-            (4, false) => go!(4, false),
-            (_, false) => go!(8, false),
-            (1, true) => go!(1, true),
-            (2, true) => go!(2, true),
-            (4, true) => go!(4, true),
-            (_, true) => go!(8, true),
+        if copy {
+            with_width!(width, W => go!(W, true))
+        } else {
+            with_width!(width, W => go!(W, false))
         }
     }
 

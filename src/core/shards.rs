@@ -4,11 +4,11 @@
 
 use std::collections::BTreeMap;
 
-use crate::core::codec::{compact, varint, Codec, PositionCodec};
+use crate::core::codec::ranges::Changes;
+use crate::core::codec::{plan, varint, Codec, PositionCodec};
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype;
 use crate::core::error::{Error, Result};
-use crate::core::scan::Changes;
 
 /// The first position of a varint stream (its first gap counts from element 0).
 fn first_position(tensor: &TensorDelta) -> Result<u64> {
@@ -64,7 +64,7 @@ pub fn join_tensor(parts: Vec<TensorDelta>) -> Result<TensorDelta> {
     Ok(joined)
 }
 
-/// A joined `varint` tensor in the compact codec (codec::compact::smallest_streams, never stored whole: no rank
+/// A joined `varint` tensor in the compact codec (codec::plan::smallest_streams, never stored whole: no rank
 /// holds the whole tensor's bytes).
 fn to_compact(tensor: TensorDelta) -> Result<TensorDelta> {
     if tensor.changed == 0 || tensor.positions_codec != PositionCodec::Varint {
@@ -81,14 +81,8 @@ fn to_compact(tensor: TensorDelta) -> Result<TensorDelta> {
         positions: tensor.positions[rest_at..].to_vec(),
         values: tensor.values.to_vec(),
     };
-    let streams = compact::smallest_streams(&[range], width, tensor.values_codec, usize::MAX).expect("never whole");
-    Ok(TensorDelta {
-        positions_codec: streams.positions_codec,
-        values_codec: streams.values_codec,
-        positions: streams.positions.into(),
-        values: streams.values.into(),
-        ..tensor
-    })
+    let streams = plan::smallest_streams(&[range], width, tensor.values_codec, usize::MAX).expect("never whole");
+    Ok(tensor.with_streams(streams))
 }
 
 /// Joins the deltas of all shards (in rank order) into one: tensors in order of first appearance, each one's

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 
-use crate::core::codec::{varint, PositionCodec, ValueCodec};
+use crate::core::codec::{elements, varint, PositionCodec, ValueCodec};
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype::{self, Dtype};
 use crate::core::error::{Error, Result};
@@ -44,9 +44,7 @@ fn positions_to_varint(
         let mut next = 0u64;
         for gap in bytes.chunks_exact(width) {
             // Each index is the previous one plus one plus its gap; past u64::MAX is a format error, not a wrap.
-            let position = next
-                .checked_add(crate::core::codec::values::load(gap, width))
-                .ok_or_else(|| bad("index overflows".into()))?;
+            let position = next.checked_add(elements::load(gap, width)).ok_or_else(|| bad("index overflows".into()))?;
             positions.push(position);
             next = position.checked_add(1).ok_or_else(|| bad("index overflows".into()))?;
         }
@@ -57,8 +55,7 @@ fn positions_to_varint(
             other => return Err(bad(format!("raw indices must be I32 or I64, not {}", dtype::name_of(other)))),
         };
         for raw in bytes.chunks_exact(width) {
-            let value = crate::core::codec::values::load(raw, width);
-            let signed = if width == 4 { i64::from(value as u32 as i32) } else { value as i64 };
+            let signed = elements::sign_extend(elements::load(raw, width), width);
             positions.push(u64::try_from(signed).map_err(|_| bad(format!("negative index {signed}")))?);
         }
     }

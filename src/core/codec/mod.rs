@@ -1,10 +1,57 @@
-//! Codecs for the two streams of a tensor delta: changed positions and their values.
-//! Each codec is named in the file's per-tensor metadata, so new ones slot in beside these.
+//! Every stream format of a tensor delta, both directions: the two streams of a tensor (changed positions and
+//! their values), each in a codec named in the file's per-tensor metadata, so new ones slot in beside these.
+//!
+//! Positions: `varint` (LEB128 gaps), `rice` (Golomb-Rice gaps). Values: `abs`, `diff` (byte-aligned, `values`),
+//! `diffbits` (bit-packed), `rans` (entropy-coded). `bits` and `elements` are their shared pieces; `ranges` joins
+//! the scan's ranges into `varint` streams, `plan` picks the compact codec's streams, `decode` reads any pair.
 
-pub mod compact;
+pub mod bits;
+pub mod decode;
+pub mod diffbits;
+pub mod elements;
+pub mod pairs;
+pub mod plan;
+pub mod ranges;
 pub mod rans;
+pub mod rice;
 pub mod values;
 pub mod varint;
+
+/// Runs `$body` with `$W` a `const usize` equal to the element width `$width` (1, 2 or 4; 8 for any other), so
+/// that code generic over `const W: usize` is picked once per tensor, not branched on per element.
+macro_rules! with_width {
+    ($width:expr, $W:ident => $body:expr) => {
+        match $width {
+            1 => {
+                const $W: usize = 1;
+                $body
+            }
+            2 => {
+                const $W: usize = 2;
+                $body
+            }
+            4 => {
+                const $W: usize = 4;
+                $body
+            }
+            _ => {
+                const $W: usize = 8;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_width;
+
+/// A byte buffer written through unaligned 8-byte stores, as the scan kernel's: the encoders that run inside the
+/// kernel (`varint::put`, `values::put_diff`) append through it without a length check per byte.
+pub trait WordSink {
+    /// Stores the 8 little-endian bytes of `word` and keeps the first `len` (≤ 8).
+    ///
+    /// # Safety
+    /// The sink has room for 8 bytes past its end.
+    unsafe fn put(&mut self, word: u64, len: usize);
+}
 
 use serde::{Deserialize, Serialize};
 
@@ -44,41 +91,6 @@ pub enum ValueCodec {
     DiffBits,
     /// The same difference entropy-coded: static rANS over a per-tensor frequency table (the `compact` codec).
     Rans,
-}
-
-impl ValueCodec {
-    /// True when the decoded values are wrapping bit-pattern differences to add to the base, false when they
-    /// are the new bits. Every writer of changes, in Rust and in Python, takes this rule from here.
-    pub fn holds_differences(self) -> bool {
-        matches!(self, ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans)
-    }
-}
-
-/// A decoder of a position stream: strictly increasing positions, each checked against the element count.
-pub trait PositionSource {
-    fn next_position(&mut self) -> Result<u64, String>;
-    /// True once the stream has been read to its end, with nothing left over.
-    fn is_exhausted(&self) -> bool;
-}
-
-impl PositionSource for varint::PositionReader<'_> {
-    #[inline(always)]
-    fn next_position(&mut self) -> Result<u64, String> {
-        varint::PositionReader::next_position(self)
-    }
-    fn is_exhausted(&self) -> bool {
-        varint::PositionReader::is_exhausted(self)
-    }
-}
-
-impl PositionSource for compact::RiceReader<'_> {
-    #[inline(always)]
-    fn next_position(&mut self) -> Result<u64, String> {
-        compact::RiceReader::next_position(self)
-    }
-    fn is_exhausted(&self) -> bool {
-        compact::RiceReader::is_exhausted(self)
-    }
 }
 
 /// Which family of stream codecs a diff writes.
@@ -124,11 +136,17 @@ impl ValueCodec {
         }
     }
 
-    /// True when values are differences to add to the old bits, false when they are the new bits.
-    pub fn is_difference(self) -> bool {
-        self != ValueCodec::Abs
+    /// True when the decoded values are wrapping bit-pattern differences to add to the base, false when they
+    /// are the new bits. Every writer of changes, in Rust and in Python, takes this rule from here.
+    pub fn holds_differences(self) -> bool {
+        // Exhaustive, so that a new value codec has to say which it holds.
+        match self {
+            ValueCodec::Abs => false,
+            ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => true,
+        }
     }
 
+    /// The value codecs a caller may ask a diff for (`diffbits` and `rans` are chosen per tensor, never asked).
     pub fn parse(name: &str) -> Option<Self> {
         match name {
             "abs" => Some(ValueCodec::Abs),

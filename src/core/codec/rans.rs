@@ -5,7 +5,8 @@
 //! Values of `u` below 16 are tokens of their own; larger ones are a token for their bit length and the two bits
 //! after the leading one, followed by the remaining low bits, coded as uniform symbols in the same state.
 
-use super::values::{mask, sign_extend, ESCAPE};
+use super::elements::{mask, unzigzag, zigzag};
+use super::values::ESCAPE;
 
 /// Probabilities are in units of 2^-PROB_BITS.
 pub const PROB_BITS: u32 = 12;
@@ -22,19 +23,6 @@ pub const MAX_TOKENS: usize = 256;
 /// How many tokens `W`-byte elements have: 16 direct ones, and 4 per bit length from 5 to 8W bits.
 pub const fn token_count(width: usize) -> usize {
     32 * width
-}
-
-/// The zigzag code of a wrapping difference of a `width`-byte element.
-#[inline(always)]
-fn zigzag(difference: u64, width: usize) -> u64 {
-    let signed = sign_extend(difference, width);
-    ((signed << 1) ^ (signed >> 63)) as u64
-}
-
-/// The wrapping difference (all 64 bits; mask to the width) of a zigzag code.
-#[inline(always)]
-fn unzigzag(u: u64) -> u64 {
-    (u >> 1) ^ (u & 1).wrapping_neg()
 }
 
 /// The code of a wrapping difference of a `width`-byte element: its zigzag code, except that `d = 0` (never a
@@ -67,7 +55,7 @@ fn difference_of<const W: usize>(u: u64) -> u64 {
 
 /// The token of a zigzag code, and how many low bits follow it.
 #[inline(always)]
-pub fn token_of(u: u64) -> (u8, u32) {
+pub const fn token_of(u: u64) -> (u8, u32) {
     if u < DIRECT {
         return (u as u8, 0);
     }
@@ -102,15 +90,10 @@ static BYTE_TOKENS: [(u8, u8, u8); 256] = {
     let mut table = [(0u8, 0u8, 0u8); 256];
     let mut byte = 0;
     while byte < 256 {
-        let signed = byte as u8 as i8 as i64;
-        let u = ((signed << 1) ^ (signed >> 63)) as u64;
-        table[byte] = if u < DIRECT {
-            (u as u8, 0, 0)
-        } else {
-            let length = 63 - u.leading_zeros();
-            let after_leading = ((u >> (length - 2)) & 3) as u32;
-            ((16 + 4 * (length - 4) + after_leading) as u8, (u & ((1 << (length - 2)) - 1)) as u8, (length - 2) as u8)
-        };
+        // A one-byte `diff` value is the difference sign-extended from its byte, whatever the width.
+        let u = zigzag(byte as u64, 1);
+        let (token, bits) = token_of(u);
+        table[byte] = (token, (u & ((1 << bits) - 1)) as u8, bits as u8);
         byte += 1;
     }
     table
@@ -689,12 +672,7 @@ mod tests {
             }
             let len = differences.len();
             differences.rotate_left(seed as usize % len);
-            match width {
-                1 => { roundtrip::<1>(&differences); }
-                2 => { roundtrip::<2>(&differences); }
-                4 => { roundtrip::<4>(&differences); }
-                _ => { roundtrip::<8>(&differences); }
-            }
+            crate::core::codec::with_width!(width, W => { roundtrip::<W>(&differences); });
         }
     }
 }

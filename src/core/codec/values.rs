@@ -1,69 +1,26 @@
-//! Value coding for changed elements: `abs` (new raw bytes) and `diff` (wrapping bit-pattern difference).
+//! The byte-aligned value codecs, both directions: `abs` (the new raw bytes) and `diff` (the wrapping bit-pattern
+//! difference), and how a decoded value of any value codec is applied to an element.
 //!
 //! `diff` writes one signed byte for differences in [-127, 127]. Anything else is the escape byte 0x80
 //! followed by the full-width wrapping difference, little-endian. One-byte dtypes have no escape: the
 //! byte is the whole difference.
 
-use super::compact::{read_difference, BitReader};
-use super::rans::RansReader;
-use super::ValueCodec;
+use super::elements::{load_const, mask, sign_extend, store_const};
+use super::{ValueCodec, WordSink};
 
 /// The escape byte of the `diff` codec for elements wider than one byte.
 pub const ESCAPE: u8 = 0x80;
 
-/// Mask of the low `width` bytes.
-#[inline]
-pub fn mask(width: usize) -> u64 {
-    if width >= 8 {
-        u64::MAX
-    } else {
-        (1u64 << (8 * width)) - 1
-    }
-}
-
-/// Loads a little-endian element of `width` bytes.
-#[inline]
-pub fn load(bytes: &[u8], width: usize) -> u64 {
-    let mut buf = [0u8; 8];
-    buf[..width].copy_from_slice(&bytes[..width]);
-    u64::from_le_bytes(buf)
-}
-
-/// Loads a little-endian element of a width known at compile time.
+/// True when a difference (sign-extended) takes one byte of the `diff` codec, not the escape.
 #[inline(always)]
-pub fn load_const<const W: usize>(bytes: &[u8]) -> u64 {
-    let bytes: [u8; W] = bytes[..W].try_into().expect("W bytes");
-    match W {
-        1 => u64::from(bytes[0]),
-        2 => u64::from(u16::from_le_bytes(bytes[..2].try_into().expect("2 bytes"))),
-        4 => u64::from(u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"))),
-        _ => u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
-    }
+pub fn fits_one_byte(signed: i64) -> bool {
+    signed.wrapping_add(127) as u64 <= 254
 }
 
-/// Stores the low `W` bytes of `value`, little-endian.
+/// The difference of a `W`-byte element that one `diff` byte other than the escape stands for.
 #[inline(always)]
-pub fn store_const<const W: usize>(out: &mut [u8], value: u64) {
-    out[..W].copy_from_slice(&value.to_le_bytes()[..W]);
-}
-
-/// Stores the low `width` bytes of `value`, little-endian.
-#[inline]
-pub fn store(out: &mut [u8], value: u64, width: usize) {
-    out[..width].copy_from_slice(&value.to_le_bytes()[..width]);
-}
-
-/// Appends the value of one changed element of a width known at compile time. Differences are always written
-/// byte-coded (`diff`); `diffbits` streams are re-encoded from these (see `compact`).
-#[inline(always)]
-pub fn write_const<const W: usize>(out: &mut Vec<u8>, codec: ValueCodec, old: &[u8], new: &[u8]) {
-    match codec {
-        ValueCodec::Abs => out.extend_from_slice(&new[..W]),
-        ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => {
-            let difference = load_const::<W>(new).wrapping_sub(load_const::<W>(old)) & mask(W);
-            write_difference(out, difference, W);
-        }
-    }
+pub fn short_value<const W: usize>(byte: u8) -> u64 {
+    (i64::from(byte as i8) as u64) & mask(W)
 }
 
 /// Appends a wrapping difference in the `diff` codec.
@@ -74,7 +31,7 @@ pub fn write_difference(out: &mut Vec<u8>, difference: u64, width: usize) {
         return;
     }
     let signed = sign_extend(difference, width);
-    if (-127..=127).contains(&signed) {
+    if fits_one_byte(signed) {
         out.push(signed as i8 as u8);
     } else {
         out.push(ESCAPE);
@@ -82,74 +39,102 @@ pub fn write_difference(out: &mut Vec<u8>, difference: u64, width: usize) {
     }
 }
 
-/// The low `width` bytes of `value` read as a signed integer.
+/// Appends the `abs` value of a `W`-byte element (its new bits) through raw stores, as the scan kernel writes.
+///
+/// # Safety
+/// As `WordSink::put`.
 #[inline(always)]
-pub fn sign_extend(value: u64, width: usize) -> i64 {
-    let shift = 64 - 8 * width as u32;
-    ((value << shift) as i64) >> shift
+pub unsafe fn put_abs<const W: usize, S: WordSink>(out: &mut S, new_bits: u64) {
+    out.put(new_bits, W);
 }
 
-/// Reads values one by one: the raw new bits (`abs`) or the wrapping difference (`diff`).
-pub struct ValueReader<'a, const W: usize> {
-    bytes: &'a [u8],
-    at: usize,
-    codec: ValueCodec,
-    /// Used by `diffbits` only.
-    bits: BitReader<'a>,
-    /// Used by `rans` only.
-    rans: Option<RansReader<'a>>,
-}
-
-impl<'a, const W: usize> ValueReader<'a, W> {
-    /// Fails where a `rans` stream's table or initial state is bad.
-    pub fn new(bytes: &'a [u8], codec: ValueCodec) -> Result<Self, String> {
-        let rans = if codec == ValueCodec::Rans { Some(RansReader::new(bytes, W)?) } else { None };
-        Ok(ValueReader { bytes, at: 0, codec, bits: BitReader::new(bytes), rans })
+/// Appends the `diff` value of a `W`-byte element that went from `old_bits` to `new_bits` through raw stores, as
+/// the scan kernel writes: only the escape of 8-byte elements branches on the data.
+///
+/// # Safety
+/// As `WordSink::put`, with room for `1 + W` bytes and the store's overhang.
+#[inline(always)]
+pub unsafe fn put_diff<const W: usize, S: WordSink>(out: &mut S, old_bits: u64, new_bits: u64) {
+    let difference = new_bits.wrapping_sub(old_bits) & mask(W);
+    if W == 1 {
+        out.put(difference, 1);
+        return;
     }
-
-    #[inline(always)]
-    fn take<const N: usize>(&mut self) -> Result<u64, String> {
-        match self.bytes.get(self.at..self.at + N) {
-            Some(raw) => {
-                self.at += N;
-                Ok(load_const::<N>(raw))
-            }
-            None => Err("value stream ends early".to_owned()),
+    let signed = sign_extend(difference, W);
+    let small = fits_one_byte(signed);
+    if W == 8 {
+        if small {
+            out.put(signed as u64 & 0xff, 1);
+        } else {
+            out.put(u64::from(ESCAPE), 1);
+            out.put(difference, 8);
         }
+    } else {
+        let word = if small { signed as u64 & 0xff } else { u64::from(ESCAPE) | (difference << 8) };
+        out.put(word, if small { 1 } else { 1 + W });
     }
+}
 
-    /// The next value as `W` low bytes of a u64.
-    #[inline(always)]
-    pub fn next_value(&mut self) -> Result<u64, String> {
-        match self.codec {
-            ValueCodec::Abs => self.take::<W>(),
-            ValueCodec::Diff => {
-                let first = self.take::<1>()? as u8;
-                if W == 1 {
-                    Ok(u64::from(first))
-                } else if first == ESCAPE {
-                    self.take::<W>()
-                } else {
-                    Ok((i64::from(first as i8) as u64) & mask(W))
+/// Reads one `abs` value of a `W`-byte element at `*at`, advancing `*at`: the new bits.
+#[inline(always)]
+pub fn read_abs<const W: usize>(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
+    let raw = bytes.get(*at..*at + W).ok_or(EARLY)?;
+    *at += W;
+    Ok(load_const::<W>(raw))
+}
+
+/// Reads one `diff` value of a `W`-byte element at `*at`, advancing `*at`: the wrapping difference.
+#[inline(always)]
+pub fn read_diff<const W: usize>(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
+    let &first = bytes.get(*at).ok_or(EARLY)?;
+    *at += 1;
+    if W == 1 {
+        Ok(u64::from(first))
+    } else if first == ESCAPE {
+        read_abs::<W>(bytes, at)
+    } else {
+        Ok(short_value::<W>(first))
+    }
+}
+
+const EARLY: &str = "value stream ends early";
+
+/// Checks that an `abs` or `diff` value stream of `W`-byte elements holds exactly `changed` values, without
+/// decoding them: `abs` by its length, `diff` by jumping from escape to escape.
+pub fn check_bytes<const W: usize>(bytes: &[u8], codec: ValueCodec, changed: u64) -> Result<(), String> {
+    let end = match codec {
+        ValueCodec::Abs => {
+            changed.checked_mul(W as u64).map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX))
+        }
+        _ if W == 1 => changed.try_into().unwrap_or(usize::MAX),
+        _ => {
+            // Every byte between escapes is a whole value.
+            let (mut at, mut seen) = (0usize, 0u64);
+            while seen < changed {
+                let Some(&first) = bytes.get(at) else {
+                    return Err(EARLY.to_owned());
+                };
+                if first == ESCAPE {
+                    at += 1 + W;
+                    seen += 1;
+                    continue;
                 }
+                let run = memchr::memchr(ESCAPE, &bytes[at..]).unwrap_or(bytes.len() - at);
+                let take = (run as u64).min(changed - seen);
+                at += take as usize;
+                seen += take;
             }
-            ValueCodec::DiffBits => read_difference::<W>(&mut self.bits),
-            ValueCodec::Rans => self.rans.as_mut().expect("made with the codec").next_value::<W>(),
+            at
         }
-    }
-
-    /// True once every byte has been consumed (for `diffbits`: every bit, with zero padding; for `rans`: with the
-    /// state back at its start).
-    pub fn is_exhausted(&self) -> bool {
-        match self.codec {
-            ValueCodec::DiffBits => self.bits.is_exhausted(),
-            ValueCodec::Rans => self.rans.as_ref().is_some_and(RansReader::is_exhausted),
-            _ => self.at == self.bytes.len(),
-        }
+    };
+    match end.cmp(&bytes.len()) {
+        std::cmp::Ordering::Greater => Err(EARLY.to_owned()),
+        std::cmp::Ordering::Less => Err("value stream has bytes after the last change".to_owned()),
+        std::cmp::Ordering::Equal => Ok(()),
     }
 }
 
-/// Applies one decoded value to the element bytes `target`.
+/// Applies one decoded value of any value codec to the element bytes `target`.
 #[inline(always)]
 pub fn apply<const W: usize>(target: &mut [u8], codec: ValueCodec, value: u64) {
     let new = if codec.holds_differences() { load_const::<W>(target).wrapping_add(value) } else { value };
@@ -158,28 +143,27 @@ pub fn apply<const W: usize>(target: &mut [u8], codec: ValueCodec, value: u64) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::elements::{load, store};
     use super::*;
 
-    fn roundtrip(old: u64, new: u64, width: usize) {
-        match width {
-            1 => roundtrip_const::<1>(old, new),
-            2 => roundtrip_const::<2>(old, new),
-            4 => roundtrip_const::<4>(old, new),
-            _ => roundtrip_const::<8>(old, new),
-        }
-    }
-
-    fn roundtrip_const<const W: usize>(old: u64, new: u64) {
+    fn roundtrip<const W: usize>(old: u64, new: u64) {
         let width = W;
         let (mut o, mut n) = ([0u8; 8], [0u8; 8]);
         store(&mut o, old, width);
         store(&mut n, new, width);
         for codec in [ValueCodec::Abs, ValueCodec::Diff] {
             let mut out = Vec::new();
-            write_const::<W>(&mut out, codec, &o, &n);
-            let mut reader = ValueReader::<W>::new(&out, codec).unwrap();
-            let value = reader.next_value().unwrap();
-            assert!(reader.is_exhausted());
+            if codec == ValueCodec::Abs {
+                out.extend_from_slice(&n[..W]);
+            } else {
+                write_difference(&mut out, new.wrapping_sub(old) & mask(W), W);
+            }
+            let mut at = 0;
+            let value =
+                if codec == ValueCodec::Abs { read_abs::<W>(&out, &mut at) } else { read_diff::<W>(&out, &mut at) };
+            let value = value.unwrap();
+            assert_eq!(at, out.len());
+            assert_eq!(check_bytes::<W>(&out, codec, 1), Ok(()));
             let mut target = o;
             apply::<W>(&mut target, codec, value);
             assert_eq!(load(&target, width), new & mask(width), "{codec:?} {old} -> {new} width {width}");
@@ -193,7 +177,7 @@ mod tests {
             for (old, new) in
                 [(0, 1), (1, 0), (5, 132), (132, 5), (0, m), (m, 0), (m / 2, m / 2 + 1), (7, 7 + 127), (7 + 128, 7)]
             {
-                roundtrip(old & m, new & m, width);
+                crate::core::codec::with_width!(width, W => roundtrip::<W>(old & m, new & m));
             }
         }
     }
@@ -201,11 +185,11 @@ mod tests {
     #[test]
     fn small_differences_take_one_byte() {
         let mut out = Vec::new();
-        write_const::<2>(&mut out, ValueCodec::Diff, &[10, 0], &[9, 0]);
-        write_const::<2>(&mut out, ValueCodec::Diff, &[10, 0], &[137, 0]);
+        write_difference(&mut out, 9u64.wrapping_sub(10) & 0xffff, 2);
+        write_difference(&mut out, 137 - 10, 2);
         assert_eq!(out, vec![0xff, 127]);
         out.clear();
-        write_const::<2>(&mut out, ValueCodec::Diff, &[0, 0], &[128, 0]);
+        write_difference(&mut out, 128, 2);
         assert_eq!(out, vec![ESCAPE, 128, 0]);
     }
 }

@@ -1,4 +1,7 @@
-//! LEB128 gap coding of strictly increasing positions.
+//! The `varint` position codec: LEB128 gaps of strictly increasing positions, both directions, and LEB128 itself
+//! (the record list's numbers use it too).
+
+use super::WordSink;
 
 /// Appends `value` as an unsigned LEB128 varint.
 #[inline]
@@ -8,6 +11,27 @@ pub fn write(out: &mut Vec<u8>, mut value: u64) {
         value >>= 7;
     }
     out.push(value as u8);
+}
+
+/// Appends `gap` as a LEB128 varint through raw stores, as the scan kernel writes: one or two bytes (gaps below
+/// 2^14, nearly all) without a branch on which, longer ones a byte at a time.
+///
+/// # Safety
+/// As `WordSink::put`, with room for ten bytes and the store's overhang.
+#[inline(always)]
+pub unsafe fn put<S: WordSink>(out: &mut S, gap: u64) {
+    if gap < 1 << 14 {
+        let long = gap >= 0x80;
+        let word = if long { (gap & 0x7f) | 0x80 | ((gap >> 7) << 8) } else { gap };
+        out.put(word, 1 + usize::from(long));
+    } else {
+        let mut rest = gap;
+        while rest >= 0x80 {
+            out.put((rest & 0x7f) | 0x80, 1);
+            rest >>= 7;
+        }
+        out.put(rest, 1);
+    }
 }
 
 /// Encoded length of `value` in bytes.
@@ -112,6 +136,39 @@ fn count_and_sum_any(bytes: &[u8]) -> Result<(u64, Option<u64>), ReadError> {
     Ok((count, (!carried).then_some(sum)))
 }
 
+/// `read` for gaps: one or two bytes, nearly every gap, without a branch on which; longer ones by `read`.
+#[inline(always)]
+pub fn read_gap(bytes: &[u8], at: &mut usize) -> Result<u64, ReadError> {
+    match bytes.get(*at..*at + 2).map(|two| u16::from_le_bytes([two[0], two[1]])) {
+        Some(pair) if pair & 0x8080 != 0x8080 => {
+            let long = pair & 0x80 != 0;
+            *at += 1 + usize::from(long);
+            Ok(u64::from(pair & 0x7f) | if long { u64::from(pair >> 8) << 7 } else { 0 })
+        }
+        _ => read(bytes, at),
+    }
+}
+
+/// Checks a whole `varint` position stream of `changed` gaps, as reading them one by one with `PositionReader`
+/// would, and returns the last position; the gaps are summed without decoding them one by one (`count_and_sum`).
+pub fn check_varint(bytes: &[u8], changed: u64, numel: u64) -> Result<Option<u64>, String> {
+    let (count, sum) = count_and_sum(bytes).map_err(|e| match e {
+        ReadError::Truncated => "position stream ends early".to_owned(),
+        ReadError::Overflow => "a position varint overflows 64 bits".to_owned(),
+    })?;
+    match count.cmp(&changed) {
+        std::cmp::Ordering::Less => return Err("position stream ends early".to_owned()),
+        std::cmp::Ordering::Greater => return Err("position stream has bytes after the last change".to_owned()),
+        std::cmp::Ordering::Equal => {}
+    }
+    // Each position is the previous one plus one plus its gap.
+    let last = sum.and_then(|sum| sum.checked_add(count)).filter(|&end| end <= numel);
+    match last {
+        Some(end) => Ok(end.checked_sub(1)),
+        None => Err(format!("position out of range (tensor has {numel} elements)")),
+    }
+}
+
 /// Decodes gap-coded positions one by one, checking each against `numel`.
 pub struct PositionReader<'a> {
     bytes: &'a [u8],
@@ -128,19 +185,10 @@ impl<'a> PositionReader<'a> {
     /// The next position, or a message saying why the stream is bad.
     #[inline(always)]
     pub fn next_position(&mut self) -> Result<u64, String> {
-        let pair = self.bytes.get(self.at..self.at + 2).map(|two| u16::from_le_bytes([two[0], two[1]]));
-        let gap = match pair {
-            // One or two bytes, nearly every gap: no branch on which.
-            Some(pair) if pair & 0x8080 != 0x8080 => {
-                let long = pair & 0x80 != 0;
-                self.at += 1 + usize::from(long);
-                u64::from(pair & 0x7f) | if long { u64::from(pair >> 8) << 7 } else { 0 }
-            }
-            _ => read(self.bytes, &mut self.at).map_err(|e| match e {
-                ReadError::Truncated => "position stream ends early".to_owned(),
-                ReadError::Overflow => format!("position varint at byte {} overflows 64 bits", self.at),
-            })?,
-        };
+        let gap = read_gap(self.bytes, &mut self.at).map_err(|e| match e {
+            ReadError::Truncated => "position stream ends early".to_owned(),
+            ReadError::Overflow => format!("position varint at byte {} overflows 64 bits", self.at),
+        })?;
         super::next_position(&mut self.next_allowed, gap, self.numel)
     }
 

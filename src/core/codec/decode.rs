@@ -1,0 +1,289 @@
+//! Reading a tensor's two streams back, for every pair of codecs: the walk change by change, the walk in batches
+//! (with the fast decoders of the bit-packed codecs), and the end-to-end check of a loaded tensor.
+
+use super::bits::BitReader;
+use super::pairs;
+use super::rans::{self, RansReader};
+use super::rice::{self, RiceReader};
+use super::varint::{self, PositionReader};
+use super::{diffbits, values, with_width, PositionCodec, ValueCodec};
+
+/// Changes per `for_each_batch` call.
+pub const BATCH: usize = 64;
+
+/// A tensor's streams as stored, with what it takes to read them.
+#[derive(Clone, Copy)]
+pub struct EncodedTensor<'a> {
+    /// Bytes per element: 1, 2, 4 or 8.
+    pub width: usize,
+    /// Elements of the tensor; None where its shape is not known.
+    pub numel: Option<u64>,
+    pub changed: u64,
+    pub positions_codec: PositionCodec,
+    pub values_codec: ValueCodec,
+    pub positions: &'a [u8],
+    pub values: &'a [u8],
+}
+
+/// A decoder of a position stream: strictly increasing positions, each checked against the element count.
+pub trait PositionSource {
+    fn next_position(&mut self) -> Result<u64, String>;
+    /// True once the stream has been read to its end, with nothing left over.
+    fn is_exhausted(&self) -> bool;
+}
+
+impl PositionSource for PositionReader<'_> {
+    #[inline(always)]
+    fn next_position(&mut self) -> Result<u64, String> {
+        PositionReader::next_position(self)
+    }
+    fn is_exhausted(&self) -> bool {
+        PositionReader::is_exhausted(self)
+    }
+}
+
+impl PositionSource for RiceReader<'_> {
+    #[inline(always)]
+    fn next_position(&mut self) -> Result<u64, String> {
+        RiceReader::next_position(self)
+    }
+    fn is_exhausted(&self) -> bool {
+        RiceReader::is_exhausted(self)
+    }
+}
+
+/// Reads values one by one, in any value codec: the raw new bits (`abs`) or the wrapping difference (the others).
+pub struct ValueReader<'a, const W: usize> {
+    bytes: &'a [u8],
+    at: usize,
+    codec: ValueCodec,
+    /// Used by `diffbits` only.
+    bits: BitReader<'a>,
+    /// Used by `rans` only.
+    rans: Option<RansReader<'a>>,
+}
+
+impl<'a, const W: usize> ValueReader<'a, W> {
+    /// Fails where a `rans` stream's table or initial state is bad.
+    pub fn new(bytes: &'a [u8], codec: ValueCodec) -> Result<Self, String> {
+        let rans = if codec == ValueCodec::Rans { Some(RansReader::new(bytes, W)?) } else { None };
+        Ok(ValueReader { bytes, at: 0, codec, bits: BitReader::new(bytes), rans })
+    }
+
+    /// The next value as `W` low bytes of a u64.
+    #[inline(always)]
+    pub fn next_value(&mut self) -> Result<u64, String> {
+        match self.codec {
+            ValueCodec::Abs => values::read_abs::<W>(self.bytes, &mut self.at),
+            ValueCodec::Diff => values::read_diff::<W>(self.bytes, &mut self.at),
+            ValueCodec::DiffBits => diffbits::read_difference::<W>(&mut self.bits),
+            ValueCodec::Rans => self.rans.as_mut().expect("made with the codec").next_value::<W>(),
+        }
+    }
+
+    /// True once every byte has been consumed (for `diffbits`: every bit, with zero padding; for `rans`: with the
+    /// state back at its start).
+    pub fn is_exhausted(&self) -> bool {
+        match self.codec {
+            ValueCodec::DiffBits => self.bits.is_exhausted(),
+            ValueCodec::Rans => self.rans.as_ref().is_some_and(RansReader::is_exhausted),
+            _ => self.at == self.bytes.len(),
+        }
+    }
+}
+
+impl EncodedTensor<'_> {
+    fn numel_or_max(&self) -> u64 {
+        self.numel.unwrap_or(u64::MAX)
+    }
+
+    fn check_changed(&self) -> Result<u64, String> {
+        let numel = self.numel_or_max();
+        if self.changed > numel {
+            return Err(format!("changed={} exceeds the {numel} elements", self.changed));
+        }
+        Ok(numel)
+    }
+
+    /// Walks every change in order, calling `visit(position, value)`; checks the streams fully.
+    /// `value` is the raw new bits for `abs` and the wrapping difference for the other value codecs.
+    pub fn for_each_change(&self, visit: impl FnMut(u64, u64)) -> Result<(), String> {
+        with_width!(self.width, W => self.walk::<W>(visit))
+    }
+
+    /// `for_each_change` in batches of up to `BATCH` changes: `visit(positions, values)`. The compact codec is
+    /// decoded several codes per loaded word here; other codecs are gathered from the walk.
+    pub fn for_each_batch(&self, visit: impl FnMut(&[u64], &[u64])) -> Result<(), String> {
+        with_width!(self.width, W => self.walk_batches::<W>(visit))
+    }
+
+    fn walk_batches<const W: usize>(&self, mut visit: impl FnMut(&[u64], &[u64])) -> Result<(), String> {
+        let (mut positions, mut values) = ([0u64; BATCH], [0u64; BATCH]);
+        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
+            let numel = self.check_changed()?;
+            let mut position_reader = RiceReader::new(self.positions, numel)?;
+            let mut value_bits = BitReader::new(self.values);
+            let mut left = self.changed;
+            while left > 0 {
+                let n = left.min(BATCH as u64) as usize;
+                pairs::read_pairs::<W>(&mut position_reader, &mut value_bits, &mut positions[..n], &mut values[..n])?;
+                visit(&positions[..n], &values[..n]);
+                left -= n as u64;
+            }
+            if !position_reader.is_exhausted() {
+                return Err("position stream has bytes after the last change".to_owned());
+            }
+            if !value_bits.is_exhausted() {
+                return Err("value stream has bytes after the last change".to_owned());
+            }
+            return Ok(());
+        }
+        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::Rans {
+            let numel = self.check_changed()?;
+            let mut position_reader = RiceReader::new(self.positions, numel)?;
+            let mut value_reader = RansReader::new(self.values, W)?;
+            let mut left = self.changed;
+            while left > 0 {
+                let n = left.min(BATCH as u64) as usize;
+                rice::read_positions(&mut position_reader, &mut positions[..n])?;
+                value_reader.read_values::<W>(&mut values[..n])?;
+                visit(&positions[..n], &values[..n]);
+                left -= n as u64;
+            }
+            if !position_reader.is_exhausted() {
+                return Err("position stream has bytes after the last change".to_owned());
+            }
+            if !value_reader.is_exhausted() {
+                return Err(
+                    "value stream has bytes after the last change, or a rans end other than its start".to_owned()
+                );
+            }
+            return Ok(());
+        }
+        let mut filled = 0;
+        self.walk::<W>(|position, value| {
+            positions[filled] = position;
+            values[filled] = value;
+            filled += 1;
+            if filled == BATCH {
+                visit(&positions, &values);
+                filled = 0;
+            }
+        })?;
+        if filled > 0 {
+            visit(&positions[..filled], &values[..filled]);
+        }
+        Ok(())
+    }
+
+    fn walk<const W: usize>(&self, mut visit: impl FnMut(u64, u64)) -> Result<(), String> {
+        let mut values = ValueReader::<W>::new(self.values, self.values_codec)?;
+        match self.positions_codec {
+            PositionCodec::All => {
+                let Some(numel) = self.numel else {
+                    return Err("positions 'all' need a known shape".to_owned());
+                };
+                if self.changed != numel {
+                    return Err(format!("positions 'all' but changed={} for {numel} elements", self.changed));
+                }
+                if !self.positions.is_empty() {
+                    return Err("positions 'all' with a position stream".to_owned());
+                }
+                for position in 0..numel {
+                    visit(position, values.next_value()?);
+                }
+            }
+            PositionCodec::Varint | PositionCodec::Rice => {
+                let numel = self.check_changed()?;
+                if self.values_codec == ValueCodec::Abs
+                    && Some(self.values.len() as u64) != self.changed.checked_mul(W as u64)
+                {
+                    return Err(format!(
+                        "value stream has {} bytes, expected {} x {W}",
+                        self.values.len(),
+                        self.changed
+                    ));
+                }
+                if self.positions_codec == PositionCodec::Varint {
+                    walk_stream(self.changed, PositionReader::new(self.positions, numel), &mut values, &mut visit)?;
+                } else {
+                    walk_stream(self.changed, RiceReader::new(self.positions, numel)?, &mut values, &mut visit)?;
+                }
+            }
+        }
+        if !values.is_exhausted() {
+            return Err("value stream has bytes after the last change".to_owned());
+        }
+        Ok(())
+    }
+
+    /// Checks the streams end to end, with the same rules as the walk, and returns the last position.
+    pub fn check(&self) -> Result<Option<u64>, String> {
+        if self.positions_codec == PositionCodec::All && self.values_codec == ValueCodec::Abs {
+            // A whole tensor: its only invariant is the byte count, so skip the walk.
+            let numel = self.numel.ok_or_else(|| "a dense tensor needs a known shape".to_owned())?;
+            let expected = numel.checked_mul(self.width as u64);
+            if self.changed != numel || !self.positions.is_empty() || expected != Some(self.values.len() as u64) {
+                return Err(format!(
+                    "a dense tensor of {numel} elements must record changed={numel} and hold {} bytes, \
+                     but records changed={} and holds {} bytes",
+                    expected.unwrap_or(u64::MAX),
+                    self.changed,
+                    self.values.len()
+                ));
+            }
+            return Ok(numel.checked_sub(1));
+        }
+        if self.positions_codec == PositionCodec::All {
+            // `all` positions with a value codec other than `abs`: the walk states what is wrong.
+            let mut last = None;
+            self.for_each_change(|position, _| last = Some(position))?;
+            return Ok(last);
+        }
+        self.check_streams()
+    }
+
+    /// Checks a `varint` or `rice` position stream and its value stream and returns the last position. The
+    /// bit-packed pair (`rice`, `diffbits`) is checked in one loop, so that the two streams' decoding chains
+    /// overlap; other streams apart, side by side, without pairing them.
+    fn check_streams(&self) -> Result<Option<u64>, String> {
+        let numel = self.check_changed()?;
+        let (positions, values, changed) = (self.positions, self.values, self.changed);
+        if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
+            return with_width!(self.width, W => pairs::check_rice_diffbits::<W>(positions, values, changed, numel));
+        }
+        let check_positions = || match self.positions_codec {
+            PositionCodec::Rice => rice::check_rice(positions, changed, numel),
+            _ => varint::check_varint(positions, changed, numel),
+        };
+        let codec = self.values_codec;
+        let check_values = || with_width!(self.width, W => check_values::<W>(values, codec, changed));
+        let (last, values) = rayon::join(check_positions, check_values);
+        values?;
+        last
+    }
+}
+
+/// Checks that a value stream holds exactly `changed` values.
+fn check_values<const W: usize>(bytes: &[u8], codec: ValueCodec, changed: u64) -> Result<(), String> {
+    match codec {
+        ValueCodec::DiffBits => diffbits::check_diffbits::<W>(bytes, changed),
+        ValueCodec::Rans => rans::check_rans::<W>(bytes, changed),
+        ValueCodec::Abs | ValueCodec::Diff => values::check_bytes::<W>(bytes, codec, changed),
+    }
+}
+
+fn walk_stream<const W: usize>(
+    changed: u64,
+    mut positions: impl PositionSource,
+    values: &mut ValueReader<'_, W>,
+    visit: &mut impl FnMut(u64, u64),
+) -> Result<(), String> {
+    for _ in 0..changed {
+        visit(positions.next_position()?, values.next_value()?);
+    }
+    if !positions.is_exhausted() {
+        return Err("position stream has bytes after the last change".to_owned());
+    }
+    Ok(())
+}

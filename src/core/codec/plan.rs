@@ -1,0 +1,161 @@
+//! The `compact` codec's choice for one tensor: from the scan's ranges (`varint` positions, `abs` or `diff`
+//! values), the smallest position and value streams, each re-encoded only where it wins.
+
+use rayon::prelude::*;
+
+use super::bits::BitWriter;
+use super::diffbits::diffbits_stream;
+use super::ranges::{self, Changes};
+use super::rans::{self, Tokens, MAX_TOKENS};
+use super::rice::{put_rice, rice_k};
+use super::{varint, with_width, PositionCodec, ValueCodec};
+
+/// A tensor's two streams and their codecs, as `smallest_streams` picks them.
+pub struct TensorStreams {
+    pub positions_codec: PositionCodec,
+    pub values_codec: ValueCodec,
+    pub positions: Vec<u8>,
+    pub values: Vec<u8>,
+}
+
+/// True when a tensor's streams, `streams_len` bytes in all, are kept: storing the tensor whole (`dense_len` bytes,
+/// positions `all`, values `abs`) is larger. The rule of both codec families.
+#[inline]
+pub fn streams_win(streams_len: usize, dense_len: usize) -> bool {
+    streams_len < dense_len
+}
+
+/// A range's changes re-encoded in the compact codec: Rice codes of its gaps (its first gap included) and, for
+/// differences, their `rans` tokens.
+struct CompactRange {
+    positions: Vec<u8>,
+    position_bits: u64,
+    /// The differences as `rans` tokens, and how often each token occurs.
+    tokens: Tokens,
+    histogram: [u64; MAX_TOKENS],
+}
+
+/// How a tensor's gaps are coded: its Rice parameter, and where each range's first gap starts.
+fn rice_plan(ranges: &[Changes]) -> (u32, Vec<u64>) {
+    let mut previous_ends = Vec::with_capacity(ranges.len());
+    let (mut previous_end, mut count, mut gap_sum) = (0u64, 0u64, 0u64);
+    for range in ranges {
+        previous_ends.push(previous_end);
+        if range.count > 0 {
+            count += range.count;
+            gap_sum += range.last_position + 1 - previous_end - range.count;
+            previous_end = range.last_position + 1;
+        }
+    }
+    (rice_k(count, gap_sum), previous_ends)
+}
+
+/// Re-encodes one range in the compact codec; `previous_end` is the position after the previous range's last change.
+fn compact_range(range: &Changes, k: u32, previous_end: u64, width: usize, differences: bool) -> CompactRange {
+    let mut positions = BitWriter::with_capacity(range.positions.len());
+    if range.count > 0 {
+        put_rice(&mut positions, range.first_position - previous_end, k);
+        let (stream, mut at) = (&range.positions[..], 0);
+        while at < stream.len() {
+            put_rice(&mut positions, varint::read_gap(stream, &mut at).expect("written by the scan"), k);
+        }
+    }
+    let mut histogram = [0u64; MAX_TOKENS];
+    let mut tokens = Tokens::default();
+    if differences {
+        let (stream, count) = (&range.values[..], range.count);
+        tokens = with_width!(width, W => rans::tokenize_diff::<W>(stream, count, &mut histogram));
+    }
+    let position_bits = positions.bit_len();
+    CompactRange { positions: positions.finish(), position_bits, tokens, histogram }
+}
+
+/// Bits of the `diffbits` stream of these differences, from their `rans` token counts (tokens 1 to 4 are ±1 and ±2)
+/// and how many of them the `diff` stream escapes.
+fn diffbits_bits(histogram: &[u64; MAX_TOKENS], escapes: u64, width: usize) -> u64 {
+    let (ones, twos) = (histogram[1] + histogram[2], histogram[3] + histogram[4]);
+    let others = histogram.iter().sum::<u64>() - ones - twos;
+    2 * ones + 3 * twos + 10 * others + 8 * width as u64 * escapes
+}
+
+/// The `rans` stream of a tensor's differences where it is smaller than `smaller_than` bytes.
+fn rans_stream(compacts: &[CompactRange], histogram: &[u64; MAX_TOKENS], smaller_than: usize) -> Option<Vec<u8>> {
+    if histogram.iter().all(|&c| c == 0) {
+        return None;
+    }
+    let freqs = rans::normalise(histogram);
+    // The estimate is within a few bytes of the length: skip the encoding where it cannot win.
+    if rans::estimated_len(histogram, &freqs) > smaller_than as f64 + 64.0 {
+        return None;
+    }
+    let parts: Vec<&Tokens> = compacts.iter().map(|c| &c.tokens).collect();
+    let stream = rans::encode(&parts, &freqs);
+    (stream.len() < smaller_than).then_some(stream)
+}
+
+/// The `compact` codec's choice for one tensor, made by every writer of it (core::diff, core::mirror, core::shards):
+/// from the scan's changes of the tensor's consecutive ranges (values scanned as `abs` or `diff`), `rice` positions
+/// kept only where smaller than `varint`, and the smallest of `diff`, `diffbits` and `rans` values (the older on a
+/// tie); None when the tensor stored whole, `dense_len` bytes, is no larger. Ranges are re-encoded side by side in
+/// the rayon pool; codes are appended code by code, so the bytes do not depend on how the tensor was cut into ranges.
+pub fn smallest_streams(
+    ranges: &[Changes],
+    width: usize,
+    scanned_values: ValueCodec,
+    dense_len: usize,
+) -> Option<TensorStreams> {
+    let (varint_len, byte_values_len) = ranges::joined_lens(ranges);
+    let differences = scanned_values == ValueCodec::Diff;
+    let (k, previous_ends) = rice_plan(ranges);
+    let compacts: Vec<CompactRange> = ranges
+        .par_iter()
+        .zip(previous_ends)
+        .map(|(range, previous_end)| compact_range(range, k, previous_end, width, differences))
+        .collect();
+    let (mut rice, mut bit_values) = (None, None);
+    let position_bits = 8 + compacts.iter().map(|c| c.position_bits).sum::<u64>();
+    if position_bits.div_ceil(8) < varint_len as u64 {
+        let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
+        out.put(u64::from(k), 8);
+        for c in &compacts {
+            out.append(&c.positions, c.position_bits);
+        }
+        rice = Some(out.finish());
+    }
+    let mut values_codec = scanned_values;
+    if differences {
+        let mut histogram = [0u64; MAX_TOKENS];
+        let mut escapes = 0;
+        for c in &compacts {
+            for (total, count) in histogram.iter_mut().zip(&c.histogram) {
+                *total += count;
+            }
+            escapes += c.tokens.escapes;
+        }
+        // Only the stream that is kept is encoded: `diffbits`'s length follows from the token counts.
+        let diffbits_len = diffbits_bits(&histogram, escapes, width).div_ceil(8) as usize;
+        if let Some(stream) = rans_stream(&compacts, &histogram, diffbits_len.min(byte_values_len)) {
+            bit_values = Some(stream);
+            values_codec = ValueCodec::Rans;
+        } else if diffbits_len < byte_values_len {
+            let stream = diffbits_stream(ranges, width);
+            assert_eq!(stream.len(), diffbits_len, "diffbits length counted from the tokens");
+            bit_values = Some(stream);
+            values_codec = ValueCodec::DiffBits;
+        }
+    }
+    let positions_len = rice.as_ref().map_or(varint_len, Vec::len);
+    let values_len = bit_values.as_ref().map_or(byte_values_len, Vec::len);
+    if !streams_win(positions_len + values_len, dense_len) {
+        return None;
+    }
+    let positions_codec = if rice.is_some() { PositionCodec::Rice } else { PositionCodec::Varint };
+    let (positions, values) = match (rice, bit_values) {
+        (Some(positions), Some(values)) => (positions, values),
+        (rice, bit_values) => {
+            let (varint_positions, byte_values) = ranges::join_streams(ranges);
+            (rice.unwrap_or(varint_positions), bit_values.unwrap_or(byte_values))
+        }
+    };
+    Some(TensorStreams { positions_codec, values_codec, positions, values })
+}
