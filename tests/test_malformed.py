@@ -64,9 +64,9 @@ def compact(pos: bytes, val: bytes = bytes([0x08]), **fields) -> bytes:
     return craft(meta(record(positions="rice", values="diffbits", **fields)), {"w:pos": u8(pos), "w:val": u8(val)})
 
 
-# The same changes with rans values: two entries of 2048 for tokens 1 (-1) and 2 (+1), and the state 0x02000800, which
-# decodes +1, then -1, and ends at 2^23 with no byte to read.
-RANS_VALUES = bytes([0x02, 0x00, 0x80, 0x10, 0x80, 0x10, 0x00, 0x08, 0x00, 0x02])
+# The same changes with rans values: two entries of 2048 for tokens 1 (-1) and 2 (+1), and the states 0x01000800, which
+# decodes +1 (value 0), and 0x01000000, which decodes -1 (value 1); both end at 2^23 with no byte to read.
+RANS_VALUES = bytes([0x02, 0x00, 0x80, 0x10, 0x80, 0x10, 0x00, 0x08, 0x00, 0x01, 0x00, 0x00, 0x00, 0x01])
 
 
 def rans(val: bytes = RANS_VALUES, **fields) -> bytes:
@@ -183,14 +183,18 @@ CASES = {
     "rans table ending with a zero": rans(bytes([0x03]) + RANS_VALUES[1:6] + bytes([0x00]) + RANS_VALUES[6:]),
     "rans table cut short": rans(RANS_VALUES[:4]),
     "rans state cut short": rans(RANS_VALUES[:8]),
-    "rans state below 2^23": rans(RANS_VALUES[:6] + bytes([0xFF, 0xFF, 0x7F, 0x00])),
-    "rans state from 2^31": rans(RANS_VALUES[:6] + bytes([0x00, 0x00, 0x00, 0x80])),
+    "rans state below 2^23": rans(RANS_VALUES[:6] + bytes([0xFF, 0xFF, 0x7F, 0x00]) + RANS_VALUES[10:]),
+    "rans state from 2^31": rans(RANS_VALUES[:6] + bytes([0x00, 0x00, 0x00, 0x80]) + RANS_VALUES[10:]),
+    "rans second state below 2^23": rans(RANS_VALUES[:10] + bytes([0xFF, 0xFF, 0x7F, 0x00])),
+    "rans second state cut short": rans(RANS_VALUES[:12]),
     "rans trailing byte": rans(RANS_VALUES + bytes([0x00])),
     "rans not ending in the initial state": craft(
         meta(record(values="rans", changed=1)), {"w:pos": u8(bytes([1])), "w:val": u8(RANS_VALUES)}
     ),
     # token 1 of frequency 1 leaves x = 2048, and the two bytes renormalisation needs are missing
-    "rans ends inside a renormalisation": rans(bytes([0x02, 0x00, 0x01, 0xFF, 0x1F, 0x00, 0x00, 0x80, 0x00])),
+    "rans ends inside a renormalisation": rans(
+        bytes([0x02, 0x00, 0x01, 0xFF, 0x1F, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00, 0x80, 0x00])
+    ),
     "rice stream missing": craft(meta(record(positions="rice", values="diffbits")), {"w:val": u8(bytes([0x08]))}),
     "offsets overlap": VALID[:8] + VALID[8:].replace(b'"data_offsets": [2, 4]', b'"data_offsets": [1, 3]'),
 }

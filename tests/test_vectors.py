@@ -126,9 +126,10 @@ def test_rans_example_in_format_doc():
     blob = (VECTORS / "bf16_rans.safetensors").read_bytes()
     header_len = int.from_bytes(blob[:8], "little")
     data = blob[8 + header_len :]
-    values = "04 40 c0 02 80 1c 00 80 01 2b 90 1c 12 5b 3a 47 6d 00"
-    assert data.hex(" ").endswith(values) and len(data) == 25 + 18
+    values = "04 20 c0 02 e0 1c 00 40 0d 80 f7 20 a3 e7 ae 05 7e d1 c5 8b 98 a2 a0 00"
+    assert data.hex(" ").endswith(values) and len(data) == 33 + 24
     doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
-    assert "40 c0 02 80 1c 00 80 01" in doc and "2b 90 1c 12" in doc and "5b 3a 47 6d 00" in doc
+    for line in ("20 c0 02 e0 1c 00 40", "0d 80 f7 20", "a3 e7 ae 05", "7e d1 c5 8b 98 a2 a0 00"):
+        assert line in doc
     codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
     assert codecs == {"w": ("rice", "rans")}

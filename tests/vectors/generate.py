@@ -127,9 +127,9 @@ def vectors() -> dict[str, dict]:
                     "dtype": "BF16",
                     "shape": [16, 16],
                     "base": [0x3F80 + i for i in range(256)],
-                    # Every fourth element: a sign flip, then mostly +1, five -1 and two +2.
+                    # Every second element: a sign flip, then mostly +1, ten -1 and two +2.
                     "changes": {
-                        4 * i: 0x8000 if i == 0 else -1 if i % 13 == 5 else 2 if i in (20, 40) else 1 for i in range(64)
+                        2 * i: 0x8000 if i == 0 else -1 if i % 13 == 5 else 2 if i in (20, 40) else 1 for i in range(128)
                     },
                 }
             },

@@ -204,18 +204,19 @@ fn write_table(out: &mut Vec<u8>, freqs: &[u32]) {
     }
 }
 
-/// The rANS encoder: the state, and the bytes it has shifted out (in reverse of the order they are read in).
-struct Encoder {
-    state: u32,
-    reversed: Vec<u8>,
+/// One of the rANS encoder's two states, and the bytes both have shifted out (in reverse of the order they are read
+/// in).
+struct Encoder<'a> {
+    state: &'a mut u32,
+    reversed: &'a mut Vec<u8>,
 }
 
-impl Encoder {
+impl Encoder<'_> {
     #[inline(always)]
     fn shift_out_while(&mut self, limit: u32) {
-        while self.state >= limit {
-            self.reversed.push(self.state as u8);
-            self.state >>= 8;
+        while *self.state >= limit {
+            self.reversed.push(*self.state as u8);
+            *self.state >>= 8;
         }
     }
 
@@ -223,13 +224,13 @@ impl Encoder {
     #[inline(always)]
     fn put_bits(&mut self, value: u64, bits: u32) {
         self.shift_out_while(1 << (31 - bits));
-        self.state = (self.state << bits) | value as u32;
+        *self.state = (*self.state << bits) | value as u32;
     }
 
     #[inline(always)]
     fn put_token(&mut self, symbol: &EncodeSymbol) {
         self.shift_out_while(symbol.limit);
-        self.state = symbol.next_state(self.state);
+        *self.state = symbol.next_state(*self.state);
     }
 }
 
@@ -277,11 +278,15 @@ pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
         start += f;
     }
     let total: usize = parts.iter().map(|p| p.tokens.len()).sum();
-    let mut encoder = Encoder { state: STATE_LOW, reversed: Vec::with_capacity(total / 3 + 16) };
-    // Backwards: the decoder reads the last symbol encoded first.
+    let (mut states, mut reversed) = ([STATE_LOW; 2], Vec::with_capacity(total / 3 + 16));
+    // Backwards: the decoder reads the last symbol encoded first. Value `i` (counting from 0 over all parts) is
+    // coded in state `i mod 2`, so that a decoder's two chains of dependent steps overlap.
+    let mut index = total;
     for part in parts.iter().rev() {
         let mut low_at = part.low_bits.len();
         for &token in part.tokens.iter().rev() {
+            index -= 1;
+            let mut encoder = Encoder { state: &mut states[index & 1], reversed: &mut reversed };
             let (low_bits, _) = token_parts(token);
             if low_bits > 0 {
                 low_at -= 1;
@@ -300,10 +305,11 @@ pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
             encoder.put_token(&symbols[usize::from(token)]);
         }
     }
-    let mut out = Vec::with_capacity(table_len(freqs) + 4 + encoder.reversed.len());
+    let mut out = Vec::with_capacity(table_len(freqs) + 8 + reversed.len());
     write_table(&mut out, freqs);
-    out.extend_from_slice(&encoder.state.to_le_bytes());
-    out.extend(encoder.reversed.iter().rev());
+    out.extend_from_slice(&states[0].to_le_bytes());
+    out.extend_from_slice(&states[1].to_le_bytes());
+    out.extend(reversed.iter().rev());
     out
 }
 
@@ -319,7 +325,9 @@ struct Model {
 pub struct RansReader<'a> {
     bytes: &'a [u8],
     at: usize,
+    /// The state the next value is decoded in, and the other one (values alternate between the two).
     state: u32,
+    other: u32,
     /// None for an empty stream (a tensor with no change), from which no value can be read.
     model: Option<Box<Model>>,
 }
@@ -330,7 +338,7 @@ impl<'a> RansReader<'a> {
     /// Reads the frequency table and the initial state of a stream of `width`-byte elements' differences.
     pub fn new(bytes: &'a [u8], width: usize) -> Result<Self, String> {
         if bytes.is_empty() {
-            return Ok(RansReader { bytes, at: 0, state: STATE_LOW, model: None });
+            return Ok(RansReader { bytes, at: 0, state: STATE_LOW, other: STATE_LOW, model: None });
         }
         let entries = usize::from(bytes[0]) + 1;
         if entries > token_count(width) {
@@ -371,81 +379,90 @@ impl<'a> RansReader<'a> {
         if model.freq[entries - 1] == 0 {
             return Err("rans table ends with a zero frequency".to_owned());
         }
-        let state = bytes.get(at..at + 4).ok_or(EARLY)?;
-        let state = u32::from_le_bytes(state.try_into().expect("4 bytes"));
-        if !(STATE_LOW..STATE_LOW << 8).contains(&state) {
-            return Err(format!("rans initial state {state:#x} is out of range"));
+        let mut states = [0u32; 2];
+        for state in &mut states {
+            let four = bytes.get(at..at + 4).ok_or(EARLY)?;
+            *state = u32::from_le_bytes(four.try_into().expect("4 bytes"));
+            if !(STATE_LOW..STATE_LOW << 8).contains(state) {
+                return Err(format!("rans initial state {state:#x} is out of range"));
+            }
+            at += 4;
         }
-        Ok(RansReader { bytes, at: at + 4, state, model: Some(model) })
-    }
-
-    #[inline(always)]
-    fn shift_in(&mut self) -> Result<(), String> {
-        while self.state < STATE_LOW {
-            let &byte = self.bytes.get(self.at).ok_or(EARLY)?;
-            self.at += 1;
-            self.state = (self.state << 8) | u32::from(byte);
-        }
-        Ok(())
+        Ok(RansReader { bytes, at, state: states[0], other: states[1], model: Some(model) })
     }
 
     /// The next difference, as the low `W` bytes of a u64.
     #[inline(always)]
     pub fn next_value<const W: usize>(&mut self) -> Result<u64, String> {
         let model = self.model.as_deref().ok_or(EARLY)?;
-        let slot = self.state & (PROB_SCALE - 1);
-        let token = model.slot_token[slot as usize];
-        let t = usize::from(token);
-        self.state = model.freq[t] * (self.state >> PROB_BITS) + slot - model.start[t];
-        self.shift_in()?;
-        let (low_bits, base) = token_parts(token);
-        let low = if low_bits > 0 { read_low_bits(self.bytes, &mut self.at, &mut self.state, low_bits)? } else { 0 };
-        Ok(difference_of::<W>(base | low))
+        let value = decode_value::<W>(model, self.bytes, &mut self.at, &mut self.state)?;
+        std::mem::swap(&mut self.state, &mut self.other);
+        Ok(value)
     }
 
-    /// Fills `out` with the next values, as `next_value` would one by one.
+    /// Fills `out` with the next values, as `next_value` would one by one: two at a time, one in each state, so
+    /// that the two chains of dependent steps overlap.
     pub fn read_values<const W: usize>(&mut self, out: &mut [u64]) -> Result<(), String> {
         let model = self.model.as_deref().ok_or(EARLY)?;
-        let (bytes, mut at, mut state) = (self.bytes, self.at, self.state);
+        let bytes = self.bytes;
+        let (mut at, mut first, mut second) = (self.at, self.state, self.other);
+        let mut pairs = out.chunks_exact_mut(2);
         let mut result = Ok(());
-        for slot in out.iter_mut() {
-            let position = state & (PROB_SCALE - 1);
-            let token = model.slot_token[position as usize];
-            let t = usize::from(token);
-            state = model.freq[t] * (state >> PROB_BITS) + position - model.start[t];
-            // At most two bytes after a token (its frequency is at least 1), and after a chunk of low bits.
-            while state < STATE_LOW {
-                let Some(&byte) = bytes.get(at) else {
-                    result = Err(EARLY.to_owned());
-                    break;
-                };
-                at += 1;
-                state = (state << 8) | u32::from(byte);
-            }
-            if result.is_err() {
-                break;
-            }
-            if u64::from(token) < DIRECT {
-                *slot = difference_of::<W>(u64::from(token));
-                continue;
-            }
-            let (low_bits, base) = token_parts(token);
-            match read_low_bits(bytes, &mut at, &mut state, low_bits) {
-                Ok(low) => *slot = difference_of::<W>(base | low),
-                Err(e) => {
+        for pair in &mut pairs {
+            let one = decode_value::<W>(model, bytes, &mut at, &mut first);
+            let two = decode_value::<W>(model, bytes, &mut at, &mut second);
+            match (one, two) {
+                (Ok(one), Ok(two)) => (pair[0], pair[1]) = (one, two),
+                (Err(e), _) | (_, Err(e)) => {
                     result = Err(e);
                     break;
                 }
             }
         }
-        (self.at, self.state) = (at, state);
+        if result.is_ok() {
+            if let [last] = pairs.into_remainder() {
+                match decode_value::<W>(model, bytes, &mut at, &mut first) {
+                    Ok(value) => *last = value,
+                    Err(e) => result = Err(e),
+                }
+                std::mem::swap(&mut first, &mut second);
+            }
+        }
+        (self.at, self.state, self.other) = (at, first, second);
         result
     }
 
     /// True when every byte has been read and the state is back where the encoder started.
     pub fn is_exhausted(&self) -> bool {
-        self.at == self.bytes.len() && (self.model.is_none() || self.state == STATE_LOW)
+        self.at == self.bytes.len() && (self.model.is_none() || (self.state == STATE_LOW && self.other == STATE_LOW))
     }
+}
+
+/// Decodes one value in `state`, reading renormalisation bytes from `bytes` at `at`.
+#[inline(always)]
+fn decode_value<const W: usize>(model: &Model, bytes: &[u8], at: &mut usize, state: &mut u32) -> Result<u64, String> {
+    let slot = *state & (PROB_SCALE - 1);
+    let token = model.slot_token[slot as usize];
+    let t = usize::from(token);
+    *state = model.freq[t] * (*state >> PROB_BITS) + slot - model.start[t];
+    // At most two bytes after a token (its frequency is at least 1, so the state is at least 2^11): shifted in
+    // without a branch on how many while two bytes remain, else one at a time below.
+    if let Some(&[b0, b1]) = bytes.get(*at..*at + 2) {
+        let n = u32::from(*state < STATE_LOW) + u32::from(*state < STATE_LOW >> 8);
+        let two = u32::from(b0) << 8 | u32::from(b1);
+        *state = (*state << (8 * n)) | (two >> (8 * (2 - n)));
+        *at += n as usize;
+    }
+    while *state < STATE_LOW {
+        let &byte = bytes.get(*at).ok_or(EARLY)?;
+        *at += 1;
+        *state = (*state << 8) | u32::from(byte);
+    }
+    if u64::from(token) < DIRECT {
+        return Ok(difference_of::<W>(u64::from(token)));
+    }
+    let (low_bits, base) = token_parts(token);
+    Ok(difference_of::<W>(base | read_low_bits(bytes, at, state, low_bits)?))
 }
 
 /// Reads `low_bits` low bits in chunks, least significant first, renormalising after each.
@@ -469,8 +486,12 @@ fn read_low_bits(bytes: &[u8], at: &mut usize, state: &mut u32, low_bits: u32) -
 /// ends, by decoding it.
 pub fn check_rans<const W: usize>(bytes: &[u8], changed: u64) -> Result<(), String> {
     let mut reader = RansReader::new(bytes, W)?;
-    for _ in 0..changed {
-        reader.next_value::<W>()?;
+    let mut batch = [0u64; 256];
+    let mut left = changed;
+    while left > 0 {
+        let n = left.min(batch.len() as u64) as usize;
+        reader.read_values::<W>(&mut batch[..n])?;
+        left -= n as u64;
     }
     if reader.at != reader.bytes.len() {
         return Err("value stream has bytes after the last change".to_owned());
@@ -563,9 +584,13 @@ mod tests {
         roundtrip::<2>(&edges);
         roundtrip::<4>(&edges);
         roundtrip::<8>(&edges);
-        // One token alone costs nothing per value: the table and the state.
+        // One token alone costs nothing per value: the table and the two states.
         let stream = roundtrip::<2>(&[1; 1000]);
-        assert_eq!(stream, [2, 0, 0, 0x80, 0x20, 0x00, 0x00, 0x80, 0x00]);
+        assert_eq!(stream, [2, 0, 0, 0x80, 0x20, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00, 0x80, 0x00]);
+        // Odd and even counts, read one by one and in batches of 7 (`decode`), start and end in either state.
+        for n in 1..9 {
+            roundtrip::<2>(&edges[..n]);
+        }
     }
 
     #[test]
@@ -608,10 +633,13 @@ mod tests {
         assert!(RansReader::new(&[0, 0x80, 0x1f, 0, 0, 0x80, 0], 2).is_err());
         assert!(RansReader::new(&[1, 0x80, 0x20, 0, 0, 0, 0x80, 0], 2).is_err());
         assert!(RansReader::new(&[0, 0xff, 0x00, 0, 0, 0x80, 0], 2).is_err());
-        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0x80, 0], 2).is_ok());
-        // An initial state outside [2^23, 2^31).
-        assert!(RansReader::new(&[0, 0x80, 0x20, 0xff, 0xff, 0x7f, 0], 2).is_err());
-        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0, 0x80], 2).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0x80, 0, 0, 0, 0x80, 0], 2).is_ok());
+        // Either initial state outside [2^23, 2^31), or missing.
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0xff, 0xff, 0x7f, 0, 0, 0, 0x80, 0], 2).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0, 0x80, 0, 0, 0x80, 0], 2).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0x80, 0, 0xff, 0xff, 0x7f, 0], 2).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0x80, 0, 0, 0, 0, 0x80], 2).is_err());
+        assert!(RansReader::new(&[0, 0x80, 0x20, 0, 0, 0x80, 0], 2).is_err());
     }
 
     #[test]
