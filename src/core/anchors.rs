@@ -303,7 +303,7 @@ mod tests {
 
     #[test]
     fn pieces_hash_each_piece_of_the_file_whatever_the_write_sizes() {
-        let data: Vec<Vec<u8>> = [3usize, 5000, 2 * CHUNK_BYTES + 777, 1 << 20]
+        let data: Vec<Vec<u8>> = [4usize, 5000, 2 * CHUNK_BYTES + 778, 1 << 20]
             .iter()
             .map(|&n| (0..n).map(|i| (i * 13 % 253) as u8).collect())
             .collect();
