@@ -162,7 +162,9 @@ def test_a_rewritten_sidecar_is_refused_by_the_signed_entry(tmp_path):
     _flip(anchor, anchor.stat().st_size // 8)
     data = anchor.read_bytes()
     sidecar = bytearray((root / pieces_key(3)).read_bytes())
-    sidecar[PIECES_HEADER_BYTES:] = b"".join(hashlib.sha256(data[i : i + 1024]).digest() for i in range(0, len(data), 1024))
+    sidecar[PIECES_HEADER_BYTES:] = b"".join(
+        hashlib.sha256(data[i : i + 1024]).digest() for i in range(0, len(data), 1024)
+    )
     (root / pieces_key(3)).write_bytes(bytes(sidecar))
     with pytest.raises(ds.ChainError, match="pieces: content does not match"):
         ds.Subscriber(root, retries=1, anchor_ranges=_first_tensor_only).fetch(None)

@@ -349,4 +349,14 @@ def load(source: Source, *, mmap: bool = False) -> Delta:
     raise DeltaSyncError(f"load takes a path or bytes, not {type(source).__name__}")
 
 
-__all__ = ["DEFAULT_NAME", "Delta", "TensorInfo", "anchor", "diff", "load", "state_digest", "write_anchor_file", "write_anchor_pieces"]
+__all__ = [
+    "DEFAULT_NAME",
+    "Delta",
+    "TensorInfo",
+    "anchor",
+    "diff",
+    "load",
+    "state_digest",
+    "write_anchor_file",
+    "write_anchor_pieces",
+]

@@ -22,8 +22,8 @@ from . import _arrays
 from .delta import Delta, check_codec, state_digest, write_anchor_pieces
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
 from .manifest import (
-    LATEST_KEY,
     DEFAULT_PIECE_BYTES,
+    LATEST_KEY,
     MAX_DOCUMENT_BYTES,
     RUN_KEY,
     Entry,

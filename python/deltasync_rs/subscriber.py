@@ -212,7 +212,7 @@ class Subscriber:
 
     def _file(self, ref: dict[str, Any], step: int, kind: str) -> Delta:
         def read() -> Delta:
-            delta = None
+            delta: Delta | None = None
             if kind == "anchor" and self.anchor_ranges is not None and "pieces" in ref and self.store.supports_ranges:
                 delta = read_ranged(self.store, ref, self._pieces(ref), self.anchor_ranges)
             if delta is None:
@@ -452,9 +452,8 @@ class Subscriber:
                 for ref, kind in ((entry.delta, "delta"), (entry.anchor, "anchor")):
                     if ref is not None:
                         self._file(ref, step, kind)
-                anchor = entry.anchor
-                if anchor is not None and "pieces" in anchor:
-                    self._retry(anchor["pieces"]["key"], lambda anchor=anchor: self._check_pieces(anchor))
+                if entry.anchor is not None and "pieces" in entry.anchor:
+                    self._retry(entry.anchor["pieces"]["key"], functools.partial(self._check_pieces, entry.anchor))
                 if entry.delta is not None and step != steps[0]:
                     if entry.base_step not in steps:
                         problems.append(f"step {step}: its base step {entry.base_step} is not in the store")
