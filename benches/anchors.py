@@ -1,6 +1,6 @@
 """Anchors at scale: time and peak memory of publishing an anchor and of a fresh pull, against copying the file.
 
-    python benches/anchors.py [GB] [folder]
+    python benches/anchors.py [GB] [folder] [runs]
 
 A bf16 state of about GB gigabytes (default 0.5: one embedding of a quarter of it, the rest in 32 MB tensors) is
 published to a LocalStore in ``folder`` (default: a temporary folder under TMPDIR) and pulled back. Each side runs
@@ -11,9 +11,13 @@ VmRSS) before the measured call and reports VmHWM less the resident size before 
   delta and an anchor), through flush(): the diff against the mirror, then the anchor. The publisher rows' peak
   extra is over state + mirror.
 - anchor alone, streamed: the anchor's own work in the upload thread: the file written from the mirror, hashed
-  (SHA-256 and the state digest in the same pass), then ``store.put_file`` (fsync, link into the store).
+  (SHA-256, the state digest and the 256 KiB pieces in the same pass), then ``store.put_file`` (fsync, link into
+  the store) and the pieces sidecar's ``store.put``; "without pieces" is the same with ``piece_bytes=None``.
 - anchor alone, in memory (the path before streaming): ``ds.anchor(mirror).to_bytes()``, SHA-256, ``store.put``.
 - pull, streamed: a fresh Subscriber's ``pull`` into a zeroed target (allocated and touched before the reset).
+- pull, ranged half: what one rank of two reads of the anchor (the first half of every tensor's rows, as a row
+  split gives): the sidecar, the header and the pieces covering those rows, each piece checked, into a sparse
+  temporary file that is then mapped (``Subscriber(anchor_ranges=...).fetch``; the apply is vLLM's, not timed).
 - pull, in memory (before): ``store.get``, SHA-256, ``ds.load(blob).apply_(target)``.
 - the floors: ``cp`` of the anchor file on the same disk (then ``sync`` of the copy), the same bytes written with
   numpy's ``tofile`` (then fsync), reading the file in 8 MiB pieces, and reading it with hashlib's SHA-256. The page cache is warm for every row.
@@ -70,9 +74,12 @@ with ds.Publisher(store, anchor_every=1, keep_anchors=2) as publisher:
     if mode == "streamed":
         publisher.publish(1, state)
         publisher.flush()
-    elif mode == "anchor only":
-        path, ref, _ = publisher._anchor_file(publisher._mirror.tensors, 1)
+    elif mode in ("anchor only", "anchor only, no pieces"):
+        publisher.piece_bytes = None if mode.endswith("no pieces") else publisher.piece_bytes
+        path, ref, _, sidecar = publisher._anchor_file(publisher._mirror.tensors, 1)
         store.put_file(ref["key"], path)
+        if sidecar is not None:
+            store.put(ref["pieces"]["key"], sidecar)
         os.unlink(path)
     else:
         blob = ds.anchor(publisher._mirror.tensors, step=1).to_bytes()
@@ -94,6 +101,12 @@ before = reset_peak()
 started = time.perf_counter()
 if mode == "streamed":
     subscriber.pull(target)
+elif mode == "ranged half":
+    def half(tensors):
+        return [(t.start, t.start + (t.end - t.start) // 2) for t in tensors]
+    (partial,) = ds.Subscriber(store, anchor_ranges=half).fetch(None)
+    assert type(partial).__name__ == "PartialAnchor", type(partial)
+    del partial
 else:
     blob = store.get(ref["key"])
     assert hashlib.sha256(blob).hexdigest() == ref["sha256"]
@@ -153,34 +166,61 @@ def floors(anchor: Path, scratch: Path) -> dict[str, float]:
     return out
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The run with the median time (its peak memory with it)."""
+    return sorted(rows, key=lambda row: row["seconds"])[len(rows) // 2]
+
+
 def main() -> None:
+    import shutil
+    import statistics
+
     gb = float(sys.argv[1]) if len(sys.argv) > 1 else 0.5
     folder = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
+    runs = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     store = folder / "store-0"
     # A fresh store per publishing run (each publishes steps 0 and 1); the pulls read the first one.
-    modes = ("streamed", "anchor only", "in memory")
-    publish = {mode: child(PUBLISH, gb, folder / f"store-{i}", mode) for i, mode in enumerate(modes)}
+    modes = ("streamed", "anchor only", "anchor only, no pieces", "in memory")
+    loads = [os.getloadavg()[0]]
+    publish = {}
+    for i, mode in enumerate(modes):
+        rows = []
+        for run in range(runs):
+            where = folder / f"store-{i}" if run == 0 else folder / f"store-{i}-again"
+            shutil.rmtree(where, ignore_errors=True)
+            rows.append(child(PUBLISH, gb, where, mode))
+        publish[mode] = median_row(rows)
     anchor = store / "anchors" / "step_000000000001.safetensors"
     import safetensors
 
     with safetensors.safe_open(anchor, "np") as f:
         shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
     env = {"ANCHOR_SHAPES": json.dumps(shapes)}
-    pull = {mode: child(PULL, gb, store, mode, env) for mode in ("streamed", "in memory")}
-    base = floors(anchor, folder)
+    pull = {
+        mode: median_row([child(PULL, gb, store, mode, env) for _ in range(runs)])
+        for mode in ("streamed", "ranged half", "in memory")
+    }
+    loads.append(os.getloadavg()[0])
+    samples = [floors(anchor, folder) for _ in range(runs)]
+    base = {name: statistics.median(sample[name] for sample in samples) for name in samples[0]}
+    loads.append(os.getloadavg()[0])
     size = anchor.stat().st_size
     gib = 1 << 30
     print(
-        f"anchor file: {size / 1e9:.2f} GB; state {publish['streamed']['state'] / 1e9:.2f} GB; threads {os.cpu_count()}"
+        f"anchor file: {size / 1e9:.2f} GB; state {publish['streamed']['state'] / 1e9:.2f} GB; threads {os.cpu_count()}; "
+        f"median of {runs} run(s); 1-minute load average {' / '.join(f'{x:.1f}' for x in loads)} "
+        "(start / after the pulls / end)"
     )
     print()
     print("| what | seconds | GB/s | peak RSS beyond state + mirror (publish) or target (pull) |")
     print("|---|---:|---:|---:|")
     for name, row in (
         ("publish, streamed", publish["streamed"]),
-        ("anchor alone, streamed (file, fsync, link)", publish["anchor only"]),
+        ("anchor alone, streamed (file, pieces, fsync, link)", publish["anchor only"]),
+        ("anchor alone, streamed, without pieces", publish["anchor only, no pieces"]),
         ("anchor alone, in memory (before)", publish["in memory"]),
         ("pull, streamed", pull["streamed"]),
+        ("pull, ranged half (one rank of two: fetch and verify)", pull["ranged half"]),
         ("pull, in memory (before)", pull["in memory"]),
     ):
         print(
@@ -193,7 +233,9 @@ def main() -> None:
     print(
         f"anchor alone / cp = {ratio / base['cp']:.2f}, anchor alone / (cp + sync) = {ratio / base['cp + sync']:.2f}, "
         f"anchor alone / (numpy tofile + fsync) = {ratio / base['numpy tofile + fsync']:.2f}, "
+        f"anchor alone without pieces / cp = {publish['anchor only, no pieces']['seconds'] / base['cp']:.2f}, "
         f"pull / read = {pull['streamed']['seconds'] / base['read the file']:.2f}, "
+        f"ranged half / read = {pull['ranged half']['seconds'] / base['read the file']:.2f}, "
         f"pull / (read + SHA-256) = {pull['streamed']['seconds'] / base['read + SHA-256 (hashlib)']:.2f}"
     )
 

@@ -619,28 +619,31 @@ fn apply_file(
 }
 
 /// Writes the anchor of tensors given as (name, dtype, shape, bytes) into the existing file at `path`, straight
-/// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex) and the tensors' state
-/// digest (as `state_digest` gives it), all from one pass.
+/// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex), the tensors' state
+/// digest (as `state_digest` gives it) and, with `piece_bytes`, the SHA-256 of each piece of that size
+/// concatenated (32 bytes each; empty without), all from one pass.
 #[pyfunction]
-#[pyo3(signature = (path, entries, step = None, metadata = BTreeMap::new()))]
+#[pyo3(signature = (path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0))]
 fn write_anchor(
     py: Python<'_>,
     path: PathBuf,
     entries: Vec<FullEntry<'_>>,
     step: Option<u64>,
     metadata: BTreeMap<String, String>,
-) -> PyResult<(u64, String, String)> {
+    piece_bytes: usize,
+) -> PyResult<(u64, String, String, Py<PyBytes>)> {
     let (held, specs) = export_tensors(&entries)?;
     let written = py
         .detach(|| {
             // SAFETY: `held` keeps every buffer exported until after this call.
             let inputs = unsafe { full_inputs(&specs) };
-            anchors::write_anchor(&inputs, step, &metadata, &path)
+            anchors::write_anchor(&inputs, step, &metadata, &path, piece_bytes)
         })
         .map_err(to_py)?;
     drop(held);
     let hex: String = written.sha256.iter().map(|byte| format!("{byte:02x}")).collect();
-    Ok((written.size, hex, written.state_digest))
+    let pieces = PyBytes::new(py, written.pieces.as_flattened()).unbind();
+    Ok((written.size, hex, written.state_digest, pieces))
 }
 
 /// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).

@@ -16,6 +16,7 @@ import torch
 import deltasync_rs as ds
 import deltasync_rs.publisher as publisher_module
 from deltasync_rs.delta import load, write_anchor_file
+from deltasync_rs.manifest import pieces_key
 from deltasync_rs.sync import anchor_key, entry_key, verify_store
 from tests.helpers import assert_states_equal, clone_state
 
@@ -110,6 +111,8 @@ def test_published_anchor_equals_the_in_memory_anchor_and_leaves_no_temp_files(t
     stored = (tmp_path / "store" / anchor_key(2)).read_bytes()
     assert stored == expected
     entry = json.loads((tmp_path / "store" / entry_key(2)).read_bytes())
+    pieces = entry["anchor"].pop("pieces")  # docs/format.md §10, anchor pieces (tests/test_anchor_ranges.py)
+    assert pieces["key"] == pieces_key(2)
     assert entry["anchor"] == {
         "key": anchor_key(2),
         "size": len(expected),
@@ -138,14 +141,14 @@ def test_the_next_publish_waits_for_the_anchor_file(tmp_path, monkeypatch):
     """The upload thread reads the mirror while it writes the anchor: a publish right after must not change the
     mirror before that file is written, or the anchor would hold bits of the next step."""
     started, release = threading.Event(), threading.Event()
-    real = publisher_module.write_anchor_file
+    real = publisher_module.write_anchor_pieces
 
     def slow_write(tensors, path, **options):
         started.set()
         assert release.wait(10)
         return real(tensors, path, **options)
 
-    monkeypatch.setattr(publisher_module, "write_anchor_file", slow_write)
+    monkeypatch.setattr(publisher_module, "write_anchor_pieces", slow_write)
     state = _state()
     first = clone_state(state)
     store = ds.LocalStore(tmp_path / "store")
@@ -167,7 +170,7 @@ def test_the_next_publish_waits_for_the_anchor_file(tmp_path, monkeypatch):
 
 def test_a_failed_anchor_write_is_reported_cleaned_up_and_re_anchored(tmp_path, private_tmp, monkeypatch):
     calls = []
-    real = publisher_module.write_anchor_file
+    real = publisher_module.write_anchor_pieces
 
     def failing_once(tensors, path, **options):
         calls.append(path)
@@ -176,7 +179,7 @@ def test_a_failed_anchor_write_is_reported_cleaned_up_and_re_anchored(tmp_path, 
             raise OSError("disk full")
         return real(tensors, path, **options)
 
-    monkeypatch.setattr(publisher_module, "write_anchor_file", failing_once)
+    monkeypatch.setattr(publisher_module, "write_anchor_pieces", failing_once)
     state = _state()
     store = ds.LocalStore(tmp_path / "store")
     publisher = ds.Publisher(store, anchor_every=100)
@@ -187,7 +190,7 @@ def test_a_failed_anchor_write_is_reported_cleaned_up_and_re_anchored(tmp_path, 
     _change(state, 1)
     publisher.publish(1, state)  # does not hang on the mirror, and anchors again
     publisher.close()
-    assert store.list("anchors/") == [anchor_key(1)]
+    assert store.list("anchors/") == [pieces_key(1), anchor_key(1)]
     assert not [p for p in (tmp_path / "store").rglob(".deltasync-*")]
     replica = _fresh(state)
     assert ds.Subscriber(store).pull(replica) == 1

@@ -273,3 +273,31 @@ def test_local_get_file_refuses_links(tmp_path):
     (tmp_path / "s" / "anchors" / "step_000000000001.safetensors").symlink_to(tmp_path / "outside.bin")
     with pytest.raises(ds.StoreError, match="symbolic link"):
         store.get_file("anchors/step_000000000001.safetensors", io.BytesIO())
+
+
+def test_get_range_reads_exact_ranges_on_every_backend(store):
+    payload = bytes(range(256)) * 40
+    key = "anchors/step_000000000001.safetensors"
+    store.put(key, payload)
+    for start, length in ((0, 0), (0, 8), (5, 300), (4000, 1), (len(payload) - 17, 17), (len(payload), 0)):
+        assert store.get_range(key, start, length) == payload[start : start + length]
+    with pytest.raises(ds.StoreError, match="ends before"):
+        store.get_range(key, len(payload) - 4, 5)
+    with pytest.raises(ds.StoreError):
+        store.get_range(key, -1, 4)
+    with pytest.raises(ds.MissingObjectError):
+        store.get_range("anchors/step_000000000002.safetensors", 0, 4)
+    # HF Buckets download whole files only: the fallback is correct, and says it reads everything
+    assert store.supports_ranges == (not isinstance(store, HFBucketStore))
+
+
+def test_local_get_range_refuses_links_and_devices(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    (tmp_path / "outside").write_bytes(b"secret bytes")
+    (tmp_path / "s" / "anchors").mkdir()
+    (tmp_path / "s" / "anchors" / "step_000000000001.safetensors").symlink_to(tmp_path / "outside")
+    with pytest.raises(ds.StoreError, match="symbolic link"):
+        store.get_range("anchors/step_000000000001.safetensors", 0, 4)
+    os.mkfifo(tmp_path / "s" / "anchors" / "step_000000000002.safetensors")
+    with pytest.raises(ds.StoreError, match="not a regular file"):
+        store.get_range("anchors/step_000000000002.safetensors", 0, 4)

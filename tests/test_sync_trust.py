@@ -335,6 +335,7 @@ def test_a_link_planted_in_the_store_never_lets_publishing_or_retention_reach_ou
     with ds.Publisher(store, anchor_every=1, keep_anchors=1, background=False) as publisher:
         publisher.resume(history[0], step=0)
         (tmp_path / "store" / "anchors" / "step_000000000000.safetensors").unlink()
+        (tmp_path / "store" / "anchors" / "step_000000000000.pieces").unlink()
         (tmp_path / "store" / "anchors").rmdir()
         (tmp_path / "store" / "anchors").symlink_to(elsewhere)
         with pytest.raises(ds.StoreError, match="symbolic link"):

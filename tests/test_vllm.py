@@ -65,6 +65,16 @@ def test_on_vllm_model(tp, model_name, check, prepared_models, tmp_path_factory)
         assert mine[0]["error"] is None, f"TP={tp} rank {rank}, {model_name}:\n{mine[0]['error']}"
 
 
+def test_tp2_ranks_read_about_half_of_an_anchor(prepared_models, tmp_path_factory):
+    """Issue 16's "done when", summed over ranks: the two TP=2 ranks of each model read (anchor ranges and pieces
+    sidecar together) less than 1.6 times the anchor, not two copies of it."""
+    _rank_results(2, prepared_models, tmp_path_factory)
+    for item in prepared_models:
+        counts = [json.loads(Path(item.path(f"anchor-read-tp2-rank{rank}.json")).read_text()) for rank in range(2)]
+        total = sum(c["read"] for c in counts)
+        assert 0 < total < 1.6 * counts[0]["size"], f"{item.name}: the ranks read {counts}"
+
+
 def test_deltas_come_from_sparse_real_steps(prepared_models):
     for item in prepared_models:
         delta = ds.load(item.path("delta_1_diff.safetensors"))

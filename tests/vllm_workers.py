@@ -34,6 +34,10 @@ MODELS = {
 }
 
 
+#: The piece size of the prepared anchor store: 1 KiB, the smallest, since the tiny models' tensors are a few KiB.
+RANGED_PIECE_BYTES = 1 << 10
+
+
 @dataclass
 class Prepared:
     """One model's config folder, and beside it the states of consecutive bf16 exports and the deltas between them.
@@ -97,6 +101,10 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
         states.append(bf16_state(model))
     for step, state in enumerate(states):
         save_file(state, str(data / f"state_{step}.safetensors"))
+    # A store whose only step is an anchor of the last state, in small pieces so that a rank of this tiny model can
+    # read its shard alone (check_anchor_pull_reads_only_this_ranks_shard).
+    with ds.Publisher(data / "store-ranged", piece_bytes=RANGED_PIECE_BYTES, background=False) as publisher:
+        publisher.publish(steps, states[-1])
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
             for codec in ("varint", "compact"):
@@ -387,7 +395,128 @@ def check_worker_extension_applies_files(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
+def _counting_store(root: str):
+    """A LocalStore that counts the bytes each key gave, by any read (whole, small, streamed or ranged)."""
+    from collections import Counter
+
+    import deltasync_rs as ds
+
+    class Counting(ds.LocalStore):
+        read: Counter
+
+        def get(self, key):
+            data = super().get(key)
+            self.read[key] += len(data)
+            return data
+
+        def get_small(self, key, max_bytes):
+            data = super().get_small(key, max_bytes)
+            self.read[key] += len(data)
+            return data
+
+        def get_file(self, key, out):
+            done = super().get_file(key, out)
+            self.read[key] += done
+            return done
+
+        def get_range(self, key, start, length):
+            data = super().get_range(key, start, length)
+            self.read[key] += len(data)
+            return data
+
+    store = Counting(root, create=False)
+    store.read = Counter()
+    return store
+
+
+def _fresh_worker(model):
+    """A worker extension on ``model`` that knows no step (the model's step tracker outlives the checks)."""
+    from types import SimpleNamespace
+
+    from deltasync_rs.vllm import DeltaSyncWorkerExtension
+
+    worker = DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    worker.deltasync_set_step(None)
+    return worker
+
+
+def check_anchor_pull_reads_only_this_ranks_shard(model, item: Prepared) -> None:
+    """Issue 16's "done when": at TP=2 a worker's anchor pull reads (by verified ranges) clearly less than the
+    anchor, and the weights equal vLLM's dense reload bit for bit; at TP=1 it reads the anchor whole."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    from deltasync_rs.manifest import anchor_key, pieces_key
+
+    store = _counting_store(item.path("store-ranged"))
+    assert _fresh_worker(model).deltasync_pull(store) == 2
+    size = os.path.getsize(item.path(f"store-ranged/{anchor_key(2)}"))
+    read = store.read[anchor_key(2)] + store.read[pieces_key(2)]
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    Path(item.path(f"anchor-read-tp{tp}-rank{rank}.json")).write_text(json.dumps({"read": read, "size": size}))
+    if tp > 1:
+        assert read < 0.8 * size, f"this rank read {read} bytes of a {size}-byte anchor (with its pieces sidecar)"
+    else:
+        assert store.read[anchor_key(2)] == size
+    _assert_equal_to_reload(model, item, 2)
+
+
+def _tampered_store(item: Prepared, tamper) -> str:
+    """A private copy of the prepared anchor store, changed by ``tamper(anchor_path, pieces_path, anchor_bytes)``."""
+    import shutil
+    import tempfile
+
+    from deltasync_rs.manifest import anchor_key, pieces_key
+
+    root = tempfile.mkdtemp(prefix="tampered-")
+    shutil.copytree(item.path("store-ranged"), root, dirs_exist_ok=True)
+    anchor = os.path.join(root, anchor_key(2))
+    raw = bytearray(Path(anchor).read_bytes())
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    # a byte of the final norm: replicated, so every rank reads it
+    offset = header_end + json.loads(raw[8:header_end])["model.norm.weight"]["data_offsets"][0] + 3
+    raw[offset] ^= 0x40
+    tamper(anchor, os.path.join(root, pieces_key(2)), bytes(raw))
+    return root
+
+
+def check_tampered_anchor_pieces_refused(model, item: Prepared) -> None:
+    """A flipped byte in a piece a rank reads, and a pieces sidecar rewritten to match a changed anchor, are refused
+    loudly before any write; at TP=1 the whole-file SHA-256 refuses them."""
+    import hashlib
+
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    import deltasync_rs as ds
+    from deltasync_rs.manifest import PIECES_HEADER_BYTES
+
+    ranged = get_tensor_model_parallel_world_size() > 1
+
+    def flip_a_byte(anchor, pieces, changed):
+        Path(anchor).write_bytes(changed)
+
+    def flip_and_rewrite_the_sidecar(anchor, pieces, changed):
+        Path(anchor).write_bytes(changed)
+        sidecar = bytearray(Path(pieces).read_bytes())
+        piece = int.from_bytes(sidecar[16:24], "little")
+        for index in range(-(-len(changed) // piece)):
+            digest = hashlib.sha256(changed[index * piece : (index + 1) * piece]).digest()
+            sidecar[PIECES_HEADER_BYTES + 32 * index : PIECES_HEADER_BYTES + 32 * index + 32] = digest
+        Path(pieces).write_bytes(bytes(sidecar))
+
+    for tamper, why in (
+        (flip_a_byte, "do not match its pieces sidecar" if ranged else "does not match the digest"),
+        (flip_and_rewrite_the_sidecar, ".pieces: content does not match" if ranged else "does not match the digest"),
+    ):
+        root = _tampered_store(item, tamper)
+        _expect_untouched(
+            model, snapshot(model), ds.DeltaSyncError, lambda root=root: _fresh_worker(model).deltasync_pull(root), why
+        )
+
+
 CHECKS = [
+    check_anchor_pull_reads_only_this_ranks_shard,
+    check_tampered_anchor_pieces_refused,
     check_diff_then_abs_match_dense_reload,
     check_compact_matches_dense_reload,
     check_base_identity_at_tp1_or_refused_at_tp2,

@@ -107,7 +107,8 @@ def write_anchor(
     entries: list[tuple[str, str, list[int], Any]],
     step: int | None = None,
     metadata: dict[str, str] = ...,
-) -> tuple[int, str, str]: ...
+    piece_bytes: int = 0,
+) -> tuple[int, str, str, bytes]: ...
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""
 

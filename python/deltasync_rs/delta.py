@@ -287,12 +287,26 @@ def write_anchor_file(
     arrays are read in place; others are copied to the host first). Returns the file's size, its SHA-256 (hex) and
     ``state_digest(state)``, all hashed in the same pass as the write. The tensors must not change until this
     returns; the file is not fsynced."""
+    size, sha256, digest, _ = write_anchor_pieces(state, path, step=step, metadata=metadata, piece_bytes=0)
+    return size, sha256, digest
+
+
+def write_anchor_pieces(
+    state: State,
+    path: str | os.PathLike[str],
+    *,
+    piece_bytes: int,
+    step: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[int, str, str, bytes]:
+    """:func:`write_anchor_file`, also returning the SHA-256 of each ``piece_bytes`` piece of the file (a power of
+    two from 1 KiB to 1 GiB; 0: none), concatenated, 32 bytes each, hashed in the same pass (docs/format.md §10)."""
     entries = []
     for name, tensor in _as_mapping(state, "state").items():
         dtype, shape = _arrays.describe(tensor, name)
         data, _ = _arrays.host_bytes(tensor)
         entries.append((name, dtype, list(shape), data))
-    return _write_anchor(os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}))
+    return _write_anchor(os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}), piece_bytes)
 
 
 def state_digest(state: State) -> str:
@@ -335,4 +349,14 @@ def load(source: Source, *, mmap: bool = False) -> Delta:
     raise DeltaSyncError(f"load takes a path or bytes, not {type(source).__name__}")
 
 
-__all__ = ["DEFAULT_NAME", "Delta", "TensorInfo", "anchor", "diff", "load", "state_digest", "write_anchor_file"]
+__all__ = [
+    "DEFAULT_NAME",
+    "Delta",
+    "TensorInfo",
+    "anchor",
+    "diff",
+    "load",
+    "state_digest",
+    "write_anchor_file",
+    "write_anchor_pieces",
+]

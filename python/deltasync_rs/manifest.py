@@ -26,7 +26,7 @@ LATEST_KEY = "latest.json"
 RUN_KEY = "run.json"
 MAX_DOCUMENT_BYTES = 1 << 20
 MAX_DEPTH = 32
-_STEP_KEY = re.compile(r"^(manifest|deltas|anchors)/step_(\d{12})\.(json|safetensors)$")
+_STEP_KEY = re.compile(r"^(manifest|deltas|anchors)/step_(\d{12})\.(json|safetensors|pieces)$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -41,6 +41,85 @@ def delta_key(step: int) -> str:
 
 def anchor_key(step: int) -> str:
     return f"anchors/step_{step:012d}.safetensors"
+
+
+def pieces_key(step: int) -> str:
+    """The key of an anchor's pieces sidecar (docs/format.md §10, anchor pieces)."""
+    return f"anchors/step_{step:012d}.pieces"
+
+
+#: The first bytes of a pieces sidecar, then the anchor's size and the piece size (u64 LE each), then the hashes.
+PIECES_MAGIC = b"DSPIECE1"
+PIECES_HEADER_BYTES = len(PIECES_MAGIC) + 16
+#: The piece size the Publisher records by default, and the range a reader accepts (powers of two).
+DEFAULT_PIECE_BYTES = 1 << 18
+MIN_PIECE_BYTES = 1 << 10
+MAX_PIECE_BYTES = 1 << 30
+
+
+def pieces_size(anchor_size: int, piece_bytes: int) -> int:
+    """The size in bytes of the sidecar of an anchor of ``anchor_size`` bytes cut in ``piece_bytes`` pieces."""
+    return PIECES_HEADER_BYTES + 32 * -(-anchor_size // piece_bytes)
+
+
+def check_piece_bytes(piece_bytes: int, where: str) -> int:
+    if (
+        isinstance(piece_bytes, bool)
+        or not isinstance(piece_bytes, int)
+        or not MIN_PIECE_BYTES <= piece_bytes <= MAX_PIECE_BYTES
+        or piece_bytes & (piece_bytes - 1)
+    ):
+        raise DeltaFormatError(
+            f"{where}: piece size {piece_bytes!r} is not a power of two from {MIN_PIECE_BYTES} to {MAX_PIECE_BYTES}"
+        )
+    return piece_bytes
+
+
+def pieces_document(anchor_size: int, piece_bytes: int, hashes: bytes) -> bytes:
+    """The sidecar of an anchor: magic, its size and the piece size (u64 LE), then each piece's SHA-256."""
+    if len(hashes) != 32 * -(-anchor_size // piece_bytes):
+        raise DeltaSyncError(f"{len(hashes) // 32} piece hashes for {anchor_size} bytes in pieces of {piece_bytes}")
+    return PIECES_MAGIC + anchor_size.to_bytes(8, "little") + piece_bytes.to_bytes(8, "little") + hashes
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """An anchor's pieces sidecar, read and checked: the anchor's size, the piece size and each piece's SHA-256."""
+
+    size: int
+    piece_bytes: int
+    hashes: bytes
+
+    @classmethod
+    def parse(cls, raw: bytes, anchor: Mapping[str, Any]) -> Pieces:
+        """The sidecar ``raw`` of the anchor ``anchor`` (its entry's reference, with ``pieces``): the caller has
+        checked ``raw`` against the reference's size and SHA-256; this checks that it describes that anchor."""
+        ref = anchor["pieces"]
+        key = ref["key"]
+        if len(raw) < PIECES_HEADER_BYTES or raw[: len(PIECES_MAGIC)] != PIECES_MAGIC:
+            raise IntegrityError(f"{key}: not a pieces sidecar")
+        size = int.from_bytes(raw[8:16], "little")
+        piece_bytes = int.from_bytes(raw[16:24], "little")
+        if size != anchor["size"] or piece_bytes != ref["piece_bytes"]:
+            raise IntegrityError(f"{key}: describes {size} bytes in pieces of {piece_bytes}, not its anchor")
+        if len(raw) != pieces_size(size, piece_bytes):
+            raise IntegrityError(f"{key}: {len(raw)} bytes, not one hash per piece")
+        return cls(size, piece_bytes, bytes(raw[PIECES_HEADER_BYTES:]))
+
+    @property
+    def count(self) -> int:
+        return len(self.hashes) // 32
+
+    def span(self, index: int) -> tuple[int, int]:
+        """The byte range [start, end) of piece ``index`` in the anchor."""
+        start = index * self.piece_bytes
+        return start, min(start + self.piece_bytes, self.size)
+
+    def check(self, index: int, data: bytes | memoryview, key: str) -> None:
+        """Raises IntegrityError unless ``data`` is piece ``index`` of the anchor ``key``."""
+        start, end = self.span(index)
+        if len(data) != end - start or hashlib.sha256(data).digest() != self.hashes[32 * index : 32 * index + 32]:
+            raise IntegrityError(f"{key}: bytes {start}..{end} (piece {index}) do not match its pieces sidecar")
 
 
 def step_of(key: str) -> int | None:
@@ -186,6 +265,17 @@ def _file_ref(document: Mapping[str, Any], name: str, expected_key: str, key: st
         raise DeltaFormatError(f"{where}: names {ref['key']!r}, not {expected_key!r}")
     _count(ref, "size", where)
     _hex_digest(ref, "sha256", where)
+    if name == "anchor" and "pieces" in ref:
+        pieces = _field(ref, "pieces", dict, where)
+        step = step_of(expected_key)
+        assert step is not None
+        where = f"{where} (pieces)"
+        if _field(pieces, "key", str, where) != pieces_key(step):
+            raise DeltaFormatError(f"{where}: names {pieces['key']!r}, not {pieces_key(step)!r}")
+        piece_bytes = check_piece_bytes(_count(pieces, "piece_bytes", where), where)
+        if _count(pieces, "size", where) != pieces_size(ref["size"], piece_bytes):
+            raise DeltaFormatError(f"{where}: the size {pieces['size']} is not that of one hash per piece")
+        _hex_digest(pieces, "sha256", where)
     return ref
 
 
@@ -321,13 +411,17 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
     "RUN_KEY",
+    "DEFAULT_PIECE_BYTES",
     "Entry",
+    "Pieces",
     "Pointer",
     "anchor_key",
     "delta_key",
     "entry_key",
     "listed_steps",
     "parse_latest",
+    "pieces_document",
+    "pieces_key",
     "parse_run",
     "check_run",
     "file_ref",

@@ -19,19 +19,23 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _arrays
-from .delta import Delta, check_codec, state_digest, write_anchor_file
+from .delta import Delta, check_codec, state_digest, write_anchor_pieces
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
 from .manifest import (
+    DEFAULT_PIECE_BYTES,
     LATEST_KEY,
     MAX_DOCUMENT_BYTES,
     RUN_KEY,
     Entry,
     anchor_key,
+    check_piece_bytes,
     delta_key,
     entry_key,
     file_ref,
     latest_document,
     parse_run,
+    pieces_document,
+    pieces_key,
     resolve_signing_key,
     run_document,
     step_of,
@@ -58,7 +62,9 @@ class Publisher:
     Anchors are streamed: the upload thread writes the anchor file straight from the publisher's mirror into a
     temporary file (hashing it on the way) and uploads from that file, so an anchor costs no copy of the state in
     memory. The mirror must hold still until that file is written, so a publish that follows an anchor waits for
-    the anchor's file first (not for its upload).
+    the anchor's file first (not for its upload). With ``piece_bytes`` (a power of two, 256 KiB by default; None:
+    none) each anchor also gets a pieces sidecar, the SHA-256 of each piece of that size, hashed in the same pass,
+    so that a reader can verify a byte range of it alone (docs/format.md §10, anchor pieces).
 
     Every entry carries the store's run id (``run.json``, made by the first publisher of the store) and the
     SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
@@ -78,9 +84,16 @@ class Publisher:
         max_pending: int = 2,
         retries: int = 3,
         exit_timeout: float = 60.0,
+        piece_bytes: int | None = DEFAULT_PIECE_BYTES,
     ) -> None:
         if anchor_every < 1 or keep_anchors < 1:
             raise DeltaSyncError("anchor_every and keep_anchors must be at least 1")
+        if piece_bytes is not None:
+            try:
+                check_piece_bytes(piece_bytes, "piece_bytes")
+            except DeltaFormatError as error:
+                raise DeltaSyncError(str(error)) from None
+        self.piece_bytes = piece_bytes
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
         check_codec(codec)
@@ -298,31 +311,39 @@ class Publisher:
                 log.warning("writing %s failed (%s); retrying", key, error)
                 time.sleep(0.05 * 2**attempt)
 
-    def _anchor_file(self, tensors: Mapping[str, Any], step: int) -> tuple[str, dict[str, Any], str]:
+    def _anchor_file(self, tensors: Mapping[str, Any], step: int) -> tuple[str, dict[str, Any], str, bytes | None]:
         """Writes the anchor of ``tensors`` into a new temporary file (in the store's own folder when it has one,
-        so a local store links it in place) and returns its path, its manifest reference and the state digest
-        (hashed in the same pass). The mirror is free again once this returns, whatever happens."""
+        so a local store links it in place) and returns its path, its manifest reference, the state digest and its
+        pieces sidecar (None without ``piece_bytes``), all hashed in the same pass. The mirror is free again once
+        this returns, whatever happens."""
         try:
             folder = self.store.staging_folder() or tempfile.gettempdir()
             path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
             try:
-                size, sha256, digest = write_anchor_file(tensors, path, step=step)
+                size, sha256, digest, hashes = write_anchor_pieces(
+                    tensors, path, step=step, piece_bytes=self.piece_bytes or 0
+                )
             except BaseException:
                 os.unlink(path)
                 raise
         finally:
             self._mirror_free.set()
-        return path, {"key": anchor_key(step), "size": size, "sha256": sha256}, digest
+        ref: dict[str, Any] = {"key": anchor_key(step), "size": size, "sha256": sha256}
+        sidecar = None
+        if self.piece_bytes:
+            sidecar = pieces_document(size, self.piece_bytes, hashes)
+            ref["pieces"] = file_ref(pieces_key(step), sidecar) | {"piece_bytes": self.piece_bytes}
+        return path, ref, digest, sidecar
 
     def _upload(
         self, step: int, delta: Delta | None, full: Mapping[str, Any] | None, digest: str | None, elements: int
     ) -> None:
         started = time.perf_counter()
         delta_ref = anchor_ref = None
-        anchor_path = None
+        anchor_path = sidecar = None
         if full is not None:
-            anchor_path, anchor_ref, digest = self._anchor_file(full, step)
+            anchor_path, anchor_ref, digest, sidecar = self._anchor_file(full, step)
         assert digest is not None  # given for every step without an anchor
         try:
             if delta is not None:
@@ -331,6 +352,8 @@ class Publisher:
                 self._put(delta_key(step), blob)
             if anchor_path is not None:
                 self._put_file(anchor_key(step), anchor_path)
+            if sidecar is not None:
+                self._put(pieces_key(step), sidecar)
         finally:
             if anchor_path is not None:
                 os.unlink(anchor_path)

@@ -75,6 +75,17 @@ class Store(ABC):
         out.write(data)
         return len(data)
 
+    #: True when ``get_range`` reads only the bytes asked for; False when it falls back to reading the whole object
+    #: (readers then prefer one whole read to many ranged ones).
+    supports_ranges: bool = False
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """The ``length`` bytes of the object from offset ``start``; raises MissingObjectError when absent and
+        StoreError when the object ends before ``start + length``. Backends read only that range; this fallback
+        reads the whole object."""
+        _check_range(start, length)
+        return _exact_range(self.get(key)[start : start + length], f"{self.url}/{key}", start, length)
+
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Keys under `prefix` (a folder-like prefix ending in '/', or ''), sorted."""
@@ -133,6 +144,19 @@ COPY_BYTES = 8 << 20
 
 def too_large(where: str, max_bytes: int) -> StoreError:
     return StoreError(f"{where}: larger than {max_bytes} bytes, the most this read accepts")
+
+
+def _check_range(start: int, length: int) -> None:
+    if isinstance(start, bool) or isinstance(length, bool) or not isinstance(start, int) or not isinstance(length, int):
+        raise StoreError(f"a byte range needs integers, not {start!r} and {length!r}")
+    if start < 0 or length < 0:
+        raise StoreError(f"invalid byte range: {length} bytes from {start}")
+
+
+def _exact_range(data: bytes, where: str, start: int, length: int) -> bytes:
+    if len(data) != length:
+        raise StoreError(f"{where}: ends before byte {start + length} ({len(data)} of {length} bytes from {start})")
+    return data
 
 
 class LocalStore(Store):
@@ -297,6 +321,26 @@ class LocalStore(Store):
     def get_small(self, key: str, max_bytes: int) -> bytes:
         return self._read(key, max_bytes)
 
+    supports_ranges = True
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """pread on the object's regular file, opened as for ``get`` (no link followed)."""
+        _check_range(start, length)
+        path = self.root / key
+        with self._open_object(key) as f:
+            chunks = []
+            got = 0
+            try:
+                while got < length:
+                    chunk = os.pread(f.fileno(), min(length - got, 1 << 30), start + got)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    got += len(chunk)
+            except OSError as error:
+                raise StoreError(f"{path}: cannot read: {error}") from error
+        return _exact_range(b"".join(chunks) if len(chunks) != 1 else chunks[0], str(path), start, length)
+
     def get_file(self, key: str, out: Sink) -> int:
         """Into a real file (one with a ``fileno``), the kernel copies the bytes (copy_file_range), never through
         this process's memory; into anything else, in pieces."""
@@ -449,6 +493,23 @@ class FsspecStore(Store):
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot read: {error}") from error
 
+    supports_ranges = True
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """One ranged read (``cat_file`` with start and end: an HTTP Range request on S3 and GCS)."""
+        _check_range(start, length)
+        try:
+            if length == 0:
+                if not self.fs.exists(self._path(key)):
+                    raise FileNotFoundError(key)
+                return b""
+            data = self.fs.cat_file(self._path(key), start=start, end=start + length)
+        except FileNotFoundError:
+            raise MissingObjectError(f"{self.url}/{key}: no such object") from None
+        except Exception as error:
+            raise StoreError(f"{self.url}/{key}: cannot read bytes {start}..{start + length}: {error}") from error
+        return _exact_range(bytes(data), f"{self.url}/{key}", start, length)
+
     def get_small(self, key: str, max_bytes: int) -> bytes:
         try:
             data = self.fs.cat_file(self._path(key), start=0, end=max_bytes + 1)
@@ -487,7 +548,9 @@ class HFBucketStore(Store):
     """A Hugging Face Bucket: hf://buckets/ORG/NAME[/PREFIX]. The token comes from HF_TOKEN (or the saved login).
 
     `api` is anything with huggingface_hub's `batch_bucket_files`, `download_bucket_files` and `list_bucket_tree`
-    (the module itself by default); tests pass an in-process stand-in.
+    (the module itself by default); tests pass an in-process stand-in. Those calls download whole files only, so
+    ``get_range`` is the base class's whole-object fallback and ``supports_ranges`` is False: readers then download
+    an anchor whole.
     """
 
     def __init__(self, url: str, *, token: str | None = None, api: Any = None) -> None:

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._ranged import NeededRanges, read_ranged
 from .delta import Delta, load, state_digest
 from .errors import (
     BaseMismatchError,
@@ -29,6 +30,7 @@ from .manifest import (
     MAX_DOCUMENT_BYTES,
     RUN_KEY,
     Entry,
+    Pieces,
     Pointer,
     check_run,
     entry_key,
@@ -82,8 +84,10 @@ class Subscriber:
         retries: int = 3,
         retry_delay: float = 0.02,
         check_base: bool = True,
+        anchor_ranges: NeededRanges | None = None,
     ) -> None:
         self.store = open_store(store, create=False)
+        self.anchor_ranges = anchor_ranges
         self.check_base = check_base
         self.retries = max(1, retries)
         self.retry_delay = retry_delay
@@ -208,7 +212,11 @@ class Subscriber:
 
     def _file(self, ref: dict[str, Any], step: int, kind: str) -> Delta:
         def read() -> Delta:
-            delta = self._streamed(ref) if kind == "anchor" else self._in_memory(ref)
+            delta: Delta | None = None
+            if kind == "anchor" and self.anchor_ranges is not None and "pieces" in ref and self.store.supports_ranges:
+                delta = read_ranged(self.store, ref, self._pieces(ref), self.anchor_ranges)
+            if delta is None:
+                delta = self._streamed(ref) if kind == "anchor" else self._in_memory(ref)
             if delta.step is not None and delta.step != step:
                 raise IntegrityError(f"{ref['key']}: the file says step {delta.step}, its entry step {step}")
             if kind == "anchor" and not delta.is_anchor:
@@ -216,6 +224,26 @@ class Subscriber:
             return delta
 
         return self._retry(ref["key"], read)
+
+    def _pieces(self, ref: dict[str, Any]) -> Pieces:
+        """The pieces sidecar of anchor ``ref``, checked against the size and SHA-256 its entry records."""
+        sidecar = ref["pieces"]
+        raw = self.store.get_small(sidecar["key"], sidecar["size"])
+        if len(raw) != sidecar["size"] or hashlib.sha256(raw).hexdigest() != sidecar["sha256"]:
+            raise IntegrityError(f"{sidecar['key']}: content does not match the digest in its manifest entry")
+        return Pieces.parse(raw, ref)
+
+    def _check_pieces(self, ref: dict[str, Any]) -> None:
+        """Reads anchor ``ref`` whole and checks every piece against its sidecar."""
+        pieces = self._pieces(ref)
+        with tempfile.TemporaryFile(prefix=TEMP_PREFIX) as file:
+            self.store.get_file(ref["key"], file)
+            file.seek(0)
+            for index in range(pieces.count):
+                start, end = pieces.span(index)
+                pieces.check(index, file.read(end - start), ref["key"])
+            if file.read(1):
+                raise IntegrityError(f"{ref['key']}: longer than its pieces sidecar says")
 
     def _in_memory(self, ref: dict[str, Any]) -> Delta:
         blob = self.store.get(ref["key"])
@@ -424,6 +452,8 @@ class Subscriber:
                 for ref, kind in ((entry.delta, "delta"), (entry.anchor, "anchor")):
                     if ref is not None:
                         self._file(ref, step, kind)
+                if entry.anchor is not None and "pieces" in entry.anchor:
+                    self._retry(entry.anchor["pieces"]["key"], functools.partial(self._check_pieces, entry.anchor))
                 if entry.delta is not None and step != steps[0]:
                     if entry.base_step not in steps:
                         problems.append(f"step {step}: its base step {entry.base_step} is not in the store")

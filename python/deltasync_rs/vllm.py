@@ -9,7 +9,7 @@ weight-transfer engine (``vllm.general_plugins`` entry point ``register``) run i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -31,6 +31,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 
 from . import _arrays, _vllm_cpu, _write
 from ._core import BaseMismatchError, DeltaSyncError
+from ._ranged import AnchorTensor, PartialAnchor
 from .delta import Delta, load
 
 #: Architectures whose HF → vLLM layout ``apply_delta`` maps itself; any other model uses vLLM's loader.
@@ -103,6 +104,49 @@ def _numel(shard: ShardMap) -> int:
     for dim in shard.hf_shape:
         count *= dim
     return count
+
+
+def _shard_bytes(shard: ShardMap, width: int) -> tuple[int, int]:
+    """The byte range [start, end) of the HF tensor (row-major) that holds every element of this rank's slice:
+    exactly its rows when it has all columns (a row split: fused q/k/v, gate/up, vocabulary), else from its first
+    element to its last (a column split spans nearly the whole tensor)."""
+    if shard.row_count == 0 or shard.col_count == 0:
+        return 0, 0
+    cols = shard.hf_cols
+    first = shard.row_start * cols + shard.col_start
+    last = (shard.row_start + shard.row_count - 1) * cols + shard.col_start + shard.col_count
+    return first * width, last * width
+
+
+def anchor_ranges(model: torch.nn.Module) -> Callable[[list[AnchorTensor]], list[tuple[int, int]]]:
+    """For ``Subscriber(anchor_ranges=...)``: the byte ranges of an anchor this rank's shard of ``model`` needs,
+    found with the same coordinate mapping ``apply_delta`` writes with (:func:`shard_map`); a tensor the mapping
+    cannot place (an unknown name, a shape that disagrees) is asked for whole, and ``apply_delta`` then rejects it
+    as it would any anchor."""
+
+    def needed(tensors: list[AnchorTensor]) -> list[tuple[int, int]]:
+        params = _params(model)
+        out = []
+        for tensor in tensors:
+            size = tensor.end - tensor.start
+            try:
+                shard = shard_map(model, tensor.name, params)
+            except Exception:  # noqa: BLE001 (read it whole: apply_delta raises the same error, loudly)
+                out.append((tensor.start, tensor.end))
+                continue
+            numel = _numel(shard)
+            width = _arrays.WIDTHS.get(tensor.dtype, 0)
+            count = 1
+            for dim in tensor.shape:
+                count *= dim
+            if count != numel or width * numel != size:
+                out.append((tensor.start, tensor.end))
+                continue
+            start, end = _shard_bytes(shard, width)
+            out.append((tensor.start + start, tensor.start + end))
+        return out
+
+    return needed
 
 
 def is_mapped(model: torch.nn.Module) -> bool:
@@ -238,8 +282,14 @@ def apply_delta(
     if not isinstance(delta, Delta):
         raise DeltaSyncError(f"apply_delta takes a deltasync_rs.Delta, not {type(delta).__name__}")
     _check_chain(delta, current_step)
+    partial = delta if isinstance(delta, PartialAnchor) else None
     if path == "auto":
         path = "mapped" if is_mapped(model) else "loader"
+    if partial is not None and path != "mapped":
+        raise DeltaSyncError(
+            f"{partial.key}: only this rank's part of the anchor was read, which only the mapped path can apply; "
+            "nothing was written"
+        )
     if path == "loader":
         if check_base:
             raise DeltaSyncError("check_base needs path='mapped': vLLM's loader writes whole parameters itself")
@@ -265,9 +315,16 @@ def apply_delta(
                 f"{shard.param_name!r} is {shard.param.dtype}"
             )
         delta._raw.check_target(index, info.dtype, list(shard.hf_shape))
+        if partial is not None:  # every byte this rank reads must have been read and verified
+            partial.require(info.name, *_shard_bytes(shard, _arrays.WIDTHS[info.dtype]))
         first = region_owner.setdefault(shard.region_key(), index)
         if first != index:  # tied weights (lm_head / embed_tokens): one memory, written once
-            if not delta._raw.same_changes(first, index):
+            if partial is not None:
+                span = _shard_bytes(shard, _arrays.WIDTHS[info.dtype])
+                same = partial.tensor_bytes(infos[first].name, *span) == partial.tensor_bytes(info.name, *span)
+            else:
+                same = delta._raw.same_changes(first, index)
+            if not same:
                 raise DeltaSyncError(
                     f"tensors {infos[first].name!r} and {info.name!r} are one parameter in vLLM "
                     "but the delta changes them differently"
@@ -440,8 +497,21 @@ class _StepTracker:
     ) -> int | None:
         from .sync import Subscriber
 
-        deltas = Subscriber(store, signing_key=signing_key).fetch(self.current_step, until=until)
+        # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
+        ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
+        subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
+        deltas = subscriber.fetch(self.current_step, until=until)
         return self.apply(model, deltas, path=path, check_base=check_base)
+
+
+def _tensor_parallel() -> int:
+    """This process's tensor-parallel world size (1 when vLLM's parallel state is not set up)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return int(parallel_state.get_tensor_model_parallel_world_size())
+    except (AssertionError, AttributeError, RuntimeError):
+        return 1
 
 
 def _tracker_for(model: torch.nn.Module) -> _StepTracker:
@@ -612,6 +682,7 @@ __all__ = [
     "DeltaSyncWeightTransferEngine",
     "DeltaSyncWorkerExtension",
     "ShardMap",
+    "anchor_ranges",
     "apply_delta",
     "is_mapped",
     "register",

@@ -17,12 +17,78 @@ use crate::core::Delta;
 
 /// Bytes hashed on one thread while the other writes them.
 const CHUNK_BYTES: usize = 8 << 20;
+/// The smallest and largest piece sizes `write_anchor` hashes (docs/format.md §10, anchor pieces).
+pub const MIN_PIECE_BYTES: usize = 1 << 10;
+pub const MAX_PIECE_BYTES: usize = 1 << 30;
+/// Below this many bytes a write's pieces are hashed on the calling thread.
+const PARALLEL_PIECES_BYTES: usize = 1 << 20;
 
-/// What `write_anchor` wrote: the file's size and SHA-256, and the state digest of its tensors (core::digest).
+/// What `write_anchor` wrote: the file's size and SHA-256, the state digest of its tensors (core::digest), and the
+/// SHA-256 of each `piece_bytes` piece of the file in order (the last may be shorter; none when not asked for).
 pub struct Written {
     pub size: u64,
     pub sha256: [u8; 32],
     pub state_digest: String,
+    pub pieces: Vec<[u8; 32]>,
+}
+
+/// SHA-256 of consecutive fixed-size pieces of a byte stream fed in arbitrary slices; whole pieces inside one
+/// slice are hashed in parallel.
+struct Pieces {
+    piece_bytes: usize,
+    current: Sha256,
+    filled: usize,
+    done: Vec<[u8; 32]>,
+}
+
+impl Pieces {
+    fn new(piece_bytes: usize) -> Self {
+        Self { piece_bytes, current: Sha256::new(), filled: 0, done: Vec::new() }
+    }
+
+    fn update(&mut self, mut data: &[u8]) {
+        if self.piece_bytes == 0 {
+            return;
+        }
+        if self.filled > 0 {
+            let take = data.len().min(self.piece_bytes - self.filled);
+            self.current.update(&data[..take]);
+            self.filled += take;
+            data = &data[take..];
+            if self.filled == self.piece_bytes {
+                self.done.push(std::mem::take(&mut self.current).finalize().into());
+                self.filled = 0;
+            }
+        }
+        let whole = data.len() / self.piece_bytes * self.piece_bytes;
+        let (full, tail) = data.split_at(whole);
+        if full.len() >= PARALLEL_PIECES_BYTES {
+            use rayon::prelude::*;
+            let hashed: Vec<[u8; 32]> =
+                full.par_chunks_exact(self.piece_bytes).map(|piece| Sha256::digest(piece).into()).collect();
+            self.done.extend(hashed);
+        } else {
+            self.done.extend(full.chunks_exact(self.piece_bytes).map(|piece| <[u8; 32]>::from(Sha256::digest(piece))));
+        }
+        if !tail.is_empty() {
+            self.current.update(tail);
+            self.filled = tail.len();
+        }
+    }
+
+    fn finish(mut self) -> Vec<[u8; 32]> {
+        if self.filled > 0 {
+            self.done.push(self.current.finalize().into());
+        }
+        self.done
+    }
+}
+
+/// The SHA-256 of each `piece_bytes` piece of `data` (the last may be shorter): what `write_anchor` records.
+pub fn piece_hashes(data: &[u8], piece_bytes: usize) -> Vec<[u8; 32]> {
+    let mut pieces = Pieces::new(piece_bytes);
+    pieces.update(data);
+    pieces.finish()
 }
 
 /// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode` lays out
@@ -49,6 +115,7 @@ impl AsRef<[u8]> for Lent {
 struct Hashing<'a, 'b, W: Write> {
     inner: W,
     sha256: Sha256,
+    pieces: Pieces,
     size: u64,
     inputs: &'a [FullInput<'b>],
     /// Tensors not yet seen, by the address and length of their bytes (aliased tensors queue under one key).
@@ -64,14 +131,15 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
             digest::tensor_hasher(input.dtype, &input.shape)
         });
         for chunk in buf.chunks(CHUNK_BYTES) {
-            let (sha256, inner, hasher) = (&mut self.sha256, &mut self.inner, &mut tensor_hasher);
+            let (sha256, pieces, inner, hasher) =
+                (&mut self.sha256, &mut self.pieces, &mut self.inner, &mut tensor_hasher);
             let hash = || {
                 sha256.update(chunk);
                 if let Some(hasher) = hasher.as_mut() {
                     hasher.update(chunk);
                 }
             };
-            let ((), written) = rayon::join(hash, || inner.write_all(chunk));
+            let (_, written) = rayon::join(|| rayon::join(hash, || pieces.update(chunk)), || inner.write_all(chunk));
             written?;
         }
         if let (Some(index), Some(hasher)) = (tensor, tensor_hasher) {
@@ -90,13 +158,22 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
 /// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 and state digest, all three
 /// hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the size of the
 /// state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file durable (fsync)
-/// where it needs to.
+/// where it needs to. With `piece_bytes` (a power of two from MIN_PIECE_BYTES to MAX_PIECE_BYTES; 0: none) it also
+/// returns the SHA-256 of each piece of that size, hashed in the same pass.
 pub fn write_anchor(
     inputs: &[FullInput<'_>],
     step: Option<u64>,
     metadata: &BTreeMap<String, String>,
     path: &Path,
+    piece_bytes: usize,
 ) -> Result<Written> {
+    if piece_bytes != 0
+        && (!piece_bytes.is_power_of_two() || !(MIN_PIECE_BYTES..=MAX_PIECE_BYTES).contains(&piece_bytes))
+    {
+        return Err(Error::invalid(format!(
+            "piece size {piece_bytes}: must be a power of two from {MIN_PIECE_BYTES} to {MAX_PIECE_BYTES} bytes"
+        )));
+    }
     let tensors = inputs
         .iter()
         .map(|input| {
@@ -114,6 +191,7 @@ pub fn write_anchor(
     let mut writer = Hashing {
         inner: std::io::BufWriter::with_capacity(1 << 20, file),
         sha256: Sha256::new(),
+        pieces: Pieces::new(piece_bytes),
         size: 0,
         inputs,
         pending,
@@ -137,7 +215,12 @@ pub fn write_anchor(
             (input.name.as_str(), hash)
         })
         .collect();
-    Ok(Written { size: writer.size, sha256: writer.sha256.finalize().into(), state_digest: digest::combine(&named) })
+    Ok(Written {
+        size: writer.size,
+        sha256: writer.sha256.finalize().into(),
+        state_digest: digest::combine(&named),
+        pieces: writer.pieces.finish(),
+    })
 }
 
 /// Reads and validates a delta file through a read-only memory map: a tensor stored whole stays a window onto the
@@ -186,7 +269,8 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"old, longer content that must be truncated away").unwrap();
-        let written = write_anchor(&inputs, Some(7), &metadata, &path).unwrap();
+        let written = write_anchor(&inputs, Some(7), &metadata, &path, 0).unwrap();
+        assert!(written.pieces.is_empty());
         let file = std::fs::read(&path).unwrap();
         assert_eq!(file, expected);
         assert_eq!(written.size, expected.len() as u64);
@@ -213,7 +297,30 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"kept").unwrap();
-        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path).is_err());
+        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, 0).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+    }
+
+    #[test]
+    fn pieces_hash_each_piece_of_the_file_whatever_the_write_sizes() {
+        let data: Vec<Vec<u8>> = [4usize, 5000, 2 * CHUNK_BYTES + 778, 1 << 20]
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 13 % 253) as u8).collect())
+            .collect();
+        let inputs = inputs(&data);
+        let folder = tempfile::tempdir().unwrap();
+        let path = folder.path().join("anchor");
+        std::fs::write(&path, b"").unwrap();
+        for piece_bytes in [MIN_PIECE_BYTES, 1 << 16, 1 << 20, 32 << 20] {
+            let written = write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, piece_bytes).unwrap();
+            let file = std::fs::read(&path).unwrap();
+            let expected: Vec<[u8; 32]> = file.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect();
+            assert_eq!(written.pieces, expected, "piece size {piece_bytes}");
+            assert_eq!(written.pieces, piece_hashes(&file, piece_bytes));
+            assert_eq!(written.sha256, <[u8; 32]>::from(Sha256::digest(&file)));
+        }
+        for bad in [1usize, 512, 3 << 10, 2 << 30] {
+            assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, bad).is_err(), "piece size {bad}");
+        }
     }
 }

@@ -1,0 +1,237 @@
+"""Anchor pieces and ranged anchor reads (docs/format.md §10, anchor pieces): the sidecar the Publisher writes, the
+checks a reader makes before it keeps a byte, and compatibility with entries that have no pieces."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+import deltasync_rs as ds
+from deltasync_rs._ranged import PartialAnchor
+from deltasync_rs.delta import write_anchor_pieces
+from deltasync_rs.manifest import PIECES_HEADER_BYTES, Entry, anchor_key, entry_key, pieces_key
+from tests.conftest import s3_store
+
+
+def _state() -> dict[str, torch.Tensor]:
+    """Made by arithmetic alone (no random generator), so its anchor's bytes are the same everywhere."""
+
+    def values(rows: int, cols: int, seed: int) -> torch.Tensor:
+        index = torch.arange(rows * cols, dtype=torch.float64)
+        return (((index * (0.37 + seed)) % 5.0) - 2.5).reshape(rows, cols)
+
+    state = {f"layer{i}.weight": values(96, 40 + 8 * i, i).to(torch.bfloat16) for i in range(5)}
+    return state | {"norm.weight": values(1, 40, 9).reshape(40).to(torch.float32)}
+
+
+class Counting(ds.LocalStore):
+    """A LocalStore that counts the bytes each key gave."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root, create=False)
+        self.read: Counter = Counter()
+
+    def get(self, key):
+        data = super().get(key)
+        self.read[key] += len(data)
+        return data
+
+    def get_small(self, key, max_bytes):
+        data = super().get_small(key, max_bytes)
+        self.read[key] += len(data)
+        return data
+
+    def get_file(self, key, out):
+        done = super().get_file(key, out)
+        self.read[key] += done
+        return done
+
+    def get_range(self, key, start, length):
+        data = super().get_range(key, start, length)
+        self.read[key] += len(data)
+        return data
+
+
+def _published(tmp_path, piece_bytes=1024, state=None):
+    root = tmp_path / "store"
+    with ds.Publisher(root, piece_bytes=piece_bytes, background=False) as publisher:
+        publisher.publish(3, state or _state())
+    return root
+
+
+def _first_tensor_only(tensors):
+    return [(tensors[0].start, tensors[0].end)]
+
+
+def test_pieces_are_the_sha256_of_each_piece_of_the_file(tmp_path):
+    path = tmp_path / "anchor"
+    path.write_bytes(b"")
+    state = _state()
+    for piece in (1 << 10, 1 << 12, 1 << 20):
+        size, sha256, digest, hashes = write_anchor_pieces(state, path, step=1, piece_bytes=piece)
+        data = path.read_bytes()
+        assert data == ds.anchor(state, step=1).to_bytes() and size == len(data)
+        assert sha256 == hashlib.sha256(data).hexdigest() and digest == ds.state_digest(state)
+        assert hashes == b"".join(hashlib.sha256(data[i : i + piece]).digest() for i in range(0, len(data), piece))
+    for bad in (0x300, 512, 3 << 10, 2 << 30):
+        with pytest.raises(ds.DeltaSyncError, match="power of two"):
+            write_anchor_pieces(state, path, piece_bytes=bad)
+    with pytest.raises(ds.DeltaSyncError, match="power of two"):
+        ds.Publisher(tmp_path / "s", piece_bytes=1000)
+
+
+def test_sidecar_layout_is_pinned(tmp_path):
+    """The sidecar's bytes: b"DSPIECE1", the anchor's size and the piece size as u64 LE, then one SHA-256 per piece.
+    The digest pins the whole chain (anchor bytes, piece cut, layout) for this state."""
+    root = _published(tmp_path)
+    entry = json.loads((root / entry_key(3)).read_bytes())
+    anchor = (root / anchor_key(3)).read_bytes()
+    sidecar = (root / pieces_key(3)).read_bytes()
+    assert entry["anchor"]["pieces"] == {
+        "key": pieces_key(3),
+        "size": len(sidecar),
+        "sha256": hashlib.sha256(sidecar).hexdigest(),
+        "piece_bytes": 1024,
+    }
+    assert sidecar[:8] == b"DSPIECE1"
+    assert int.from_bytes(sidecar[8:16], "little") == len(anchor)
+    assert int.from_bytes(sidecar[16:24], "little") == 1024
+    assert sidecar[PIECES_HEADER_BYTES:] == b"".join(
+        hashlib.sha256(anchor[i : i + 1024]).digest() for i in range(0, len(anchor), 1024)
+    )
+    assert hashlib.sha256(sidecar).hexdigest() == PINNED_SIDECAR_SHA256
+
+
+PINNED_SIDECAR_SHA256 = "20a95bb02cf07080ab19bcc746f4df420efd1ae9c3efdf531d787214db5d2139"
+
+
+def test_ranged_read_reads_only_the_pieces_it_needs_and_verifies_them(tmp_path):
+    root = _published(tmp_path)
+    store = Counting(root)
+    (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
+    assert isinstance(delta, PartialAnchor) and delta.is_anchor and delta.step == 3
+    size = (root / anchor_key(3)).stat().st_size
+    assert store.read[anchor_key(3)] == delta.covered_bytes < size / 2
+    first = delta.names[0]
+    expected = ds.anchor(_state()).to_bytes()
+    header_end = 8 + int.from_bytes(expected[:8], "little")
+    begin, end = json.loads(expected[8:header_end])[first]["data_offsets"]
+    assert delta.tensor_bytes(first, 0, end - begin) == expected[header_end + begin : header_end + end]
+    last, (last_begin, last_end) = max(delta._offsets.items(), key=lambda item: item[1][0])
+    with pytest.raises(ds.IntegrityError, match="not read and verified"):
+        delta.require(last, last_end - last_begin - 2, last_end - last_begin)
+    for refused in (lambda: delta.apply_(_state()), lambda: delta.to_bytes(), lambda: delta.save(tmp_path / "x")):
+        with pytest.raises(ds.DeltaSyncError, match="only part of this anchor"):
+            refused()
+
+
+def test_a_reader_that_needs_nearly_everything_reads_the_anchor_whole(tmp_path):
+    root = _published(tmp_path)
+    store = Counting(root)
+    (delta,) = ds.Subscriber(store, anchor_ranges=lambda tensors: [(t.start, t.end) for t in tensors]).fetch(None)
+    assert not isinstance(delta, PartialAnchor)
+    state = {k: torch.zeros_like(v) for k, v in _state().items()}
+    delta.apply_(state)
+    assert all(torch.equal(state[k], v) for k, v in _state().items())
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_needed_piece_is_refused(tmp_path):
+    root = _published(tmp_path)
+    _flip(root / anchor_key(3), (root / anchor_key(3)).stat().st_size // 8)
+    with pytest.raises(ds.ChainError, match="do not match its pieces sidecar"):
+        ds.Subscriber(root, retries=1, anchor_ranges=lambda ts: [(0, max(t.end for t in ts) // 2)]).fetch(None)
+    # a byte the reader does not need is not its concern: the whole file's SHA-256 still catches it on a full read
+    with pytest.raises(ds.ChainError, match="does not match the digest"):
+        ds.Subscriber(root, retries=1).fetch(None)
+
+
+def test_a_rewritten_sidecar_is_refused_by_the_signed_entry(tmp_path):
+    root = _published(tmp_path)
+    anchor = root / anchor_key(3)
+    _flip(anchor, anchor.stat().st_size // 8)
+    data = anchor.read_bytes()
+    sidecar = bytearray((root / pieces_key(3)).read_bytes())
+    sidecar[PIECES_HEADER_BYTES:] = b"".join(
+        hashlib.sha256(data[i : i + 1024]).digest() for i in range(0, len(data), 1024)
+    )
+    (root / pieces_key(3)).write_bytes(bytes(sidecar))
+    with pytest.raises(ds.ChainError, match="pieces: content does not match"):
+        ds.Subscriber(root, retries=1, anchor_ranges=_first_tensor_only).fetch(None)
+    problems = ds.Subscriber(root).verify()
+    assert problems and "does not match" in problems[0]
+
+
+def test_verify_checks_the_pieces_against_the_anchor(tmp_path):
+    root = _published(tmp_path)
+    assert ds.Subscriber(root).verify() == []
+    # a publisher bug: a sidecar that the entry names correctly but that does not describe the anchor
+    entry_path = root / entry_key(3)
+    document = json.loads(entry_path.read_bytes())
+    sidecar = bytearray((root / pieces_key(3)).read_bytes())
+    sidecar[-1] ^= 1
+    (root / pieces_key(3)).write_bytes(bytes(sidecar))
+    document["anchor"]["pieces"]["sha256"] = hashlib.sha256(sidecar).hexdigest()
+    entry_path.write_text(json.dumps(document))
+    (root / "latest.json").unlink()
+    problems = ds.Subscriber(root).verify()
+    assert problems and "do not match its pieces sidecar" in problems[0]
+
+
+def test_entries_without_pieces_still_load_and_pull_whole(tmp_path):
+    root = _published(tmp_path, piece_bytes=None)
+    assert not (root / pieces_key(3)).exists()
+    assert "pieces" not in json.loads((root / entry_key(3)).read_bytes())["anchor"]
+    store = Counting(root)
+    (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
+    assert not isinstance(delta, PartialAnchor)
+    assert store.read[anchor_key(3)] == (root / anchor_key(3)).stat().st_size
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda p: p.update(key="anchors/step_000000000004.pieces"), "names"),
+        (lambda p: p.update(piece_bytes=1000), "power of two"),
+        (lambda p: p.update(piece_bytes=True), "not a integer"),
+        (lambda p: p.update(size=p["size"] + 32), "one hash per piece"),
+        (lambda p: p.update(sha256="00"), "hex SHA-256"),
+        (lambda p: p.pop("sha256"), "missing"),
+    ],
+)
+def test_malformed_pieces_references_are_refused(tmp_path, change, message):
+    root = _published(tmp_path)
+    document = json.loads((root / entry_key(3)).read_bytes())
+    change(document["anchor"]["pieces"])
+    with pytest.raises(ds.DeltaFormatError, match=message):
+        Entry.parse(json.dumps(document).encode(), entry_key(3), None)
+
+
+def test_retention_removes_old_sidecars(tmp_path):
+    root = tmp_path / "store"
+    state = _state()
+    with ds.Publisher(root, anchor_every=1, keep_anchors=1, piece_bytes=1024, background=False) as publisher:
+        for step in range(3):
+            state["norm.weight"] += 1
+            publisher.publish(step, state)
+    assert ds.LocalStore(root).list("anchors/") == [pieces_key(2), anchor_key(2)]
+
+
+def test_ranged_reads_over_s3(tmp_path, s3_url, s3_endpoint):
+    local = _published(tmp_path)
+    store = s3_store(s3_url, s3_endpoint)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        store.put(str(path.relative_to(local)), path.read_bytes())
+    (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
+    assert isinstance(delta, PartialAnchor) and delta.covered_bytes < (local / anchor_key(3)).stat().st_size / 2
+    shutil.rmtree(local)
