@@ -129,7 +129,8 @@ def vectors() -> dict[str, dict]:
                     "base": [0x3F80 + i for i in range(256)],
                     # Every second element: a sign flip, then mostly +1, ten -1 and two +2.
                     "changes": {
-                        2 * i: 0x8000 if i == 0 else -1 if i % 13 == 5 else 2 if i in (20, 40) else 1 for i in range(128)
+                        2 * i: 0x8000 if i == 0 else -1 if i % 13 == 5 else 2 if i in (20, 40) else 1
+                        for i in range(128)
                     },
                 }
             },
