@@ -65,3 +65,36 @@ def run_scenario(python, setup: str, script: str, *args: str, timeout: int, logs
             sys.stderr.write(f"--- {log.name}\n" + log.read_text(errors="replace")[-5000:])
         pytest.fail(f"{script} {' '.join(args)} failed (rc {process.returncode}); its output is above")
     return json.loads(results[-1].removeprefix("RESULT "))
+
+
+def counting_store(root):
+    """A LocalStore over an existing folder that counts, in its ``read`` Counter, the bytes each key gave through
+    every read method (whole, small, to a file, by range)."""
+    from collections import Counter
+
+    import deltasync_rs as ds
+
+    class Counting(ds.LocalStore):
+        def get(self, key):
+            data = super().get(key)
+            self.read[key] += len(data)
+            return data
+
+        def get_small(self, key, max_bytes):
+            data = super().get_small(key, max_bytes)
+            self.read[key] += len(data)
+            return data
+
+        def get_file(self, key, out):
+            done = super().get_file(key, out)
+            self.read[key] += done
+            return done
+
+        def get_range(self, key, start, length):
+            data = super().get_range(key, start, length)
+            self.read[key] += len(data)
+            return data
+
+    store = Counting(root, create=False)
+    store.read = Counter()
+    return store

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from deltasync_rs._ranged import PartialAnchor
 from deltasync_rs.delta import write_anchor_pieces
 from deltasync_rs.manifest import PIECES_HEADER_BYTES, Entry, anchor_key, entry_key, pieces_key
 from tests.conftest import s3_store
+from tests.helpers import counting_store
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -27,34 +27,6 @@ def _state() -> dict[str, torch.Tensor]:
 
     state = {f"layer{i}.weight": values(96, 40 + 8 * i, i).to(torch.bfloat16) for i in range(5)}
     return state | {"norm.weight": values(1, 40, 9).reshape(40).to(torch.float32)}
-
-
-class Counting(ds.LocalStore):
-    """A LocalStore that counts the bytes each key gave."""
-
-    def __init__(self, root) -> None:
-        super().__init__(root, create=False)
-        self.read: Counter = Counter()
-
-    def get(self, key):
-        data = super().get(key)
-        self.read[key] += len(data)
-        return data
-
-    def get_small(self, key, max_bytes):
-        data = super().get_small(key, max_bytes)
-        self.read[key] += len(data)
-        return data
-
-    def get_file(self, key, out):
-        done = super().get_file(key, out)
-        self.read[key] += done
-        return done
-
-    def get_range(self, key, start, length):
-        data = super().get_range(key, start, length)
-        self.read[key] += len(data)
-        return data
 
 
 def _published(tmp_path, piece_bytes=1024, state=None):
@@ -112,7 +84,7 @@ PINNED_SIDECAR_SHA256 = "20a95bb02cf07080ab19bcc746f4df420efd1ae9c3efdf531d78721
 
 def test_ranged_read_reads_only_the_pieces_it_needs_and_verifies_them(tmp_path):
     root = _published(tmp_path)
-    store = Counting(root)
+    store = counting_store(root)
     (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
     assert isinstance(delta, PartialAnchor) and delta.is_anchor and delta.step == 3
     size = (root / anchor_key(3)).stat().st_size
@@ -132,7 +104,7 @@ def test_ranged_read_reads_only_the_pieces_it_needs_and_verifies_them(tmp_path):
 
 def test_a_reader_that_needs_nearly_everything_reads_the_anchor_whole(tmp_path):
     root = _published(tmp_path)
-    store = Counting(root)
+    store = counting_store(root)
     (delta,) = ds.Subscriber(store, anchor_ranges=lambda tensors: [(t.start, t.end) for t in tensors]).fetch(None)
     assert not isinstance(delta, PartialAnchor)
     state = {k: torch.zeros_like(v) for k, v in _state().items()}
@@ -192,7 +164,7 @@ def test_entries_without_pieces_still_load_and_pull_whole(tmp_path):
     root = _published(tmp_path, piece_bytes=None)
     assert not (root / pieces_key(3)).exists()
     assert "pieces" not in json.loads((root / entry_key(3)).read_bytes())["anchor"]
-    store = Counting(root)
+    store = counting_store(root)
     (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
     assert not isinstance(delta, PartialAnchor)
     assert store.read[anchor_key(3)] == (root / anchor_key(3)).stat().st_size

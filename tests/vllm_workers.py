@@ -395,40 +395,6 @@ def check_worker_extension_applies_files(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
-def _counting_store(root: str):
-    """A LocalStore that counts the bytes each key gave, by any read (whole, small, streamed or ranged)."""
-    from collections import Counter
-
-    import deltasync_rs as ds
-
-    class Counting(ds.LocalStore):
-        read: Counter
-
-        def get(self, key):
-            data = super().get(key)
-            self.read[key] += len(data)
-            return data
-
-        def get_small(self, key, max_bytes):
-            data = super().get_small(key, max_bytes)
-            self.read[key] += len(data)
-            return data
-
-        def get_file(self, key, out):
-            done = super().get_file(key, out)
-            self.read[key] += done
-            return done
-
-        def get_range(self, key, start, length):
-            data = super().get_range(key, start, length)
-            self.read[key] += len(data)
-            return data
-
-    store = Counting(root, create=False)
-    store.read = Counter()
-    return store
-
-
 def _fresh_worker(model):
     """A worker extension on ``model`` that knows no step (the model's step tracker outlives the checks)."""
     from types import SimpleNamespace
@@ -447,8 +413,9 @@ def check_anchor_pull_reads_only_this_ranks_shard(model, item: Prepared) -> None
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from deltasync_rs.manifest import anchor_key, pieces_key
+    from tests.helpers import counting_store
 
-    store = _counting_store(item.path("store-ranged"))
+    store = counting_store(item.path("store-ranged"))
     assert _fresh_worker(model).deltasync_pull(store) == 2
     size = os.path.getsize(item.path(f"store-ranged/{anchor_key(2)}"))
     read = store.read[anchor_key(2)] + store.read[pieces_key(2)]
