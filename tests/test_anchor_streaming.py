@@ -168,6 +168,45 @@ def test_the_next_publish_waits_for_the_anchor_file(tmp_path, monkeypatch):
     assert_states_equal(replica, state)
 
 
+def test_the_state_digest_of_a_delta_step_is_made_off_the_callers_thread(tmp_path, monkeypatch):
+    """publish() returns once the delta is made: the state digest (a read of the whole state) is made in the upload
+    thread, from the mirror, and the next publish waits for it before it changes the mirror."""
+    started, release = threading.Event(), threading.Event()
+    threads = []
+    real = publisher_module.state_digest
+
+    def slow_digest(tensors):
+        threads.append(threading.current_thread().name)
+        if len(threads) == 1:
+            started.set()
+            assert release.wait(10)
+        return real(tensors)
+
+    monkeypatch.setattr(publisher_module, "state_digest", slow_digest)
+    state = _state()
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, anchor_every=100) as publisher:
+        publisher.publish(0, state)  # an anchor: its digest comes from the anchor's own pass
+        publisher.flush()
+        _change(state, 1)
+        step_1 = clone_state(state)
+        publisher.publish(1, state)  # returns while the digest waits
+        assert started.wait(10)
+        _change(state, 2)
+        waiter = threading.Thread(target=publisher.publish, args=(2, state))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()  # waiting for the digest of step 1, the mirror untouched
+        release.set()
+        waiter.join(10)
+        publisher.flush()
+    assert threads == ["deltasync-publisher"] * 2
+    for step, want in ((1, step_1), (2, state)):
+        replica = _fresh(state)
+        assert ds.Subscriber(store).pull(replica, until=step) == step  # checks the entry's digest
+        assert_states_equal(replica, want)
+
+
 def test_a_failed_anchor_write_is_reported_cleaned_up_and_re_anchored(tmp_path, private_tmp, monkeypatch):
     calls = []
     real = publisher_module.write_anchor_pieces

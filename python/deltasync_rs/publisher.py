@@ -113,7 +113,7 @@ class Publisher:
         self._last_step = self._store_latest_step()
         self._base_entry: tuple[int, str] | None = None  # (step, SHA-256) of the last entry written
         self._closed = False
-        # Set while no anchor file is being written from the mirror: the mirror may change only then.
+        # Set while no upload job reads the mirror (for an anchor or the state digest): it may change only then.
         self._mirror_free = threading.Event()
         self._mirror_free.set()
         self._queue: queue.Queue | None = None
@@ -247,24 +247,25 @@ class Publisher:
         self._enqueue(step, delta)
 
     def _wait_for_mirror(self) -> None:
-        """Waits until no anchor file is being written from the mirror, so the mirror may change."""
+        """Waits until no upload job reads the mirror (an anchor, a state digest), so the mirror may change."""
         while not self._mirror_free.wait(0.1):
             if self._worker is None or not self._worker.is_alive():
-                raise DeltaSyncError(f"{self.store.url}: the upload thread stopped while writing an anchor")
+                raise DeltaSyncError(
+                    f"{self.store.url}: the upload thread stopped while reading the mirror (an anchor or the state digest)"
+                )
 
     def _enqueue(self, step: int, delta: Delta | None) -> None:
         due = delta is None or self._since_anchor + 1 >= self.anchor_every
-        # An anchor is written later, from the mirror itself (the tensors of this step: a reset replaces the
-        # mapping, and every change in place waits for _mirror_free).
-        full = dict(self._mirror.tensors) if due else None
+        # The anchor and the state digest are made later, in the upload job, from the mirror itself (the tensors
+        # of this step: a reset replaces the mapping, and every change in place waits for _mirror_free), so that
+        # publish returns once the delta is made: the digest's read of the whole state is off the caller's path.
+        tensors = dict(self._mirror.tensors)
         self._since_anchor = 0 if due else self._since_anchor + 1
-        # An anchor step's state digest comes from the anchor's own pass over the mirror.
-        job = (step, delta, full, None if due else self._mirror.digest(), self._mirror_elements())
+        job = (step, delta, tensors, due, self._mirror_elements())
         if self._queue is None:
             self._upload(*job)
             return
-        if full is not None:
-            self._mirror_free.clear()
+        self._mirror_free.clear()
         while True:  # never wait on a full queue that no thread drains any more
             if self._worker is None or not self._worker.is_alive():
                 self._mirror_free.set()
@@ -336,15 +337,20 @@ class Publisher:
             ref["pieces"] = file_ref(pieces_key(step), sidecar) | {"piece_bytes": self.piece_bytes}
         return path, ref, digest, sidecar
 
-    def _upload(
-        self, step: int, delta: Delta | None, full: Mapping[str, Any] | None, digest: str | None, elements: int
-    ) -> None:
+    def _upload(self, step: int, delta: Delta | None, tensors: Mapping[str, Any], anchor: bool, elements: int) -> None:
+        """Publishes one step: the anchor (when due) and the state digest from the mirror's ``tensors``, which
+        stay unchanged until ``_mirror_free`` is set again, then the files, the entry and the pointer."""
         started = time.perf_counter()
         delta_ref = anchor_ref = None
         anchor_path = sidecar = None
-        if full is not None:
-            anchor_path, anchor_ref, digest, sidecar = self._anchor_file(full, step)
-        assert digest is not None  # given for every step without an anchor
+        if anchor:
+            # The anchor's own pass over the mirror also gives the state digest.
+            anchor_path, anchor_ref, digest, sidecar = self._anchor_file(tensors, step)
+        else:
+            try:
+                digest = state_digest(tensors)
+            finally:
+                self._mirror_free.set()
         try:
             if delta is not None:
                 blob = delta.to_bytes()
@@ -379,7 +385,7 @@ class Publisher:
         self._put(LATEST_KEY, latest_document(step, entry_blob, self.run, self._key))
         kinds = " + ".join(kind for kind, ref in (("delta", delta_ref), ("anchor", anchor_ref)) if ref)
         log.info("published step %d (%s) in %.2f s", step, kinds, time.perf_counter() - started)
-        if full is not None:
+        if anchor:
             self._retain()
 
     def _retain(self) -> None:
