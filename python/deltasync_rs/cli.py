@@ -136,7 +136,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
-    """A safetensors checkpoint as numpy arrays, without torch (bf16 and fp8 through ml_dtypes)."""
+    """A safetensors checkpoint as read-only numpy arrays mapped from the file (bf16 and fp8 through ml_dtypes),
+    without torch: its pages are the page cache's, which the kernel can drop and read again, so a checkpoint larger
+    than the memory left beside the publisher's mirror still publishes. The file must not change meanwhile."""
     from safetensors import safe_open
 
     require_regular_file(path)
@@ -151,14 +153,15 @@ def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
     except Exception as error:  # safetensors raises its own error types for bad files
         raise DeltaSyncError(f"{path}: cannot read this checkpoint: {error}") from error
     state = {}
-    with open(path, "rb") as file:
-        for name in names:
-            info = header[name]
-            dtype = _arrays.numpy_dtype(info["dtype"])
-            begin, end = info["data_offsets"]
-            file.seek(8 + header_size + begin)
-            data = np.fromfile(file, dtype=np.uint8, count=end - begin)
-            state[name] = data.view(dtype).reshape(info["shape"])
+    for name in names:
+        info = header[name]
+        dtype = _arrays.numpy_dtype(info["dtype"])
+        begin, end = info["data_offsets"]
+        if end == begin:
+            data = np.zeros(0, dtype=np.uint8)  # numpy cannot map zero bytes
+        else:
+            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size + begin, shape=(end - begin,))
+        state[name] = data.view(dtype).reshape(info["shape"])
     return state
 
 
@@ -183,9 +186,18 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         subscriber = Subscriber(publisher.store)
         latest = subscriber.latest_step()
         if latest is not None and not args.anchor:
-            # Rebuild the last published state, so this step is a delta against it.
-            base = {name: array.copy() for name, array in state.items()}
-            publisher.resume(base, step=subscriber.pull(base))
+            # Rebuild the last published state, so this step is a delta against it, in arrays that the publisher
+            # then keeps as its mirror: the mapped checkpoint and one state in memory, never two.
+            base, step, _ = _rebuild(subscriber, None, args.store)
+            only_store, only_checkpoint = sorted(base.keys() - state.keys()), sorted(state.keys() - base.keys())
+            if only_store or only_checkpoint:
+                raise DeltaSyncError(
+                    f"{args.checkpoint}: its tensors differ from the state published at step {step} (only in the "
+                    f"store: {only_store[:5]}, only in the checkpoint: {only_checkpoint[:5]}); publish it with "
+                    "--anchor to start over from it"
+                )
+            publisher.resume(base, step=step, copy=False)
+            del base
         publisher.publish(args.step, state)
     entry = subscriber.entry(args.step)
     files = [ref["key"] + f" ({_human(ref['size'])})" for ref in (entry.delta, entry.anchor) if ref]
@@ -193,26 +205,33 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_pull(args: argparse.Namespace) -> int:
-    subscriber = Subscriber(args.store)
-    deltas = subscriber.fetch(None, until=args.step)
+def _rebuild(subscriber: Subscriber, until: int | None, store: str) -> tuple[dict[str, np.ndarray], int, int]:
+    """The state published at step ``until`` (the newest when None) rebuilt from an anchor and the deltas after it
+    into new arrays, checked against that step's state digest; with the step and the number of files read."""
+    deltas = subscriber.fetch(None, until=until)
     state = {}
     for t in deltas[0].tensors:  # an anchor: every tensor whole, with its shape
         if t.shape is None:
-            raise DeltaSyncError(f"{args.store}: tensor {t.name!r} of the first file has no shape")
+            raise DeltaSyncError(f"{store}: tensor {t.name!r} of the first file has no shape")
         state[t.name] = np.empty(t.shape, dtype=_arrays.numpy_dtype(t.dtype))
     for delta in deltas:
         delta.apply_(state)
     step = deltas[-1].step
     if step is None:
-        raise DeltaSyncError(f"{args.store}: the last file of the chain records no step")
+        raise DeltaSyncError(f"{store}: the last file of the chain records no step")
     if state_digest(state) != subscriber.entry(step).state_digest:
         raise IntegrityError(
-            f"{args.store}: the state rebuilt at step {step} does not match the state digest in "
+            f"{store}: the state rebuilt at step {step} does not match the state digest in "
             f"{entry_key(step)}; nothing was written"
         )
+    return state, step, len(deltas)
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    subscriber = Subscriber(args.store)
+    state, step, files = _rebuild(subscriber, args.step, args.store)
     _save_checkpoint(state, args.output)
-    print(f"{args.output}: step {step} from {_count(len(deltas), 'file')}")
+    print(f"{args.output}: step {step} from {_count(files, 'file')}")
     return 0
 
 

@@ -179,13 +179,20 @@ class Publisher:
         delta = self._mirror.advance(state, step=step, values=self.values, codec=self.codec)
         self._enqueue(step, delta)
 
-    def resume(self, state: Mapping[str, Any], *, step: int) -> None:
+    def resume(self, state: Mapping[str, Any], *, step: int, copy: bool = True) -> None:
         """Starts from ``state`` as already published at ``step`` (e.g. pulled back from the store), so the next
-        publish is a delta against it rather than a first anchor."""
+        publish is a delta against it rather than a first anchor.
+
+        The publisher's mirror is a copy of ``state``; with ``copy=False`` it adopts ``state``'s tensors instead
+        (contiguous, writable CPU tensors or arrays), so that only one copy is in memory: the caller must not use
+        them afterwards, since every publish writes the new state into them."""
         self._check_open()
         if not self._mirror.is_empty:
             raise DeltaSyncError("resume must come before the first publish")
-        self._mirror.reset(state, step=step)
+        if copy:
+            self._mirror.reset(state, step=step)
+        else:
+            self._mirror.share(dict(state), step=step)
         self._last_step = step
         try:
             self._base_entry = (step, self._reader.entry(step).sha256)
