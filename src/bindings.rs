@@ -646,6 +646,13 @@ fn write_anchor(
     Ok((written.size, hex, written.state_digest, pieces))
 }
 
+/// The SHA-256 of each `piece_bytes` piece of the file at `path`, concatenated (32 bytes each), hashed in parallel.
+#[pyfunction]
+fn sha256_pieces(py: Python<'_>, path: PathBuf, piece_bytes: usize) -> PyResult<Py<PyBytes>> {
+    let hashes = py.detach(|| anchors::file_piece_hashes(&path, piece_bytes)).map_err(to_py)?;
+    Ok(PyBytes::new(py, hashes.as_flattened()).unbind())
+}
+
 /// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).
 #[pyfunction]
 fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
@@ -709,6 +716,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(state_digest, m)?)?;
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(sha256_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(scan_kernel, m)?)?;

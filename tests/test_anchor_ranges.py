@@ -123,9 +123,39 @@ def test_a_flipped_byte_in_a_needed_piece_is_refused(tmp_path):
     _flip(root / anchor_key(3), (root / anchor_key(3)).stat().st_size // 8)
     with pytest.raises(ds.ChainError, match="do not match its pieces sidecar"):
         ds.Subscriber(root, retries=1, anchor_ranges=lambda ts: [(0, max(t.end for t in ts) // 2)]).fetch(None)
-    # a byte the reader does not need is not its concern: the whole file's SHA-256 still catches it on a full read
-    with pytest.raises(ds.ChainError, match="does not match the digest"):
+    # a byte the reader does not need is not its concern: a full read checks every piece and catches it
+    with pytest.raises(ds.ChainError, match="do not match its pieces sidecar"):
         ds.Subscriber(root, retries=1).fetch(None)
+
+
+def test_a_whole_pull_checks_the_pieces_in_parallel_or_the_whole_file_without_them(tmp_path, monkeypatch, caplog):
+    """A whole anchor is checked against its pieces sidecar (every piece hashed, on every core), not by one
+    SHA-256 of the whole file on one core; without a readable sidecar, by the whole-file SHA-256 in the entry."""
+    import deltasync_rs.subscriber as subscriber_module
+
+    whole_file_hashes = []
+    real = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda *a, **k: whole_file_hashes.append(1) or real(*a, **k))
+    pieced = []
+    real_pieces = subscriber_module.sha256_pieces
+    monkeypatch.setattr(
+        subscriber_module, "sha256_pieces", lambda path, size: pieced.append(size) or real_pieces(path, size)
+    )
+    state = _state()
+    root = _published(tmp_path, state=state)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ds.Subscriber(root).pull(target) == 3
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert (pieced, whole_file_hashes) == ([1024], [])
+    (root / pieces_key(3)).unlink()  # a lost sidecar: the whole-file SHA-256 still checks the anchor
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ds.Subscriber(root).pull(target) == 3
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert (pieced, whole_file_hashes) == ([1024], [1])
+    assert "whole-file SHA-256 instead" in caplog.text
+    _flip(root / anchor_key(3), 100)
+    with pytest.raises(ds.ChainError, match="does not match the digest"):
+        ds.Subscriber(root, retries=1).pull({k: torch.zeros_like(v) for k, v in state.items()})
 
 
 def test_a_rewritten_sidecar_is_refused_by_the_signed_entry(tmp_path):

@@ -22,6 +22,7 @@ __all__ = [
     "join_shards",
     "scan_kernel",
     "set_num_threads",
+    "sha256_pieces",
     "state_digest",
     "write_anchor",
 ]
@@ -111,6 +112,9 @@ def write_anchor(
 ) -> tuple[int, str, str, bytes]: ...
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""
+
+def sha256_pieces(path: str | PathLike[str], piece_bytes: int) -> bytes:
+    """The SHA-256 of each ``piece_bytes`` piece of the file, concatenated (32 bytes each), hashed in parallel."""
 
 def join_shards(parts: list[RawDelta], codec: str = "compact") -> RawDelta: ...
 def set_num_threads(n: int) -> None: ...

@@ -121,6 +121,17 @@ class Pieces:
         if len(data) != end - start or hashlib.sha256(data).digest() != self.hashes[32 * index : 32 * index + 32]:
             raise IntegrityError(f"{key}: bytes {start}..{end} (piece {index}) do not match its pieces sidecar")
 
+    def check_all(self, hashes: bytes, key: str) -> None:
+        """Raises IntegrityError unless ``hashes`` (every piece's SHA-256 of a file of the anchor's size, in order)
+        are the sidecar's, naming the first piece that differs."""
+        if hashes == self.hashes:
+            return
+        for index in range(self.count):
+            if hashes[32 * index : 32 * index + 32] != self.hashes[32 * index : 32 * index + 32]:
+                start, end = self.span(index)
+                raise IntegrityError(f"{key}: bytes {start}..{end} (piece {index}) do not match its pieces sidecar")
+        raise IntegrityError(f"{key}: {len(hashes) // 32} pieces, its pieces sidecar lists {self.count}")
+
 
 def step_of(key: str) -> int | None:
     match = _STEP_KEY.match(key)

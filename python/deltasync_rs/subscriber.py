@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._core import sha256_pieces
 from ._ranged import NeededRanges, read_ranged
 from .delta import Delta, load, state_digest
 from .errors import (
@@ -253,8 +254,15 @@ class Subscriber:
 
     def _streamed(self, ref: dict[str, Any]) -> Delta:
         """An anchor downloaded into a private temporary file (in TMPDIR), checked against its entry's size and
-        SHA-256 (read back in pieces), then memory-mapped: its tensors are copied from the file as they are
-        applied, never held in memory whole. The file is unlinked before this returns; the mapping keeps it."""
+        its pieces sidecar (every piece's SHA-256, in parallel) or, without one, its whole-file SHA-256, then
+        memory-mapped: its tensors are copied from the file as they are applied, never held in memory whole. The
+        file is unlinked before this returns; the mapping keeps it."""
+        pieces = None
+        if "pieces" in ref:
+            try:
+                pieces = self._pieces(ref)
+            except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
+                log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
         fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
         try:
             with os.fdopen(fd, "w+b") as file:
@@ -263,9 +271,14 @@ class Subscriber:
                 size = file.seek(0, os.SEEK_END)
                 if size != ref["size"]:
                     raise IntegrityError(f"{ref['key']}: {size} bytes, its manifest entry says {ref['size']}")
-                file.seek(0)
-                if hashlib.file_digest(file, "sha256").hexdigest() != ref["sha256"]:
-                    raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
+                if pieces is None:
+                    file.seek(0)
+                    if hashlib.file_digest(file, "sha256").hexdigest() != ref["sha256"]:
+                        raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
+            if pieces is not None:
+                # The signed entry binds the sidecar (size and SHA-256), the sidecar binds every piece, and the
+                # size is checked: all pieces matching is the whole file matching.
+                pieces.check_all(sha256_pieces(path, pieces.piece_bytes), ref["key"])
             return load(path, mmap=True)
         finally:
             os.unlink(path)

@@ -91,6 +91,22 @@ pub fn piece_hashes(data: &[u8], piece_bytes: usize) -> Vec<[u8; 32]> {
     pieces.finish()
 }
 
+/// The SHA-256 of each `piece_bytes` piece of the file at `path`, hashed in parallel in the deltasync pool from a
+/// read-only mapping: a reader checks a whole anchor against its pieces sidecar this way, on every core, where one
+/// SHA-256 of the whole file runs on one. The file must not change meanwhile (a private copy).
+pub fn file_piece_hashes(path: &Path, piece_bytes: usize) -> Result<Vec<[u8; 32]>> {
+    if piece_bytes == 0 {
+        return Err(Error::invalid("piece_bytes must be at least 1"));
+    }
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    if file.metadata().map_err(|e| Error::io(path, e))?.len() == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: read-only mapping of a file the caller keeps unchanged (see above).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    Ok(crate::core::pool::install(|| piece_hashes(&map, piece_bytes)))
+}
+
 /// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode` lays out
 /// the very file `to_bytes` would give without copying a tensor.
 struct Lent {
@@ -299,6 +315,23 @@ mod tests {
         std::fs::write(&path, b"kept").unwrap();
         assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, 0).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+    }
+
+    #[test]
+    fn file_piece_hashes_match_one_pass_hashing() {
+        let dir = std::env::temp_dir().join(format!("deltasync-pieces-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("file");
+        for len in [0usize, 1, 1023, 1024, 1025, 5000, 3 << 20] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 1024) as u8).collect();
+            std::fs::write(&path, &data).unwrap();
+            for piece_bytes in [1024usize, 4096] {
+                let expected: Vec<[u8; 32]> = data.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect();
+                assert_eq!(file_piece_hashes(&path, piece_bytes).unwrap(), expected, "{len} {piece_bytes}");
+            }
+        }
+        assert!(file_piece_hashes(&path, 0).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
