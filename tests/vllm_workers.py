@@ -449,7 +449,8 @@ def _tampered_store(item: Prepared, tamper) -> str:
 
 def check_tampered_anchor_pieces_refused(model, item: Prepared) -> None:
     """A flipped byte in a piece a rank reads, and a pieces sidecar rewritten to match a changed anchor, are refused
-    loudly before any write; at TP=1 the whole-file SHA-256 refuses them."""
+    loudly before any write. At TP=1 the whole file is read: its pieces refuse the flipped byte, and the whole-file
+    SHA-256 (taken when the sidecar fails its entry's check) the rewritten sidecar."""
     import hashlib
 
     from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
@@ -472,7 +473,7 @@ def check_tampered_anchor_pieces_refused(model, item: Prepared) -> None:
         Path(pieces).write_bytes(bytes(sidecar))
 
     for tamper, why in (
-        (flip_a_byte, "do not match its pieces sidecar" if ranged else "does not match the digest"),
+        (flip_a_byte, "do not match its pieces sidecar"),
         (flip_and_rewrite_the_sidecar, ".pieces: content does not match" if ranged else "does not match the digest"),
     ):
         root = _tampered_store(item, tamper)
