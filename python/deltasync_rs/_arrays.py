@@ -65,9 +65,16 @@ WIDTHS = {
 }
 
 
+_TENSOR_TYPE: list[type] = []  # torch.Tensor, once torch has been imported by anyone
+
+
 def is_torch(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    if not _TENSOR_TYPE:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False  # never imported, so x cannot be a tensor
+        _TENSOR_TYPE.append(torch.Tensor)
+    return isinstance(x, _TENSOR_TYPE[0])
 
 
 def is_array(x: Any) -> bool:

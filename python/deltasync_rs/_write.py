@@ -130,20 +130,20 @@ class Writes:
 
     def __init__(self, raw: RawDelta) -> None:
         self._raw = raw
-        self._infos = raw.tensors()
+        self.infos = raw.tensors()
         self._in_core: list[tuple[int, Any]] = []
         self._core_tensors: list[Any] = []  # torch tensors the core writes, for their version counters
         self._staged: list[Callable[[], object]] = []
         self.elements = 0  # elements staged for writing
 
     def _name(self, index: int) -> str:
-        return self._infos[index][0]
+        return self.infos[index][0]
 
     def _width(self, index: int) -> int:
-        return _arrays.WIDTHS[self._infos[index][1]]
+        return _arrays.WIDTHS[self.infos[index][1]]
 
     def _changed(self, index: int) -> int:
-        return int(self._infos[index][3])
+        return int(self.infos[index][3])
 
     # -- whole targets ------------------------------------------------------------------------------------------------
     def add_all(self, targets: list[tuple[int, Any]], *, check_base: bool = False) -> None:
@@ -161,8 +161,9 @@ class Writes:
             self._check_base(kept)
         for memory in kept:
             index, target = memory.index, memory.target
-            self.elements += self._changed(index)
-            if self._changed(index) == 0:
+            changed = self._changed(index)
+            self.elements += changed
+            if changed == 0:
                 continue
             if _arrays.is_torch(target):
                 if _arrays.readable_in_place(target):
@@ -183,9 +184,13 @@ class Writes:
                 raise DeltaSyncError(f"target of tensor {name!r}: {target.layout} tensors cannot be written in place")
             if target.is_meta:
                 raise DeltaSyncError(f"target of tensor {name!r}: a meta tensor has no data to write")
-            span, disjoint = _extent(tuple(target.shape), tuple(target.stride()))
+            shape, strides = tuple(target.shape), target.stride()
+            if target.is_contiguous():  # the usual target, and the cheap case at 100k tensors
+                span, disjoint = target.numel(), True
+            else:
+                span, disjoint = _extent(shape, strides)
             start, itemsize = int(target.data_ptr()), target.element_size()
-            layout: tuple[Any, ...] = (target.dtype, tuple(target.shape), tuple(target.stride()))
+            layout: tuple[Any, ...] = (target.dtype, shape, strides)
             device = str(target.device)
         else:
             if not target.flags.writeable:

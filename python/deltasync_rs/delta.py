@@ -156,7 +156,7 @@ class Delta:
         a delta applied twice, is refused instead of producing wrong weights.
         """
         writes = _write.Writes(self._raw)
-        writes.add_all(self._resolve_targets(state), check_base=check_base)
+        writes.add_all(self._resolve_targets(state, [info[0] for info in writes.infos]), check_base=check_base)
         writes.commit()
 
     def decoded(self, index: int, device: Any = None) -> tuple[Any, Any]:
@@ -176,8 +176,7 @@ class Delta:
         """The identity of the base tensor ``index`` was diffed against (docs/format.md §3), or None if unrecorded."""
         return self._raw.base_identity(index)
 
-    def _resolve_targets(self, state: State) -> list[tuple[int, Tensor]]:
-        names = self.names
+    def _resolve_targets(self, state: State, names: list[str]) -> list[tuple[int, Tensor]]:
         if _arrays.is_array(state):
             if len(names) != 1:
                 raise BaseMismatchError(f"a single tensor was given, but the delta holds {len(names)} tensors")
