@@ -232,3 +232,21 @@ def test_publishing_a_checkpoint_with_other_tensors_than_the_store_is_refused(tm
     assert "model.extra" in result.stderr and "model.norm.weight" in result.stderr and "--anchor" in result.stderr
     result = _deltasync("publish", "ckpt1.safetensors", "--store", "store", "--step", 1, "--anchor", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+
+
+def test_publishing_a_checkpoint_of_more_tensors_than_the_kernel_allows_mappings(tmp_path):
+    """The checkpoint is mapped once, not once per tensor: 70,000 tensors (a mixture-of-experts model has about
+    90,000) stay under the kernel's default limit of 65,530 mappings per process."""
+    count = 70_000
+    rng = np.random.default_rng(0)
+    state = {f"experts.{i}.weight": rng.standard_normal(4).astype(np.float32) for i in range(count)}
+    save_file(state, tmp_path / "ckpt0.safetensors")
+    for array in list(state.values())[::7]:
+        array[0] += 1
+    save_file(state, tmp_path / "ckpt1.safetensors")
+    for step in (0, 1):
+        result = _deltasync("publish", f"ckpt{step}.safetensors", "--store", "store", "--step", step, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    result = _deltasync("pull", "--store", "store", "-o", "out.safetensors", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _bytes_equal(_load(tmp_path / "out.safetensors"), state)

@@ -152,15 +152,15 @@ def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
         raise DeltaSyncError(f"{path}: no such file") from None
     except Exception as error:  # safetensors raises its own error types for bad files
         raise DeltaSyncError(f"{path}: cannot read this checkpoint: {error}") from error
+    # One mapping for the whole file, each tensor a view of it (a mapping per tensor would run into the kernel's
+    # limit on mappings, 65,530 by default, with the tens of thousands of tensors of a mixture-of-experts model).
+    whole = np.memmap(path, dtype=np.uint8, mode="r")  # never empty: the header was read above
     state = {}
     for name in names:
         info = header[name]
         dtype = _arrays.numpy_dtype(info["dtype"])
         begin, end = info["data_offsets"]
-        if end == begin:
-            data = np.zeros(0, dtype=np.uint8)  # numpy cannot map zero bytes
-        else:
-            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size + begin, shape=(end - begin,))
+        data = whole[8 + header_size + begin : 8 + header_size + end]
         state[name] = data.view(dtype).reshape(info["shape"])
     return state
 
