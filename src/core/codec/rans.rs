@@ -99,45 +99,62 @@ static BYTE_TOKENS: [(u8, u8, u8); 256] = {
     table
 };
 
+/// Token counts are kept in this many tables, value `i` counted in table `i mod COUNT_LANES`: most values are ±1
+/// (two tokens), and an increment of the counter just incremented would wait for that store.
+const COUNT_LANES: usize = 4;
+/// Values are tokenised in blocks of this many; a block's low bits are gathered in a local buffer, without a
+/// branch on which values have them, and appended once.
+const BLOCK: usize = 32;
+
+/// The token of a `diff` value other than a one-byte difference of a wide element (`BYTE_TOKENS`), read at `*at`
+/// after its first byte `byte`: (token, its low bits, whether it has any).
+#[inline(always)]
+fn rare_diff_token<const W: usize>(byte: u8, stream: &[u8], at: &mut usize, escapes: &mut u64) -> (u8, u64, bool) {
+    let difference = if W > 1 && byte == ESCAPE {
+        let mut word = [0u8; 8];
+        word[..W].copy_from_slice(&stream[*at..*at + W]);
+        *at += W;
+        *escapes += 1;
+        u64::from_le_bytes(word)
+    } else {
+        u64::from(byte)
+    };
+    let u = code_of(difference, W);
+    let (token, bits) = token_of(u);
+    (token, u & ((1u64 << bits) - 1), bits > 0)
+}
+
 /// Tokenises a byte-coded `diff` value stream of `count` differences of `W`-byte elements, counting each token in
 /// `histogram`.
 pub fn tokenize_diff<const W: usize>(diff_stream: &[u8], count: u64, histogram: &mut [u64; MAX_TOKENS]) -> Tokens {
-    let mut out = Tokens { tokens: Vec::with_capacity(count as usize), low_bits: Vec::new(), escapes: 0 };
-    let push = |u: u64, out: &mut Tokens, histogram: &mut [u64; MAX_TOKENS]| {
-        let (token, bits) = token_of(u);
-        out.tokens.push(token);
-        histogram[usize::from(token)] += 1;
-        if bits > 0 {
-            out.low_bits.push(u & ((1u64 << bits) - 1));
-        }
-    };
-    if W == 1 {
-        for &byte in &diff_stream[..count as usize] {
-            push(code_of(u64::from(byte), 1), &mut out, histogram);
-        }
-        return out;
-    }
+    let mut tokens = vec![0u8; count as usize];
+    let (mut low_bits, mut escapes) = (Vec::new(), 0);
+    let mut counts = [[0u64; MAX_TOKENS]; COUNT_LANES];
     let mut at = 0;
-    while let Some(&byte) = diff_stream.get(at) {
-        at += 1;
-        if byte == ESCAPE {
-            let mut word = [0u8; 8];
-            word[..W].copy_from_slice(&diff_stream[at..at + W]);
-            at += W;
-            out.escapes += 1;
-            push(code_of(u64::from_le_bytes(word), W), &mut out, histogram);
-        } else if byte == 0 {
-            push(code_of(0, W), &mut out, histogram);
-        } else {
-            let (token, low, bits) = BYTE_TOKENS[usize::from(byte)];
-            out.tokens.push(token);
-            histogram[usize::from(token)] += 1;
-            if bits > 0 {
-                out.low_bits.push(u64::from(low));
-            }
+    for block in tokens.chunks_mut(BLOCK) {
+        let (mut lows, mut lows_len) = ([0u64; BLOCK], 0);
+        for (index, slot) in block.iter_mut().enumerate() {
+            let byte = diff_stream[at];
+            at += 1;
+            let (token, low, has_low) = if W > 1 && byte != ESCAPE && byte != 0 {
+                let (token, low, bits) = BYTE_TOKENS[usize::from(byte)];
+                (token, u64::from(low), bits > 0)
+            } else {
+                rare_diff_token::<W>(byte, diff_stream, &mut at, &mut escapes)
+            };
+            *slot = token;
+            counts[index % COUNT_LANES][usize::from(token)] += 1;
+            lows[lows_len] = low;
+            lows_len += usize::from(has_low);
+        }
+        low_bits.extend_from_slice(&lows[..lows_len]);
+    }
+    for lane in &counts {
+        for (total, count) in histogram[..token_count(W)].iter_mut().zip(lane) {
+            *total += count;
         }
     }
-    out
+    Tokens { tokens, low_bits, escapes }
 }
 
 /// Token frequencies summing to `PROB_SCALE`, every counted token at least 1, from the counts of `W`-byte elements'
