@@ -99,45 +99,62 @@ static BYTE_TOKENS: [(u8, u8, u8); 256] = {
     table
 };
 
+/// Token counts are kept in this many tables, value `i` counted in table `i mod COUNT_LANES`: most values are ±1
+/// (two tokens), and an increment of the counter just incremented would wait for that store.
+const COUNT_LANES: usize = 4;
+/// Values are tokenised in blocks of this many; a block's low bits are gathered in a local buffer, without a
+/// branch on which values have them, and appended once.
+const BLOCK: usize = 32;
+
+/// The token of a `diff` value other than a one-byte difference of a wide element (`BYTE_TOKENS`), read at `*at`
+/// after its first byte `byte`: (token, its low bits, whether it has any).
+#[inline(always)]
+fn rare_diff_token<const W: usize>(byte: u8, stream: &[u8], at: &mut usize, escapes: &mut u64) -> (u8, u64, bool) {
+    let difference = if W > 1 && byte == ESCAPE {
+        let mut word = [0u8; 8];
+        word[..W].copy_from_slice(&stream[*at..*at + W]);
+        *at += W;
+        *escapes += 1;
+        u64::from_le_bytes(word)
+    } else {
+        u64::from(byte)
+    };
+    let u = code_of(difference, W);
+    let (token, bits) = token_of(u);
+    (token, u & ((1u64 << bits) - 1), bits > 0)
+}
+
 /// Tokenises a byte-coded `diff` value stream of `count` differences of `W`-byte elements, counting each token in
 /// `histogram`.
 pub fn tokenize_diff<const W: usize>(diff_stream: &[u8], count: u64, histogram: &mut [u64; MAX_TOKENS]) -> Tokens {
-    let mut out = Tokens { tokens: Vec::with_capacity(count as usize), low_bits: Vec::new(), escapes: 0 };
-    let push = |u: u64, out: &mut Tokens, histogram: &mut [u64; MAX_TOKENS]| {
-        let (token, bits) = token_of(u);
-        out.tokens.push(token);
-        histogram[usize::from(token)] += 1;
-        if bits > 0 {
-            out.low_bits.push(u & ((1u64 << bits) - 1));
-        }
-    };
-    if W == 1 {
-        for &byte in &diff_stream[..count as usize] {
-            push(code_of(u64::from(byte), 1), &mut out, histogram);
-        }
-        return out;
-    }
+    let mut tokens = vec![0u8; count as usize];
+    let (mut low_bits, mut escapes) = (Vec::new(), 0);
+    let mut counts = [[0u64; MAX_TOKENS]; COUNT_LANES];
     let mut at = 0;
-    while let Some(&byte) = diff_stream.get(at) {
-        at += 1;
-        if byte == ESCAPE {
-            let mut word = [0u8; 8];
-            word[..W].copy_from_slice(&diff_stream[at..at + W]);
-            at += W;
-            out.escapes += 1;
-            push(code_of(u64::from_le_bytes(word), W), &mut out, histogram);
-        } else if byte == 0 {
-            push(code_of(0, W), &mut out, histogram);
-        } else {
-            let (token, low, bits) = BYTE_TOKENS[usize::from(byte)];
-            out.tokens.push(token);
-            histogram[usize::from(token)] += 1;
-            if bits > 0 {
-                out.low_bits.push(u64::from(low));
-            }
+    for block in tokens.chunks_mut(BLOCK) {
+        let (mut lows, mut lows_len) = ([0u64; BLOCK], 0);
+        for (index, slot) in block.iter_mut().enumerate() {
+            let byte = diff_stream[at];
+            at += 1;
+            let (token, low, has_low) = if W > 1 && byte != ESCAPE && byte != 0 {
+                let (token, low, bits) = BYTE_TOKENS[usize::from(byte)];
+                (token, u64::from(low), bits > 0)
+            } else {
+                rare_diff_token::<W>(byte, diff_stream, &mut at, &mut escapes)
+            };
+            *slot = token;
+            counts[index % COUNT_LANES][usize::from(token)] += 1;
+            lows[lows_len] = low;
+            lows_len += usize::from(has_low);
+        }
+        low_bits.extend_from_slice(&lows[..lows_len]);
+    }
+    for lane in &counts {
+        for (total, count) in histogram[..token_count(W)].iter_mut().zip(lane) {
+            *total += count;
         }
     }
-    out
+    Tokens { tokens, low_bits, escapes }
 }
 
 /// Token frequencies summing to `PROB_SCALE`, every counted token at least 1, from the counts of `W`-byte elements'
@@ -204,33 +221,39 @@ fn write_table(out: &mut Vec<u8>, freqs: &[u32]) {
     }
 }
 
-/// One of the rANS encoder's two states, and the bytes both have shifted out (in reverse of the order they are read
-/// in).
-struct Encoder<'a> {
-    state: &'a mut u32,
-    reversed: &'a mut Vec<u8>,
+/// The bytes the encoder's two states shift out, in reverse of the order they are read in: the first `len` bytes of
+/// `bytes`, which are written two at a time.
+struct Reversed {
+    bytes: Vec<u8>,
+    len: usize,
 }
 
-impl Encoder<'_> {
+impl Reversed {
+    /// `state` (below 2^31) with its low bytes shifted out while it is at or above `limit` (at least 2^15, so at
+    /// most two bytes go): both candidates are stored and `len` moves by how many went, with no branch on that
+    /// count, which varies from value to value as the encoder's states do.
     #[inline(always)]
-    fn shift_out_while(&mut self, limit: u32) {
-        while *self.state >= limit {
-            self.reversed.push(*self.state as u8);
-            *self.state >>= 8;
+    fn shift_out(&mut self, state: u32, limit: u32) -> u32 {
+        debug_assert!(state < 1 << 31 && limit >= 1 << 15);
+        let count = usize::from(state >= limit) + usize::from(u64::from(state) >= u64::from(limit) << 8);
+        if self.len + 2 > self.bytes.len() {
+            self.bytes.resize(2 * self.bytes.len() + 16, 0);
         }
+        self.bytes[self.len..self.len + 2].copy_from_slice(&(state as u16).to_le_bytes());
+        self.len += count;
+        state >> (8 * count)
     }
 
-    /// Encodes `bits <= CHUNK_BITS` uniform low bits.
+    /// `state` after encoding `bits <= CHUNK_BITS` uniform low bits.
     #[inline(always)]
-    fn put_bits(&mut self, value: u64, bits: u32) {
-        self.shift_out_while(1 << (31 - bits));
-        *self.state = (*self.state << bits) | value as u32;
+    fn put_bits(&mut self, state: u32, value: u64, bits: u32) -> u32 {
+        (self.shift_out(state, 1 << (31 - bits)) << bits) | value as u32
     }
 
+    /// `state` after encoding a token.
     #[inline(always)]
-    fn put_token(&mut self, symbol: &EncodeSymbol) {
-        self.shift_out_while(symbol.limit);
-        *self.state = symbol.next_state(*self.state);
+    fn put_token(&mut self, state: u32, symbol: &EncodeSymbol) -> u32 {
+        symbol.next_state(self.shift_out(state, symbol.limit))
     }
 }
 
@@ -244,6 +267,8 @@ struct EncodeSymbol {
     shift: u32,
     bias: u32,
     complement: u32,
+    /// How many low bits follow the token (`token_parts`).
+    low_bits: u32,
 }
 
 impl EncodeSymbol {
@@ -252,11 +277,12 @@ impl EncodeSymbol {
         let complement = PROB_SCALE - freq;
         if freq < 2 {
             // x div 1 = x: the reciprocal 2^32 - 1 gives x - 1, which the bias makes up for.
-            return EncodeSymbol { limit, reciprocal: u32::MAX, shift: 32, bias: start + PROB_SCALE - 1, complement };
+            let bias = start + PROB_SCALE - 1;
+            return EncodeSymbol { limit, reciprocal: u32::MAX, shift: 32, bias, complement, low_bits: 0 };
         }
         let bits = 32 - (freq - 1).leading_zeros(); // ceil(log2 freq)
         let reciprocal = (1u64 << (bits + 31)).div_ceil(u64::from(freq)) as u32;
-        EncodeSymbol { limit, reciprocal, shift: 32 + bits - 1, bias: start, complement }
+        EncodeSymbol { limit, reciprocal, shift: 32 + bits - 1, bias: start, complement, low_bits: 0 }
     }
 
     #[inline(always)]
@@ -271,23 +297,26 @@ impl EncodeSymbol {
 pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
     let mut symbols = [EncodeSymbol::default(); MAX_TOKENS];
     let mut start = 0;
-    for (symbol, &f) in symbols.iter_mut().zip(freqs) {
+    for (token, (symbol, &f)) in symbols.iter_mut().zip(freqs).enumerate() {
         if f > 0 {
-            *symbol = EncodeSymbol::new(f, start);
+            *symbol = EncodeSymbol { low_bits: token_parts(token as u8).0, ..EncodeSymbol::new(f, start) };
         }
         start += f;
     }
     let total: usize = parts.iter().map(|p| p.tokens.len()).sum();
-    let (mut states, mut reversed) = ([STATE_LOW; 2], Vec::with_capacity(total / 3 + 16));
+    let mut reversed = Reversed { bytes: vec![0; total / 3 + 16], len: 0 };
     // Backwards: the decoder reads the last symbol encoded first. Value `i` (counting from 0 over all parts) is
-    // coded in state `i mod 2`, so that a decoder's two chains of dependent steps overlap.
-    let mut index = total;
+    // coded in state `i mod 2`, so that a decoder's two chains of dependent steps overlap: `state` codes the value
+    // encoded next, `other` the one before it, and the two swap after each value (as locals, not an array indexed
+    // by `i`, so that both stay in registers).
+    let (mut state, mut other) = (STATE_LOW, STATE_LOW);
     for part in parts.iter().rev() {
         let mut low_at = part.low_bits.len();
         for &token in part.tokens.iter().rev() {
-            index -= 1;
-            let mut encoder = Encoder { state: &mut states[index & 1], reversed: &mut reversed };
-            let (low_bits, _) = token_parts(token);
+            let symbol = &symbols[usize::from(token)];
+            let low_bits = symbol.low_bits;
+            // A branch, not an empty chunk put for every token: that put would lengthen each state's chain of
+            // dependent steps, which bounds the encoder (it took twice as long).
             if low_bits > 0 {
                 low_at -= 1;
                 let low = part.low_bits[low_at];
@@ -295,21 +324,23 @@ pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
                 let mut chunk_start = (low_bits - 1) / CHUNK_BITS * CHUNK_BITS;
                 loop {
                     let bits = (low_bits - chunk_start).min(CHUNK_BITS);
-                    encoder.put_bits((low >> chunk_start) & ((1 << bits) - 1), bits);
+                    state = reversed.put_bits(state, (low >> chunk_start) & ((1 << bits) - 1), bits);
                     if chunk_start == 0 {
                         break;
                     }
                     chunk_start -= CHUNK_BITS;
                 }
             }
-            encoder.put_token(&symbols[usize::from(token)]);
+            state = reversed.put_token(state, symbol);
+            std::mem::swap(&mut state, &mut other);
         }
     }
-    let mut out = Vec::with_capacity(table_len(freqs) + 8 + reversed.len());
+    // Value 0 was coded last, in what is now `other`.
+    let mut out = Vec::with_capacity(table_len(freqs) + 8 + reversed.len);
     write_table(&mut out, freqs);
-    out.extend_from_slice(&states[0].to_le_bytes());
-    out.extend_from_slice(&states[1].to_le_bytes());
-    out.extend(reversed.iter().rev());
+    out.extend_from_slice(&other.to_le_bytes());
+    out.extend_from_slice(&state.to_le_bytes());
+    out.extend(reversed.bytes[..reversed.len].iter().rev());
     out
 }
 
