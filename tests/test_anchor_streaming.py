@@ -303,3 +303,44 @@ def test_a_resumed_publisher_streams_its_first_anchor(tmp_path, private_tmp):
         publisher.publish(6, state)
     assert store.get(anchor_key(6)) == ds.anchor(state, step=6).to_bytes()
     assert list(private_tmp.iterdir()) == []
+
+
+_PULL_PEAK = r"""
+import json, sys, torch, deltasync_rs as ds
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in json.loads(sys.argv[2]).items()}
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+before = status("VmRSS")
+ds.Subscriber(sys.argv[1]).pull(target)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak through /proc")
+def test_a_fresh_pull_holds_little_beyond_its_target(tmp_path, private_tmp):
+    """Peak resident memory of a fresh pull of a 256 MB anchor beyond the target: the download is a file, checked
+    piece by piece through small reads and applied through a mapping whose pages are dropped as they are copied, so
+    no step holds the anchor (checking the pieces through a mapping of the whole file held all of it)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {f"layers.{i}.weight": (2048, 2048) for i in range(32)}
+    state = {
+        name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g) for name, shape in shapes.items()
+    }
+    store = tmp_path / "store"
+    with ds.Publisher(store, background=False) as publisher:
+        publisher.publish(0, {name: t.view(torch.bfloat16) for name, t in state.items()})
+    del state
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _PULL_PEAK, str(store), json.dumps(shapes)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[-1]) < 64 << 20, run.stdout

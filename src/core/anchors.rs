@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
+use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::core::diff::{self, FullInput};
@@ -63,7 +64,6 @@ impl Pieces {
         let whole = data.len() / self.piece_bytes * self.piece_bytes;
         let (full, tail) = data.split_at(whole);
         if full.len() >= PARALLEL_PIECES_BYTES {
-            use rayon::prelude::*;
             let hashed: Vec<[u8; 32]> =
                 full.par_chunks_exact(self.piece_bytes).map(|piece| Sha256::digest(piece).into()).collect();
             self.done.extend(hashed);
@@ -91,20 +91,35 @@ pub fn piece_hashes(data: &[u8], piece_bytes: usize) -> Vec<[u8; 32]> {
     pieces.finish()
 }
 
-/// The SHA-256 of each `piece_bytes` piece of the file at `path`, hashed in parallel in the deltasync pool from a
-/// read-only mapping: a reader checks a whole anchor against its pieces sidecar this way, on every core, where one
-/// SHA-256 of the whole file runs on one. The file must not change meanwhile (a private copy).
+/// The SHA-256 of each `piece_bytes` piece of the file at `path`, hashed in parallel in the deltasync pool: a reader
+/// checks a whole anchor against its pieces sidecar this way, on every core, where one SHA-256 of the whole file
+/// runs on one. Each task reads its group of pieces with `pread` into a buffer of its own (about `READ_BYTES`), so
+/// the file is never mapped and its pages never count towards this process's resident memory. The file must not
+/// change meanwhile (a private copy).
 pub fn file_piece_hashes(path: &Path, piece_bytes: usize) -> Result<Vec<[u8; 32]>> {
+    use std::os::unix::fs::FileExt;
+
+    const READ_BYTES: usize = 8 << 20;
     if piece_bytes == 0 {
         return Err(Error::invalid("piece_bytes must be at least 1"));
     }
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    if file.metadata().map_err(|e| Error::io(path, e))?.len() == 0 {
-        return Ok(Vec::new());
-    }
-    // SAFETY: read-only mapping of a file the caller keeps unchanged (see above).
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    Ok(crate::core::pool::install(|| piece_hashes(&map, piece_bytes)))
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let pieces = len.div_ceil(piece_bytes as u64);
+    let per_read = (READ_BYTES / piece_bytes).max(1) as u64;
+    let groups: Vec<Vec<[u8; 32]>> = crate::core::pool::install(|| {
+        (0..pieces.div_ceil(per_read))
+            .into_par_iter()
+            .map_init(Vec::new, |buffer, group| {
+                let start = group * per_read * piece_bytes as u64;
+                let end = len.min(start + per_read * piece_bytes as u64);
+                buffer.resize((end - start) as usize, 0);
+                file.read_exact_at(buffer, start).map_err(|e| Error::io(path, e))?;
+                Ok(buffer.chunks(piece_bytes).map(|piece| Sha256::digest(piece).into()).collect())
+            })
+            .collect::<Result<_>>()
+    })?;
+    Ok(groups.into_iter().flatten().collect())
 }
 
 /// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode` lays out
@@ -322,10 +337,10 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("deltasync-pieces-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("file");
-        for len in [0usize, 1, 1023, 1024, 1025, 5000, 3 << 20] {
+        for len in [0usize, 1, 1023, 1024, 1025, 5000, 3 << 20, (20 << 20) + 5] {
             let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 1024) as u8).collect();
             std::fs::write(&path, &data).unwrap();
-            for piece_bytes in [1024usize, 4096] {
+            for piece_bytes in [1024usize, 4096, 1 << 20] {
                 let expected: Vec<[u8; 32]> = data.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect();
                 assert_eq!(file_piece_hashes(&path, piece_bytes).unwrap(), expected, "{len} {piece_bytes}");
             }
