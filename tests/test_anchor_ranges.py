@@ -190,6 +190,27 @@ def test_verify_checks_the_pieces_against_the_anchor(tmp_path):
     assert problems and "do not match its pieces sidecar" in problems[0]
 
 
+def test_verify_checks_the_whole_file_sha256_too(tmp_path):
+    """A reader may take either check (a pull now takes the pieces), so an auditor takes both: an anchor whose
+    sidecar and entry describe its pieces but whose whole-file SHA-256 in the entry does not match is a problem."""
+    root = _published(tmp_path)
+    anchor = root / anchor_key(3)
+    _flip(anchor, anchor.stat().st_size // 8)
+    data = anchor.read_bytes()
+    sidecar = bytearray((root / pieces_key(3)).read_bytes())
+    sidecar[PIECES_HEADER_BYTES:] = b"".join(
+        hashlib.sha256(data[i : i + 1024]).digest() for i in range(0, len(data), 1024)
+    )
+    (root / pieces_key(3)).write_bytes(bytes(sidecar))
+    entry_path = root / entry_key(3)
+    document = json.loads(entry_path.read_bytes())
+    document["anchor"]["pieces"]["sha256"] = hashlib.sha256(sidecar).hexdigest()
+    entry_path.write_text(json.dumps(document))
+    (root / "latest.json").unlink()
+    problems = ds.Subscriber(root).verify()
+    assert problems and "does not match the digest in its manifest entry" in problems[0]
+
+
 def test_entries_without_pieces_still_load_and_pull_whole(tmp_path):
     root = _published(tmp_path, piece_bytes=None)
     assert not (root / pieces_key(3)).exists()

@@ -235,16 +235,34 @@ class Subscriber:
         return Pieces.parse(raw, ref)
 
     def _check_pieces(self, ref: dict[str, Any]) -> None:
-        """Reads anchor ``ref`` whole and checks every piece against its sidecar."""
-        pieces = self._pieces(ref)
-        with tempfile.TemporaryFile(prefix=TEMP_PREFIX) as file:
-            self.store.get_file(ref["key"], file)
-            file.seek(0)
-            for index in range(pieces.count):
-                start, end = pieces.span(index)
-                pieces.check(index, file.read(end - start), ref["key"])
-            if file.read(1):
-                raise IntegrityError(f"{ref['key']}: longer than its pieces sidecar says")
+        """Reads anchor ``ref`` whole and checks every piece against its sidecar, and its whole-file SHA-256 (an
+        auditor checks both, whichever a reader uses)."""
+        os.unlink(self._checked_copy(ref, self._pieces(ref), whole_sha256=True))
+
+    def _checked_copy(self, ref: dict[str, Any], pieces: Pieces | None, *, whole_sha256: bool) -> str:
+        """The path of a private temporary file (in TMPDIR; the caller unlinks it) holding anchor ``ref``, checked
+        against its entry's size, against ``pieces`` (every piece's SHA-256, in parallel) when given, and against its
+        whole-file SHA-256 when ``whole_sha256`` or without pieces."""
+        fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w+b") as file:
+                self.store.get_file(ref["key"], file)
+                file.flush()
+                size = file.seek(0, os.SEEK_END)
+                if size != ref["size"]:
+                    raise IntegrityError(f"{ref['key']}: {size} bytes, its manifest entry says {ref['size']}")
+                if whole_sha256 or pieces is None:
+                    file.seek(0)
+                    if hashlib.file_digest(file, "sha256").hexdigest() != ref["sha256"]:
+                        raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
+            if pieces is not None:
+                # The signed entry binds the sidecar (size and SHA-256), the sidecar binds every piece, and the
+                # size is checked: all pieces matching is the whole file matching.
+                pieces.check_all(sha256_pieces(path, pieces.piece_bytes), ref["key"])
+        except BaseException:
+            os.unlink(path)
+            raise
+        return path
 
     def _in_memory(self, ref: dict[str, Any]) -> Delta:
         blob = self.store.get(ref["key"])
@@ -263,22 +281,8 @@ class Subscriber:
                 pieces = self._pieces(ref)
             except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
                 log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
-        fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
+        path = self._checked_copy(ref, pieces, whole_sha256=False)
         try:
-            with os.fdopen(fd, "w+b") as file:
-                self.store.get_file(ref["key"], file)
-                file.flush()
-                size = file.seek(0, os.SEEK_END)
-                if size != ref["size"]:
-                    raise IntegrityError(f"{ref['key']}: {size} bytes, its manifest entry says {ref['size']}")
-                if pieces is None:
-                    file.seek(0)
-                    if hashlib.file_digest(file, "sha256").hexdigest() != ref["sha256"]:
-                        raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
-            if pieces is not None:
-                # The signed entry binds the sidecar (size and SHA-256), the sidecar binds every piece, and the
-                # size is checked: all pieces matching is the whole file matching.
-                pieces.check_all(sha256_pieces(path, pieces.piece_bytes), ref["key"])
             return load(path, mmap=True)
         finally:
             os.unlink(path)
