@@ -272,17 +272,19 @@ struct EncodeSymbol {
 }
 
 impl EncodeSymbol {
-    fn new(freq: u32, start: u32) -> Self {
+    /// The symbol of `token`, of frequency `freq`, whose slots begin at `start`.
+    fn new(token: u8, freq: u32, start: u32) -> Self {
+        let low_bits = token_parts(token).0;
         let limit = freq << (23 - PROB_BITS + 8);
         let complement = PROB_SCALE - freq;
         if freq < 2 {
             // x div 1 = x: the reciprocal 2^32 - 1 gives x - 1, which the bias makes up for.
             let bias = start + PROB_SCALE - 1;
-            return EncodeSymbol { limit, reciprocal: u32::MAX, shift: 32, bias, complement, low_bits: 0 };
+            return EncodeSymbol { limit, reciprocal: u32::MAX, shift: 32, bias, complement, low_bits };
         }
         let bits = 32 - (freq - 1).leading_zeros(); // ceil(log2 freq)
         let reciprocal = (1u64 << (bits + 31)).div_ceil(u64::from(freq)) as u32;
-        EncodeSymbol { limit, reciprocal, shift: 32 + bits - 1, bias: start, complement, low_bits: 0 }
+        EncodeSymbol { limit, reciprocal, shift: 32 + bits - 1, bias: start, complement, low_bits }
     }
 
     #[inline(always)]
@@ -299,7 +301,7 @@ pub fn encode(parts: &[&Tokens], freqs: &[u32]) -> Vec<u8> {
     let mut start = 0;
     for (token, (symbol, &f)) in symbols.iter_mut().zip(freqs).enumerate() {
         if f > 0 {
-            *symbol = EncodeSymbol { low_bits: token_parts(token as u8).0, ..EncodeSymbol::new(f, start) };
+            *symbol = EncodeSymbol::new(token as u8, f, start);
         }
         start += f;
     }
@@ -629,7 +631,7 @@ mod tests {
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         for freq in 1..=PROB_SCALE {
             let start = PROB_SCALE - freq;
-            let symbol = EncodeSymbol::new(freq, start);
+            let symbol = EncodeSymbol::new(0, freq, start);
             let limit = freq << 19;
             for k in 0..64u32 {
                 state ^= state << 13;
