@@ -9,17 +9,17 @@ use deltasync_rs::core::codec::{rans, rice, Codec, ValueCodec};
 use deltasync_rs::core::diff::{diff, DiffInput};
 use deltasync_rs::core::dtype::Dtype;
 
+mod common;
+
 #[test]
 #[ignore]
 fn check_and_decode_cost_per_change() {
     let n = 50_000_000usize;
-    let old: Vec<u8> = (0..n * 2).map(|i| ((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as u8).collect();
+    let old = common::hashed_bytes(n * 2);
     let mut new = old.clone();
-    let (mut state, mut element) = (12_345u64, 0usize);
+    let (mut next, mut element) = (common::xorshift(12_345), 0usize);
     loop {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
+        let state = next();
         element += (state % 199) as usize + 1;
         if element >= n {
             break;

@@ -10,6 +10,8 @@ use deltasync_rs::core::diff::{diff, DiffInput};
 use deltasync_rs::core::dtype::Dtype;
 use rayon::prelude::*;
 
+mod common;
+
 fn shapes() -> Vec<(String, Vec<u64>)> {
     let (vocab, hidden, inter, q_dim, kv_dim, head_dim) = (151_936u64, 1024u64, 3072u64, 2048u64, 1024u64, 128u64);
     let mut shapes = vec![("model.embed_tokens.weight".to_owned(), vec![vocab, hidden])];
@@ -48,12 +50,10 @@ fn states(len: usize) -> (Vec<u8>, Vec<u8>) {
         .collect();
     let mut new = old.clone();
     new.par_chunks_mut(1 << 20).enumerate().for_each(|(chunk, bytes)| {
-        let mut state = (chunk as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let mut next = common::xorshift((chunk as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
         let mut element = 0usize;
         loop {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
+            let state = next();
             // Gaps uniform in [0, 198]: a mean of 99 unchanged elements between changes.
             element += (state % 199) as usize + 1;
             if element * 2 >= bytes.len() {

@@ -12,19 +12,15 @@ use std::time::Instant;
 use deltasync_rs::core::codec::{plan, ValueCodec};
 use deltasync_rs::core::scan;
 
+mod common;
+
 #[test]
 #[ignore]
 fn reencode_cost_per_change() {
     let n = 100_000_000usize;
-    let old: Vec<u8> = (0..n * 2).map(|i| ((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as u8).collect();
+    let old = common::hashed_bytes(n * 2);
     let mut new = old.clone();
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = common::xorshift(0x2545_f491_4f6c_dd1d);
     let mut element = 0usize;
     loop {
         // Geometric gaps of mean 99 (density 1%).
@@ -33,7 +29,7 @@ fn reencode_cost_per_change() {
         if element >= n {
             break;
         }
-        let (draw, sign) = (next() % 1000, if next() % 2 == 0 { 1i32 } else { -1 });
+        let (draw, sign) = (next() % 1000, if next().is_multiple_of(2) { 1i32 } else { -1 });
         let bits = u16::from_le_bytes([new[2 * element], new[2 * element + 1]]);
         let moved = match draw {
             0..900 => bits.wrapping_add((sign) as u16),

@@ -11,6 +11,8 @@ use deltasync_rs::core::format::{from_bytes, to_bytes};
 use deltasync_rs::core::{Delta, Error};
 use proptest::prelude::*;
 
+mod common;
+
 fn dtype_of(width: usize) -> Dtype {
     match width {
         1 => Dtype::U8,
@@ -182,19 +184,13 @@ fn fast_paths_agree_with_the_walk(tensor: &mut TensorDelta) -> Result<(), String
 /// one-by-one walk every time.
 #[test]
 fn compact_fast_paths_agree_with_the_walk_under_corruption() {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = common::xorshift(0x2545_f491_4f6c_dd1d);
     for width in [1usize, 2, 4, 8] {
         let elements = 60_000;
         let old: Vec<u8> = (0..elements * width).map(|_| next() as u8).collect();
         let mut new = old.clone();
         for element in 0..elements {
-            if next() % 50 == 0 {
+            if next().is_multiple_of(50) {
                 let byte = element * width;
                 new[byte] = new[byte].wrapping_add(match next() % 20 {
                     0..=8 => 1,
@@ -221,7 +217,7 @@ fn compact_fast_paths_agree_with_the_walk_under_corruption() {
         for round in 0..400 {
             let mut tensor = pristine.clone();
             let (mut positions, mut values) = (tensor.positions.to_vec(), tensor.values.to_vec());
-            let stream = if next() % 2 == 0 { &mut positions } else { &mut values };
+            let stream = if next().is_multiple_of(2) { &mut positions } else { &mut values };
             if round % 5 == 0 {
                 let keep = next() as usize % (stream.len() + 1);
                 stream.truncate(keep);
