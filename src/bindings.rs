@@ -201,9 +201,23 @@ fn parse_values(values: &str) -> PyResult<ValueCodec> {
     }
 }
 
+/// The stream family of a writer that diffs whole old and new tensors: "varint", "compact" or "context".
 fn parse_codec(codec: &str) -> PyResult<Codec> {
-    Codec::parse(codec)
-        .ok_or_else(|| DeltaSyncError::new_err(format!("codec must be \"varint\" or \"compact\", not {codec:?}")))
+    Codec::parse(codec).ok_or_else(|| {
+        DeltaSyncError::new_err(format!("codec must be \"varint\", \"compact\" or \"context\", not {codec:?}"))
+    })
+}
+
+/// The stream family of a writer that never holds a tensor's whole base at encode time (the one-pass mirror
+/// kernel overwrites it as it compares; a shard holds a part): "varint" or "compact".
+fn parse_codec_without_base(codec: &str, writer: &str) -> PyResult<Codec> {
+    match parse_codec(codec)? {
+        Codec::Context => Err(DeltaSyncError::new_err(format!(
+            "codec \"context\" is not written by {writer} yet: it codes positions against each tensor's whole \
+             base, which {writer} does not hold when it encodes; use codec=\"compact\", or ds.diff for \"context\""
+        ))),
+        codec => Ok(codec),
+    }
 }
 
 /// A delta held by the core: tensors with their encoded streams, and file metadata.
@@ -300,7 +314,7 @@ impl RawDelta {
             .map_err(to_py)?;
         drop(held);
         self.extend(tensors)?;
-        self.delta.packed |= codec == Codec::Compact;
+        self.delta.packed |= codec != Codec::Varint;
         Ok(())
     }
 
@@ -536,8 +550,23 @@ impl RawDelta {
     /// Decodes tensor `index` into one little-endian bytearray: `changed` int64 positions, then
     /// `changed` values of the element width (the new bits for "abs", the wrapping bit-pattern
     /// difference for "diff"). A dense tensor has no positions: the bytearray is its data.
-    fn decode<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyByteArray>> {
+    ///
+    /// A tensor with `context` positions is decoded against `base`, its bytes before the change (a buffer or a
+    /// CPU contiguous tensor, checked against the record's base identity); other tensors ignore it.
+    #[pyo3(signature = (index, base = None))]
+    fn decode<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+        base: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyByteArray>> {
         let tensor = self.tensor(index)?;
+        let base = match &base {
+            Some(base) if tensor.needs_base() => {
+                Some(export(base, &|| format!("base of tensor {:?}", tensor.name), false)?)
+            }
+            _ => None,
+        };
         let count = usize::try_from(tensor.changed).map_err(|_| DeltaSyncError::new_err("too many changes"))?;
         let positions_len = if tensor.is_dense() { 0 } else { count * 8 };
         let out = PyByteArray::new_with(py, positions_len + count * tensor.width(), |_| Ok(()))?;
@@ -551,10 +580,12 @@ impl RawDelta {
                 values.copy_from_slice(&tensor.values);
                 Ok(())
             } else {
-                apply::decode_into(tensor, positions, values)
+                // SAFETY: `base` keeps the exported buffer alive until after this call.
+                apply::decode_into(tensor, base.as_ref().map(|(_, slice)| unsafe { slice.get() }), positions, values)
             }
         })
         .map_err(to_py)?;
+        drop(base);
         Ok(out)
     }
 

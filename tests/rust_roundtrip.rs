@@ -162,7 +162,7 @@ fn fast_paths_agree_with_the_walk(tensor: &mut TensorDelta) -> Result<(), String
     let mut changes = Vec::new();
     let walked = tensor.for_each_change(|position, value| changes.push((position, value))).is_ok();
     let mut batched = Vec::new();
-    let batch_ok = tensor.for_each_batch(|p, v| batched.extend(p.iter().copied().zip(v.iter().copied()))).is_ok();
+    let batch_ok = tensor.for_each_batch(None, |p, v| batched.extend(p.iter().copied().zip(v.iter().copied()))).is_ok();
     if batch_ok != walked {
         return Err(format!("batched decoder ok: {batch_ok}, walk ok: {walked}"));
     }

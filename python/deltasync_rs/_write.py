@@ -55,8 +55,16 @@ def is_dense(raw: RawDelta, index: int) -> bool:
     return raw.tensors()[index][4] == "all" and not raw.holds_differences(index)
 
 
-def decode(raw: RawDelta, index: int, *, device: Any = None) -> tuple[Any, Any]:
+def needs_base(raw: RawDelta, index: int) -> bool:
+    """True when tensor ``index``'s positions decode only against its base (``context``, docs/format.md §5.2)."""
+    return raw.tensors()[index][4] == "context"
+
+
+def decode(raw: RawDelta, index: int, *, device: Any = None, base: Any = None) -> tuple[Any, Any]:
     """Tensor ``index``'s changes decoded on the CPU and moved to ``device`` (a torch device) in one transfer.
+
+    A tensor with ``context`` positions is decoded against ``base``, the tensor before the change (any tensor or
+    array; copied to the host when it is not there), which the core checks against the recorded base identity.
 
     Returns ``(positions, values)``: int64 flat row-major positions (``None`` for a tensor stored whole as new
     bits, whose values are then every element in order), and the values as the torch integer type of the element
@@ -66,7 +74,10 @@ def decode(raw: RawDelta, index: int, *, device: Any = None) -> tuple[Any, Any]:
     width, changed = _arrays.WIDTHS[info[1]], int(info[3])
     if changed == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=int_dtype(width), device=device)
-    staged = torch.frombuffer(raw.decode(index), dtype=torch.uint8)
+    host_base = None
+    if base is not None and info[4] == "context":
+        host_base = _arrays.host_bytes(base)[0]
+    staged = torch.frombuffer(raw.decode(index, host_base), dtype=torch.uint8)
     if device is not None:
         staged = staged.to(device)
     if is_dense(raw, index):
@@ -248,7 +259,7 @@ class Writes:
         torch = _torch()
         width = self._width(index)
         view = target.detach().view(int_dtype(width))
-        positions, values = decode(self._raw, index, device=view.device)
+        positions, values = decode(self._raw, index, device=view.device, base=target.detach())
         if positions is None:
             new = values.view(view.shape)
             write: Callable[[], object] = lambda: view.copy_(new)  # noqa: E731
@@ -272,7 +283,8 @@ class Writes:
     def _stage_numpy(self, index: int, target: np.ndarray) -> Callable[[], object]:
         width = self._width(index)
         view = target.view(_NUMPY_UINT[width])
-        decoded = np.frombuffer(self._raw.decode(index), dtype=np.uint8)
+        base = _arrays.host_bytes(target)[0] if needs_base(self._raw, index) else None
+        decoded = np.frombuffer(self._raw.decode(index, base), dtype=np.uint8)
         if is_dense(self._raw, index):
             whole = decoded.view(f"<u{width}").astype(_NUMPY_UINT[width]).reshape(target.shape)
             return lambda: np.copyto(view, whole)
@@ -317,7 +329,19 @@ class Writes:
             self.elements += changed
             return
         flat = param.view(int_dtype(width)).view(-1)
-        positions, values = decode(self._raw, index, device=param.device)
+        base = None
+        if needs_base(self._raw, index):
+            if not covers_all:
+                raise DeltaSyncError(
+                    f"tensor {self._name(index)!r} has 'context' positions (codec=\"context\"), which decode only "
+                    "against the whole base tensor, but this worker holds rows "
+                    f"{region.row_start}..{region.row_start + region.row_count} and columns "
+                    f"{region.col_start}..{region.col_start + region.col_count} of its {tuple(region.hf_shape)}: "
+                    'publish with codec="compact" for tensor-parallel workers'
+                )
+            start = region.param_row_offset * param_cols
+            base = param.view(-1)[start : start + hf_rows * hf_cols]
+        positions, values = decode(self._raw, index, device=param.device, base=base)
         if positions is None:
             positions = torch.arange(hf_rows * hf_cols, device=param.device)
         if covers_all:

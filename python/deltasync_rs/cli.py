@@ -49,6 +49,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for path in (args.prev, args.curr):
         require_regular_file(path)
+    if args.format == "trl" and args.codec == "context":
+        raise DeltaSyncError("--format trl stores positions as TRL does; --codec context applies to deltasync files only")
     refuse_overwriting_inputs(args.output, [args.prev, args.curr])
     remove_stale_temps(args.output)
     bar = _progress_bar("diff")
@@ -332,9 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--codec",
-        choices=("varint", "compact"),
+        choices=("varint", "compact", "context"),
         default="compact",
-        help="compact: packed records, Rice positions, bit-packed or rANS values (smallest, the default); varint: byte-aligned streams that version-1 readers also read",
+        help="compact: packed records, Rice positions, bit-packed or rANS values (the default); varint: byte-aligned streams that version-1 readers also read; context: compact with positions coded by the base's exponent classes (smallest on training steps; decodes only against the exact base)",
     )
     p.add_argument("--format", choices=("deltasync", "trl"), default="deltasync", help="file layout to write")
     p.add_argument("--step", type=_step_number, default=None, help="step number to record")

@@ -3,7 +3,7 @@
 
 use pyo3::prelude::*;
 
-use super::{export, parse_codec, parse_dtype, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice};
+use super::{export, parse_codec_without_base, parse_dtype, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice};
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::mirror::{self, MirrorInput, MirrorTensor};
 use crate::core::{Delta, TensorDelta};
@@ -40,7 +40,12 @@ impl MirrorDiff {
     #[new]
     #[pyo3(signature = (values = "diff", codec = "compact"))]
     fn new(values: &str, codec: &str) -> PyResult<Self> {
-        Ok(MirrorDiff { values: parse_values(values)?, codec: parse_codec(codec)?, open: None, done: Vec::new() })
+        Ok(MirrorDiff {
+            values: parse_values(values)?,
+            codec: parse_codec_without_base(codec, "the mirror")?,
+            open: None,
+            done: Vec::new(),
+        })
     }
 
     /// Starts tensor `name`; the previous one must be finished.
@@ -160,7 +165,7 @@ impl MirrorDiff {
 #[pyfunction]
 #[pyo3(signature = (parts, codec = "compact"))]
 pub fn join_shards(py: Python<'_>, parts: Vec<PyRef<'_, RawDelta>>, codec: &str) -> PyResult<RawDelta> {
-    let codec = parse_codec(codec)?;
+    let codec = parse_codec_without_base(codec, "the mirror")?;
     let deltas: Vec<Delta> = parts.iter().map(|part| part.delta.clone()).collect();
     let delta = py.detach(|| crate::core::shards::join(deltas, codec)).map_err(to_py)?;
     Ok(RawDelta { delta })

@@ -78,8 +78,9 @@ pub fn check_disjoint(delta: &Delta, targets: &[(usize, usize, usize)]) -> Resul
     Ok(())
 }
 
-/// Writes one tensor's changes into `target`, which `check_target` has accepted.
-pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
+/// Writes one tensor's changes into `target`, which `check_target` has accepted. A `context` tensor needs its
+/// positions decoded beforehand (`TensorDelta::context_positions`), from the target before any write.
+pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8], decoded: Option<&[u64]>) -> Result<()> {
     if tensor.is_dense() {
         // In pieces, each dropped once copied when it is mapped from a file: an anchor's pages never pile up.
         for (index, piece) in target.chunks_mut(DENSE_PIECE_BYTES).enumerate() {
@@ -89,7 +90,7 @@ pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8]) -> Result<()> {
         }
         return Ok(());
     }
-    with_width!(tensor.width(), W => scatter::<W>(tensor, target))
+    with_width!(tensor.width(), W => scatter::<W>(tensor, target, decoded))
         .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
 }
 
@@ -106,7 +107,11 @@ fn prefetch(target: &[u8], at: usize) {
     let _ = (target, at);
 }
 
-fn scatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> std::result::Result<(), String> {
+fn scatter<const W: usize>(
+    tensor: &TensorDelta,
+    target: &mut [u8],
+    decoded: Option<&[u64]>,
+) -> std::result::Result<(), String> {
     let codec = tensor.values_codec;
     // Each batch is written while the next one is decoded and its lines prefetched.
     let (mut held_positions, mut held_values, mut held) = ([0u64; BATCH], [0u64; BATCH], 0usize);
@@ -116,7 +121,7 @@ fn scatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> std::resu
             values::apply::<W>(&mut target[at..at + W], codec, value);
         }
     };
-    tensor.for_each_batch(|positions, values| {
+    tensor.for_each_batch(decoded, |positions, values| {
         for &position in positions {
             prefetch(target, position as usize * W);
         }
@@ -145,22 +150,41 @@ pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> 
     // Largest first, so the biggest tensor does not start last and leave one thread working alone.
     targets.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
     crate::core::pool::install(|| {
-        targets.into_par_iter().try_for_each(|(index, target)| apply_tensor(&delta.tensors[index], target))
+        // `context` positions are decoded from the targets (each checked to hold the exact base) before anything
+        // is written, so a wrong base or a bad stream leaves every target as it was.
+        let decoded: Vec<Option<Vec<u64>>> = targets
+            .par_iter()
+            .map(|(index, target)| delta.tensors[*index].context_positions(target))
+            .collect::<Result<_>>()?;
+        targets
+            .into_par_iter()
+            .zip(decoded)
+            .try_for_each(|((index, target), decoded)| apply_tensor(&delta.tensors[index], target, decoded.as_deref()))
     })
 }
 
 /// Decodes one tensor into flat int64 positions and `width`-byte values (new bits for `abs`, the
 /// wrapping difference for `diff`), both little-endian, into buffers of exactly the right size.
-/// Dense tensors walk every position; callers usually copy their values whole instead.
-pub fn decode_into(tensor: &TensorDelta, positions_out: &mut [u8], values_out: &mut [u8]) -> Result<()> {
+/// Dense tensors walk every position; callers usually copy their values whole instead. A `context` tensor needs
+/// `base`, its bytes before the change (checked against the record's base identity).
+pub fn decode_into(
+    tensor: &TensorDelta,
+    base: Option<&[u8]>,
+    positions_out: &mut [u8],
+    values_out: &mut [u8],
+) -> Result<()> {
     let width = tensor.width();
     let count = tensor.changed as usize;
     if positions_out.len() != count * 8 || values_out.len() != count * width {
         return Err(Error::invalid(format!("tensor {:?}: decode buffers have the wrong size", tensor.name)));
     }
+    let decoded = match base {
+        Some(base) => tensor.context_positions(base)?,
+        None => None,
+    };
     let mut k = 0usize;
     tensor
-        .for_each_change(|position, value| {
+        .for_each_change_on(decoded.as_deref(), |position, value| {
             positions_out[k * 8..k * 8 + 8].copy_from_slice(&(position as i64).to_le_bytes());
             elements::store(&mut values_out[k * width..], value, width);
             k += 1;

@@ -80,6 +80,9 @@ impl TensorDelta {
     pub fn encoded(&self) -> EncodedTensor<'_> {
         EncodedTensor {
             width: self.width(),
+            exponent: crate::core::codec::context::Exponent::of(self.dtype),
+            base: None,
+            decoded: None,
             numel: self.numel(),
             changed: self.changed,
             positions_codec: self.positions_codec,
@@ -109,6 +112,13 @@ impl TensorDelta {
             && self.values_codec == other.values_codec
             && self.positions[..] == other.positions[..]
             && self.values[..] == other.values[..]
+            // `context` streams say where the changes are only together with the base they were made against.
+            && (self.positions_codec != PositionCodec::Context || self.base == other.base)
+    }
+
+    /// True when the positions can only be decoded against the base (`context`), which the caller must give.
+    pub fn needs_base(&self) -> bool {
+        self.positions_codec == PositionCodec::Context
     }
 
     /// Walks every change in order, calling `visit(position, value)`; checks the streams fully.
@@ -118,12 +128,57 @@ impl TensorDelta {
     }
 
     /// `for_each_change` in batches of up to `codec::decode::BATCH` changes: `visit(positions, values)`.
-    pub fn for_each_batch(&self, visit: impl FnMut(&[u64], &[u64])) -> std::result::Result<(), String> {
-        self.encoded().for_each_batch(visit)
+    /// `context` positions need `decoded` (see `context_positions`); other codecs ignore it.
+    pub fn for_each_batch(
+        &self,
+        decoded: Option<&[u64]>,
+        visit: impl FnMut(&[u64], &[u64]),
+    ) -> std::result::Result<(), String> {
+        EncodedTensor { decoded, ..self.encoded() }.for_each_batch(visit)
+    }
+
+    /// `for_each_change`, with `decoded` as for `for_each_batch`.
+    pub fn for_each_change_on(
+        &self,
+        decoded: Option<&[u64]>,
+        visit: impl FnMut(u64, u64),
+    ) -> std::result::Result<(), String> {
+        EncodedTensor { decoded, ..self.encoded() }.for_each_change(visit)
+    }
+
+    /// A `context` tensor's positions decoded against `base`, its bytes before the change, after checking them
+    /// against the record's base identity (a wrong base is refused, never mis-decoded). None for other codecs.
+    pub fn context_positions(&self, base: &[u8]) -> Result<Option<Vec<u64>>> {
+        if !self.needs_base() {
+            return Ok(None);
+        }
+        crate::core::base::check_base(self, base)?;
+        EncodedTensor { base: Some(base), ..self.encoded() }
+            .context_positions()
+            .map(|positions| Some(positions.into_owned()))
+            .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
     }
 
     /// Checks the streams end to end and records the last position.
     pub fn validate(&mut self, source_name: &str) -> Result<()> {
+        if self.positions_codec == PositionCodec::Context && self.changed > 0 {
+            // Decoding depends on the base: without its identity a wrong base would decode to wrong positions.
+            let why = if self.base.is_none() {
+                Some("records no base identity")
+            } else if self.shape.is_none() {
+                Some("records no shape")
+            } else if crate::core::codec::context::Exponent::of(self.dtype).is_none() {
+                Some("is not BF16, F16 or F32")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(Error::format(
+                    source_name,
+                    format!("tensor {:?}: positions 'context' but the record {why}", self.name),
+                ));
+            }
+        }
         let checked = self.encoded().check();
         self.last_position =
             checked.map_err(|message| Error::format(source_name, format!("tensor {:?}: {message}", self.name)))?;

@@ -68,6 +68,7 @@ fn assemble(
     width: usize,
     scanned_values: ValueCodec,
     base: u64,
+    codec: Codec,
 ) -> TensorDelta {
     let changed: u64 = chunks.iter().map(|c| c.count).sum();
     let last_position = chunks.iter().rev().find(|c| c.count > 0).map(|c| c.last_position);
@@ -77,6 +78,9 @@ fn assemble(
     }
     match plan::smallest_streams(chunks, width, scanned_values, input.new.len()) {
         None => tensor.into_whole(input.new),
+        Some(streams) if codec == Codec::Context => {
+            tensor.with_streams(plan::with_context(streams, chunks, input.dtype, input.old))
+        }
         Some(streams) => tensor.with_streams(streams),
     }
 }
@@ -193,7 +197,7 @@ pub fn diff_with(
                 let chunks: Vec<Changes> = (first_task[index]..first_task[index] + chunk_counts[index])
                     .map(|slot| lock(&slots[slot]).expect("every chunk of the tensor is in"))
                     .collect();
-                store(index, assemble(input, &chunks, width, scanned_values, tensor_base(index)));
+                store(index, assemble(input, &chunks, width, scanned_values, tensor_base(index), codec));
             });
         });
     }
@@ -202,10 +206,9 @@ pub fn diff_with(
         .enumerate()
         .map(|(index, result)| {
             // A tensor without elements has no chunk, hence no task.
-            result
-                .into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .unwrap_or_else(|| assemble(&inputs[index], &[], widths[index], scanned_values, base::combine(&[])))
+            result.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| {
+                assemble(&inputs[index], &[], widths[index], scanned_values, base::combine(&[]), codec)
+            })
         })
         .collect())
 }
@@ -333,7 +336,7 @@ mod tests {
         tensor.for_each_change(|p, v| out.push((p, v))).unwrap();
         // In batches (apply's path, with its own decoders for the bit codecs) too.
         let mut batched = Vec::new();
-        tensor.for_each_batch(|ps, vs| batched.extend(ps.iter().copied().zip(vs.iter().copied()))).unwrap();
+        tensor.for_each_batch(None, |ps, vs| batched.extend(ps.iter().copied().zip(vs.iter().copied()))).unwrap();
         assert_eq!(batched, out);
         out
     }

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use memmap2::{Mmap, MmapMut};
+use rayon::prelude::*;
 
 use crate::core::apply::{apply_tensor, check_target};
 use crate::core::codec::{Codec, ValueCodec};
@@ -113,7 +114,7 @@ pub fn diff_files(
         }
         start = end;
     }
-    Ok(Delta { tensors, packed: codec == Codec::Compact, ..Default::default() })
+    Ok(Delta { tensors, packed: codec != Codec::Varint, ..Default::default() })
 }
 
 /// Writes `base` with `delta` applied to `out`, atomically. Everything is checked before a byte is written; with
@@ -134,6 +135,13 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> R
             targets.iter().enumerate().map(|(index, (_, range))| (index, &base_map[range.clone()])).collect();
         crate::core::base::check_bases(delta, &bases)?;
     }
+    // `context` positions are decoded from the base (checked against its identity) before anything is written.
+    let decoded: Vec<Option<Vec<u64>>> = crate::core::pool::install(|| {
+        targets
+            .par_iter()
+            .map(|(tensor, range)| tensor.context_positions(&base_map[range.clone()]))
+            .collect::<Result<_>>()
+    })?;
     drop(base_map);
     write_atomically(out, |file| {
         // An in-kernel copy (copy_file_range where the filesystem has it), then patch the copy through a mapping,
@@ -141,8 +149,8 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> R
         std::io::copy(&mut std::fs::File::open(base)?, file)?;
         // SAFETY: the temporary file is ours alone until it is renamed into place.
         let mut out_map = unsafe { MmapMut::map_mut(&*file) }?;
-        for (tensor, range) in &targets {
-            apply_tensor(tensor, &mut out_map[range.clone()]).map_err(std::io::Error::other)?;
+        for ((tensor, range), decoded) in targets.iter().zip(&decoded) {
+            apply_tensor(tensor, &mut out_map[range.clone()], decoded.as_deref()).map_err(std::io::Error::other)?;
             // SAFETY: a shared file mapping keeps written pages in the page cache; dropping them from this
             // process loses nothing.
             let _ =

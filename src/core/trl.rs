@@ -181,6 +181,13 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
 
 /// A tensor's positions as TRL's little-endian int32 indices.
 fn int32_positions(t: &TensorDelta) -> Result<Vec<u8>> {
+    if t.needs_base() {
+        return Err(Error::invalid(format!(
+            "tensor {:?} has 'context' positions, which decode only against its base: a TRL file cannot hold \
+             them (write the delta with codec=\"compact\")",
+            t.name
+        )));
+    }
     let mut indices = Vec::with_capacity(t.changed as usize * 4);
     let mut overflow = None;
     let walk = if t.is_dense() {

@@ -2,6 +2,7 @@
 //! (with the fast decoders of the bit-packed codecs), and the end-to-end check of a loaded tensor.
 
 use super::bits::BitReader;
+use super::context::{self, Exponent};
 use super::pairs;
 use super::rans::{self, RansReader};
 use super::rice::{self, RiceReader};
@@ -16,6 +17,14 @@ pub const BATCH: usize = 64;
 pub struct EncodedTensor<'a> {
     /// Bytes per element: 1, 2, 4 or 8.
     pub width: usize,
+    /// Where the dtype keeps its exponent, for `context` positions; None for dtypes without one.
+    pub exponent: Option<Exponent>,
+    /// The tensor's bytes before the change, which `context` positions are decoded against; None where the caller
+    /// has not given them (the other codecs do not need them).
+    pub base: Option<&'a [u8]>,
+    /// A `context` tensor's positions, already decoded against its base (core::apply decodes every tensor's
+    /// before writing any); None to decode them from `base`.
+    pub decoded: Option<&'a [u64]>,
     /// Elements of the tensor; None where its shape is not known.
     pub numel: Option<u64>,
     pub changed: u64,
@@ -39,6 +48,21 @@ impl PositionSource for PositionReader<'_> {
     }
     fn is_exhausted(&self) -> bool {
         PositionReader::is_exhausted(self)
+    }
+}
+
+/// Positions decoded beforehand (`context`), handed out in order.
+struct Decoded<'a> {
+    positions: std::slice::Iter<'a, u64>,
+}
+
+impl PositionSource for Decoded<'_> {
+    #[inline(always)]
+    fn next_position(&mut self) -> Result<u64, String> {
+        self.positions.next().copied().ok_or_else(|| "position stream ended early".to_owned())
+    }
+    fn is_exhausted(&self) -> bool {
+        self.positions.len() == 0
     }
 }
 
@@ -92,9 +116,34 @@ impl<'a, const W: usize> ValueReader<'a, W> {
     }
 }
 
-impl EncodedTensor<'_> {
+impl<'a> EncodedTensor<'a> {
     fn numel_or_max(&self) -> u64 {
         self.numel.unwrap_or(u64::MAX)
+    }
+
+    /// The exponent field of a `context` tensor's dtype.
+    fn context_field(&self) -> Result<Exponent, String> {
+        self.exponent.ok_or_else(|| "positions 'context' need a BF16, F16 or F32 tensor".to_owned())
+    }
+
+    /// A `context` tensor's positions, decoded against the base the caller gave (or as decoded beforehand).
+    pub fn context_positions(&self) -> Result<std::borrow::Cow<'a, [u64]>, String> {
+        if let Some(decoded) = self.decoded {
+            return Ok(std::borrow::Cow::Borrowed(decoded));
+        }
+        let field = self.context_field()?;
+        let base = self.base.ok_or_else(|| {
+            "positions 'context' are decoded against the base tensor, and none was given (apply the delta to \
+             its target, which holds the base)"
+                .to_owned()
+        })?;
+        if base.len() % self.width != 0
+            || self.numel.is_some_and(|n| Some(n) != (base.len() as u64).checked_div(self.width as u64))
+        {
+            return Err(format!("the base holds {} bytes, which does not fit the tensor", base.len()));
+        }
+        self.check_changed()?;
+        context::decode(self.positions, field, base, self.changed).map(std::borrow::Cow::Owned)
     }
 
     fn check_changed(&self) -> Result<u64, String> {
@@ -119,6 +168,26 @@ impl EncodedTensor<'_> {
 
     fn walk_batches<const W: usize>(&self, mut visit: impl FnMut(&[u64], &[u64])) -> Result<(), String> {
         let (mut positions, mut values) = ([0u64; BATCH], [0u64; BATCH]);
+        if self.positions_codec == PositionCodec::Context {
+            let decoded = self.context_positions()?;
+            let mut value_reader = ValueReader::<W>::new(self.values, self.values_codec)?;
+            for batch in decoded.chunks(BATCH) {
+                let n = batch.len();
+                match value_reader.rans.as_mut() {
+                    Some(rans) => rans.read_values::<W>(&mut values[..n])?,
+                    None => {
+                        for value in &mut values[..n] {
+                            *value = value_reader.next_value()?;
+                        }
+                    }
+                }
+                visit(batch, &values[..n]);
+            }
+            if !value_reader.is_exhausted() {
+                return Err("value stream has bytes after the last change".to_owned());
+            }
+            return Ok(());
+        }
         if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
             let numel = self.check_changed()?;
             let mut position_reader = RiceReader::new(self.positions, numel)?;
@@ -193,7 +262,7 @@ impl EncodedTensor<'_> {
                     visit(position, values.next_value()?);
                 }
             }
-            PositionCodec::Varint | PositionCodec::Rice => {
+            PositionCodec::Varint | PositionCodec::Rice | PositionCodec::Context => {
                 let numel = self.check_changed()?;
                 if self.values_codec == ValueCodec::Abs
                     && Some(self.values.len() as u64) != self.changed.checked_mul(W as u64)
@@ -204,7 +273,10 @@ impl EncodedTensor<'_> {
                         self.changed
                     ));
                 }
-                if self.positions_codec == PositionCodec::Varint {
+                if self.positions_codec == PositionCodec::Context {
+                    let decoded = self.context_positions()?;
+                    walk_stream(self.changed, Decoded { positions: decoded.iter() }, &mut values, &mut visit)?;
+                } else if self.positions_codec == PositionCodec::Varint {
                     walk_stream(self.changed, PositionReader::new(self.positions, numel), &mut values, &mut visit)?;
                 } else {
                     walk_stream(self.changed, RiceReader::new(self.positions, numel)?, &mut values, &mut visit)?;
@@ -243,7 +315,8 @@ impl EncodedTensor<'_> {
         self.check_streams()
     }
 
-    /// Checks a `varint` or `rice` position stream and its value stream and returns the last position. The
+    /// Checks a `varint`, `rice` or `context` position stream and its value stream and returns the last position
+    /// (None for `context`, whose positions depend on the base). The
     /// bit-packed pair (`rice`, `diffbits`) is checked in one loop, so that the two streams' decoding chains
     /// overlap; other streams apart, side by side, without pairing them.
     fn check_streams(&self) -> Result<Option<u64>, String> {
@@ -254,6 +327,9 @@ impl EncodedTensor<'_> {
         }
         let check_positions = || match self.positions_codec {
             PositionCodec::Rice => rice::check_rice(positions, changed, numel),
+            // Where the positions are depends on the base: the stream is checked here as far as it goes without
+            // it, and decoding against the base checks the rest before anything is written.
+            PositionCodec::Context => context::check(positions, self.context_field()?, changed, numel).map(|()| None),
             _ => varint::check_varint(positions, changed, numel),
         };
         let codec = self.values_codec;

@@ -1,11 +1,12 @@
 //! Every stream format of a tensor delta, both directions: the two streams of a tensor (changed positions and
 //! their values), each in a codec named in the file's per-tensor metadata, so new ones slot in beside these.
 //!
-//! Positions: `varint` (LEB128 gaps), `rice` (Golomb-Rice gaps). Values: `abs`, `diff` (byte-aligned, `values`),
+//! Positions: `varint` (LEB128 gaps), `rice` (Golomb-Rice gaps), `context` (Rice gaps per class of the base). Values: `abs`, `diff` (byte-aligned, `values`),
 //! `diffbits` (bit-packed), `rans` (entropy-coded). `bits` and `elements` are their shared pieces; `ranges` joins
 //! the scan's ranges into `varint` streams, `plan` picks the compact codec's streams, `decode` reads any pair.
 
 pub mod bits;
+pub mod context;
 pub mod decode;
 pub mod diffbits;
 pub mod elements;
@@ -75,6 +76,9 @@ pub enum PositionCodec {
     Varint,
     /// Golomb-Rice codes of the same gaps, with a per-tensor parameter (the `compact` codec).
     Rice,
+    /// Rice codes of ranks within classes of the base's elements (core::codec::context); decoded only against the
+    /// exact base.
+    Context,
     /// Every element is present in row-major order; there is no position stream.
     All,
 }
@@ -104,6 +108,9 @@ pub enum Codec {
     /// layout of version 2. The default: the smallest files, read by every reader of this version.
     #[default]
     Compact,
+    /// `compact`, with `context` positions (classes of the base's elements) for every float tensor where they are
+    /// smaller than `rice`. Opt-in: read by readers of this version only, and only against the exact base.
+    Context,
 }
 
 impl Codec {
@@ -111,6 +118,7 @@ impl Codec {
         match name {
             "varint" => Some(Codec::Varint),
             "compact" => Some(Codec::Compact),
+            "context" => Some(Codec::Context),
             _ => None,
         }
     }
@@ -121,6 +129,7 @@ impl PositionCodec {
         match self {
             PositionCodec::Varint => "varint",
             PositionCodec::Rice => "rice",
+            PositionCodec::Context => "context",
             PositionCodec::All => "all",
         }
     }

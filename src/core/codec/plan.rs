@@ -159,3 +159,36 @@ pub fn smallest_streams(
     };
     Some(TensorStreams { positions_codec, values_codec, positions, values })
 }
+
+/// The positions of a tensor's changes, ascending, from the scan's ranges.
+fn positions_of(ranges: &[Changes]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(ranges.iter().map(|r| r.count as usize).sum());
+    for range in ranges.iter().filter(|r| r.count > 0) {
+        let mut position = range.first_position;
+        out.push(position);
+        let (stream, mut at) = (&range.positions[..], 0);
+        while at < stream.len() {
+            position += 1 + varint::read_gap(stream, &mut at).expect("written by the scan");
+            out.push(position);
+        }
+    }
+    out
+}
+
+/// The `context` codec's choice for one tensor: its `compact` streams (`smallest_streams`), with the positions
+/// coded against the base's classes (codec::context) where that is smaller. Tensors whose dtype has no exponent
+/// keep `compact`'s streams.
+pub fn with_context(
+    streams: TensorStreams,
+    ranges: &[Changes],
+    dtype: crate::core::dtype::Dtype,
+    base: &[u8],
+) -> TensorStreams {
+    let Some(field) = super::context::Exponent::of(dtype) else { return streams };
+    let stream = super::context::encode(base, field, &positions_of(ranges));
+    if stream.len() < streams.positions.len() {
+        TensorStreams { positions_codec: PositionCodec::Context, positions: stream, ..streams }
+    } else {
+        streams
+    }
+}

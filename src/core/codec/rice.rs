@@ -77,6 +77,15 @@ fn read_unary(bits: &mut BitReader<'_>) -> Result<Option<u32>, String> {
     }
 }
 
+/// Reads one Rice code with parameter `k`, or an escape and its 64-bit gap.
+#[inline(always)]
+pub fn read_gap(bits: &mut BitReader<'_>, k: u32) -> Result<u64, String> {
+    Ok(match read_unary(bits)? {
+        Some(quotient) => (u64::from(quotient) << k) | bits.read(k)?,
+        None => bits.read_u64()?,
+    })
+}
+
 /// Decodes a `rice` position stream one position at a time, checking each against `numel`.
 pub struct RiceReader<'a> {
     pub(super) bits: BitReader<'a>,
@@ -98,11 +107,7 @@ impl<'a> RiceReader<'a> {
 
     #[inline(always)]
     pub fn next_position(&mut self) -> Result<u64, String> {
-        let early = |e: String| format!("position {e}");
-        let gap = match read_unary(&mut self.bits).map_err(early)? {
-            Some(quotient) => (u64::from(quotient) << self.k) | self.bits.read(self.k).map_err(early)?,
-            None => self.bits.read_u64().map_err(early)?,
-        };
+        let gap = read_gap(&mut self.bits, self.k).map_err(|e| format!("position {e}"))?;
         super::next_position(&mut self.next_allowed, gap, self.numel)
     }
 
