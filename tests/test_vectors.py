@@ -133,3 +133,23 @@ def test_rans_example_in_format_doc():
         assert line in doc
     codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
     assert codecs == {"w": ("rice", "rans")}
+
+
+def test_context_example_in_format_doc():
+    """docs/format.md §8.4 walks through bf16_context's position stream; keep the two in step."""
+    blob = (VECTORS / "bf16_context.safetensors").read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    data = blob[8 + header_len :]
+    positions = "7f 01 00 00 00 00 00 00 00 06 00 00 00 00 00 00 00 05 06 f0 22"
+    assert data.hex(" ").startswith(positions) and len(data) == 21 + 13
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    for line in ("01 00 00 00 00 00 00 00 06 00 00 00 00 00 00 00", "06 f0 22", "21 bytes against 26 in `rice`"):
+        assert line in doc
+    codecs = {t.name: (t.positions, t.values) for t in ds.load(blob).tensors}
+    assert codecs == {"w": ("context", "rans")}
+    _, base, expected = generate.build(_int_keys(INDEX["bf16_context"]["spec"]))
+    compact = ds.diff(base, expected, codec="compact")
+    compact._raw.packed = False
+    named = compact.to_bytes()
+    header = json.loads(named[8 : 8 + int.from_bytes(named[:8], "little")])
+    assert header["w:pos"]["shape"] == [26], "the rice stream the example compares with"

@@ -107,8 +107,8 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
         publisher.publish(steps, states[-1])
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
-            for codec in ("varint", "compact"):
-                suffix = "" if codec == "varint" else "_compact"
+            for codec in ("varint", "compact", "context"):
+                suffix = "" if codec == "varint" else f"_{codec}"
                 ds.diff(states[step - 1], states[step], values=values, codec=codec, step=step, base_step=step - 1).save(
                     data / f"delta_{step}_{values}{suffix}.safetensors"
                 )
@@ -193,7 +193,7 @@ def run_rank(rank: int, world_size: int, init_file: str, prepared: list[Prepared
 def _delta(item: Prepared, step: int, values: str, codec: str = "varint"):
     import deltasync_rs as ds
 
-    return ds.load(item.path(f"delta_{step}_{values}{'' if codec == 'varint' else '_compact'}.safetensors"))
+    return ds.load(item.path(f"delta_{step}_{values}{'' if codec == 'varint' else '_' + codec}.safetensors"))
 
 
 def _state(item: Prepared, step: int) -> dict[str, torch.Tensor]:
@@ -248,6 +248,33 @@ def check_compact_matches_dense_reload(model, item: Prepared) -> None:
     assert {"diffbits", "rans"} & {t.values for t in first.tensors}, "no tensor took a compact value codec"
     apply_delta(model, first, current_step=0)
     apply_delta(model, _delta(item, 2, "abs", "compact"), current_step=1)
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_context_applies_at_tp1_or_is_refused_at_tp2(model, item: Prepared) -> None:
+    """`context` positions decode against the whole base tensor: applied bit-exactly where the rank holds whole
+    tensors; refused before any write, naming the codec, where it holds a slice of one."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    first = _delta(item, 1, "diff", "context")
+    assert "context" in {t.positions for t in first.tensors}, "no tensor took context positions"
+    if get_tensor_model_parallel_world_size() > 1:
+        _expect_untouched(
+            model, snapshot(model), ds.DeltaSyncError, lambda: apply_delta(model, first, current_step=0), "context"
+        )
+        return
+    apply_delta(model, first, current_step=0)
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,  # applied twice: context positions always check the base
+        lambda: apply_delta(model, first),
+        "base",
+    )
+    apply_delta(model, _delta(item, 2, "diff", "context"), current_step=1)
     _assert_equal_to_reload(model, item, 2)
 
 
@@ -487,6 +514,7 @@ CHECKS = [
     check_tampered_anchor_pieces_refused,
     check_diff_then_abs_match_dense_reload,
     check_compact_matches_dense_reload,
+    check_context_applies_at_tp1_or_is_refused_at_tp2,
     check_base_identity_at_tp1_or_refused_at_tp2,
     check_unknown_name_rejected,
     check_wrong_base_rejected,

@@ -50,7 +50,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     for path in (args.prev, args.curr):
         require_regular_file(path)
     if args.format == "trl" and args.codec == "context":
-        raise DeltaSyncError("--format trl stores positions as TRL does; --codec context applies to deltasync files only")
+        raise DeltaSyncError(
+            "--format trl stores positions as TRL does; --codec context applies to deltasync files only"
+        )
     refuse_overwriting_inputs(args.output, [args.prev, args.curr])
     remove_stale_temps(args.output)
     bar = _progress_bar("diff")

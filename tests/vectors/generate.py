@@ -135,6 +135,24 @@ def vectors() -> dict[str, dict]:
                 }
             },
         },
+        # The context position codec (§5.2), in the named layout so that its worked example shows one stream alone:
+        # every fourth element is small (class 0) and changes, and three of the others (class 8) change.
+        "bf16_context": {
+            "values": "diff",
+            "codec": "context",
+            "packed": False,
+            "step": 5,
+            "base_step": 4,
+            "metadata": {},
+            "tensors": {
+                "w": {
+                    "dtype": "BF16",
+                    "shape": [16, 16],
+                    "base": [0x3A80 if i % 4 == 0 else 0x3F80 for i in range(256)],
+                    "changes": {**{i: 1 for i in range(0, 256, 4)}, 5: -1, 6: 1, 201: 1},
+                }
+            },
+        },
         "anchor": {
             "anchor": True,
             "step": 10,

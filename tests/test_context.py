@@ -1,0 +1,242 @@
+"""The `context` position codec (docs/format.md §5.2): positions coded per class of the base element's exponent.
+
+Round trips onto every kind of target, the base check that comes with it (a wrong base is refused, never decoded),
+all-or-nothing on failure, malformed streams, and the writers and readers that refuse it by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import deltasync_rs as ds
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def _step(seed: int, shape: tuple[int, ...], dtype: torch.dtype, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A base of magnitudes spread over many binades and one step of a constant size, so that small weights change
+    far more often than large ones, as on real training steps."""
+    g = torch.Generator().manual_seed(seed)
+    magnitudes = torch.rand(shape, generator=g) * 2.0 ** -torch.randint(0, 14, shape, generator=g).float()
+    base = (magnitudes * torch.sign(torch.randn(shape, generator=g))).to(dtype)
+    new = (base.float() + lr * torch.sign(torch.randn(shape, generator=g))).to(dtype)
+    return base, new
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _state(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict]:
+    prev, curr = {}, {}
+    for i, shape in enumerate([(64, 96), (300,), (17, 5, 3)]):
+        prev[f"w{i}"], curr[f"w{i}"] = _step(seed + i, shape, dtype, 3e-5)
+    return prev, curr
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(_bits(a[k]), _bits(b[k])) for k in b)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    rows=st.integers(0, 40),
+    cols=st.integers(1, 70),
+    lr=st.sampled_from([1e-5, 1e-4, 1e-3, 1e-2]),
+)
+def test_roundtrips_bit_exactly(seed, dtype, rows, cols, lr):
+    prev, curr = _step(seed, (rows, cols), DTYPES[dtype], lr)
+    delta = ds.load(ds.diff({"w": prev}, {"w": curr}, codec="context").to_bytes())
+    compact = ds.diff({"w": prev}, {"w": curr}, codec="compact")
+    assert delta.num_changed == compact.num_changed
+    target = {"w": prev.clone()}
+    delta.apply_(target)
+    assert torch.equal(_bits(target["w"]), _bits(curr))
+    if delta.tensors[0].positions == "context":
+        # Chosen only where smaller than compact's positions.
+        assert delta.nbytes < compact.nbytes
+        positions, _ = delta.decoded(0, base=prev)
+        assert torch.equal(positions, compact.decoded(0)[0])
+
+
+def test_smaller_than_compact_on_magnitude_dependent_steps():
+    prev, curr = _state()
+    context, compact = ds.diff(prev, curr, codec="context"), ds.diff(prev, curr, codec="compact")
+    assert {t.positions for t in context.tensors} == {"context"}
+    assert len(context.to_bytes()) < 0.9 * len(compact.to_bytes())
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "torch strided", "numpy strided", "single tensor"])
+def test_every_cpu_target_kind(kind):
+    prev, curr = _state(3)
+    blob = ds.diff(prev, curr, codec="context").to_bytes()
+    if kind == "single tensor":
+        target = prev["w0"].clone()
+        ds.load(ds.diff(prev["w0"], curr["w0"], codec="context").to_bytes()).apply_(target)
+        assert torch.equal(_bits(target), _bits(curr["w0"]))
+        return
+    if kind.startswith("numpy"):
+        import ml_dtypes
+
+        target = {k: _bits(v).numpy().view(ml_dtypes.bfloat16).copy() for k, v in prev.items()}
+        if kind == "numpy strided":
+            target = {k: np.asfortranarray(v) for k, v in target.items()}
+            assert not target["w0"].flags.c_contiguous
+        ds.load(blob).apply_(target)
+        assert all(np.array_equal(target[k].view(np.int16), _bits(curr[k]).numpy()) for k in curr)
+        return
+    if kind == "torch strided":
+        # Transposed storage: the target is a non-contiguous view, written through torch index ops.
+        target = {k: v.clone().T.contiguous().T if v.dim() == 2 else v.clone() for k, v in prev.items()}
+        assert not target["w0"].is_contiguous()
+    else:
+        target = {k: v.clone() for k, v in prev.items()}
+    ds.load(blob).apply_(target)
+    assert _equal(target, curr)
+
+
+def test_a_wrong_base_is_refused_and_nothing_is_written():
+    prev, curr = _state(5)
+    delta = ds.load(ds.diff(prev, curr, codec="context").to_bytes())
+    target = {k: v.clone() for k, v in prev.items()}
+    target["w2"].view(-1)[0] = 7.0  # one tensor's base differs: the whole apply is refused
+    before = {k: v.clone() for k, v in target.items()}
+    with pytest.raises(ds.BaseMismatchError, match="w2"):
+        delta.apply_(target)
+    assert _equal(target, before)
+    # Applied once, then a second time: the base no longer matches.
+    target = {k: v.clone() for k, v in prev.items()}
+    delta.apply_(target)
+    with pytest.raises(ds.BaseMismatchError):
+        delta.apply_(target)
+    assert _equal(target, curr)
+
+
+def test_decoding_without_the_base_says_what_is_missing():
+    prev, curr = _state(6)
+    delta = ds.diff(prev, curr, codec="context")
+    with pytest.raises(ds.DeltaSyncError, match="context"):
+        delta.decoded(0)
+    with pytest.raises(ds.BaseMismatchError):
+        delta.decoded(0, base=curr["w0"])
+
+
+def test_malformed_streams_never_write_or_crash():
+    """Every byte of a context position stream flipped in turn: the load or the apply refuses it with the target
+    untouched, or (where the flip still decodes to valid positions) the apply writes a different valid change."""
+    prev, curr = _step(11, (48, 40), torch.bfloat16, 1e-3)
+    delta = ds.diff({"w": prev}, {"w": curr}, codec="context")
+    delta._raw.packed = False  # the named layout: the stream is its own tensor, easy to find
+    blob = bytearray(delta.to_bytes())
+    start = 8 + int.from_bytes(blob[:8], "little")
+    import json
+
+    header = json.loads(blob[8:start])
+    assert json.loads(header["__metadata__"]["tensors"])[0]["positions"] == "context"
+    begin, end = header["w:pos"]["data_offsets"]
+    refused = 0
+    for at in range(start + begin, start + end):
+        bad = bytearray(blob)
+        bad[at] ^= 0x5A
+        try:
+            broken = ds.load(bytes(bad))
+        except ds.DeltaSyncError:
+            refused += 1
+            continue
+        target = {"w": prev.clone()}
+        try:
+            broken.apply_(target)
+        except ds.DeltaSyncError:
+            refused += 1
+            assert torch.equal(_bits(target["w"]), _bits(prev)), f"byte {at}: a refused apply wrote"
+    assert refused > (end - begin) // 2
+
+
+def test_records_without_what_context_needs_are_rejected():
+    """A context record must carry a base identity, a shape and a float dtype (docs/format.md §5.2)."""
+    import json
+
+    prev, curr = _step(12, (32, 32), torch.bfloat16, 1e-3)
+    delta = ds.diff({"w": prev}, {"w": curr}, codec="context")
+    delta._raw.packed = False
+    blob = delta.to_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    records = json.loads(header["__metadata__"]["tensors"])
+    for field, value in (("base", None), ("shape", None), ("dtype", "I16")):
+        changed = [dict(records[0])]
+        if value is None:
+            del changed[0][field]
+        else:
+            changed[0][field] = value
+        header["__metadata__"]["tensors"] = json.dumps(changed)
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        with pytest.raises(ds.DeltaSyncError, match="context"):
+            ds.load(len(text).to_bytes(8, "little") + text + blob[8 + n :])
+
+
+def test_writers_without_the_whole_base_refuse_it_by_name(tmp_path):
+    prev, curr = _state(7)
+    with pytest.raises(ds.DeltaSyncError, match='codec="compact"'):
+        ds.Publisher(tmp_path / "store", codec="context")
+    with pytest.raises(ds.DeltaSyncError, match="context"):
+        ds.Mirror(prev).advance(curr, step=1, codec="context")
+    abs_delta = ds.diff(prev, curr, values="abs", codec="context")
+    assert "context" in {t.positions for t in abs_delta.tensors}
+    with pytest.raises(ds.DeltaSyncError, match="TRL"):
+        abs_delta.save(tmp_path / "trl.safetensors", format="trl")
+
+
+def test_cli_diff_and_apply(tmp_path, capsys):
+    """`deltasync diff --codec context` then `deltasync apply`: the base is always checked for context tensors, even
+    with --no-check-base."""
+    from safetensors.torch import load_file, save_file
+
+    from deltasync_rs.cli import main
+
+    prev, curr = _state(9)
+    save_file(prev, str(tmp_path / "prev.safetensors"))
+    save_file(curr, str(tmp_path / "curr.safetensors"))
+    delta_path, out = tmp_path / "d.safetensors", tmp_path / "out.safetensors"
+    assert (
+        main(
+            [
+                "diff",
+                str(tmp_path / "prev.safetensors"),
+                str(tmp_path / "curr.safetensors"),
+                "-o",
+                str(delta_path),
+                "--codec",
+                "context",
+            ]
+        )
+        == 0
+    )
+    assert {t.positions for t in ds.load(delta_path).tensors} == {"context"}
+    assert main(["apply", str(tmp_path / "prev.safetensors"), str(delta_path), "-o", str(out)]) == 0
+    assert _equal(load_file(str(out)), curr)
+    # Against the new state (a second application): refused even without the optional check, nothing written.
+    assert main(["apply", str(tmp_path / "curr.safetensors"), str(delta_path), "-o", str(out), "--no-check-base"]) != 0
+    assert "base" in capsys.readouterr().err
+    assert _equal(load_file(str(out)), curr), "a refused apply left its output as it was"
+    trl = ["--codec", "context", "--values", "abs", "--format", "trl"]
+    assert (
+        main(
+            [
+                "diff",
+                str(tmp_path / "prev.safetensors"),
+                str(tmp_path / "curr.safetensors"),
+                "-o",
+                str(tmp_path / "t"),
+                *trl,
+            ]
+        )
+        != 0
+    )
+    assert "--codec context" in capsys.readouterr().err
