@@ -35,7 +35,7 @@ from deltasync_rs._realistic import DEFAULT, HELD_OUT, load_run
 
 #: Codec names tried with ``ds.diff``; one that ``ds.diff`` rejects is reported as skipped. Add new codecs here
 #: (or pass ``--codec``).
-CODECS = ["varint", "compact"]
+CODECS = ["varint", "compact", "context"]
 
 PEERS = {
     "TRL v1": _peers.trl_v1_encode,
