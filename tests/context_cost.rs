@@ -71,6 +71,16 @@ fn context_cost_per_element() {
         hasher.finish()
     );
     println!("read floor: median {:.3} ns, min {:.3} ns per element", floor.0, floor.1);
-    println!("encode:     median {:.3} ns, min {:.3} ns per element ({:.1}x floor)", encode.0, encode.1, encode.0 / floor.0);
-    println!("decode:     median {:.3} ns, min {:.3} ns per element ({:.1}x floor)", decode.0, decode.1, decode.0 / floor.0);
+    println!(
+        "encode:     median {:.3} ns, min {:.3} ns per element ({:.1}x floor)",
+        encode.0,
+        encode.1,
+        encode.0 / floor.0
+    );
+    println!(
+        "decode:     median {:.3} ns, min {:.3} ns per element ({:.1}x floor)",
+        decode.0,
+        decode.1,
+        decode.0 / floor.0
+    );
 }
