@@ -259,130 +259,199 @@ fn planes<const W: usize>(block: &[u8], field: Exponent, reference: u8, table: &
     }
 }
 
-/// The class masks of every block of 64 elements of `base`, in order, with the index of the block's first element,
-/// to `visit`; the last block's masks hold only its elements.
+/// What walks the base's blocks: `block` gets the index of a block's first element and its class masks. Not a
+/// closure, so that it inlines into the kernels compiled for the CPU's bit instructions.
+trait BlockVisitor {
+    fn block(&mut self, start: u64, masks: &ClassMasks);
+}
+
+/// The class masks of every block of 64 elements of `base`, in order, to `visitor`; the last block's masks hold
+/// only its elements.
 #[inline(always)]
-fn for_each_block<const W: usize>(
-    base: &[u8],
-    field: Exponent,
-    reference: u8,
-    mut visit: impl FnMut(u64, &[u64; 4], &ClassMasks),
-) {
+fn for_each_block<const W: usize>(base: &[u8], field: Exponent, reference: u8, visitor: &mut impl BlockVisitor) {
     let table = class_table(reference);
     let mut start = 0u64;
     let mut blocks = base.chunks_exact(64 * W);
     for block in &mut blocks {
-        let planes = planes::<W>(block, field, reference, &table);
-        visit(start, &planes, &class_masks(planes, !0));
+        visitor.block(start, &class_masks(planes::<W>(block, field, reference, &table), !0));
         start += 64;
     }
     let tail = blocks.remainder();
     if tail.len() >= W {
-        let planes = planes_scalar(tail, field, &table);
-        visit(start, &planes, &class_masks(planes, (1u64 << (tail.len() / W)) - 1));
+        visitor.block(start, &class_masks(planes_scalar(tail, field, &table), (1u64 << (tail.len() / W)) - 1));
     }
 }
 
-/// Runs `$kernel::<W>($args)` for the element width of `$field`, compiled with hardware popcount where the CPU has
-/// it (`x86_64` has no `popcnt` in its baseline, and the kernels count bits in every block).
+/// Bit deposit and extract (BMI2's `pdep` and `pext`), with hardware or without.
+trait Bits {
+    /// The low bits of `bits`, in order, at the set bits of `mask`.
+    fn deposit(bits: u64, mask: u64) -> u64;
+    /// The bits of `value` at the set bits of `mask`, packed to the low end in order.
+    fn extract(value: u64, mask: u64) -> u64;
+}
+
+/// `Bits` one set bit at a time.
+struct Portable;
+
+impl Bits for Portable {
+    #[inline(always)]
+    fn deposit(mut bits: u64, mut mask: u64) -> u64 {
+        let mut out = 0;
+        while mask != 0 && bits != 0 {
+            let lowest = mask & mask.wrapping_neg();
+            if bits & 1 == 1 {
+                out |= lowest;
+            }
+            bits >>= 1;
+            mask ^= lowest;
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn extract(value: u64, mask: u64) -> u64 {
+        let (mut set, mut out) = (value & mask, 0u64);
+        while set != 0 {
+            let lowest = set & set.wrapping_neg();
+            out |= 1 << (mask & (lowest - 1)).count_ones();
+            set ^= lowest;
+        }
+        out
+    }
+}
+
+/// `Bits` with BMI2; only in kernels compiled with `bmi2`, run where the CPU has it (`dispatch!`).
+#[cfg(target_arch = "x86_64")]
+struct Bmi2;
+
+#[cfg(target_arch = "x86_64")]
+impl Bits for Bmi2 {
+    #[inline(always)]
+    fn deposit(bits: u64, mask: u64) -> u64 {
+        // SAFETY: `Bmi2` is only used by the `*_bmi2` kernels, which `dispatch!` runs only where the CPU has BMI2.
+        unsafe { std::arch::x86_64::_pdep_u64(bits, mask) }
+    }
+
+    #[inline(always)]
+    fn extract(value: u64, mask: u64) -> u64 {
+        // SAFETY: as in `deposit`.
+        unsafe { std::arch::x86_64::_pext_u64(value, mask) }
+    }
+}
+
+/// Runs `$kernel::<W, _>($args)` for the element width of `$field`: `$fast` (compiled with `popcnt` and `bmi2`,
+/// which are not in the `x86_64` baseline) where the CPU has them, else with `Portable` bits.
 macro_rules! dispatch {
     ($field:expr, $kernel:ident, $fast:ident, ($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("popcnt") {
-                // SAFETY: the CPU has the `popcnt` instruction that `$fast` is compiled with.
+            if std::arch::is_x86_feature_detected!("popcnt") && std::arch::is_x86_feature_detected!("bmi2") {
+                // SAFETY: the CPU has the `popcnt` and `bmi2` instructions that `$fast` is compiled with.
                 unsafe {
                     if $field.width == 2 { $fast::<2>($($arg),*) } else { $fast::<4>($($arg),*) }
                 }
             } else if $field.width == 2 {
-                $kernel::<2>($($arg),*)
+                $kernel::<2, Portable>($($arg),*)
             } else {
-                $kernel::<4>($($arg),*)
+                $kernel::<4, Portable>($($arg),*)
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            if $field.width == 2 { $kernel::<2>($($arg),*) } else { $kernel::<4>($($arg),*) }
+            if $field.width == 2 { $kernel::<2, Portable>($($arg),*) } else { $kernel::<4, Portable>($($arg),*) }
         }
     }};
 }
 
-/// What walking the base finds for a decoder: the changed positions (those past `changed` dropped, `overflow`
-/// set), and per class how many listed ranks were met and how many elements the base has.
-struct Walk {
-    positions: Vec<u64>,
-    overflow: bool,
-    cursor: [usize; CLASSES],
-    seen: [u64; CLASSES],
+/// A class's listed ranks as a bitmap over its ranks (bit `r % 64` of word `r / 64`).
+fn rank_bitmap(ranks: &[u64]) -> Vec<u64> {
+    let mut map = vec![0u64; ranks.last().map_or(0, |&last| (last / 64) as usize + 1)];
+    for &rank in ranks {
+        map[(rank / 64) as usize] |= 1 << (rank % 64);
+    }
+    map
 }
 
+/// The 64 bits of `map` from bit `from` on, zeros past its end.
 #[inline(always)]
-fn decode_walk<const W: usize>(
-    base: &[u8],
-    field: Exponent,
-    header: &Header,
-    ranks: &[Vec<u64>],
+fn window(map: &[u64], from: u64) -> u64 {
+    let (word, shift) = ((from / 64) as usize, from % 64);
+    let low = map.get(word).copied().unwrap_or(0);
+    let high = map.get(word + 1).copied().unwrap_or(0);
+    (low >> shift) | ((high << 1) << (63 - shift))
+}
+
+/// What walking the base finds for a decoder: the changed positions (none past `changed`: `overflow` says there
+/// were more), and per class how many elements the base has.
+struct Walk<'a, B> {
+    /// The classes that list ranks or their unchanged elements; the others change nothing.
+    active: Vec<usize>,
+    /// Every class's listed ranks, as a bitmap.
+    listed: &'a [Vec<u64>],
+    /// All ones for a class that lists its unchanged elements.
+    complement: [u64; CLASSES],
     changed: u64,
-) -> Walk {
-    let mut seen = [0u64; CLASSES];
-    let mut cursor = [0usize; CLASSES];
-    let mut next = [u64::MAX; CLASSES];
-    for class in 0..CLASSES {
-        if let Some(&first) = ranks[class].first() {
-            next[class] = first;
-        }
-    }
-    let complement = header.complement.map(|c| if c { u64::MAX } else { 0 });
-    let mut positions = Vec::with_capacity(changed.min((base.len() / field.width) as u64) as usize);
-    let mut overflow = false;
-    for_each_block::<W>(base, field, header.reference, |start, _, masks| {
+    positions: Vec<u64>,
+    overflow: bool,
+    /// The population of every active class.
+    seen: [u64; CLASSES],
+    bits: std::marker::PhantomData<B>,
+}
+
+impl<B: Bits> BlockVisitor for Walk<'_, B> {
+    #[inline(always)]
+    fn block(&mut self, start: u64, masks: &ClassMasks) {
         let mut block = 0u64;
-        for class in 0..CLASSES {
+        for &class in &self.active {
             let mask = masks[class];
-            let population = u64::from(mask.count_ones());
-            let end = seen[class] + population;
-            let mut listed = 0u64;
-            if next[class] < end {
-                // The listed ranks in this block, each the `next - seen`-th element of the class here (ranks are
-                // strictly increasing, so never below `seen`).
-                let (mut rest, mut skipped) = (mask, seen[class]);
-                while next[class] < end {
-                    for _ in skipped..next[class] {
-                        rest &= rest - 1;
-                    }
-                    let bit = rest & rest.wrapping_neg();
-                    listed |= bit;
-                    rest ^= bit;
-                    skipped = next[class] + 1;
-                    cursor[class] += 1;
-                    next[class] = ranks[class].get(cursor[class]).copied().unwrap_or(u64::MAX);
-                }
-            }
-            block |= listed ^ (mask & complement[class]);
-            seen[class] = end;
+            // The listed ranks among this block's elements of the class, to their places in the block.
+            let listed = B::deposit(window(&self.listed[class], self.seen[class]), mask);
+            block |= listed ^ (mask & self.complement[class]);
+            self.seen[class] += u64::from(mask.count_ones());
         }
-        if positions.len() as u64 + u64::from(block.count_ones()) > changed {
-            overflow = true;
+        if self.positions.len() as u64 + u64::from(block.count_ones()) > self.changed {
+            self.overflow = true;
             return;
         }
         while block != 0 {
-            positions.push(start + u64::from(block.trailing_zeros()));
+            self.positions.push(start + u64::from(block.trailing_zeros()));
             block &= block - 1;
         }
-    });
-    Walk { positions, overflow, cursor, seen }
+    }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "popcnt")]
-fn decode_walk_popcnt<const W: usize>(
+#[inline(always)]
+fn decode_walk<const W: usize, B: Bits>(
     base: &[u8],
     field: Exponent,
     header: &Header,
-    ranks: &[Vec<u64>],
+    listed: &[Vec<u64>],
     changed: u64,
-) -> Walk {
-    decode_walk::<W>(base, field, header, ranks, changed)
+) -> (Vec<u64>, bool, [u64; CLASSES]) {
+    let mut walk = Walk::<B> {
+        active: (0..CLASSES).filter(|&c| header.listed[c] > 0 || header.complement[c]).collect(),
+        listed,
+        complement: header.complement.map(|c| if c { u64::MAX } else { 0 }),
+        changed,
+        positions: Vec::with_capacity(changed.min((base.len() / field.width) as u64) as usize),
+        overflow: false,
+        seen: [0; CLASSES],
+        bits: std::marker::PhantomData,
+    };
+    for_each_block::<W>(base, field, header.reference, &mut walk);
+    (walk.positions, walk.overflow, walk.seen)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "popcnt,bmi2")]
+fn decode_walk_bmi2<const W: usize>(
+    base: &[u8],
+    field: Exponent,
+    header: &Header,
+    listed: &[Vec<u64>],
+    changed: u64,
+) -> (Vec<u64>, bool, [u64; CLASSES]) {
+    decode_walk::<W, Bmi2>(base, field, header, listed, changed)
 }
 
 /// The changed positions, ascending, of a `context` stream decoded against `base` (the tensor's bytes before the
@@ -392,22 +461,26 @@ pub fn decode(bytes: &[u8], field: Exponent, base: &[u8], changed: u64) -> Resul
     let numel = (base.len() / field.width) as u64;
     let header = read_header(bytes, field)?;
     let ranks = read_ranks(bytes, &header, numel)?;
-    let walk = dispatch!(field, decode_walk, decode_walk_popcnt, (base, field, &header, &ranks, changed));
+    let listed: Vec<Vec<u64>> = ranks.iter().map(|list| rank_bitmap(list)).collect();
+    let (positions, overflow, seen) =
+        dispatch!(field, decode_walk, decode_walk_bmi2, (base, field, &header, &listed, changed));
     for class in 0..CLASSES {
-        if walk.cursor[class] != ranks[class].len() {
+        let list = &ranks[class];
+        if list.last().is_some_and(|&last| last >= seen[class]) {
             return Err(format!(
                 "context stream: class {class} lists rank {} but the base has {} elements in that class",
-                ranks[class][walk.cursor[class]], walk.seen[class]
+                list[list.partition_point(|&rank| rank < seen[class])],
+                seen[class]
             ));
         }
     }
-    if walk.overflow || walk.positions.len() as u64 != changed {
+    if overflow || positions.len() as u64 != changed {
         return Err(format!(
             "context stream decodes to {} changes against the base but the record says changed={changed}",
-            if walk.overflow { "more".to_owned() } else { walk.positions.len().to_string() }
+            if overflow { "more".to_owned() } else { positions.len().to_string() }
         ));
     }
-    Ok(walk.positions)
+    Ok(positions)
 }
 
 /// How many elements of `base` have each exponent field value: four interleaved tables, so that runs of equal
@@ -448,72 +521,104 @@ fn median_exponent(histogram: &[u64; 256]) -> u8 {
     0
 }
 
-/// The rank within its class of every changed element (at `positions`, ascending), per class, and the population
-/// of every class.
+/// What walking the base finds for an encoder: which of every class's elements changed, as a bitmap over the
+/// class's ranks, from the changed elements' bitmap.
+struct Ranks<'a, B> {
+    changed: &'a [u64],
+    maps: Vec<Vec<u64>>,
+    seen: [u64; CLASSES],
+    bits: std::marker::PhantomData<B>,
+}
+
+impl<B: Bits> BlockVisitor for Ranks<'_, B> {
+    #[inline(always)]
+    fn block(&mut self, start: u64, masks: &ClassMasks) {
+        let changed = self.changed[(start / 64) as usize];
+        for class in 0..CLASSES {
+            let mask = masks[class];
+            // The class's changes in this block, appended to its bitmap at the class's next rank. The maps have
+            // a word to spare past their class's population.
+            let bits = B::extract(changed, mask);
+            let (word, shift) = ((self.seen[class] / 64) as usize, self.seen[class] % 64);
+            let map = &mut self.maps[class];
+            map[word] |= bits << shift;
+            map[word + 1] |= (bits >> 1) >> (63 - shift);
+            self.seen[class] += u64::from(mask.count_ones());
+        }
+    }
+}
+
 #[inline(always)]
-fn encode_walk<const W: usize>(
+fn encode_walk<const W: usize, B: Bits>(
     base: &[u8],
     field: Exponent,
     reference: u8,
-    positions: &[u64],
-) -> (Vec<Vec<u64>>, [u64; CLASSES]) {
-    let mut ranks: Vec<Vec<u64>> = vec![Vec::new(); CLASSES];
-    let mut seen = [0u64; CLASSES];
-    let mut at = 0usize;
-    for_each_block::<W>(base, field, reference, |start, planes, masks| {
-        let mut end = at;
-        while end < positions.len() && positions[end] < start + 64 {
-            end += 1;
-        }
-        for &position in &positions[at..end] {
-            let i = position - start;
-            let class = (0..4).fold(0usize, |class, b| class | ((((planes[b] >> i) & 1) as usize) << b));
-            let below = masks[class] & ((1u64 << i) - 1);
-            ranks[class].push(seen[class] + u64::from(below.count_ones()));
-        }
-        at = end;
-        for class in 0..CLASSES {
-            seen[class] += u64::from(masks[class].count_ones());
-        }
-    });
-    debug_assert!(at == positions.len(), "positions within the tensor");
-    (ranks, seen)
+    changed: &[u64],
+    population: &[u64; CLASSES],
+) -> Vec<Vec<u64>> {
+    let maps = population.iter().map(|&count| vec![0u64; (count / 64) as usize + 2]).collect();
+    let mut walk = Ranks::<B> { changed, maps, seen: [0; CLASSES], bits: std::marker::PhantomData };
+    for_each_block::<W>(base, field, reference, &mut walk);
+    debug_assert!(walk.seen == *population, "the histogram's classes");
+    walk.maps
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "popcnt")]
-fn encode_walk_popcnt<const W: usize>(
+#[target_feature(enable = "popcnt,bmi2")]
+fn encode_walk_bmi2<const W: usize>(
     base: &[u8],
     field: Exponent,
     reference: u8,
-    positions: &[u64],
-) -> (Vec<Vec<u64>>, [u64; CLASSES]) {
-    encode_walk::<W>(base, field, reference, positions)
+    changed: &[u64],
+    population: &[u64; CLASSES],
+) -> Vec<Vec<u64>> {
+    encode_walk::<W, Bmi2>(base, field, reference, changed, population)
+}
+
+/// The ranks below `population` whose bit in `map` is `set`, ascending.
+fn ranks_in(map: &[u64], population: u64, set: bool) -> Vec<u64> {
+    let mut ranks = Vec::new();
+    for (w, &word) in map.iter().enumerate() {
+        let first = w as u64 * 64;
+        if first >= population {
+            break;
+        }
+        let valid = if population - first >= 64 { u64::MAX } else { (1u64 << (population - first)) - 1 };
+        let mut bits = if set { word } else { !word } & valid;
+        while bits != 0 {
+            ranks.push(first + u64::from(bits.trailing_zeros()));
+            bits &= bits - 1;
+        }
+    }
+    ranks
 }
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.
 pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
-    let reference = median_exponent(&exponent_histogram(base, field));
-    // The rank of every changed element within its class.
-    let (mut ranks, population) =
-        dispatch!(field, encode_walk, encode_walk_popcnt, (base, field, reference, positions));
-    // Where more than half of a class changed, list its unchanged elements instead.
-    let mut complement = [false; CLASSES];
-    for class in 0..CLASSES {
-        if ranks[class].len() as u64 * 2 > population[class] {
-            complement[class] = true;
-            let changed = std::mem::take(&mut ranks[class]);
-            let mut unchanged = Vec::with_capacity((population[class] - changed.len() as u64) as usize);
-            let mut changed = changed.into_iter().peekable();
-            for rank in 0..population[class] {
-                if changed.peek() == Some(&rank) {
-                    changed.next();
-                } else {
-                    unchanged.push(rank);
-                }
-            }
-            ranks[class] = unchanged;
+    let histogram = exponent_histogram(base, field);
+    let reference = median_exponent(&histogram);
+    let table = class_table(reference);
+    let mut population = [0u64; CLASSES];
+    for (exponent, &count) in histogram.iter().enumerate() {
+        population[usize::from(table[exponent])] += count;
+    }
+    let numel = (base.len() / field.width) as u64;
+    let mut changed = vec![0u64; numel.div_ceil(64) as usize];
+    for &position in positions {
+        debug_assert!(position < numel, "positions within the tensor");
+        if let Some(word) = changed.get_mut((position / 64) as usize) {
+            *word |= 1 << (position % 64);
         }
+    }
+    // Which elements of every class changed, by rank within the class.
+    let maps = dispatch!(field, encode_walk, encode_walk_bmi2, (base, field, reference, &changed, &population));
+    let mut complement = [false; CLASSES];
+    let mut ranks: Vec<Vec<u64>> = Vec::with_capacity(CLASSES);
+    for class in 0..CLASSES {
+        let count: u64 = maps[class].iter().map(|word| u64::from(word.count_ones())).sum();
+        // Where more than half of a class changed, list its unchanged elements instead.
+        complement[class] = count * 2 > population[class];
+        ranks.push(ranks_in(&maps[class], population[class], !complement[class]));
     }
     let mut out = vec![reference];
     let mut k = [0u32; CLASSES];
