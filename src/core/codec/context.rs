@@ -363,52 +363,74 @@ macro_rules! dispatch {
     }};
 }
 
-/// A class's listed ranks as a bitmap over its ranks (bit `r % 64` of word `r / 64`).
-fn rank_bitmap(ranks: &[u64]) -> Vec<u64> {
-    let mut map = vec![0u64; ranks.last().map_or(0, |&last| (last / 64) as usize + 1)];
-    for &rank in ranks {
-        map[(rank / 64) as usize] |= 1 << (rank % 64);
-    }
-    map
-}
-
-/// The 64 bits of `map` from bit `from` on, zeros past its end.
-#[inline(always)]
-fn window(map: &[u64], from: u64) -> u64 {
-    let (word, shift) = ((from / 64) as usize, from % 64);
-    let low = map.get(word).copied().unwrap_or(0);
-    let high = map.get(word + 1).copied().unwrap_or(0);
-    (low >> shift) | ((high << 1) << (63 - shift))
-}
-
 /// What walking the base finds for a decoder: the changed positions (none past `changed`: `overflow` says there
 /// were more), and per class how many elements the base has.
-struct Walk<'a, B> {
-    /// The classes that list ranks or their unchanged elements; the others change nothing.
-    active: Vec<usize>,
-    /// Every class's listed ranks, as a bitmap.
-    listed: &'a [Vec<u64>],
+struct Walk<B> {
+    /// Every class's listed ranks as a bitmap over the class's ranks (bit `r % 64` of word `r / 64`), each map
+    /// followed by a zero word.
+    maps: Vec<u64>,
+    /// Where every class's map starts in `maps`.
+    offset: [usize; CLASSES],
+    /// Where its zero word is.
+    end: [usize; CLASSES],
     /// All ones for a class that lists its unchanged elements.
     complement: [u64; CLASSES],
     changed: u64,
     positions: Vec<u64>,
     overflow: bool,
-    /// The population of every active class.
+    /// The population of every class so far.
     seen: [u64; CLASSES],
     bits: std::marker::PhantomData<B>,
 }
 
-impl<B: Bits> BlockVisitor for Walk<'_, B> {
+impl<B: Bits> Walk<B> {
+    fn new(ranks: &[Vec<u64>], complement: [bool; CLASSES], changed: u64, capacity: usize) -> Walk<B> {
+        let (mut maps, mut offset, mut end) = (Vec::new(), [0; CLASSES], [0; CLASSES]);
+        for (class, list) in ranks.iter().enumerate() {
+            offset[class] = maps.len();
+            maps.resize(maps.len() + list.last().map_or(0, |&last| (last / 64) as usize + 1), 0);
+            for &rank in list {
+                maps[offset[class] + (rank / 64) as usize] |= 1 << (rank % 64);
+            }
+            end[class] = maps.len();
+            maps.push(0);
+        }
+        Walk {
+            maps,
+            offset,
+            end,
+            complement: complement.map(|c| if c { u64::MAX } else { 0 }),
+            changed,
+            positions: Vec::with_capacity(capacity),
+            overflow: false,
+            seen: [0; CLASSES],
+            bits: std::marker::PhantomData,
+        }
+    }
+
+    /// The changed elements of `class` in a block where its elements are `mask`.
+    #[inline(always)]
+    fn changed_in(&mut self, class: usize, mask: u64) -> u64 {
+        let seen = self.seen[class];
+        // The 64 listed bits from rank `seen` on (zeros past the map): its listed ranks among this block's
+        // elements of the class are the low `mask.count_ones()`, which go to their places in the block.
+        let word = (self.offset[class] + (seen / 64) as usize).min(self.end[class]);
+        let (low, high) = (self.maps[word], self.maps[(word + 1).min(self.end[class])]);
+        let shift = seen % 64;
+        let window = (low >> shift) | ((high << 1) << (63 - shift));
+        self.seen[class] = seen + u64::from(mask.count_ones());
+        B::deposit(window, mask) ^ (mask & self.complement[class])
+    }
+}
+
+impl<B: Bits> BlockVisitor for Walk<B> {
     #[inline(always)]
     fn block(&mut self, start: u64, masks: &ClassMasks) {
-        let mut block = 0u64;
-        for &class in &self.active {
-            let mask = masks[class];
-            // The listed ranks among this block's elements of the class, to their places in the block.
-            let listed = B::deposit(window(&self.listed[class], self.seen[class]), mask);
-            block |= listed ^ (mask & self.complement[class]);
-            self.seen[class] += u64::from(mask.count_ones());
+        // Unrolled, so that every class's state sits at a fixed place.
+        macro_rules! each_class {
+            ($($class:literal)*) => { 0 $(| self.changed_in($class, masks[$class]))* };
         }
+        let mut block = each_class!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
         if self.positions.len() as u64 + u64::from(block.count_ones()) > self.changed {
             self.overflow = true;
             return;
@@ -425,19 +447,11 @@ fn decode_walk<const W: usize, B: Bits>(
     base: &[u8],
     field: Exponent,
     header: &Header,
-    listed: &[Vec<u64>],
+    ranks: &[Vec<u64>],
     changed: u64,
 ) -> (Vec<u64>, bool, [u64; CLASSES]) {
-    let mut walk = Walk::<B> {
-        active: (0..CLASSES).filter(|&c| header.listed[c] > 0 || header.complement[c]).collect(),
-        listed,
-        complement: header.complement.map(|c| if c { u64::MAX } else { 0 }),
-        changed,
-        positions: Vec::with_capacity(changed.min((base.len() / field.width) as u64) as usize),
-        overflow: false,
-        seen: [0; CLASSES],
-        bits: std::marker::PhantomData,
-    };
+    let capacity = changed.min((base.len() / field.width) as u64) as usize;
+    let mut walk = Walk::<B>::new(ranks, header.complement, changed, capacity);
     for_each_block::<W>(base, field, header.reference, &mut walk);
     (walk.positions, walk.overflow, walk.seen)
 }
@@ -448,10 +462,10 @@ fn decode_walk_bmi2<const W: usize>(
     base: &[u8],
     field: Exponent,
     header: &Header,
-    listed: &[Vec<u64>],
+    ranks: &[Vec<u64>],
     changed: u64,
 ) -> (Vec<u64>, bool, [u64; CLASSES]) {
-    decode_walk::<W, Bmi2>(base, field, header, listed, changed)
+    decode_walk::<W, Bmi2>(base, field, header, ranks, changed)
 }
 
 /// The changed positions, ascending, of a `context` stream decoded against `base` (the tensor's bytes before the
@@ -461,9 +475,8 @@ pub fn decode(bytes: &[u8], field: Exponent, base: &[u8], changed: u64) -> Resul
     let numel = (base.len() / field.width) as u64;
     let header = read_header(bytes, field)?;
     let ranks = read_ranks(bytes, &header, numel)?;
-    let listed: Vec<Vec<u64>> = ranks.iter().map(|list| rank_bitmap(list)).collect();
     let (positions, overflow, seen) =
-        dispatch!(field, decode_walk, decode_walk_bmi2, (base, field, &header, &listed, changed));
+        dispatch!(field, decode_walk, decode_walk_bmi2, (base, field, &header, &ranks, changed));
     for class in 0..CLASSES {
         let list = &ranks[class];
         if list.last().is_some_and(|&last| last >= seen[class]) {
