@@ -28,9 +28,10 @@ fn context_cost_per_element() {
     let mut base = Vec::with_capacity(2 * n);
     let mut positions = Vec::new();
     for i in 0..n {
-        // Magnitudes 2^-1 .. 2^-24 (a mantissa in [1, 2), an exponent spread like a model's weights), either sign.
+        // Magnitudes 2^-1 .. 2^-22 (a mantissa in [1, 2), an exponent spread like a model's weights, its median
+        // inside a binade rather than at an edge), either sign.
         let r = next();
-        let exponent = -1 - ((r % 8) + ((r >> 8) % 8) + ((r >> 16) % 8)) as i32;
+        let exponent = -1 - ((r % 8) + ((r >> 8) % 8) + ((r >> 16) % 7)) as i32;
         let value = (1.0 + ((r >> 24) % 4096) as f32 / 4096.0) * 2f32.powi(exponent);
         let value = if (r >> 40) & 1 == 1 { -value } else { value };
         base.extend_from_slice(&((value.to_bits() >> 16) as u16).to_le_bytes());

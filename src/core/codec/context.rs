@@ -535,29 +535,39 @@ fn median_exponent(histogram: &[u64; 256]) -> u8 {
 }
 
 /// What walking the base finds for an encoder: which of every class's elements changed, as a bitmap over the
-/// class's ranks, from the changed elements' bitmap.
+/// class's ranks, from the changed elements' bitmap, and every class's population.
 struct Ranks<'a, B> {
     changed: &'a [u64],
-    maps: Vec<Vec<u64>>,
+    maps: [Vec<u64>; CLASSES],
     seen: [u64; CLASSES],
     bits: std::marker::PhantomData<B>,
+}
+
+impl<B: Bits> Ranks<'_, B> {
+    /// Appends the changes of `class` in a block where its elements are `mask`, `changed` the block's changes.
+    #[inline(always)]
+    fn append(&mut self, class: usize, mask: u64, changed: u64) {
+        let seen = self.seen[class];
+        let bits = B::extract(changed, mask);
+        let (word, shift) = ((seen / 64) as usize, seen % 64);
+        let map = &mut self.maps[class];
+        if word + 1 >= map.len() {
+            map.resize((word + 2) * 2, 0);
+        }
+        map[word] |= bits << shift;
+        map[word + 1] |= (bits >> 1) >> (63 - shift);
+        self.seen[class] = seen + u64::from(mask.count_ones());
+    }
 }
 
 impl<B: Bits> BlockVisitor for Ranks<'_, B> {
     #[inline(always)]
     fn block(&mut self, start: u64, masks: &ClassMasks) {
         let changed = self.changed[(start / 64) as usize];
-        for class in 0..CLASSES {
-            let mask = masks[class];
-            // The class's changes in this block, appended to its bitmap at the class's next rank. The maps have
-            // a word to spare past their class's population.
-            let bits = B::extract(changed, mask);
-            let (word, shift) = ((self.seen[class] / 64) as usize, self.seen[class] % 64);
-            let map = &mut self.maps[class];
-            map[word] |= bits << shift;
-            map[word + 1] |= (bits >> 1) >> (63 - shift);
-            self.seen[class] += u64::from(mask.count_ones());
+        macro_rules! each_class {
+            ($($class:literal)*) => { $(self.append($class, masks[$class], changed);)* };
         }
+        each_class!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
     }
 }
 
@@ -567,13 +577,10 @@ fn encode_walk<const W: usize, B: Bits>(
     field: Exponent,
     reference: u8,
     changed: &[u64],
-    population: &[u64; CLASSES],
-) -> Vec<Vec<u64>> {
-    let maps = population.iter().map(|&count| vec![0u64; (count / 64) as usize + 2]).collect();
-    let mut walk = Ranks::<B> { changed, maps, seen: [0; CLASSES], bits: std::marker::PhantomData };
+) -> ([Vec<u64>; CLASSES], [u64; CLASSES]) {
+    let mut walk = Ranks::<B> { changed, maps: Default::default(), seen: [0; CLASSES], bits: std::marker::PhantomData };
     for_each_block::<W>(base, field, reference, &mut walk);
-    debug_assert!(walk.seen == *population, "the histogram's classes");
-    walk.maps
+    (walk.maps, walk.seen)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -583,9 +590,34 @@ fn encode_walk_bmi2<const W: usize>(
     field: Exponent,
     reference: u8,
     changed: &[u64],
-    population: &[u64; CLASSES],
-) -> Vec<Vec<u64>> {
-    encode_walk::<W, Bmi2>(base, field, reference, changed, population)
+) -> ([Vec<u64>; CLASSES], [u64; CLASSES]) {
+    encode_walk::<W, Bmi2>(base, field, reference, changed)
+}
+
+/// A guess at the median exponent field from about 16K elements spread over the tensor (exact where it has no
+/// more).
+fn sampled_median(base: &[u8], field: Exponent) -> u8 {
+    let numel = base.len() / field.width;
+    let mut histogram = [0u64; 256];
+    for i in (0..numel).step_by((numel / 16384).max(1)) {
+        field.for_each(&base[i * field.width..(i + 1) * field.width], |exponent| histogram[exponent] += 1);
+    }
+    median_exponent(&histogram)
+}
+
+/// The median exponent field (as `median_exponent`) from the class populations for `reference`, where it lies in
+/// a class of one field (not the first or the last).
+fn median_of_classes(population: &[u64; CLASSES], reference: u8) -> Option<u8> {
+    let total: u64 = population.iter().sum();
+    let mut below = 0u64;
+    for (class, &count) in population.iter().enumerate() {
+        below += count;
+        if below * 2 >= total {
+            // The first class reaching half is not empty (or it is the first), so its field exists.
+            return (1..CLASSES - 1).contains(&class).then(|| (i32::from(reference) + class as i32 - CENTRE) as u8);
+        }
+    }
+    None
 }
 
 /// The ranks below `population` whose bit in `map` is `set`, ascending.
@@ -608,13 +640,6 @@ fn ranks_in(map: &[u64], population: u64, set: bool) -> Vec<u64> {
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.
 pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
-    let histogram = exponent_histogram(base, field);
-    let reference = median_exponent(&histogram);
-    let table = class_table(reference);
-    let mut population = [0u64; CLASSES];
-    for (exponent, &count) in histogram.iter().enumerate() {
-        population[usize::from(table[exponent])] += count;
-    }
     let numel = (base.len() / field.width) as u64;
     let mut changed = vec![0u64; numel.div_ceil(64) as usize];
     for &position in positions {
@@ -623,8 +648,18 @@ pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
             *word |= 1 << (position % 64);
         }
     }
-    // Which elements of every class changed, by rank within the class.
-    let maps = dispatch!(field, encode_walk, encode_walk_bmi2, (base, field, reference, &changed, &population));
+    // Which elements of every class changed, by rank within the class, for the median exponent field as the
+    // reference. A sample guesses the median, and the walk's class populations check it (so the base is read once
+    // where the guess is right), or name the median for a second walk, or else a histogram finds it.
+    let mut reference = sampled_median(base, field);
+    let walk = |reference| dispatch!(field, encode_walk, encode_walk_bmi2, (base, field, reference, &changed));
+    let (mut maps, mut population) = walk(reference);
+    if median_of_classes(&population, reference) != Some(reference) {
+        reference = median_of_classes(&population, reference)
+            .unwrap_or_else(|| median_exponent(&exponent_histogram(base, field)));
+        (maps, population) = walk(reference);
+    }
+    debug_assert_eq!(reference, median_exponent(&exponent_histogram(base, field)));
     let mut complement = [false; CLASSES];
     let mut ranks: Vec<Vec<u64>> = Vec::with_capacity(CLASSES);
     for class in 0..CLASSES {
@@ -791,6 +826,103 @@ mod tests {
                 let stream = encode(&base, field, &positions);
                 assert_eq!(decode(&stream, field, &base, positions.len() as u64).unwrap(), positions, "n={n}");
             }
+        }
+    }
+
+    /// The reference is the exact median exponent whether the sampled guess is right, off by one (a second walk),
+    /// or far off (a histogram).
+    #[test]
+    fn the_reference_is_the_exact_median_whatever_the_sample() {
+        let field = Exponent::of(Dtype::BF16).unwrap();
+        let n = 100_000usize;
+        let stride = n / 16384;
+        for (sampled, others) in [(100u16, 100u16), (101, 100), (99, 100), (200, 100), (3, 100)] {
+            let base: Vec<u8> = (0..n)
+                .flat_map(|i| {
+                    let exponent = if i % stride == 0 { sampled } else { others };
+                    ((exponent << 7) | (i as u16 & 0x7f)).to_le_bytes()
+                })
+                .collect();
+            assert_eq!(sampled_median(&base, field), sampled as u8);
+            let positions: Vec<u64> = (0..n as u64).filter(|i| i % 7 == 0 || i % stride as u64 == 0).collect();
+            let stream = encode(&base, field, &positions);
+            assert_eq!(stream[0], median_exponent(&exponent_histogram(&base, field)), "sampled {sampled}");
+            assert_eq!(stream[0], others as u8);
+            assert_eq!(decode(&stream, field, &base, positions.len() as u64).unwrap(), positions);
+        }
+    }
+
+    /// The portable bit deposit and extract against BMI2's, where the CPU has it, and as each other's inverse.
+    #[test]
+    fn portable_bits_match_bmi2() {
+        let mut state = 0x0123_4567_89ab_cdefu64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..10_000 {
+            let (value, mask) = (next(), next() & next());
+            let packed = Portable::extract(value, mask);
+            assert_eq!(Portable::deposit(packed, mask), value & mask);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("bmi2") {
+                assert_eq!(Bmi2::extract(value, mask), packed);
+                assert_eq!(Bmi2::deposit(value, mask), Portable::deposit(value, mask));
+            }
+        }
+    }
+
+    /// The portable kernels (the only ones off `x86_64`, or without BMI2) give the same stream and positions.
+    #[test]
+    fn portable_kernels_match() {
+        for dtype in [Dtype::BF16, Dtype::F32] {
+            let field = Exponent::of(dtype).unwrap();
+            let (bf16_base, positions) = sample(10_000, 11);
+            let base: Vec<u8> = if field.width == 2 {
+                bf16_base
+            } else {
+                bf16_base
+                    .chunks_exact(2)
+                    .flat_map(|p| (u32::from(u16::from_le_bytes([p[0], p[1]])) << 16).to_le_bytes())
+                    .collect()
+            };
+            let stream = encode(&base, field, &positions);
+            let reference = stream[0];
+            let mut changed = vec![0u64; 10_000usize.div_ceil(64)];
+            for &p in &positions {
+                changed[(p / 64) as usize] |= 1 << (p % 64);
+            }
+            let fast = if field.width == 2 {
+                (
+                    encode_walk::<2, Portable>(&base, field, reference, &changed),
+                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, field, reference, &changed)),
+                )
+            } else {
+                (
+                    encode_walk::<4, Portable>(&base, field, reference, &changed),
+                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, field, reference, &changed)),
+                )
+            };
+            assert_eq!(fast.0 .1, fast.1 .1);
+            for class in 0..CLASSES {
+                let population = fast.0 .1[class];
+                assert_eq!(
+                    ranks_in(&fast.0 .0[class], population, true),
+                    ranks_in(&fast.1 .0[class], population, true)
+                );
+            }
+            let header = read_header(&stream, field).unwrap();
+            let ranks = read_ranks(&stream, &header, 10_000).unwrap();
+            let count = positions.len() as u64;
+            let portable = if field.width == 2 {
+                decode_walk::<2, Portable>(&base, field, &header, &ranks, count)
+            } else {
+                decode_walk::<4, Portable>(&base, field, &header, &ranks, count)
+            };
+            assert_eq!(portable.0, positions, "{dtype:?}");
+            assert_eq!(decode(&stream, field, &base, count).unwrap(), positions, "{dtype:?}");
         }
     }
 
