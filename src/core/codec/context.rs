@@ -143,6 +143,331 @@ pub fn check(bytes: &[u8], field: Exponent, changed: u64, numel: u64) -> Result<
     Ok(())
 }
 
+/// The classes of up to 64 consecutive elements of the base, as one mask per class: bit `i` of `masks[c]` is set
+/// where element `i` of the block is in class `c`.
+type ClassMasks = [u64; CLASSES];
+
+/// The class masks of a block from its 4 bit-planes (bit `i` of `planes[b]`: bit `b` of element `i`'s class), over
+/// the elements of `valid`.
+#[inline(always)]
+fn class_masks(planes: [u64; 4], valid: u64) -> ClassMasks {
+    let mut masks = [0u64; CLASSES];
+    let bit = |b: usize, set: usize| if set == 1 { planes[b] } else { !planes[b] };
+    for high in 0..2 {
+        let m3 = valid & bit(3, high);
+        for b2 in 0..2 {
+            let m2 = m3 & bit(2, b2);
+            for b1 in 0..2 {
+                let m1 = m2 & bit(1, b1);
+                let class = (high << 3) | (b2 << 2) | (b1 << 1);
+                masks[class] = m1 & !planes[0];
+                masks[class | 1] = m1 & planes[0];
+            }
+        }
+    }
+    masks
+}
+
+/// The 4 bit-planes of the classes of a block's elements (up to 64), one element at a time.
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
+fn planes_scalar(block: &[u8], field: Exponent, table: &[u8; 256]) -> [u64; 4] {
+    let mut planes = [0u64; 4];
+    let mut i = 0;
+    field.for_each(block, |exponent| {
+        let class = table[exponent];
+        for (b, plane) in planes.iter_mut().enumerate() {
+            *plane |= u64::from((class >> b) & 1) << i;
+        }
+        i += 1;
+    });
+    planes
+}
+
+/// The bit-planes of 64 elements' classes with SSE2 (baseline on `x86_64`): the exponent fields of 16 elements at
+/// a time in 16-bit lanes, offset and clamped to a class, packed to bytes, and each class bit moved to a byte's top
+/// bit for `movemask`.
+#[cfg(target_arch = "x86_64")]
+mod sse2 {
+    use std::arch::x86_64::{
+        __m128i, _mm_add_epi16, _mm_and_si128, _mm_cvtsi32_si128, _mm_loadu_si128, _mm_max_epi16, _mm_min_epi16,
+        _mm_movemask_epi8, _mm_packs_epi32, _mm_packus_epi16, _mm_set1_epi16, _mm_set1_epi32, _mm_setzero_si128,
+        _mm_slli_epi16, _mm_srl_epi16, _mm_srl_epi32,
+    };
+
+    use super::Exponent;
+
+    /// The planes of the 64 `W`-byte elements of `block` (`64 * W` bytes), for classes `exponent + offset`
+    /// clamped to 0..=15.
+    #[inline(always)]
+    pub(super) fn planes<const W: usize>(block: &[u8], field: Exponent, offset: i16) -> [u64; 4] {
+        // SAFETY: SSE2 is part of the `x86_64` baseline, so every `x86_64` CPU has it.
+        unsafe { planes_sse2::<W>(block, field, offset) }
+    }
+
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    fn planes_sse2<const W: usize>(block: &[u8], field: Exponent, offset: i16) -> [u64; 4] {
+        assert_eq!(block.len(), 64 * W);
+        let load = |at: usize| {
+            let bytes: &[u8; 16] = block[at..at + 16].try_into().expect("16 bytes");
+            // SAFETY: `bytes` is 16 readable bytes, and an unaligned load needs no alignment.
+            unsafe { _mm_loadu_si128(bytes.as_ptr().cast::<__m128i>()) }
+        };
+        let count = _mm_cvtsi32_si128(field.shift as i32);
+        let (offset, zero, top) = (_mm_set1_epi16(offset), _mm_setzero_si128(), _mm_set1_epi16(15));
+        let class = |exponent: __m128i| _mm_min_epi16(_mm_max_epi16(_mm_add_epi16(exponent, offset), zero), top);
+        let mut planes = [0u64; 4];
+        for group in 0..4 {
+            let (low, high) = if W == 2 {
+                let mask = _mm_set1_epi16(field.mask as i16);
+                let exponent = |at: usize| _mm_and_si128(_mm_srl_epi16(load(at), count), mask);
+                (exponent(group * 32), exponent(group * 32 + 16))
+            } else {
+                let mask = _mm_set1_epi32(field.mask as i32);
+                let exponent = |at: usize| _mm_and_si128(_mm_srl_epi32(load(at), count), mask);
+                let at = group * 64;
+                (
+                    _mm_packs_epi32(exponent(at), exponent(at + 16)),
+                    _mm_packs_epi32(exponent(at + 32), exponent(at + 48)),
+                )
+            };
+            // Classes are below 16, so a 16-bit lane's shift by up to 7 moves no bit of its low byte to the top
+            // of its high byte.
+            let classes = _mm_packus_epi16(class(low), class(high));
+            let shift = 16 * group;
+            planes[0] |= u64::from(_mm_movemask_epi8(_mm_slli_epi16::<7>(classes)) as u16) << shift;
+            planes[1] |= u64::from(_mm_movemask_epi8(_mm_slli_epi16::<6>(classes)) as u16) << shift;
+            planes[2] |= u64::from(_mm_movemask_epi8(_mm_slli_epi16::<5>(classes)) as u16) << shift;
+            planes[3] |= u64::from(_mm_movemask_epi8(_mm_slli_epi16::<4>(classes)) as u16) << shift;
+        }
+        planes
+    }
+}
+
+/// The bit-planes of the classes of 64 `W`-byte elements.
+#[inline(always)]
+fn planes<const W: usize>(block: &[u8], field: Exponent, reference: u8, table: &[u8; 256]) -> [u64; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let _ = table;
+        sse2::planes::<W>(block, field, CENTRE as i16 - i16::from(reference))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = reference;
+        planes_scalar(block, field, table)
+    }
+}
+
+/// What walks the base's blocks: `block` gets the index of a block's first element and its class masks. Not a
+/// closure, so that it inlines into the kernels compiled for the CPU's bit instructions.
+trait BlockVisitor {
+    fn block(&mut self, start: u64, masks: &ClassMasks);
+}
+
+/// The class masks of every block of 64 elements of `base`, in order, to `visitor`; the last block's masks hold
+/// only its elements.
+#[inline(always)]
+fn for_each_block<const W: usize>(base: &[u8], field: Exponent, reference: u8, visitor: &mut impl BlockVisitor) {
+    let table = class_table(reference);
+    let mut start = 0u64;
+    let mut blocks = base.chunks_exact(64 * W);
+    for block in &mut blocks {
+        visitor.block(start, &class_masks(planes::<W>(block, field, reference, &table), !0));
+        start += 64;
+    }
+    let tail = blocks.remainder();
+    if tail.len() >= W {
+        visitor.block(start, &class_masks(planes_scalar(tail, field, &table), (1u64 << (tail.len() / W)) - 1));
+    }
+}
+
+/// Bit deposit and extract (BMI2's `pdep` and `pext`), with hardware or without.
+trait Bits {
+    /// The low bits of `bits`, in order, at the set bits of `mask`.
+    fn deposit(bits: u64, mask: u64) -> u64;
+    /// The bits of `value` at the set bits of `mask`, packed to the low end in order.
+    fn extract(value: u64, mask: u64) -> u64;
+}
+
+/// `Bits` one set bit at a time.
+struct Portable;
+
+impl Bits for Portable {
+    #[inline(always)]
+    fn deposit(mut bits: u64, mut mask: u64) -> u64 {
+        let mut out = 0;
+        while mask != 0 && bits != 0 {
+            let lowest = mask & mask.wrapping_neg();
+            if bits & 1 == 1 {
+                out |= lowest;
+            }
+            bits >>= 1;
+            mask ^= lowest;
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn extract(value: u64, mask: u64) -> u64 {
+        let (mut set, mut out) = (value & mask, 0u64);
+        while set != 0 {
+            let lowest = set & set.wrapping_neg();
+            out |= 1 << (mask & (lowest - 1)).count_ones();
+            set ^= lowest;
+        }
+        out
+    }
+}
+
+/// `Bits` with BMI2; only in kernels compiled with `bmi2`, run where the CPU has it (`dispatch!`).
+#[cfg(target_arch = "x86_64")]
+struct Bmi2;
+
+#[cfg(target_arch = "x86_64")]
+impl Bits for Bmi2 {
+    #[inline(always)]
+    fn deposit(bits: u64, mask: u64) -> u64 {
+        // SAFETY: `Bmi2` is only used by the `*_bmi2` kernels, which `dispatch!` runs only where the CPU has BMI2.
+        unsafe { std::arch::x86_64::_pdep_u64(bits, mask) }
+    }
+
+    #[inline(always)]
+    fn extract(value: u64, mask: u64) -> u64 {
+        // SAFETY: as in `deposit`.
+        unsafe { std::arch::x86_64::_pext_u64(value, mask) }
+    }
+}
+
+/// Runs `$kernel::<W, _>($args)` for the element width of `$field`: `$fast` (compiled with `popcnt` and `bmi2`,
+/// which are not in the `x86_64` baseline) where the CPU has them, else with `Portable` bits.
+macro_rules! dispatch {
+    ($field:expr, $kernel:ident, $fast:ident, ($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("popcnt") && std::arch::is_x86_feature_detected!("bmi2") {
+                // SAFETY: the CPU has the `popcnt` and `bmi2` instructions that `$fast` is compiled with.
+                unsafe {
+                    if $field.width == 2 { $fast::<2>($($arg),*) } else { $fast::<4>($($arg),*) }
+                }
+            } else if $field.width == 2 {
+                $kernel::<2, Portable>($($arg),*)
+            } else {
+                $kernel::<4, Portable>($($arg),*)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            if $field.width == 2 { $kernel::<2, Portable>($($arg),*) } else { $kernel::<4, Portable>($($arg),*) }
+        }
+    }};
+}
+
+/// What walking the base finds for a decoder: the changed positions (none past `changed`: `overflow` says there
+/// were more), and per class how many elements the base has.
+struct Walk<B> {
+    /// Every class's listed ranks as a bitmap over the class's ranks (bit `r % 64` of word `r / 64`), each map
+    /// followed by a zero word.
+    maps: Vec<u64>,
+    /// Where every class's map starts in `maps`.
+    offset: [usize; CLASSES],
+    /// Where its zero word is.
+    end: [usize; CLASSES],
+    /// All ones for a class that lists its unchanged elements.
+    complement: [u64; CLASSES],
+    changed: u64,
+    positions: Vec<u64>,
+    overflow: bool,
+    /// The population of every class so far.
+    seen: [u64; CLASSES],
+    bits: std::marker::PhantomData<B>,
+}
+
+impl<B: Bits> Walk<B> {
+    fn new(ranks: &[Vec<u64>], complement: [bool; CLASSES], changed: u64, capacity: usize) -> Walk<B> {
+        let (mut maps, mut offset, mut end) = (Vec::new(), [0; CLASSES], [0; CLASSES]);
+        for (class, list) in ranks.iter().enumerate() {
+            offset[class] = maps.len();
+            maps.resize(maps.len() + list.last().map_or(0, |&last| (last / 64) as usize + 1), 0);
+            for &rank in list {
+                maps[offset[class] + (rank / 64) as usize] |= 1 << (rank % 64);
+            }
+            end[class] = maps.len();
+            maps.push(0);
+        }
+        Walk {
+            maps,
+            offset,
+            end,
+            complement: complement.map(|c| if c { u64::MAX } else { 0 }),
+            changed,
+            positions: Vec::with_capacity(capacity),
+            overflow: false,
+            seen: [0; CLASSES],
+            bits: std::marker::PhantomData,
+        }
+    }
+
+    /// The changed elements of `class` in a block where its elements are `mask`.
+    #[inline(always)]
+    fn changed_in(&mut self, class: usize, mask: u64) -> u64 {
+        let seen = self.seen[class];
+        // The 64 listed bits from rank `seen` on (zeros past the map): its listed ranks among this block's
+        // elements of the class are the low `mask.count_ones()`, which go to their places in the block.
+        let word = (self.offset[class] + (seen / 64) as usize).min(self.end[class]);
+        let (low, high) = (self.maps[word], self.maps[(word + 1).min(self.end[class])]);
+        let shift = seen % 64;
+        let window = (low >> shift) | ((high << 1) << (63 - shift));
+        self.seen[class] = seen + u64::from(mask.count_ones());
+        B::deposit(window, mask) ^ (mask & self.complement[class])
+    }
+}
+
+impl<B: Bits> BlockVisitor for Walk<B> {
+    #[inline(always)]
+    fn block(&mut self, start: u64, masks: &ClassMasks) {
+        // Unrolled, so that every class's state sits at a fixed place.
+        macro_rules! each_class {
+            ($($class:literal)*) => { 0 $(| self.changed_in($class, masks[$class]))* };
+        }
+        let mut block = each_class!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+        if self.positions.len() as u64 + u64::from(block.count_ones()) > self.changed {
+            self.overflow = true;
+            return;
+        }
+        while block != 0 {
+            self.positions.push(start + u64::from(block.trailing_zeros()));
+            block &= block - 1;
+        }
+    }
+}
+
+#[inline(always)]
+fn decode_walk<const W: usize, B: Bits>(
+    base: &[u8],
+    field: Exponent,
+    header: &Header,
+    ranks: &[Vec<u64>],
+    changed: u64,
+) -> (Vec<u64>, bool, [u64; CLASSES]) {
+    let capacity = changed.min((base.len() / field.width) as u64) as usize;
+    let mut walk = Walk::<B>::new(ranks, header.complement, changed, capacity);
+    for_each_block::<W>(base, field, header.reference, &mut walk);
+    (walk.positions, walk.overflow, walk.seen)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "popcnt,bmi2")]
+fn decode_walk_bmi2<const W: usize>(
+    base: &[u8],
+    field: Exponent,
+    header: &Header,
+    ranks: &[Vec<u64>],
+    changed: u64,
+) -> (Vec<u64>, bool, [u64; CLASSES]) {
+    decode_walk::<W, Bmi2>(base, field, header, ranks, changed)
+}
+
 /// The changed positions, ascending, of a `context` stream decoded against `base` (the tensor's bytes before the
 /// change, which the caller has checked against the record's base identity). Fails where a rank lies past its
 /// class, or the positions are not `changed` in number.
@@ -150,42 +475,15 @@ pub fn decode(bytes: &[u8], field: Exponent, base: &[u8], changed: u64) -> Resul
     let numel = (base.len() / field.width) as u64;
     let header = read_header(bytes, field)?;
     let ranks = read_ranks(bytes, &header, numel)?;
-    let table = class_table(header.reference);
-    let mut seen = [0u64; CLASSES];
-    let mut cursor = [0usize; CLASSES];
-    let mut next = [u64::MAX; CLASSES];
+    let (positions, overflow, seen) =
+        dispatch!(field, decode_walk, decode_walk_bmi2, (base, field, &header, &ranks, changed));
     for class in 0..CLASSES {
-        if let Some(&first) = ranks[class].first() {
-            next[class] = first;
-        }
-    }
-    let complement = header.complement;
-    let mut positions = Vec::with_capacity(changed.min(numel) as usize);
-    let mut index = 0u64;
-    let mut overflow = false;
-    field.for_each(base, |exponent| {
-        let class = usize::from(table[exponent]);
-        let rank = seen[class];
-        seen[class] = rank + 1;
-        let listed = rank == next[class];
-        if listed {
-            cursor[class] += 1;
-            next[class] = ranks[class].get(cursor[class]).copied().unwrap_or(u64::MAX);
-        }
-        if listed != complement[class] {
-            if positions.len() as u64 == changed {
-                overflow = true;
-            } else {
-                positions.push(index);
-            }
-        }
-        index += 1;
-    });
-    for class in 0..CLASSES {
-        if cursor[class] != ranks[class].len() {
+        let list = &ranks[class];
+        if list.last().is_some_and(|&last| last >= seen[class]) {
             return Err(format!(
                 "context stream: class {class} lists rank {} but the base has {} elements in that class",
-                ranks[class][cursor[class]], seen[class]
+                list[list.partition_point(|&rank| rank < seen[class])],
+                seen[class]
             ));
         }
     }
@@ -196,6 +494,31 @@ pub fn decode(bytes: &[u8], field: Exponent, base: &[u8], changed: u64) -> Resul
         ));
     }
     Ok(positions)
+}
+
+/// How many elements of `base` have each exponent field value: four interleaved tables, so that runs of equal
+/// exponents do not wait on the previous store to the same counter.
+fn exponent_histogram(base: &[u8], field: Exponent) -> [u64; 256] {
+    let mut histogram = [0u64; 256];
+    // Chunks small enough for u32 counters.
+    for chunk in base.chunks(field.width << 30) {
+        let mut tables = [[0u32; 256]; 4];
+        let mut quads = chunk.chunks_exact(4 * field.width);
+        for quad in &mut quads {
+            let mut lane = 0;
+            field.for_each(quad, |exponent| {
+                tables[lane][exponent] += 1;
+                lane += 1;
+            });
+        }
+        field.for_each(quads.remainder(), |exponent| tables[0][exponent] += 1);
+        for table in &tables {
+            for (total, &count) in histogram.iter_mut().zip(table) {
+                *total += u64::from(count);
+            }
+        }
+    }
+    histogram
 }
 
 /// The reference exponent the writer picks: the tensor's median exponent field (the lower median).
@@ -211,48 +534,139 @@ fn median_exponent(histogram: &[u64; 256]) -> u8 {
     0
 }
 
+/// What walking the base finds for an encoder: which of every class's elements changed, as a bitmap over the
+/// class's ranks, from the changed elements' bitmap, and every class's population.
+struct Ranks<'a, B> {
+    changed: &'a [u64],
+    maps: [Vec<u64>; CLASSES],
+    seen: [u64; CLASSES],
+    bits: std::marker::PhantomData<B>,
+}
+
+impl<B: Bits> Ranks<'_, B> {
+    /// Appends the changes of `class` in a block where its elements are `mask`, `changed` the block's changes.
+    #[inline(always)]
+    fn append(&mut self, class: usize, mask: u64, changed: u64) {
+        let seen = self.seen[class];
+        let bits = B::extract(changed, mask);
+        let (word, shift) = ((seen / 64) as usize, seen % 64);
+        let map = &mut self.maps[class];
+        if word + 1 >= map.len() {
+            map.resize((word + 2) * 2, 0);
+        }
+        map[word] |= bits << shift;
+        map[word + 1] |= (bits >> 1) >> (63 - shift);
+        self.seen[class] = seen + u64::from(mask.count_ones());
+    }
+}
+
+impl<B: Bits> BlockVisitor for Ranks<'_, B> {
+    #[inline(always)]
+    fn block(&mut self, start: u64, masks: &ClassMasks) {
+        let changed = self.changed[(start / 64) as usize];
+        macro_rules! each_class {
+            ($($class:literal)*) => { $(self.append($class, masks[$class], changed);)* };
+        }
+        each_class!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+    }
+}
+
+#[inline(always)]
+fn encode_walk<const W: usize, B: Bits>(
+    base: &[u8],
+    field: Exponent,
+    reference: u8,
+    changed: &[u64],
+) -> ([Vec<u64>; CLASSES], [u64; CLASSES]) {
+    let mut walk = Ranks::<B> { changed, maps: Default::default(), seen: [0; CLASSES], bits: std::marker::PhantomData };
+    for_each_block::<W>(base, field, reference, &mut walk);
+    (walk.maps, walk.seen)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "popcnt,bmi2")]
+fn encode_walk_bmi2<const W: usize>(
+    base: &[u8],
+    field: Exponent,
+    reference: u8,
+    changed: &[u64],
+) -> ([Vec<u64>; CLASSES], [u64; CLASSES]) {
+    encode_walk::<W, Bmi2>(base, field, reference, changed)
+}
+
+/// A guess at the median exponent field from about 16K elements spread over the tensor (exact where it has no
+/// more).
+fn sampled_median(base: &[u8], field: Exponent) -> u8 {
+    let numel = base.len() / field.width;
+    let mut histogram = [0u64; 256];
+    for i in (0..numel).step_by((numel / 16384).max(1)) {
+        field.for_each(&base[i * field.width..(i + 1) * field.width], |exponent| histogram[exponent] += 1);
+    }
+    median_exponent(&histogram)
+}
+
+/// The median exponent field (as `median_exponent`) from the class populations for `reference`, where it lies in
+/// a class of one field (not the first or the last).
+fn median_of_classes(population: &[u64; CLASSES], reference: u8) -> Option<u8> {
+    let total: u64 = population.iter().sum();
+    let mut below = 0u64;
+    for (class, &count) in population.iter().enumerate() {
+        below += count;
+        if below * 2 >= total {
+            // The first class reaching half is not empty (or it is the first), so its field exists.
+            return (1..CLASSES - 1).contains(&class).then(|| (i32::from(reference) + class as i32 - CENTRE) as u8);
+        }
+    }
+    None
+}
+
+/// The ranks below `population` whose bit in `map` is `set`, ascending.
+fn ranks_in(map: &[u64], population: u64, set: bool) -> Vec<u64> {
+    let mut ranks = Vec::new();
+    for (w, &word) in map.iter().enumerate() {
+        let first = w as u64 * 64;
+        if first >= population {
+            break;
+        }
+        let valid = if population - first >= 64 { u64::MAX } else { (1u64 << (population - first)) - 1 };
+        let mut bits = if set { word } else { !word } & valid;
+        while bits != 0 {
+            ranks.push(first + u64::from(bits.trailing_zeros()));
+            bits &= bits - 1;
+        }
+    }
+    ranks
+}
+
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.
 pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
-    let mut histogram = [0u64; 256];
-    field.for_each(base, |exponent| histogram[exponent] += 1);
-    let reference = median_exponent(&histogram);
-    let table = class_table(reference);
-    let mut population = [0u64; CLASSES];
-    for (exponent, &count) in histogram.iter().enumerate() {
-        population[usize::from(table[exponent])] += count;
+    let numel = (base.len() / field.width) as u64;
+    let mut changed = vec![0u64; numel.div_ceil(64) as usize];
+    for &position in positions {
+        debug_assert!(position < numel, "positions within the tensor");
+        if let Some(word) = changed.get_mut((position / 64) as usize) {
+            *word |= 1 << (position % 64);
+        }
     }
-    // The rank of every changed element within its class.
-    let mut ranks: Vec<Vec<u64>> = vec![Vec::new(); CLASSES];
-    let mut seen = [0u64; CLASSES];
-    let mut next = positions.iter().copied().peekable();
-    let mut index = 0u64;
-    field.for_each(base, |exponent| {
-        let class = usize::from(table[exponent]);
-        if next.peek() == Some(&index) {
-            next.next();
-            ranks[class].push(seen[class]);
-        }
-        seen[class] += 1;
-        index += 1;
-    });
-    debug_assert!(next.next().is_none(), "positions within the tensor");
-    // Where more than half of a class changed, list its unchanged elements instead.
+    // Which elements of every class changed, by rank within the class, for the median exponent field as the
+    // reference. A sample guesses the median, and the walk's class populations check it (so the base is read once
+    // where the guess is right), or name the median for a second walk, or else a histogram finds it.
+    let mut reference = sampled_median(base, field);
+    let walk = |reference| dispatch!(field, encode_walk, encode_walk_bmi2, (base, field, reference, &changed));
+    let (mut maps, mut population) = walk(reference);
+    if median_of_classes(&population, reference) != Some(reference) {
+        reference = median_of_classes(&population, reference)
+            .unwrap_or_else(|| median_exponent(&exponent_histogram(base, field)));
+        (maps, population) = walk(reference);
+    }
+    debug_assert_eq!(reference, median_exponent(&exponent_histogram(base, field)));
     let mut complement = [false; CLASSES];
+    let mut ranks: Vec<Vec<u64>> = Vec::with_capacity(CLASSES);
     for class in 0..CLASSES {
-        if ranks[class].len() as u64 * 2 > population[class] {
-            complement[class] = true;
-            let changed = std::mem::take(&mut ranks[class]);
-            let mut unchanged = Vec::with_capacity((population[class] - changed.len() as u64) as usize);
-            let mut changed = changed.into_iter().peekable();
-            for rank in 0..population[class] {
-                if changed.peek() == Some(&rank) {
-                    changed.next();
-                } else {
-                    unchanged.push(rank);
-                }
-            }
-            ranks[class] = unchanged;
-        }
+        let count: u64 = maps[class].iter().map(|word| u64::from(word.count_ones())).sum();
+        // Where more than half of a class changed, list its unchanged elements instead.
+        complement[class] = count * 2 > population[class];
+        ranks.push(ranks_in(&maps[class], population[class], !complement[class]));
     }
     let mut out = vec![reference];
     let mut k = [0u32; CLASSES];
@@ -357,6 +771,158 @@ mod tests {
             let positions: Vec<u64> = (0..4000u64).filter(|i| i % 3 == 0 || i % 7 == 1).collect();
             let stream = encode(&base, field, &positions);
             assert_eq!(decode(&stream, field, &base, positions.len() as u64).unwrap(), positions, "{dtype:?}");
+        }
+    }
+
+    /// The block kernels' classes against the class table, element by element, for every reference exponent and
+    /// both element widths (and, on `x86_64`, the SSE2 planes against the scalar ones).
+    #[test]
+    fn block_classes_match_the_table() {
+        let mut state = 0x1234_5678_9abc_def1u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+            let field = Exponent::of(dtype).unwrap();
+            let base: Vec<u8> = (0..64 * field.width * 40).map(|_| next() as u8).collect();
+            for reference in 0..=field.mask as u8 {
+                let table = class_table(reference);
+                let mut classes = Vec::new();
+                field.for_each(&base, |exponent| classes.push(table[exponent]));
+                for (b, block) in base.chunks_exact(64 * field.width).enumerate() {
+                    let scalar = planes_scalar(block, field, &table);
+                    #[cfg(target_arch = "x86_64")]
+                    {
+                        let fast = if field.width == 2 {
+                            sse2::planes::<2>(block, field, CENTRE as i16 - i16::from(reference))
+                        } else {
+                            sse2::planes::<4>(block, field, CENTRE as i16 - i16::from(reference))
+                        };
+                        assert_eq!(fast, scalar, "{dtype:?} reference {reference} block {b}");
+                    }
+                    let masks = class_masks(scalar, !0);
+                    for i in 0..64 {
+                        let class = usize::from(classes[64 * b + i]);
+                        for (c, mask) in masks.iter().enumerate() {
+                            assert_eq!((mask >> i) & 1 == 1, c == class, "{dtype:?} reference {reference}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every length around the 64-element blocks, dense and sparse changes, complement classes included.
+    #[test]
+    fn roundtrips_at_block_edges() {
+        let field = Exponent::of(Dtype::BF16).unwrap();
+        for n in [63usize, 64, 65, 127, 128, 129, 191, 1000] {
+            let (base, _) = sample(n, n as u64);
+            for every in [1u64, 2, 3, 5, 64] {
+                let positions: Vec<u64> = (0..n as u64).filter(|i| i % every == 0).collect();
+                let stream = encode(&base, field, &positions);
+                assert_eq!(decode(&stream, field, &base, positions.len() as u64).unwrap(), positions, "n={n}");
+            }
+        }
+    }
+
+    /// The reference is the exact median exponent whether the sampled guess is right, off by one (a second walk),
+    /// or far off (a histogram).
+    #[test]
+    fn the_reference_is_the_exact_median_whatever_the_sample() {
+        let field = Exponent::of(Dtype::BF16).unwrap();
+        let n = 100_000usize;
+        let stride = n / 16384;
+        for (sampled, others) in [(100u16, 100u16), (101, 100), (99, 100), (200, 100), (3, 100)] {
+            let base: Vec<u8> = (0..n)
+                .flat_map(|i| {
+                    let exponent = if i % stride == 0 { sampled } else { others };
+                    ((exponent << 7) | (i as u16 & 0x7f)).to_le_bytes()
+                })
+                .collect();
+            assert_eq!(sampled_median(&base, field), sampled as u8);
+            let positions: Vec<u64> = (0..n as u64).filter(|i| i % 7 == 0 || i % stride as u64 == 0).collect();
+            let stream = encode(&base, field, &positions);
+            assert_eq!(stream[0], median_exponent(&exponent_histogram(&base, field)), "sampled {sampled}");
+            assert_eq!(stream[0], others as u8);
+            assert_eq!(decode(&stream, field, &base, positions.len() as u64).unwrap(), positions);
+        }
+    }
+
+    /// The portable bit deposit and extract against BMI2's, where the CPU has it, and as each other's inverse.
+    #[test]
+    fn portable_bits_match_bmi2() {
+        let mut state = 0x0123_4567_89ab_cdefu64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..10_000 {
+            let (value, mask) = (next(), next() & next());
+            let packed = Portable::extract(value, mask);
+            assert_eq!(Portable::deposit(packed, mask), value & mask);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("bmi2") {
+                assert_eq!(Bmi2::extract(value, mask), packed);
+                assert_eq!(Bmi2::deposit(value, mask), Portable::deposit(value, mask));
+            }
+        }
+    }
+
+    /// The portable kernels (the only ones off `x86_64`, or without BMI2) give the same stream and positions.
+    #[test]
+    fn portable_kernels_match() {
+        for dtype in [Dtype::BF16, Dtype::F32] {
+            let field = Exponent::of(dtype).unwrap();
+            let (bf16_base, positions) = sample(10_000, 11);
+            let base: Vec<u8> = if field.width == 2 {
+                bf16_base
+            } else {
+                bf16_base
+                    .chunks_exact(2)
+                    .flat_map(|p| (u32::from(u16::from_le_bytes([p[0], p[1]])) << 16).to_le_bytes())
+                    .collect()
+            };
+            let stream = encode(&base, field, &positions);
+            let reference = stream[0];
+            let mut changed = vec![0u64; 10_000usize.div_ceil(64)];
+            for &p in &positions {
+                changed[(p / 64) as usize] |= 1 << (p % 64);
+            }
+            let fast = if field.width == 2 {
+                (
+                    encode_walk::<2, Portable>(&base, field, reference, &changed),
+                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, field, reference, &changed)),
+                )
+            } else {
+                (
+                    encode_walk::<4, Portable>(&base, field, reference, &changed),
+                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, field, reference, &changed)),
+                )
+            };
+            assert_eq!(fast.0 .1, fast.1 .1);
+            for class in 0..CLASSES {
+                let population = fast.0 .1[class];
+                assert_eq!(
+                    ranks_in(&fast.0 .0[class], population, true),
+                    ranks_in(&fast.1 .0[class], population, true)
+                );
+            }
+            let header = read_header(&stream, field).unwrap();
+            let ranks = read_ranks(&stream, &header, 10_000).unwrap();
+            let count = positions.len() as u64;
+            let portable = if field.width == 2 {
+                decode_walk::<2, Portable>(&base, field, &header, &ranks, count)
+            } else {
+                decode_walk::<4, Portable>(&base, field, &header, &ranks, count)
+            };
+            assert_eq!(portable.0, positions, "{dtype:?}");
+            assert_eq!(decode(&stream, field, &base, count).unwrap(), positions, "{dtype:?}");
         }
     }
 
