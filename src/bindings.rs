@@ -208,14 +208,14 @@ fn parse_codec(codec: &str) -> PyResult<Codec> {
     })
 }
 
-/// The stream family of a writer that never holds a tensor's whole base at encode time (the one-pass mirror
-/// kernel overwrites it as it compares; a shard holds a part): "varint" or "compact".
-fn parse_codec_without_base(codec: &str, writer: &str) -> PyResult<Codec> {
+/// The stream family of a join of shard deltas, which no rank can encode against a whole tensor's base: "varint"
+/// or "compact".
+fn parse_join_codec(codec: &str) -> PyResult<Codec> {
     match parse_codec(codec)? {
-        Codec::Context => Err(DeltaSyncError::new_err(format!(
-            "codec \"context\" is not written by {writer} yet: it codes positions against each tensor's whole \
-             base, which {writer} does not hold when it encodes; use codec=\"compact\", or ds.diff for \"context\""
-        ))),
+        Codec::Context => Err(DeltaSyncError::new_err(
+            "codec \"context\" codes positions against each whole tensor's base, which no rank of a sharded state \
+             holds: join shard deltas with codec=\"compact\"",
+        )),
         codec => Ok(codec),
     }
 }

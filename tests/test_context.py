@@ -181,16 +181,67 @@ def test_records_without_what_context_needs_are_rejected():
             ds.load(len(text).to_bytes(8, "little") + text + blob[8 + n :])
 
 
-def test_writers_without_the_whole_base_refuse_it_by_name(tmp_path):
+def test_writers_refuse_it_where_they_cannot_know_the_base(tmp_path):
+    """A mirror recovers the base of a changed element from its difference, so values="abs" is refused; a join of
+    shard deltas never sees a whole tensor; TRL files cannot hold it."""
     prev, curr = _state(7)
-    with pytest.raises(ds.DeltaSyncError, match='codec="compact"'):
-        ds.Publisher(tmp_path / "store", codec="context")
+    with pytest.raises(ds.DeltaSyncError, match='values="diff"'):
+        ds.Publisher(tmp_path / "store", codec="context", values="abs")
+    mirror = ds.Mirror()
+    mirror.reset(prev, step=0)
+    with pytest.raises(ds.DeltaSyncError, match='values="diff"'):
+        mirror.advance(curr, step=1, values="abs", codec="context")
+    from deltasync_rs._core import join_shards
+
     with pytest.raises(ds.DeltaSyncError, match="context"):
-        ds.Mirror(prev).advance(curr, step=1, codec="context")
+        join_shards([ds.diff(prev, curr, codec="varint")._raw], "context")
     abs_delta = ds.diff(prev, curr, values="abs", codec="context")
     assert "context" in {t.positions for t in abs_delta.tensors}
     with pytest.raises(ds.DeltaSyncError, match="TRL"):
         abs_delta.save(tmp_path / "trl.safetensors", format="trl")
+
+
+def test_mirrors_write_the_bytes_of_diff():
+    """The one-pass mirror kernel overwrites the base as it compares; it codes context positions from the new bits
+    and the differences, and gives ds.diff's bytes."""
+    prev, curr = _state(13)
+    mirror = ds.Mirror()
+    mirror.reset(prev, step=0)
+    delta = mirror.advance(curr, step=1, codec="context")
+    assert {t.positions for t in delta.tensors} == {"context"}
+    assert delta.to_bytes() == ds.diff(prev, curr, codec="context", step=1, base_step=0).to_bytes()
+    import deltasync_rs.torch as dst
+
+    model = {k: v.float().clone() for k, v in prev.items()}
+    trainer = dst.Mirror(model, torch.bfloat16, codec="context", step=0, chunk_bytes=4096)
+    for name in model:
+        model[name].copy_(curr[name].float())
+    stepped = trainer.step(1)
+    assert stepped.to_bytes() == ds.diff(prev, curr, codec="context", step=1, base_step=0).to_bytes()
+
+
+def test_publisher_to_subscriber(tmp_path):
+    """Publisher(codec="context") through a store to a fresh Subscriber and to one that follows every step."""
+    g = torch.Generator().manual_seed(21)
+    state = {f"w{i}": _step(30 + i, (64, 80), torch.bfloat16, 1e-5)[0] for i in range(3)}
+    history = []
+    follower = {k: v.clone() for k, v in state.items()}
+    subscriber = ds.Subscriber(tmp_path / "store")
+    with ds.Publisher(tmp_path / "store", codec="context", anchor_every=100, background=False) as publisher:
+        for step in range(5):
+            for name, tensor in state.items():
+                noise = torch.randn(tensor.shape, generator=g).sign() * 1e-5
+                state[name] = (tensor.float() + noise).to(torch.bfloat16)
+            publisher.publish(step, state)
+            history.append({k: v.clone() for k, v in state.items()})
+            assert subscriber.pull(follower) == step
+            assert _equal(follower, state)
+    stored = sorted(p.name for p in (tmp_path / "store").rglob("*.safetensors"))
+    deltas = [ds.load(p) for p in (tmp_path / "store").rglob("*.safetensors") if not ds.load(p).is_anchor]
+    assert deltas and all("context" in {t.positions for t in d.tensors} for d in deltas), stored
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ds.Subscriber(tmp_path / "store").pull(fresh) == 4
+    assert _equal(fresh, history[-1])
 
 
 def test_cli_diff_and_apply(tmp_path, capsys):

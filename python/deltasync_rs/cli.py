@@ -366,9 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--values", choices=("diff", "abs"), default="diff")
     p.add_argument(
         "--codec",
-        choices=("varint", "compact"),
+        choices=("varint", "compact", "context"),
         default="compact",
-        help="compact (smallest, the default) or varint (byte-aligned, read by version-1 readers too)",
+        help="compact (the default), varint (byte-aligned, read by version-1 readers too) or context (smallest on "
+        "training steps; needs --values diff, and readers holding whole tensors)",
     )
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
     p.set_defaults(run=_cmd_publish)

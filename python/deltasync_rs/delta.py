@@ -215,17 +215,18 @@ def _as_mapping(x: State, role: str) -> Mapping[str, Tensor]:
     raise DeltaSyncError(f"{role} must be a tensor, an array or a mapping of them, not {type(x).__name__}")
 
 
-def check_codec(codec: str, *, context: bool = False) -> None:
-    """Raises unless ``codec`` names a stream family every writer takes: ``"varint"`` or ``"compact"``; with
-    ``context=True`` (writers that hold every tensor's whole base when they encode) also ``"context"``."""
-    if codec == "context" and not context:
-        raise DeltaSyncError(
-            'codec "context" is written only by ds.diff and `deltasync diff` for now: it codes positions against '
-            "each tensor's whole base, which this writer does not hold when it encodes (its mirror is updated in "
-            'the same pass); use codec="compact"'
-        )
+def check_codec(codec: str, *, values: str = "diff", mirror: bool = False) -> None:
+    """Raises unless ``codec`` names a stream family: ``"varint"``, ``"compact"`` or ``"context"``. A writer that
+    encodes from a mirror it updates in the same pass (``mirror=True``) writes ``"context"`` only with
+    ``values="diff"``: the base's bits of a changed element are then its new bits less the difference."""
     if codec not in ("varint", "compact", "context"):
         raise DeltaSyncError(f'codec must be "varint", "compact" or "context", not {codec!r}')
+    if codec == "context" and mirror and values != "diff":
+        raise DeltaSyncError(
+            'codec="context" from a mirror needs values="diff": context positions are coded against the base, '
+            "which the mirror no longer holds once updated, and only differences give its changed bits back "
+            '(use codec="compact" with values="abs")'
+        )
 
 
 def diff(
@@ -255,11 +256,12 @@ def diff(
     hold, so positions cost about a third less on real training steps. Such a delta decodes only against its exact
     base (checked against the recorded base identity before anything is written): ``apply_`` on CPU and device
     tensors, ``Subscriber.pull``, ``deltasync apply`` and vLLM workers at tensor parallel size 1 read it; TRL
-    conversion and vLLM workers holding a shard of a tensor refuse it.
+    conversion and vLLM workers holding a shard of a tensor refuse it. ``Publisher``, the mirrors and ``attach``
+    write it too, with ``values="diff"`` (the same bytes); FSDP shard joins do not.
     """
     if values not in ("diff", "abs"):
         raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
-    check_codec(codec, context=True)
+    check_codec(codec)
     prev_map, curr_map = _as_mapping(prev, "prev"), _as_mapping(curr, "curr")
     only_prev = [n for n in prev_map if n not in curr_map]
     only_curr = [n for n in curr_map if n not in prev_map]

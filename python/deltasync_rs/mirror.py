@@ -68,7 +68,7 @@ class Mirror:
             raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
-        check_codec(codec)
+        check_codec(codec, values=values, mirror=True)
         only_mirror = [n for n in self._tensors if n not in state]
         only_state = [n for n in state if n not in self._tensors]
         if only_mirror or only_state:

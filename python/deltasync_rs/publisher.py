@@ -57,7 +57,9 @@ class Publisher:
     HMAC-SHA256, and with a key what the publisher reads back (run.json, the newest step) is verified too.
     ``keep_anchors`` anchors are kept, with the deltas after the oldest of them; older files are deleted.
     ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``, ``diffbits``
-    or ``rans`` streams where smaller, which every reader of this version reads.
+    or ``rans`` streams where smaller, which every reader of this version reads; ``codec="context"`` (with
+    ``values="diff"``) also codes positions against the base's exponent classes, smaller on training steps, for
+    subscribers that hold whole tensors (not vLLM workers at tensor parallel size 2 or more).
 
     Anchors are streamed: the upload thread writes the anchor file straight from the publisher's mirror into a
     temporary file (hashing it on the way) and uploads from that file, so an anchor costs no copy of the state in
@@ -96,7 +98,7 @@ class Publisher:
         self.piece_bytes = piece_bytes
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
-        check_codec(codec)
+        check_codec(codec, values=values, mirror=True)
         self.store = open_store(store)
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors

@@ -100,7 +100,7 @@ class Mirror:
             raise DeltaSyncError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
-        check_codec(codec)
+        check_codec(codec, values=values, mirror=True)
         self._source = model
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
@@ -348,9 +348,14 @@ class Attachment:
         settings: list[Any] = [None]
         if rank == 0:
             base = self.publisher.step if self.publisher.step is not None else start_step
-            settings = [(self.publisher.values, base)]
+            settings = [(self.publisher.values, base, self.publisher.codec)]
         dist.broadcast_object_list(settings, src=0)
-        values, self._base = settings[0]
+        values, self._base, codec = settings[0]
+        if codec == "context":  # every rank raises, so none waits on the others
+            raise DeltaSyncError(
+                'codec="context" codes positions against each whole tensor\'s base, which no rank of a sharded '
+                'model holds: publish sharded models with codec="compact"'
+            )
         # Shards stay varint: rank 0 re-encodes the joined tensors in the publisher's codec (join_shards).
         self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=values, step=self._base)
         self._group = dist.group.WORLD

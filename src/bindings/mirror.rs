@@ -3,7 +3,9 @@
 
 use pyo3::prelude::*;
 
-use super::{export, parse_codec_without_base, parse_dtype, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice};
+use super::{
+    export, parse_codec, parse_dtype, parse_join_codec, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice,
+};
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::mirror::{self, MirrorInput, MirrorTensor};
 use crate::core::{Delta, TensorDelta};
@@ -40,12 +42,7 @@ impl MirrorDiff {
     #[new]
     #[pyo3(signature = (values = "diff", codec = "compact"))]
     fn new(values: &str, codec: &str) -> PyResult<Self> {
-        Ok(MirrorDiff {
-            values: parse_values(values)?,
-            codec: parse_codec_without_base(codec, "the mirror")?,
-            open: None,
-            done: Vec::new(),
-        })
+        Ok(MirrorDiff { values: parse_values(values)?, codec: parse_codec(codec)?, open: None, done: Vec::new() })
     }
 
     /// Starts tensor `name`; the previous one must be finished.
@@ -54,7 +51,11 @@ impl MirrorDiff {
             return Err(DeltaSyncError::new_err(format!("tensor {:?} is still open: finish it first", open.name())));
         }
         let dtype = parse_dtype(dtype, name)?;
-        self.open = Some(MirrorTensor::begin(name, dtype, &shape, self.values).map_err(to_py)?.with_codec(self.codec));
+        self.open = Some(
+            MirrorTensor::begin(name, dtype, &shape, self.values)
+                .and_then(|t| t.with_codec(self.codec))
+                .map_err(to_py)?,
+        );
         Ok(())
     }
 
@@ -148,7 +149,7 @@ impl MirrorDiff {
         if let Some(open) = &self.open {
             return Err(DeltaSyncError::new_err(format!("tensor {:?} is still open: finish it first", open.name())));
         }
-        let mut raw = RawDelta { delta: Delta { packed: self.codec == Codec::Compact, ..Delta::default() } };
+        let mut raw = RawDelta { delta: Delta { packed: self.codec != Codec::Varint, ..Delta::default() } };
         raw.extend(std::mem::take(&mut self.done))?;
         Ok(raw)
     }
@@ -165,7 +166,7 @@ impl MirrorDiff {
 #[pyfunction]
 #[pyo3(signature = (parts, codec = "compact"))]
 pub fn join_shards(py: Python<'_>, parts: Vec<PyRef<'_, RawDelta>>, codec: &str) -> PyResult<RawDelta> {
-    let codec = parse_codec_without_base(codec, "the mirror")?;
+    let codec = parse_join_codec(codec)?;
     let deltas: Vec<Delta> = parts.iter().map(|part| part.delta.clone()).collect();
     let delta = py.detach(|| crate::core::shards::join(deltas, codec)).map_err(to_py)?;
     Ok(RawDelta { delta })

@@ -41,8 +41,10 @@ pub struct MirrorTensor {
     next_element: u64,
     /// The streams of the chunks compared so far.
     joined: Joined,
-    /// With the compact codec, the changes of every task so far instead (`joined` stays empty).
+    /// With the compact (or context) codec, the changes of every task so far instead (`joined` stays empty).
     compact_ranges: Option<Vec<Changes>>,
+    /// The stream family asked for.
+    family: Codec,
     /// The base identity of the bytes before the chunks compared so far, while they are contiguous from element 0.
     base: Option<BlockHasher>,
 }
@@ -65,15 +67,23 @@ impl MirrorTensor {
             next_element: 0,
             joined: Joined::default(),
             compact_ranges: None,
+            family: Codec::Varint,
             base: Some(BlockHasher::default()),
         })
     }
 
-    /// Writes the tensor in the stream family `codec` (`varint` unless told).
-    #[must_use]
-    pub fn with_codec(mut self, codec: Codec) -> Self {
-        self.compact_ranges = (codec == Codec::Compact).then(Vec::new);
-        self
+    /// Writes the tensor in the stream family `codec` (`varint` unless told). `context` needs `diff` values (the
+    /// base's bits of a changed element are then its new bits less the difference).
+    pub fn with_codec(mut self, codec: Codec) -> Result<Self> {
+        if codec == Codec::Context && self.codec != ValueCodec::Diff {
+            return Err(Error::invalid(format!(
+                "tensor {:?}: the context codec from a mirror needs values \"diff\"",
+                self.name
+            )));
+        }
+        self.compact_ranges = (codec != Codec::Varint).then(Vec::new);
+        self.family = codec;
+        Ok(self)
     }
 
     pub fn name(&self) -> &str {
@@ -218,10 +228,14 @@ impl MirrorTensor {
                 hasher.finish()
             });
             if let (Some(ranges), true) = (&compact_ranges, tensor.changed > 0) {
-                let (width, codec) = (self.width, self.codec);
+                let (width, codec, family, dtype) = (self.width, self.codec, self.family, self.dtype);
                 return Ok(
                     match crate::core::pool::install(|| plan::smallest_streams(ranges, width, codec, dense_len)) {
                         None => tensor.into_whole(whole),
+                        // The mirror now holds the new bits; the ranges' differences give the base's back.
+                        Some(streams) if family == Codec::Context && tensor.base.is_some() => {
+                            tensor.with_streams(plan::with_context_from_new(streams, ranges, dtype, whole))
+                        }
                         Some(streams) => tensor.with_streams(streams),
                     },
                 );
@@ -257,7 +271,7 @@ pub struct MirrorInput<'a> {
 pub fn advance(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -> Result<Vec<TensorDelta>> {
     let mut tensors = Vec::with_capacity(inputs.len());
     for input in &inputs {
-        let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, values)?.with_codec(codec);
+        let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, values)?.with_codec(codec)?;
         let expected = tensor.numel as usize * tensor.width;
         if input.mirror.len() != expected || input.new.len() != expected {
             return Err(Error::mismatch(format!(
@@ -322,7 +336,7 @@ mod tests {
         let width = dtype::width_of(dtype).unwrap();
         let numel = (old.len() / width) as u64;
         let mut mirror = old.to_vec();
-        let mut tensor = MirrorTensor::begin("t", dtype, &[numel], codec).unwrap().with_codec(family);
+        let mut tensor = MirrorTensor::begin("t", dtype, &[numel], codec).unwrap().with_codec(family).unwrap();
         let step = chunk_elements.max(1) * width;
         let mut start = 0;
         while start < mirror.len() {
@@ -392,7 +406,7 @@ mod tests {
             new[p] = 1;
         }
         let mut tensor =
-            MirrorTensor::begin("t", Dtype::U8, &[2000], ValueCodec::Diff).unwrap().with_codec(Codec::Compact);
+            MirrorTensor::begin("t", Dtype::U8, &[2000], ValueCodec::Diff).unwrap().with_codec(Codec::Compact).unwrap();
         tensor.update(&mut mirror, &new, 500).unwrap();
         let tensor = tensor.finish(None).unwrap();
         assert_eq!((tensor.positions_codec, tensor.values_codec), (PositionCodec::Varint, ValueCodec::Diff));

@@ -265,19 +265,60 @@ trait BlockVisitor {
     fn block(&mut self, start: u64, masks: &ClassMasks);
 }
 
-/// The class masks of every block of 64 elements of `base`, in order, to `visitor`; the last block's masks hold
-/// only its elements.
+/// Elements whose base bits are not in the bytes walked: a writer that holds the new bits (a mirror, updated in
+/// the same pass as the compare) gives the changed elements' old bits apart, `old[j]` for element `positions[j]`.
+#[derive(Clone, Copy)]
+pub struct OldBits<'a> {
+    pub positions: &'a [u64],
+    pub old: &'a [u64],
+}
+
+/// `block` with the old bits of the elements of `patch` that lie in it (from `*cursor` on) written over it, in
+/// `scratch`; the block itself where none do.
 #[inline(always)]
-fn for_each_block<const W: usize>(base: &[u8], field: Exponent, reference: u8, visitor: &mut impl BlockVisitor) {
+fn patched<'a, const W: usize>(
+    block: &'a [u8],
+    start: u64,
+    patch: Option<OldBits<'_>>,
+    cursor: &mut usize,
+    scratch: &'a mut [u8; 256],
+) -> &'a [u8] {
+    let Some(patch) = patch else { return block };
+    let end = start + (block.len() / W) as u64;
+    if patch.positions.get(*cursor).is_none_or(|&p| p >= end) {
+        return block;
+    }
+    let scratch = &mut scratch[..block.len()];
+    scratch.copy_from_slice(block);
+    while let Some(&position) = patch.positions.get(*cursor).filter(|&&p| p < end) {
+        let at = (position - start) as usize * W;
+        scratch[at..at + W].copy_from_slice(&patch.old[*cursor].to_le_bytes()[..W]);
+        *cursor += 1;
+    }
+    scratch
+}
+
+/// The class masks of every block of 64 elements of `base` (with `patch`'s old bits over it), in order, to
+/// `visitor`; the last block's masks hold only its elements.
+#[inline(always)]
+fn for_each_block<const W: usize>(
+    base: &[u8],
+    patch: Option<OldBits<'_>>,
+    field: Exponent,
+    reference: u8,
+    visitor: &mut impl BlockVisitor,
+) {
     let table = class_table(reference);
-    let mut start = 0u64;
+    let (mut start, mut cursor, mut scratch) = (0u64, 0usize, [0u8; 256]);
     let mut blocks = base.chunks_exact(64 * W);
     for block in &mut blocks {
+        let block = patched::<W>(block, start, patch, &mut cursor, &mut scratch);
         visitor.block(start, &class_masks(planes::<W>(block, field, reference, &table), !0));
         start += 64;
     }
     let tail = blocks.remainder();
     if tail.len() >= W {
+        let tail = patched::<W>(tail, start, patch, &mut cursor, &mut scratch);
         visitor.block(start, &class_masks(planes_scalar(tail, field, &table), (1u64 << (tail.len() / W)) - 1));
     }
 }
@@ -452,7 +493,7 @@ fn decode_walk<const W: usize, B: Bits>(
 ) -> (Vec<u64>, bool, [u64; CLASSES]) {
     let capacity = changed.min((base.len() / field.width) as u64) as usize;
     let mut walk = Walk::<B>::new(ranks, header.complement, changed, capacity);
-    for_each_block::<W>(base, field, header.reference, &mut walk);
+    for_each_block::<W>(base, None, field, header.reference, &mut walk);
     (walk.positions, walk.overflow, walk.seen)
 }
 
@@ -574,12 +615,13 @@ impl<B: Bits> BlockVisitor for Ranks<'_, B> {
 #[inline(always)]
 fn encode_walk<const W: usize, B: Bits>(
     base: &[u8],
+    patch: Option<OldBits<'_>>,
     field: Exponent,
     reference: u8,
     changed: &[u64],
 ) -> ([Vec<u64>; CLASSES], [u64; CLASSES]) {
     let mut walk = Ranks::<B> { changed, maps: Default::default(), seen: [0; CLASSES], bits: std::marker::PhantomData };
-    for_each_block::<W>(base, field, reference, &mut walk);
+    for_each_block::<W>(base, patch, field, reference, &mut walk);
     (walk.maps, walk.seen)
 }
 
@@ -587,11 +629,12 @@ fn encode_walk<const W: usize, B: Bits>(
 #[target_feature(enable = "popcnt,bmi2")]
 fn encode_walk_bmi2<const W: usize>(
     base: &[u8],
+    patch: Option<OldBits<'_>>,
     field: Exponent,
     reference: u8,
     changed: &[u64],
 ) -> ([Vec<u64>; CLASSES], [u64; CLASSES]) {
-    encode_walk::<W, Bmi2>(base, field, reference, changed)
+    encode_walk::<W, Bmi2>(base, patch, field, reference, changed)
 }
 
 /// A guess at the median exponent field from about 16K elements spread over the tensor (exact where it has no
@@ -640,6 +683,30 @@ fn ranks_in(map: &[u64], population: u64, set: bool) -> Vec<u64> {
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.
 pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
+    encode_patched(base, None, field, positions)
+}
+
+/// `encode` for a writer that holds the new bits `new` instead of the base: `old[j]` is the base's bits of the
+/// changed element `positions[j]` (every other element is the same in both).
+pub fn encode_from_new(new: &[u8], field: Exponent, positions: &[u64], old: &[u64]) -> Vec<u8> {
+    assert_eq!(positions.len(), old.len(), "one old value per changed position");
+    encode_patched(new, Some(OldBits { positions, old }), field, positions)
+}
+
+/// The base's exponent histogram: `base`'s, with `patch`'s old bits in place of the bytes at its positions.
+fn patched_histogram(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent) -> [u64; 256] {
+    let mut histogram = exponent_histogram(base, field);
+    if let Some(patch) = patch {
+        for (&position, &old) in patch.positions.iter().zip(patch.old) {
+            let at = position as usize * field.width;
+            field.for_each(&base[at..at + field.width], |exponent| histogram[exponent] -= 1);
+            field.for_each(&old.to_le_bytes()[..field.width], |exponent| histogram[exponent] += 1);
+        }
+    }
+    histogram
+}
+
+fn encode_patched(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent, positions: &[u64]) -> Vec<u8> {
     let numel = (base.len() / field.width) as u64;
     let mut changed = vec![0u64; numel.div_ceil(64) as usize];
     for &position in positions {
@@ -652,14 +719,14 @@ pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
     // reference. A sample guesses the median, and the walk's class populations check it (so the base is read once
     // where the guess is right), or name the median for a second walk, or else a histogram finds it.
     let mut reference = sampled_median(base, field);
-    let walk = |reference| dispatch!(field, encode_walk, encode_walk_bmi2, (base, field, reference, &changed));
+    let walk = |reference| dispatch!(field, encode_walk, encode_walk_bmi2, (base, patch, field, reference, &changed));
     let (mut maps, mut population) = walk(reference);
     if median_of_classes(&population, reference) != Some(reference) {
         reference = median_of_classes(&population, reference)
-            .unwrap_or_else(|| median_exponent(&exponent_histogram(base, field)));
+            .unwrap_or_else(|| median_exponent(&patched_histogram(base, patch, field)));
         (maps, population) = walk(reference);
     }
-    debug_assert_eq!(reference, median_exponent(&exponent_histogram(base, field)));
+    debug_assert_eq!(reference, median_exponent(&patched_histogram(base, patch, field)));
     let mut complement = [false; CLASSES];
     let mut ranks: Vec<Vec<u64>> = Vec::with_capacity(CLASSES);
     for class in 0..CLASSES {
@@ -815,6 +882,38 @@ mod tests {
         }
     }
 
+    /// A writer holding the new bits, with the changed elements' old bits apart, writes the stream of the base.
+    #[test]
+    fn encoding_from_the_new_bits_gives_the_same_stream() {
+        for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+            let field = Exponent::of(dtype).unwrap();
+            for n in [0usize, 1, 63, 64, 65, 1000, 70_000] {
+                let (bf16_base, positions) = sample(n, n as u64 + 3);
+                let base: Vec<u8> = if field.width == 2 {
+                    bf16_base
+                } else {
+                    bf16_base
+                        .chunks_exact(2)
+                        .flat_map(|p| (u32::from(u16::from_le_bytes([p[0], p[1]])) << 16).to_le_bytes())
+                        .collect()
+                };
+                // New bits: each changed element moved far enough to change class.
+                let mut new = base.clone();
+                let mut old = Vec::new();
+                for &p in &positions {
+                    let at = p as usize * field.width;
+                    let mut bytes = [0u8; 8];
+                    bytes[..field.width].copy_from_slice(&base[at..at + field.width]);
+                    old.push(u64::from_le_bytes(bytes));
+                    new[at + field.width - 1] ^= 0x3c;
+                }
+                let want = encode(&base, field, &positions);
+                assert_eq!(encode_from_new(&new, field, &positions, &old), want, "{dtype:?} n={n}");
+                assert_eq!(decode(&want, field, &base, positions.len() as u64).unwrap(), positions);
+            }
+        }
+    }
+
     /// Every length around the 64-element blocks, dense and sparse changes, complement classes included.
     #[test]
     fn roundtrips_at_block_edges() {
@@ -896,13 +995,13 @@ mod tests {
             }
             let fast = if field.width == 2 {
                 (
-                    encode_walk::<2, Portable>(&base, field, reference, &changed),
-                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, field, reference, &changed)),
+                    encode_walk::<2, Portable>(&base, None, field, reference, &changed),
+                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, None, field, reference, &changed)),
                 )
             } else {
                 (
-                    encode_walk::<4, Portable>(&base, field, reference, &changed),
-                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, field, reference, &changed)),
+                    encode_walk::<4, Portable>(&base, None, field, reference, &changed),
+                    dispatch!(field, encode_walk, encode_walk_bmi2, (&base, None, field, reference, &changed)),
                 )
             };
             assert_eq!(fast.0 .1, fast.1 .1);

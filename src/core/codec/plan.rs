@@ -192,3 +192,35 @@ pub fn with_context(
         streams
     }
 }
+
+/// `with_context` for a writer that holds the tensor's new bits `new` instead of its base (the mirror, updated in
+/// the same pass as the compare), from ranges whose values are `diff` differences: a changed element's base bits
+/// are its new bits less its difference, and the others are the same in both.
+pub fn with_context_from_new(
+    streams: TensorStreams,
+    ranges: &[Changes],
+    dtype: crate::core::dtype::Dtype,
+    new: &[u8],
+) -> TensorStreams {
+    let Some(field) = super::context::Exponent::of(dtype) else { return streams };
+    let width = field.width;
+    let positions = positions_of(ranges);
+    let mut old = Vec::with_capacity(positions.len());
+    let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
+    for range in ranges.iter().filter(|r| r.count > 0) {
+        let mut at = 0usize;
+        for _ in 0..range.count {
+            let difference = with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut at))
+                .expect("written by the scan");
+            let position = positions[old.len()] as usize;
+            let now = super::elements::load(&new[position * width..], width);
+            old.push(now.wrapping_sub(difference) & mask);
+        }
+    }
+    let stream = super::context::encode_from_new(new, field, &positions, &old);
+    if stream.len() < streams.positions.len() {
+        TensorStreams { positions_codec: PositionCodec::Context, positions: stream, ..streams }
+    } else {
+        streams
+    }
+}
