@@ -108,6 +108,28 @@ def breakdown(blob: bytes) -> dict[str, int] | None:
     return parts
 
 
+def time_codecs(states: list, codecs: list[str]) -> dict[str, list[float]]:
+    """Seconds per step of ``ds.diff(...).to_bytes()`` and of ``ds.load(blob).apply_`` onto a copy of the older
+    state (the copy not timed), per codec, round-robin within each step, and of the read floor (both states read
+    once, ``_peers.read_floor`` on 2 threads)."""
+    from deltasync_rs._peers import read_floor
+
+    times: dict[str, list[float]] = {"read floor": []}
+    for prev, curr in zip(states, states[1:]):
+        start = time.perf_counter()
+        read_floor(prev, curr, threads=2)
+        times["read floor"].append(time.perf_counter() - start)
+        for codec in codecs:
+            start = time.perf_counter()
+            blob = ds.diff(prev, curr, codec=codec).to_bytes()
+            times.setdefault(f"encode {codec}", []).append(time.perf_counter() - start)
+            target = {name: t.clone() for name, t in prev.items()}
+            start = time.perf_counter()
+            ds.load(blob).apply_(target)
+            times.setdefault(f"apply {codec}", []).append(time.perf_counter() - start)
+    return times
+
+
 def encode_codecs(prev: dict, curr: dict, codecs: list[str], skipped: dict[str, str]) -> dict[str, bytes]:
     """codec -> file bytes of ``ds.diff(prev, curr, codec=...)``, each checked to apply bit-exactly."""
     blobs = {}
@@ -210,6 +232,7 @@ def main() -> None:
     skipped: dict[str, str] = {}
     publishers = {
         "Publisher compact": publisher_sizes(states, codec="compact"),
+        "Publisher context": publisher_sizes(states, codec="context"),
         "Publisher default": publisher_sizes(states),
     }
     columns: list[str] = []
@@ -237,6 +260,8 @@ def main() -> None:
         per_step.append(row)
     for codec, reason in skipped.items():
         print(f"codec {codec!r} skipped: {reason}")
+    timed = [c for c in codecs if c not in skipped]
+    timing = time_codecs(states, timed)
 
     header = ["step", "changed", "changed %", *columns, "order-0 bound"]
     rows = [
@@ -272,6 +297,24 @@ def main() -> None:
                 f"{mean['order-0 bound']:.3f}",
             ]
         ],
+        args.markdown,
+    )
+
+    floor = statistics.median(timing["read floor"])
+    print_table(
+        "Time per step (median over steps, ms; 2 threads; the read floor reads both states once)",
+        ["codec", "ds.diff + to_bytes", "/ read floor", "ds.load + apply_", "/ read floor"],
+        [
+            [
+                codec,
+                f"{statistics.median(timing[f'encode {codec}']) * 1e3:.1f}",
+                f"{statistics.median(timing[f'encode {codec}']) / floor:.2f}",
+                f"{statistics.median(timing[f'apply {codec}']) * 1e3:.1f}",
+                f"{statistics.median(timing[f'apply {codec}']) / floor:.2f}",
+            ]
+            for codec in timed
+        ]
+        + [["read floor", f"{floor * 1e3:.1f}", "1.00", "", ""]],
         args.markdown,
     )
 

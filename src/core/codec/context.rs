@@ -382,11 +382,28 @@ impl Bits for Bmi2 {
 
 /// Runs `$kernel::<W, _>($args)` for the element width of `$field`: `$fast` (compiled with `popcnt` and `bmi2`,
 /// which are not in the `x86_64` baseline) where the CPU has them, else with `Portable` bits.
+/// True where BMI2's `pdep`/`pext` are fast: the CPU has them, and is not an AMD Zen 1 or 2 (family 0x17 and
+/// before), where they are microcoded and take hundreds of cycles, far slower than the portable loops.
+#[cfg(target_arch = "x86_64")]
+fn fast_bmi2() -> bool {
+    static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FAST.get_or_init(|| {
+        if !(std::arch::is_x86_feature_detected!("popcnt") && std::arch::is_x86_feature_detected!("bmi2")) {
+            return false;
+        }
+        let (vendor, signature) = (std::arch::x86_64::__cpuid(0), std::arch::x86_64::__cpuid(1));
+        let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163); // "AuthenticAMD"
+        let base_family = (signature.eax >> 8) & 0xf;
+        let family = if base_family == 0xf { base_family + ((signature.eax >> 20) & 0xff) } else { base_family };
+        !(amd && family < 0x19)
+    })
+}
+
 macro_rules! dispatch {
     ($field:expr, $kernel:ident, $fast:ident, ($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("popcnt") && std::arch::is_x86_feature_detected!("bmi2") {
+            if fast_bmi2() {
                 // SAFETY: the CPU has the `popcnt` and `bmi2` instructions that `$fast` is compiled with.
                 unsafe {
                     if $field.width == 2 { $fast::<2>($($arg),*) } else { $fast::<4>($($arg),*) }
@@ -681,6 +698,52 @@ fn ranks_in(map: &[u64], population: u64, set: bool) -> Vec<u64> {
     ranks
 }
 
+/// Elements sampled by `worth_walking`, at most (of the tensor and of its changes each).
+const SAMPLE: usize = 4096;
+
+/// Whether `encode` could beat a position stream of `other_len` bytes, judged from samples: where the changed
+/// elements fall into the classes in the same shares as all elements do (changes that do not depend on the
+/// magnitude, as in uniformly sampled bit flips), coding per class saves nothing and the walk of the base would be
+/// wasted. The saving is estimated as the changes times the relative entropy, in bits, of the changed elements'
+/// class shares against all elements' (about what per-class codes save over one code for the tensor), and the walk
+/// is worth it from 1% of `other_len`. `old` gives the base's bits of the changed elements where `base` holds the
+/// new bits (as for `encode_from_new`). Only the writer's choice depends on this, never the format.
+pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, positions: &[u64], other_len: usize) -> bool {
+    let numel = base.len() / field.width;
+    if positions.is_empty() || numel == 0 {
+        return false;
+    }
+    let table = class_table(sampled_median(base, field));
+    let mut all = [0f64; CLASSES];
+    for i in (0..numel).step_by((numel / SAMPLE).max(1)) {
+        field.for_each(&base[i * field.width..(i + 1) * field.width], |e| all[usize::from(table[e])] += 1.0);
+    }
+    let mut changed = [0f64; CLASSES];
+    for j in (0..positions.len()).step_by((positions.len() / SAMPLE).max(1)) {
+        let bits = match old {
+            Some(old) => old[j].to_le_bytes(),
+            None => {
+                let at = positions[j] as usize * field.width;
+                let mut bytes = [0u8; 8];
+                bytes[..field.width].copy_from_slice(&base[at..at + field.width]);
+                bytes
+            }
+        };
+        field.for_each(&bits[..field.width], |e| changed[usize::from(table[e])] += 1.0);
+    }
+    let (all_total, changed_total): (f64, f64) = (all.iter().sum(), changed.iter().sum());
+    let divergence: f64 = (0..CLASSES)
+        .filter(|&c| changed[c] > 0.0)
+        .map(|c| {
+            let p = changed[c] / changed_total;
+            // A class the sample of all elements missed is rare: count it as one sampled element.
+            let q = all[c].max(1.0) / all_total;
+            p * (p / q).log2()
+        })
+        .sum();
+    divergence * positions.len() as f64 / 8.0 >= 0.01 * other_len as f64
+}
+
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.
 pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
     encode_patched(base, None, field, positions)
@@ -912,6 +975,18 @@ mod tests {
                 assert_eq!(decode(&want, field, &base, positions.len() as u64).unwrap(), positions);
             }
         }
+    }
+
+    /// The walk is skipped where changes do not depend on the class (uniform flips) and kept where they do.
+    #[test]
+    fn worth_walking_tells_uniform_changes_from_magnitude_dependent_ones() {
+        let field = Exponent::of(Dtype::BF16).unwrap();
+        let (base, dependent) = sample(200_000, 17);
+        let other_len = dependent.len(); // about a byte per change, as rice would take
+        assert!(worth_walking(&base, None, field, &dependent, other_len));
+        let uniform: Vec<u64> = (0..200_000u64).filter(|i| i.wrapping_mul(2654435761) % 1000 < 30).collect();
+        assert!(!worth_walking(&base, None, field, &uniform, uniform.len()));
+        assert!(!worth_walking(&base, None, field, &[], 0));
     }
 
     /// Every length around the 64-element blocks, dense and sparse changes, complement classes included.

@@ -185,7 +185,11 @@ pub fn with_context(
     base: &[u8],
 ) -> TensorStreams {
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
-    let stream = super::context::encode(base, field, &positions_of(ranges));
+    let positions = positions_of(ranges);
+    if !super::context::worth_walking(base, None, field, &positions, streams.positions.len()) {
+        return streams;
+    }
+    let stream = super::context::encode(base, field, &positions);
     if stream.len() < streams.positions.len() {
         TensorStreams { positions_codec: PositionCodec::Context, positions: stream, ..streams }
     } else {
@@ -216,6 +220,9 @@ pub fn with_context_from_new(
             let now = super::elements::load(&new[position * width..], width);
             old.push(now.wrapping_sub(difference) & mask);
         }
+    }
+    if !super::context::worth_walking(new, Some(&old), field, &positions, streams.positions.len()) {
+        return streams;
     }
     let stream = super::context::encode_from_new(new, field, &positions, &old);
     if stream.len() < streams.positions.len() {
