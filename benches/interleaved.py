@@ -21,7 +21,6 @@ import workload  # noqa: E402
 
 import deltasync_rs as ds  # noqa: E402
 
-
 #: Every codec is timed; `context` also walks the base's classes (on this uniform workload it rarely wins on size,
 #: so it shows what the walk costs).
 CODECS = ("varint", "compact", "context")
