@@ -104,9 +104,12 @@ fn read_header(bytes: &[u8], field: Exponent) -> Result<Header, String> {
 
 /// Reads every class's listed ranks, each checked to be below `numel` and above the previous one.
 fn read_ranks(bytes: &[u8], header: &Header, numel: u64) -> Result<Vec<Vec<u64>>, String> {
-    let total: u64 = header.listed.iter().sum();
-    if total > numel.saturating_mul(2) {
-        return Err(format!("context stream lists {total} ranks for {numel} elements"));
+    let total = header.listed.iter().fold(0u64, |sum, &n| sum.saturating_add(n));
+    // Every code takes at least one bit: a declared count is checked against the bits there are before anything
+    // is allocated for it.
+    let available = (bytes.len() - header.bits_from) as u64 * 8;
+    if total > numel.saturating_mul(2) || total > available {
+        return Err(format!("context stream lists {total} ranks for {numel} elements in {available} bits of codes"));
     }
     let mut bits = BitReader::new(&bytes[header.bits_from..]);
     let mut ranks = Vec::with_capacity(CLASSES);
@@ -135,6 +138,7 @@ fn read_ranks(bytes: &[u8], header: &Header, numel: u64) -> Result<Vec<Vec<u64>>
 pub fn check(bytes: &[u8], field: Exponent, changed: u64, numel: u64) -> Result<(), String> {
     let header = read_header(bytes, field)?;
     read_ranks(bytes, &header, numel)?;
+    // No overflow: read_ranks bounds the sum by the stream's bits.
     let listed_changes: u64 = (0..CLASSES).filter(|&c| !header.complement[c]).map(|c| header.listed[c]).sum();
     let exact = !header.complement.iter().any(|&c| c);
     if listed_changes > changed || (exact && listed_changes != changed) {
@@ -1115,6 +1119,15 @@ mod tests {
         assert!(check(&trailing, field, count, 5000).is_err());
         assert!(check(&stream[..stream.len() - 1], field, count, 5000).is_err());
         assert!(check(&[], field, 0, 0).is_err());
+        // Counts far beyond the stream's bits (a huge declared shape) are refused before anything is allocated.
+        let mut huge = vec![127u8];
+        for class in 0..CLASSES {
+            varint::write(&mut huge, if class == 3 { (1u64 << 62) << 1 } else { u64::MAX >> 1 << 1 });
+        }
+        huge.extend_from_slice(&[5u8; CLASSES]);
+        huge.extend_from_slice(&[0u8; 16]);
+        assert!(check(&huge, field, 1 << 40, 1 << 62).is_err());
+        assert!(decode(&huge, field, &base, count).is_err());
         assert!(check(&[0xff], Exponent::of(Dtype::F16).unwrap(), 0, 0).is_err(), "reference over 31");
     }
 }
