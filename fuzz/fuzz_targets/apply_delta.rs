@@ -2,6 +2,8 @@
 //! apply must never panic or write out of bounds, and a refused apply must leave every target untouched.
 #![no_main]
 
+use deltasync_rs::core::codec::decode::EncodedTensor;
+use deltasync_rs::core::error::Error;
 use deltasync_rs::core::{apply, format};
 use libfuzzer_sys::fuzz_target;
 
@@ -36,11 +38,32 @@ fuzz_target!(|data: &[u8]| {
         buffers.push((index, target));
     }
     let before: Vec<Vec<u8>> = buffers.iter().map(|(_, b)| b.clone()).collect();
+    // `context` positions decode against the base: against any bytes they must decode to `changed` strictly
+    // increasing positions inside the tensor, or fail, never panic. (The apply below refuses these fill patterns
+    // at the base check, so this is where their decoding is fuzzed.)
+    for ((index, _), base) in buffers.iter().zip(&before) {
+        let tensor = &delta.tensors[*index];
+        if !tensor.needs_base() {
+            continue;
+        }
+        if let Ok(positions) = (EncodedTensor { base: Some(base), ..tensor.encoded() }).context_positions() {
+            let numel = (base.len() / tensor.width()) as u64;
+            assert_eq!(positions.len() as u64, tensor.changed, "context positions of the wrong count");
+            assert!(positions.windows(2).all(|w| w[0] < w[1]), "context positions not increasing");
+            assert!(positions.last().is_none_or(|&p| p < numel), "context position past the tensor");
+        }
+    }
+    let needs_base = delta.tensors.iter().any(|t| t.needs_base() && t.changed > 0);
     let targets = buffers.iter_mut().map(|(index, b)| (*index, &mut b[..])).collect();
     match apply::apply(&delta, targets) {
         Ok(()) => {}
         Err(error) => {
-            assert!(skew % 4 != 0, "a delta that loaded was refused by targets of its own size: {error}");
+            // A delta with `context` positions applies only to its exact base, which a fill pattern is not.
+            let base_refused = needs_base && matches!(error, Error::BaseMismatch { .. });
+            assert!(
+                skew % 4 != 0 || base_refused,
+                "a delta that loaded was refused by targets of its own size: {error}"
+            );
             for ((_, after), before) in buffers.iter().zip(&before) {
                 assert!(after == before, "a refused apply wrote into a target");
             }
