@@ -185,16 +185,7 @@ pub fn with_context(
     base: &[u8],
 ) -> TensorStreams {
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
-    let positions = positions_of(ranges);
-    if !super::context::worth_walking(base, None, field, &positions, streams.positions.len()) {
-        return streams;
-    }
-    let stream = super::context::encode(base, field, &positions);
-    if stream.len() < streams.positions.len() {
-        TensorStreams { positions_codec: PositionCodec::Context, positions: stream, ..streams }
-    } else {
-        streams
-    }
+    smaller_of(streams, field, base, &positions_of(ranges), None)
 }
 
 /// `with_context` for a writer that holds the tensor's new bits `new` instead of its base (the mirror, updated in
@@ -221,10 +212,25 @@ pub fn with_context_from_new(
             old.push(now.wrapping_sub(difference) & mask);
         }
     }
-    if !super::context::worth_walking(new, Some(&old), field, &positions, streams.positions.len()) {
+    smaller_of(streams, field, new, &positions, Some(&old))
+}
+
+/// `streams` with `context` positions where they are smaller (and the walk is worth trying): coded against
+/// `bytes`, or, with `old`, against `bytes` holding the new bits and `old` the changed elements' base bits.
+fn smaller_of(
+    streams: TensorStreams,
+    field: super::context::Exponent,
+    bytes: &[u8],
+    positions: &[u64],
+    old: Option<&[u64]>,
+) -> TensorStreams {
+    if !super::context::worth_walking(bytes, old, field, positions, streams.positions.len()) {
         return streams;
     }
-    let stream = super::context::encode_from_new(new, field, &positions, &old);
+    let stream = match old {
+        Some(old) => super::context::encode_from_new(bytes, field, positions, old),
+        None => super::context::encode(bytes, field, positions),
+    };
     if stream.len() < streams.positions.len() {
         TensorStreams { positions_codec: PositionCodec::Context, positions: stream, ..streams }
     } else {
