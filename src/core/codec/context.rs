@@ -833,19 +833,23 @@ fn encode_patched(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent, posi
 mod tests {
     use super::*;
 
+    /// A xorshift64 generator from `seed` (odd).
+    fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        }
+    }
+
     fn bf16(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect()
     }
 
     /// A base of magnitudes spread over many exponents, with changes denser among the small ones.
     fn sample(n: usize, seed: u64) -> (Vec<u8>, Vec<u64>) {
-        let mut state = seed | 1;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(seed | 1);
         let values: Vec<f32> =
             (0..n).map(|_| (next() % 4096) as f32 / 4096.0 * 2f32.powi(-((next() % 12) as i32))).collect();
         let base = bf16(&values);
@@ -912,13 +916,7 @@ mod tests {
     /// both element widths (and, on `x86_64`, the SSE2 planes against the scalar ones).
     #[test]
     fn block_classes_match_the_table() {
-        let mut state = 0x1234_5678_9abc_def1u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x1234_5678_9abc_def1u64);
         for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
             let field = Exponent::of(dtype).unwrap();
             let base: Vec<u8> = (0..64 * field.width * 40).map(|_| next() as u8).collect();
@@ -1033,13 +1031,7 @@ mod tests {
     /// The portable bit deposit and extract against BMI2's, where the CPU has it, and as each other's inverse.
     #[test]
     fn portable_bits_match_bmi2() {
-        let mut state = 0x0123_4567_89ab_cdefu64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x0123_4567_89ab_cdefu64);
         for _ in 0..10_000 {
             let (value, mask) = (next(), next() & next());
             let packed = Portable::extract(value, mask);
