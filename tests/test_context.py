@@ -252,42 +252,18 @@ def test_cli_diff_and_apply(tmp_path, capsys):
     from deltasync_rs.cli import main
 
     prev, curr = _state(9)
-    save_file(prev, str(tmp_path / "prev.safetensors"))
-    save_file(curr, str(tmp_path / "curr.safetensors"))
-    delta_path, out = tmp_path / "d.safetensors", tmp_path / "out.safetensors"
-    assert (
-        main(
-            [
-                "diff",
-                str(tmp_path / "prev.safetensors"),
-                str(tmp_path / "curr.safetensors"),
-                "-o",
-                str(delta_path),
-                "--codec",
-                "context",
-            ]
-        )
-        == 0
-    )
+    prev_path, curr_path = str(tmp_path / "prev.safetensors"), str(tmp_path / "curr.safetensors")
+    save_file(prev, prev_path)
+    save_file(curr, curr_path)
+    delta_path, out = str(tmp_path / "d.safetensors"), str(tmp_path / "out.safetensors")
+    assert main(["diff", prev_path, curr_path, "-o", delta_path, "--codec", "context"]) == 0
     assert {t.positions for t in ds.load(delta_path).tensors} == {"context"}
-    assert main(["apply", str(tmp_path / "prev.safetensors"), str(delta_path), "-o", str(out)]) == 0
-    assert _equal(load_file(str(out)), curr)
+    assert main(["apply", prev_path, delta_path, "-o", out]) == 0
+    assert _equal(load_file(out), curr)
     # Against the new state (a second application): refused even without the optional check, nothing written.
-    assert main(["apply", str(tmp_path / "curr.safetensors"), str(delta_path), "-o", str(out), "--no-check-base"]) != 0
+    assert main(["apply", curr_path, delta_path, "-o", out, "--no-check-base"]) != 0
     assert "base" in capsys.readouterr().err
-    assert _equal(load_file(str(out)), curr), "a refused apply left its output as it was"
+    assert _equal(load_file(out), curr), "a refused apply left its output as it was"
     trl = ["--codec", "context", "--values", "abs", "--format", "trl"]
-    assert (
-        main(
-            [
-                "diff",
-                str(tmp_path / "prev.safetensors"),
-                str(tmp_path / "curr.safetensors"),
-                "-o",
-                str(tmp_path / "t"),
-                *trl,
-            ]
-        )
-        != 0
-    )
+    assert main(["diff", prev_path, curr_path, "-o", str(tmp_path / "t"), *trl]) != 0
     assert "--codec context" in capsys.readouterr().err
