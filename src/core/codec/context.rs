@@ -248,6 +248,64 @@ mod sse2 {
     }
 }
 
+/// The bit-planes of 64 elements' classes with AVX2, as `sse2` with 32 elements per step. AVX2's packs work within
+/// each 128-bit half, so the packed classes are put back in element order by a permute before `movemask`.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::{
+        __m256i, _mm256_add_epi16, _mm256_and_si256, _mm256_loadu_si256, _mm256_max_epi16, _mm256_min_epi16,
+        _mm256_movemask_epi8, _mm256_packs_epi32, _mm256_packus_epi16, _mm256_permute4x64_epi64,
+        _mm256_permutevar8x32_epi32, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_setr_epi32, _mm256_setzero_si256,
+        _mm256_slli_epi16, _mm256_srl_epi16, _mm256_srl_epi32, _mm_cvtsi32_si128,
+    };
+
+    use super::Exponent;
+
+    /// The planes of the 64 `W`-byte elements of `block` (`64 * W` bytes), for classes `exponent + offset`
+    /// clamped to 0..=15. Only for code compiled with `avx2`, run where the CPU has it (`dispatch!`).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) fn planes<const W: usize>(block: &[u8], field: Exponent, offset: i16) -> [u64; 4] {
+        assert_eq!(block.len(), 64 * W);
+        let load = |at: usize| {
+            let bytes: &[u8; 32] = block[at..at + 32].try_into().expect("32 bytes");
+            // SAFETY: `bytes` is 32 readable bytes, and an unaligned load needs no alignment.
+            unsafe { _mm256_loadu_si256(bytes.as_ptr().cast::<__m256i>()) }
+        };
+        let count = _mm_cvtsi32_si128(field.shift as i32);
+        let (offset, zero, top) = (_mm256_set1_epi16(offset), _mm256_setzero_si256(), _mm256_set1_epi16(15));
+        let class =
+            |exponent: __m256i| _mm256_min_epi16(_mm256_max_epi16(_mm256_add_epi16(exponent, offset), zero), top);
+        let mut planes = [0u64; 4];
+        for half in 0..2 {
+            let classes = if W == 2 {
+                let mask = _mm256_set1_epi16(field.mask as i16);
+                let exponent = |at: usize| _mm256_and_si256(_mm256_srl_epi16(load(at), count), mask);
+                // Elements 0-15 and 16-31 of this half packed by 128-bit halves: 0-7, 16-23, 8-15, 24-31.
+                let packed = _mm256_packus_epi16(class(exponent(half * 64)), class(exponent(half * 64 + 32)));
+                _mm256_permute4x64_epi64::<0b11_01_10_00>(packed)
+            } else {
+                let mask = _mm256_set1_epi32(field.mask as i32);
+                let exponent = |at: usize| _mm256_and_si256(_mm256_srl_epi32(load(at), count), mask);
+                let at = half * 128;
+                // Eight elements per load; two packs leave groups of four in the order 0, 2, 4, 6, 1, 3, 5, 7.
+                let low = _mm256_packs_epi32(exponent(at), exponent(at + 32));
+                let high = _mm256_packs_epi32(exponent(at + 64), exponent(at + 96));
+                let packed = _mm256_packus_epi16(class(low), class(high));
+                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+            };
+            // Classes are below 16, so a 16-bit lane's shift by up to 7 moves no bit of its low byte to the top
+            // of its high byte.
+            let shift = 32 * half;
+            planes[0] |= u64::from(_mm256_movemask_epi8(_mm256_slli_epi16::<7>(classes)) as u32) << shift;
+            planes[1] |= u64::from(_mm256_movemask_epi8(_mm256_slli_epi16::<6>(classes)) as u32) << shift;
+            planes[2] |= u64::from(_mm256_movemask_epi8(_mm256_slli_epi16::<5>(classes)) as u32) << shift;
+            planes[3] |= u64::from(_mm256_movemask_epi8(_mm256_slli_epi16::<4>(classes)) as u32) << shift;
+        }
+        planes
+    }
+}
+
 /// The bit-planes of the classes of 64 `W`-byte elements.
 #[inline(always)]
 fn planes<const W: usize>(block: &[u8], field: Exponent, reference: u8, table: &[u8; 256]) -> [u64; 4] {
@@ -305,7 +363,7 @@ fn patched<'a, const W: usize>(
 /// The class masks of every block of 64 elements of `base` (with `patch`'s old bits over it), in order, to
 /// `visitor`; the last block's masks hold only its elements.
 #[inline(always)]
-fn for_each_block<const W: usize>(
+fn for_each_block<const W: usize, B: Bits>(
     base: &[u8],
     patch: Option<OldBits<'_>>,
     field: Exponent,
@@ -317,7 +375,7 @@ fn for_each_block<const W: usize>(
     let mut blocks = base.chunks_exact(64 * W);
     for block in &mut blocks {
         let block = patched::<W>(block, start, patch, &mut cursor, &mut scratch);
-        visitor.block(start, &class_masks(planes::<W>(block, field, reference, &table), !0));
+        visitor.block(start, &class_masks(B::planes::<W>(block, field, reference, &table), !0));
         start += 64;
     }
     let tail = blocks.remainder();
@@ -327,8 +385,15 @@ fn for_each_block<const W: usize>(
     }
 }
 
-/// Bit deposit and extract (BMI2's `pdep` and `pext`), with hardware or without.
+/// Bit deposit and extract (BMI2's `pdep` and `pext`), with hardware or without, and the bit-planes of a block's
+/// classes, with the widest vectors the kernel is compiled for.
 trait Bits {
+    /// The bit-planes of the classes of 64 `W`-byte elements.
+    #[inline(always)]
+    fn planes<const W: usize>(block: &[u8], field: Exponent, reference: u8, table: &[u8; 256]) -> [u64; 4] {
+        planes::<W>(block, field, reference, table)
+    }
+
     /// The low bits of `bits`, in order, at the set bits of `mask`.
     fn deposit(bits: u64, mask: u64) -> u64;
     /// The bits of `value` at the set bits of `mask`, packed to the low end in order.
@@ -365,12 +430,19 @@ impl Bits for Portable {
     }
 }
 
-/// `Bits` with BMI2; only in kernels compiled with `bmi2`, run where the CPU has it (`dispatch!`).
+/// `Bits` with BMI2 and AVX2; only in kernels compiled with `bmi2` and `avx2`, run where the CPU has them
+/// (`dispatch!`).
 #[cfg(target_arch = "x86_64")]
 struct Bmi2;
 
 #[cfg(target_arch = "x86_64")]
 impl Bits for Bmi2 {
+    #[inline(always)]
+    fn planes<const W: usize>(block: &[u8], field: Exponent, reference: u8, _: &[u8; 256]) -> [u64; 4] {
+        // SAFETY: `Bmi2` is only used by the `*_bmi2` kernels, which `dispatch!` runs only where the CPU has AVX2.
+        unsafe { avx2::planes::<W>(block, field, CENTRE as i16 - i16::from(reference)) }
+    }
+
     #[inline(always)]
     fn deposit(bits: u64, mask: u64) -> u64 {
         // SAFETY: `Bmi2` is only used by the `*_bmi2` kernels, which `dispatch!` runs only where the CPU has BMI2.
@@ -384,15 +456,16 @@ impl Bits for Bmi2 {
     }
 }
 
-/// Runs `$kernel::<W, _>($args)` for the element width of `$field`: `$fast` (compiled with `popcnt` and `bmi2`,
-/// which are not in the `x86_64` baseline) where the CPU has them, else with `Portable` bits.
-/// True where BMI2's `pdep`/`pext` are fast: the CPU has them, and is not an AMD Zen 1 or 2 (family 0x17 and
+/// True where the CPU has AVX2 and BMI2, and BMI2's `pdep`/`pext` are fast: the CPU has them, and is not an AMD Zen 1 or 2 (family 0x17 and
 /// before), where they are microcoded and take hundreds of cycles, far slower than the portable loops.
 #[cfg(target_arch = "x86_64")]
 fn fast_bmi2() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FAST.get_or_init(|| {
-        if !(std::arch::is_x86_feature_detected!("popcnt") && std::arch::is_x86_feature_detected!("bmi2")) {
+        if !(std::arch::is_x86_feature_detected!("popcnt")
+            && std::arch::is_x86_feature_detected!("bmi2")
+            && std::arch::is_x86_feature_detected!("avx2"))
+        {
             return false;
         }
         let (vendor, signature) = (std::arch::x86_64::__cpuid(0), std::arch::x86_64::__cpuid(1));
@@ -403,12 +476,15 @@ fn fast_bmi2() -> bool {
     })
 }
 
+/// Runs `$kernel::<W, _>($args)` for the element width of `$field`: `$fast` (compiled with `popcnt`, `bmi2` and
+/// `avx2`, which are not in the `x86_64` baseline) where the CPU has them and they are fast, else with `Portable`
+/// bits.
 macro_rules! dispatch {
     ($field:expr, $kernel:ident, $fast:ident, ($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]
         {
             if fast_bmi2() {
-                // SAFETY: the CPU has the `popcnt` and `bmi2` instructions that `$fast` is compiled with.
+                // SAFETY: the CPU has the `popcnt`, `bmi2` and `avx2` instructions that `$fast` is compiled with.
                 unsafe {
                     if $field.width == 2 { $fast::<2>($($arg),*) } else { $fast::<4>($($arg),*) }
                 }
@@ -537,12 +613,12 @@ fn decode_walk<const W: usize, B: Bits>(
 ) -> (Vec<u64>, bool, [u64; CLASSES]) {
     let capacity = changed.min((base.len() / field.width) as u64) as usize;
     let mut walk = Walk::<B>::new(ranks, header.complement, changed, capacity);
-    for_each_block::<W>(base, None, field, header.reference, &mut walk);
+    for_each_block::<W, B>(base, None, field, header.reference, &mut walk);
     (walk.positions, walk.overflow, walk.seen)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "popcnt,bmi2")]
+#[target_feature(enable = "popcnt,bmi2,avx2")]
 fn decode_walk_bmi2<const W: usize>(
     base: &[u8],
     field: Exponent,
@@ -675,12 +751,12 @@ fn encode_walk<const W: usize, B: Bits>(
     changed: &[u64],
 ) -> ([Vec<u64>; CLASSES], [u64; CLASSES]) {
     let mut walk = Ranks::<B> { changed, maps: Default::default(), seen: [0; CLASSES], bits: std::marker::PhantomData };
-    for_each_block::<W>(base, patch, field, reference, &mut walk);
+    for_each_block::<W, B>(base, patch, field, reference, &mut walk);
     (walk.maps, walk.seen)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "popcnt,bmi2")]
+#[target_feature(enable = "popcnt,bmi2,avx2")]
 fn encode_walk_bmi2<const W: usize>(
     base: &[u8],
     patch: Option<OldBits<'_>>,
@@ -945,7 +1021,7 @@ mod tests {
     }
 
     /// The block kernels' classes against the class table, element by element, for every reference exponent and
-    /// both element widths (and, on `x86_64`, the SSE2 planes against the scalar ones).
+    /// both element widths (and, on `x86_64`, the SSE2 and AVX2 planes against the scalar ones).
     #[test]
     fn block_classes_match_the_table() {
         let mut next = xorshift(0x1234_5678_9abc_def1u64);
@@ -966,6 +1042,18 @@ mod tests {
                             sse2::planes::<4>(block, field, CENTRE as i16 - i16::from(reference))
                         };
                         assert_eq!(fast, scalar, "{dtype:?} reference {reference} block {b}");
+                        if std::arch::is_x86_feature_detected!("avx2") {
+                            let offset = CENTRE as i16 - i16::from(reference);
+                            // SAFETY: the CPU has AVX2.
+                            let wide = unsafe {
+                                if field.width == 2 {
+                                    avx2::planes::<2>(block, field, offset)
+                                } else {
+                                    avx2::planes::<4>(block, field, offset)
+                                }
+                            };
+                            assert_eq!(wide, scalar, "AVX2, {dtype:?} reference {reference} block {b}");
+                        }
                     }
                     let masks = class_masks(scalar, !0);
                     for i in 0..64 {
