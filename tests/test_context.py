@@ -69,6 +69,11 @@ def test_smaller_than_compact_on_magnitude_dependent_steps():
     context, compact = ds.diff(prev, curr, codec="context"), ds.diff(prev, curr, codec="compact")
     assert {t.positions for t in context.tensors} == {"context"}
     assert len(context.to_bytes()) < 0.9 * len(compact.to_bytes())
+    # The large tensor's values are coded by class too (docs/format.md §6.3), smaller than compact's one table.
+    assert context.tensors[0].values == "rans_classes"
+    context._raw.packed = compact._raw.packed = False
+    sizes = [ds.load(d.to_bytes()).tensors[0].nbytes for d in (context, compact)]
+    assert sizes[0] < sizes[1]
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch", "torch strided", "numpy strided", "single tensor"])
@@ -155,6 +160,55 @@ def test_malformed_streams_never_write_or_crash():
             refused += 1
             assert torch.equal(_bits(target["w"]), _bits(prev)), f"byte {at}: a refused apply wrote"
     assert refused > (end - begin) // 2
+
+
+def test_malformed_class_values_never_write_or_crash():
+    """Every byte of a `rans_classes` value stream (docs/format.md §6.3) flipped in turn: the load or the apply
+    refuses it with the target untouched, or the apply writes some change (a flip inside a low bit still decodes)."""
+    import json
+
+    prev, curr = _step(11, (48, 40), torch.bfloat16, 1e-3)
+    delta = ds.diff({"w": prev}, {"w": curr}, codec="context")
+    assert delta.tensors[0].values == "rans_classes"
+    delta._raw.packed = False
+    blob = bytearray(delta.to_bytes())
+    start = 8 + int.from_bytes(blob[:8], "little")
+    begin, end = json.loads(blob[8:start])["w:val"]["data_offsets"]
+    refused = 0
+    for at in range(start + begin, start + end):
+        bad = bytearray(blob)
+        bad[at] ^= 0x5A
+        try:
+            broken = ds.load(bytes(bad))
+        except ds.DeltaSyncError:
+            refused += 1
+            continue
+        target = {"w": prev.clone()}
+        try:
+            broken.apply_(target)
+        except ds.DeltaSyncError:
+            refused += 1
+            assert torch.equal(_bits(target["w"]), _bits(prev)), f"byte {at}: a refused apply wrote"
+    assert refused > (end - begin) // 2
+
+
+def test_class_values_need_context_positions():
+    """A record that pairs `rans_classes` values with other positions is refused when loaded, by name."""
+    import json
+
+    prev, curr = _step(11, (48, 40), torch.bfloat16, 1e-3)
+    delta = ds.diff({"w": prev}, {"w": curr}, codec="context")
+    delta._raw.packed = False
+    blob = bytearray(delta.to_bytes())
+    start = 8 + int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:start])
+    records = json.loads(header["__metadata__"]["tensors"])
+    records[0]["positions"] = "rice"
+    header["__metadata__"]["tensors"] = json.dumps(records)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with pytest.raises(ds.DeltaSyncError, match="rans_classes"):
+        ds.load(len(text).to_bytes(8, "little") + text + bytes(blob[start:]))
 
 
 def test_records_without_what_context_needs_are_rejected():

@@ -153,3 +153,26 @@ def test_context_example_in_format_doc():
     named = compact.to_bytes()
     header = json.loads(named[8 : 8 + int.from_bytes(named[:8], "little")])
     assert header["w:pos"]["shape"] == [26], "the rice stream the example compares with"
+
+
+def test_context_classes_example_in_format_doc():
+    """docs/format.md §8.5 shows bf16_context_classes's value stream header; keep the two in step."""
+    blob = (VECTORS / "bf16_context_classes.safetensors").read_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_len])
+    data = blob[8 + header_len :]
+    start, end = header["w:val"]["data_offsets"]
+    values = data[start:end]
+    assert header["w:pos"]["shape"] == [105] and len(values) == 199
+    assert values[:9].hex(" ") == "02 01 80 02 94 01 80 02 2a"
+    assert values[9:13].hex(" ") == "0c 00 d0 02" and values[9 + 148 :][:6].hex(" ") == "02 00 d0 0a b0 15"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    for line in ("80 02 94 01         group 0", "80 02 2a            group 1", "02 00 d0 0a b0 15   group 1's"):
+        assert line in doc
+    assert {t.name: (t.positions, t.values) for t in ds.load(blob).tensors} == {"w": ("context", "rans_classes")}
+    _, base, expected = generate.build(_int_keys(INDEX["bf16_context_classes"]["spec"]))
+    compact = ds.diff(base, expected, codec="compact")
+    compact._raw.packed = False
+    named = compact.to_bytes()
+    header = json.loads(named[8 : 8 + int.from_bytes(named[:8], "little")])
+    assert (header["w:pos"]["shape"], header["w:val"]["shape"]) == ([129], [219]), "the sizes the example compares"

@@ -38,16 +38,18 @@ fuzz_target!(|data: &[u8]| {
         buffers.push((index, target));
     }
     let before: Vec<Vec<u8>> = buffers.iter().map(|(_, b)| b.clone()).collect();
-    // `context` positions decode against the base: against any bytes they must decode to `changed` strictly
-    // increasing positions inside the tensor, or fail, never panic. (The apply below refuses these fill patterns
+    // `context` positions (and `rans_classes` values) decode against the base: against any bytes they must decode
+    // to `changed` strictly increasing positions inside the tensor, or fail, never panic. (The apply below refuses these fill patterns
     // at the base check, so this is where their decoding is fuzzed.)
     for ((index, _), base) in buffers.iter().zip(&before) {
         let tensor = &delta.tensors[*index];
         if !tensor.needs_base() {
             continue;
         }
-        if let Ok(positions) = (EncodedTensor { base: Some(base), ..tensor.encoded() }).context_positions() {
-            let numel = (base.len() / tensor.width()) as u64;
+        if let Ok(changes) = (EncodedTensor { base: Some(base), ..tensor.encoded() }).context_changes() {
+            let (positions, numel) = (&changes.positions, (base.len() / tensor.width()) as u64);
+            // `rans_classes` values are decoded by class with the positions: one per change.
+            assert!(changes.values.as_ref().is_none_or(|v| v.len() == positions.len()), "a value per change");
             assert_eq!(positions.len() as u64, tensor.changed, "context positions of the wrong count");
             assert!(positions.windows(2).all(|w| w[0] < w[1]), "context positions not increasing");
             assert!(positions.last().is_none_or(|&p| p < numel), "context position past the tensor");

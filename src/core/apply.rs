@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use crate::core::codec::decode::BATCH;
+use crate::core::codec::decode::{ContextChanges, BATCH};
 use crate::core::codec::{elements, values, with_width};
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype;
@@ -79,8 +79,8 @@ pub fn check_disjoint(delta: &Delta, targets: &[(usize, usize, usize)]) -> Resul
 }
 
 /// Writes one tensor's changes into `target`, which `check_target` has accepted. A `context` tensor needs its
-/// positions decoded beforehand (`TensorDelta::context_positions`), from the target before any write.
-pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8], decoded: Option<&[u64]>) -> Result<()> {
+/// changes decoded beforehand (`TensorDelta::context_changes`), from the target before any write.
+pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8], decoded: Option<&ContextChanges>) -> Result<()> {
     if tensor.is_dense() {
         // In pieces, each dropped once copied when it is mapped from a file: an anchor's pages never pile up.
         for (index, piece) in target.chunks_mut(DENSE_PIECE_BYTES).enumerate() {
@@ -110,7 +110,7 @@ fn prefetch(target: &[u8], at: usize) {
 fn scatter<const W: usize>(
     tensor: &TensorDelta,
     target: &mut [u8],
-    decoded: Option<&[u64]>,
+    decoded: Option<&ContextChanges>,
 ) -> std::result::Result<(), String> {
     let codec = tensor.values_codec;
     // Each batch is written while the next one is decoded and its lines prefetched.
@@ -152,14 +152,14 @@ pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> 
     crate::core::pool::install(|| {
         // `context` positions are decoded from the targets (each checked to hold the exact base) before anything
         // is written, so a wrong base or a bad stream leaves every target as it was.
-        let decoded: Vec<Option<Vec<u64>>> = targets
+        let decoded: Vec<Option<ContextChanges>> = targets
             .par_iter()
-            .map(|(index, target)| delta.tensors[*index].context_positions(target))
+            .map(|(index, target)| delta.tensors[*index].context_changes(target))
             .collect::<Result<_>>()?;
         targets
             .into_par_iter()
             .zip(decoded)
-            .try_for_each(|((index, target), decoded)| apply_tensor(&delta.tensors[index], target, decoded.as_deref()))
+            .try_for_each(|((index, target), decoded)| apply_tensor(&delta.tensors[index], target, decoded.as_ref()))
     })
 }
 
@@ -179,12 +179,12 @@ pub fn decode_into(
         return Err(Error::invalid(format!("tensor {:?}: decode buffers have the wrong size", tensor.name)));
     }
     let decoded = match base {
-        Some(base) => tensor.context_positions(base)?,
+        Some(base) => tensor.context_changes(base)?,
         None => None,
     };
     let mut k = 0usize;
     tensor
-        .for_each_change_on(decoded.as_deref(), |position, value| {
+        .for_each_change_on(decoded.as_ref(), |position, value| {
             positions_out[k * 8..k * 8 + 8].copy_from_slice(&(position as i64).to_le_bytes());
             elements::store(&mut values_out[k * width..], value, width);
             k += 1;

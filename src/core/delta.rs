@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 
-use crate::core::codec::decode::EncodedTensor;
+use crate::core::codec::decode::{ContextChanges, EncodedTensor};
 use crate::core::codec::plan::TensorStreams;
 use crate::core::codec::{PositionCodec, ValueCodec};
 use crate::core::dtype::{self, Dtype};
@@ -128,10 +128,10 @@ impl TensorDelta {
     }
 
     /// `for_each_change` in batches of up to `codec::decode::BATCH` changes: `visit(positions, values)`.
-    /// `context` positions need `decoded` (see `context_positions`); other codecs ignore it.
+    /// `context` positions need `decoded` (see `context_changes`); other codecs ignore it.
     pub fn for_each_batch(
         &self,
-        decoded: Option<&[u64]>,
+        decoded: Option<&ContextChanges>,
         visit: impl FnMut(&[u64], &[u64]),
     ) -> std::result::Result<(), String> {
         EncodedTensor { decoded, ..self.encoded() }.for_each_batch(visit)
@@ -140,22 +140,22 @@ impl TensorDelta {
     /// `for_each_change`, with `decoded` as for `for_each_batch`.
     pub fn for_each_change_on(
         &self,
-        decoded: Option<&[u64]>,
+        decoded: Option<&ContextChanges>,
         visit: impl FnMut(u64, u64),
     ) -> std::result::Result<(), String> {
         EncodedTensor { decoded, ..self.encoded() }.for_each_change(visit)
     }
 
-    /// A `context` tensor's positions decoded against `base`, its bytes before the change, after checking them
+    /// A `context` tensor's changes decoded against `base`, its bytes before the change, after checking them
     /// against the record's base identity (a wrong base is refused, never mis-decoded). None for other codecs.
-    pub fn context_positions(&self, base: &[u8]) -> Result<Option<Vec<u64>>> {
+    pub fn context_changes(&self, base: &[u8]) -> Result<Option<ContextChanges>> {
         if !self.needs_base() {
             return Ok(None);
         }
         crate::core::base::check_base(self, base)?;
         EncodedTensor { base: Some(base), ..self.encoded() }
-            .context_positions()
-            .map(|positions| Some(positions.into_owned()))
+            .context_changes()
+            .map(|changes| Some(changes.into_owned()))
             .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
     }
 

@@ -136,10 +136,10 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> R
         crate::core::base::check_bases(delta, &bases)?;
     }
     // `context` positions are decoded from the base (checked against its identity) before anything is written.
-    let decoded: Vec<Option<Vec<u64>>> = crate::core::pool::install(|| {
+    let decoded: Vec<Option<crate::core::codec::decode::ContextChanges>> = crate::core::pool::install(|| {
         targets
             .par_iter()
-            .map(|(tensor, range)| tensor.context_positions(&base_map[range.clone()]))
+            .map(|(tensor, range)| tensor.context_changes(&base_map[range.clone()]))
             .collect::<Result<_>>()
     })?;
     drop(base_map);
@@ -150,7 +150,7 @@ pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> R
         // SAFETY: the temporary file is ours alone until it is renamed into place.
         let mut out_map = unsafe { MmapMut::map_mut(&*file) }?;
         for ((tensor, range), decoded) in targets.iter().zip(&decoded) {
-            apply_tensor(tensor, &mut out_map[range.clone()], decoded.as_deref()).map_err(std::io::Error::other)?;
+            apply_tensor(tensor, &mut out_map[range.clone()], decoded.as_ref()).map_err(std::io::Error::other)?;
             // SAFETY: a shared file mapping keeps written pages in the page cache; dropping them from this
             // process loses nothing.
             let _ =

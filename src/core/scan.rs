@@ -247,7 +247,7 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
         let new_bits = load_const::<W>(std::slice::from_raw_parts(new.add(offset), W));
         match codec {
             ValueCodec::Abs => values::put_abs::<W, _>(values, new_bits),
-            ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => {
+            ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans | ValueCodec::RansClasses => {
                 let old_bits = load_const::<W>(std::slice::from_raw_parts(old.add(offset), W));
                 values::put_diff::<W, _>(values, old_bits, new_bits);
             }

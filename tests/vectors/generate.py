@@ -153,6 +153,28 @@ def vectors() -> dict[str, dict]:
                 }
             },
         },
+        # The rans_classes value codec (§6.3), in the named layout: every fourth element is small (class 0) and
+        # changes by one of ±1 .. ±6, while every third of the others (class 8) changes by ±1, so the two classes'
+        # values are coded with a table each.
+        "bf16_context_classes": {
+            "values": "diff",
+            "codec": "context",
+            "packed": False,
+            "step": 6,
+            "base_step": 5,
+            "metadata": {},
+            "tensors": {
+                "w": {
+                    "dtype": "BF16",
+                    "shape": [32, 32],
+                    "base": [0x3A80 if i % 4 == 0 else 0x3F80 for i in range(1024)],
+                    "changes": {
+                        **{i: (1, -2, 3, -4, 5, -6, 2, -1, 4, -3, 6, -5)[(i // 4) % 12] for i in range(0, 1024, 4)},
+                        **{i: 1 if i % 2 else -1 for i in range(1024) if i % 4 and i % 3 == 1},
+                    },
+                }
+            },
+        },
         "anchor": {
             "anchor": True,
             "step": 10,

@@ -657,6 +657,25 @@ pub fn decode(bytes: &[u8], field: Exponent, base: &[u8], changed: u64) -> Resul
     Ok(positions)
 }
 
+/// The class of every changed element at `positions` (each below the element count) in `base`, for the reference
+/// exponent that the `context` stream `bytes` names: what `rans_classes` values are grouped by.
+pub fn classes_at(bytes: &[u8], field: Exponent, base: &[u8], positions: &[u64]) -> Result<Vec<u8>, String> {
+    let table = class_table(read_header(bytes, field)?.reference);
+    let mut classes = Vec::with_capacity(positions.len());
+    for &position in positions {
+        let at = position as usize * field.width;
+        field.for_each(&base[at..at + field.width], |exponent| classes.push(table[exponent]));
+    }
+    Ok(classes)
+}
+
+/// The class of every changed element from its base bits `old` (low `field.width` bytes), for the reference
+/// exponent that the `context` stream `bytes` names.
+pub fn classes_of_bits(bytes: &[u8], field: Exponent, old: impl Iterator<Item = u64>) -> Result<Vec<u8>, String> {
+    let table = class_table(read_header(bytes, field)?.reference);
+    Ok(old.map(|bits| table[((bits >> field.shift) & u64::from(field.mask)) as usize]).collect())
+}
+
 /// How many elements of `base` have each exponent field value: four interleaved tables, so that runs of equal
 /// exponents do not wait on the previous store to the same counter.
 fn exponent_histogram(base: &[u8], field: Exponent) -> [u64; 256] {

@@ -2,6 +2,7 @@
 //! (with the fast decoders of the bit-packed codecs), and the end-to-end check of a loaded tensor.
 
 use super::bits::BitReader;
+use super::classvalues;
 use super::context::{self, Exponent};
 use super::pairs;
 use super::rans::{self, RansReader};
@@ -11,6 +12,14 @@ use super::{diffbits, values, with_width, PositionCodec, ValueCodec};
 
 /// Changes per `for_each_batch` call.
 pub const BATCH: usize = 64;
+
+/// A `context` tensor's changes, decoded against its base before anything is written: the positions, ascending,
+/// and the values where they too are decoded by class (`rans_classes`); None to read them from the value stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContextChanges {
+    pub positions: Vec<u64>,
+    pub values: Option<Vec<u64>>,
+}
 
 /// A tensor's streams as stored, with what it takes to read them.
 #[derive(Clone, Copy)]
@@ -22,9 +31,9 @@ pub struct EncodedTensor<'a> {
     /// The tensor's bytes before the change, which `context` positions are decoded against; None where the caller
     /// has not given them (the other codecs do not need them).
     pub base: Option<&'a [u8]>,
-    /// A `context` tensor's positions, already decoded against its base (core::apply decodes every tensor's
-    /// before writing any); None to decode them from `base`.
-    pub decoded: Option<&'a [u64]>,
+    /// A `context` tensor's changes, already decoded against its base (core::apply decodes every tensor's before
+    /// writing any); None to decode them from `base`.
+    pub decoded: Option<&'a ContextChanges>,
     /// Elements of the tensor; None where its shape is not known.
     pub numel: Option<u64>,
     pub changed: u64,
@@ -88,8 +97,12 @@ pub struct ValueReader<'a, const W: usize> {
 }
 
 impl<'a, const W: usize> ValueReader<'a, W> {
-    /// Fails where a `rans` stream's table or initial state is bad.
+    /// Fails where a `rans` stream's table or initial state is bad, and for `rans_classes`, whose values are read
+    /// with their classes (`EncodedTensor::context_changes`).
     pub fn new(bytes: &'a [u8], codec: ValueCodec) -> Result<Self, String> {
+        if codec == ValueCodec::RansClasses {
+            return Err("values 'rans_classes' are decoded with their classes, from 'context' positions".to_owned());
+        }
         let rans = if codec == ValueCodec::Rans { Some(RansReader::new(bytes, W)?) } else { None };
         Ok(ValueReader { bytes, at: 0, codec, bits: BitReader::new(bytes), rans })
     }
@@ -102,6 +115,7 @@ impl<'a, const W: usize> ValueReader<'a, W> {
             ValueCodec::Diff => values::read_diff::<W>(self.bytes, &mut self.at),
             ValueCodec::DiffBits => diffbits::read_difference::<W>(&mut self.bits),
             ValueCodec::Rans => self.rans.as_mut().expect("made with the codec").next_value::<W>(),
+            ValueCodec::RansClasses => unreachable!("refused by ValueReader::new"),
         }
     }
 
@@ -126,8 +140,8 @@ impl<'a> EncodedTensor<'a> {
         self.exponent.ok_or_else(|| "positions 'context' need a BF16, F16 or F32 tensor".to_owned())
     }
 
-    /// A `context` tensor's positions, decoded against the base the caller gave (or as decoded beforehand).
-    pub fn context_positions(&self) -> Result<std::borrow::Cow<'a, [u64]>, String> {
+    /// A `context` tensor's changes, decoded against the base the caller gave (or as decoded beforehand).
+    pub fn context_changes(&self) -> Result<std::borrow::Cow<'a, ContextChanges>, String> {
         if let Some(decoded) = self.decoded {
             return Ok(std::borrow::Cow::Borrowed(decoded));
         }
@@ -143,7 +157,26 @@ impl<'a> EncodedTensor<'a> {
             return Err(format!("the base holds {} bytes, which does not fit the tensor", base.len()));
         }
         self.check_changed()?;
-        context::decode(self.positions, field, base, self.changed).map(std::borrow::Cow::Owned)
+        let positions = context::decode(self.positions, field, base, self.changed)?;
+        let values = match self.values_codec {
+            ValueCodec::RansClasses => {
+                let classes = context::classes_at(self.positions, field, base, &positions)?;
+                Some(with_width!(self.width, W => classvalues::decode::<W>(self.values, &classes))?)
+            }
+            _ => None,
+        };
+        Ok(std::borrow::Cow::Owned(ContextChanges { positions, values }))
+    }
+
+    /// Refuses `rans_classes` values beside positions other than `context`, which give them their classes.
+    fn check_pairing(&self) -> Result<(), String> {
+        if self.values_codec == ValueCodec::RansClasses && self.positions_codec != PositionCodec::Context {
+            return Err(format!(
+                "values 'rans_classes' need 'context' positions, not '{}'",
+                self.positions_codec.name()
+            ));
+        }
+        Ok(())
     }
 
     fn check_changed(&self) -> Result<u64, String> {
@@ -168,8 +201,16 @@ impl<'a> EncodedTensor<'a> {
 
     fn walk_batches<const W: usize>(&self, mut visit: impl FnMut(&[u64], &[u64])) -> Result<(), String> {
         let (mut positions, mut values) = ([0u64; BATCH], [0u64; BATCH]);
+        self.check_pairing()?;
         if self.positions_codec == PositionCodec::Context {
-            let decoded = self.context_positions()?;
+            let changes = self.context_changes()?;
+            if let Some(values) = &changes.values {
+                for (positions, values) in changes.positions.chunks(BATCH).zip(values.chunks(BATCH)) {
+                    visit(positions, values);
+                }
+                return Ok(());
+            }
+            let decoded = &changes.positions;
             let mut value_reader = ValueReader::<W>::new(self.values, self.values_codec)?;
             for batch in decoded.chunks(BATCH) {
                 let n = batch.len();
@@ -246,6 +287,16 @@ impl<'a> EncodedTensor<'a> {
     }
 
     fn walk<const W: usize>(&self, mut visit: impl FnMut(u64, u64)) -> Result<(), String> {
+        self.check_pairing()?;
+        if self.values_codec == ValueCodec::RansClasses {
+            self.check_changed()?;
+            let changes = self.context_changes()?;
+            let values = changes.values.as_ref().ok_or("values 'rans_classes' were not decoded with the positions")?;
+            for (&position, &value) in changes.positions.iter().zip(values) {
+                visit(position, value);
+            }
+            return Ok(());
+        }
         let mut values = ValueReader::<W>::new(self.values, self.values_codec)?;
         match self.positions_codec {
             PositionCodec::All => {
@@ -274,8 +325,13 @@ impl<'a> EncodedTensor<'a> {
                     ));
                 }
                 if self.positions_codec == PositionCodec::Context {
-                    let decoded = self.context_positions()?;
-                    walk_stream(self.changed, Decoded { positions: decoded.iter() }, &mut values, &mut visit)?;
+                    let changes = self.context_changes()?;
+                    walk_stream(
+                        self.changed,
+                        Decoded { positions: changes.positions.iter() },
+                        &mut values,
+                        &mut visit,
+                    )?;
                 } else if self.positions_codec == PositionCodec::Varint {
                     walk_stream(self.changed, PositionReader::new(self.positions, numel), &mut values, &mut visit)?;
                 } else {
@@ -320,6 +376,7 @@ impl<'a> EncodedTensor<'a> {
     /// bit-packed pair (`rice`, `diffbits`) is checked in one loop, so that the two streams' decoding chains
     /// overlap; other streams apart, side by side, without pairing them.
     fn check_streams(&self) -> Result<Option<u64>, String> {
+        self.check_pairing()?;
         let numel = self.check_changed()?;
         let (positions, values, changed) = (self.positions, self.values, self.changed);
         if self.positions_codec == PositionCodec::Rice && self.values_codec == ValueCodec::DiffBits {
@@ -345,6 +402,7 @@ fn check_values<const W: usize>(bytes: &[u8], codec: ValueCodec, changed: u64) -
     match codec {
         ValueCodec::DiffBits => diffbits::check_diffbits::<W>(bytes, changed),
         ValueCodec::Rans => rans::check_rans::<W>(bytes, changed),
+        ValueCodec::RansClasses => classvalues::check::<W>(bytes, changed),
         ValueCodec::Abs | ValueCodec::Diff => values::check_bytes::<W>(bytes, codec, changed),
     }
 }

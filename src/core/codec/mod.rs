@@ -6,6 +6,7 @@
 //! the scan's ranges into `varint` streams, `plan` picks the compact codec's streams, `decode` reads any pair.
 
 pub mod bits;
+pub mod classvalues;
 pub mod context;
 pub mod decode;
 pub mod diffbits;
@@ -95,6 +96,10 @@ pub enum ValueCodec {
     DiffBits,
     /// The same difference entropy-coded: static rANS over a per-tensor frequency table (the `compact` codec).
     Rans,
+    /// The same difference entropy-coded with a `rans` table per group of the base's exponent classes
+    /// (core::codec::classvalues); only beside `context` positions, and decoded only against the exact base.
+    #[serde(rename = "rans_classes")]
+    RansClasses,
 }
 
 /// Which family of stream codecs a diff writes.
@@ -142,6 +147,7 @@ impl ValueCodec {
             ValueCodec::Diff => "diff",
             ValueCodec::DiffBits => "diffbits",
             ValueCodec::Rans => "rans",
+            ValueCodec::RansClasses => "rans_classes",
         }
     }
 
@@ -151,11 +157,12 @@ impl ValueCodec {
         // Exhaustive, so that a new value codec has to say which it holds.
         match self {
             ValueCodec::Abs => false,
-            ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans => true,
+            ValueCodec::Diff | ValueCodec::DiffBits | ValueCodec::Rans | ValueCodec::RansClasses => true,
         }
     }
 
-    /// The value codecs a caller may ask a diff for (`diffbits` and `rans` are chosen per tensor, never asked).
+    /// The value codecs a caller may ask a diff for (`diffbits`, `rans` and `rans_classes` are chosen per tensor,
+    /// never asked).
     pub fn parse(name: &str) -> Option<Self> {
         match name {
             "abs" => Some(ValueCodec::Abs),

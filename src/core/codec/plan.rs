@@ -185,7 +185,23 @@ pub fn with_context(
     base: &[u8],
 ) -> TensorStreams {
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
-    smaller_of(streams, field, base, &positions_of(ranges), None)
+    let differences = (streams.values_codec != ValueCodec::Abs).then(|| differences_of(ranges, field.width));
+    smaller_of(streams, field, base, &positions_of(ranges), None, differences.as_deref())
+}
+
+/// The wrapping differences of a tensor's changes, in order, from ranges whose values are `diff` differences.
+fn differences_of(ranges: &[Changes], width: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(ranges.iter().map(|r| r.count as usize).sum());
+    for range in ranges.iter().filter(|r| r.count > 0) {
+        let mut at = 0usize;
+        for _ in 0..range.count {
+            out.push(
+                with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut at))
+                    .expect("written by the scan"),
+            );
+        }
+    }
+    out
 }
 
 /// `with_context` for a writer that holds the tensor's new bits `new` instead of its base (the mirror, updated in
@@ -200,29 +216,29 @@ pub fn with_context_from_new(
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
     let width = field.width;
     let positions = positions_of(ranges);
-    let mut old = Vec::with_capacity(positions.len());
+    let differences = differences_of(ranges, width);
     let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
-    for range in ranges.iter().filter(|r| r.count > 0) {
-        let mut at = 0usize;
-        for _ in 0..range.count {
-            let difference = with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut at))
-                .expect("written by the scan");
-            let position = positions[old.len()] as usize;
-            let now = super::elements::load(&new[position * width..], width);
-            old.push(now.wrapping_sub(difference) & mask);
-        }
-    }
-    smaller_of(streams, field, new, &positions, Some(&old))
+    let old: Vec<u64> = positions
+        .iter()
+        .zip(&differences)
+        .map(|(&position, &difference)| {
+            let now = super::elements::load(&new[position as usize * width..], width);
+            now.wrapping_sub(difference) & mask
+        })
+        .collect();
+    smaller_of(streams, field, new, &positions, Some(&old), Some(&differences))
 }
 
 /// `streams` with `context` positions where they are smaller (and the walk is worth trying): coded against
-/// `bytes`, or, with `old`, against `bytes` holding the new bits and `old` the changed elements' base bits.
+/// `bytes`, or, with `old`, against `bytes` holding the new bits and `old` the changed elements' base bits. With
+/// the changes' `differences`, their values are coded by class too (`rans_classes`) where that is smaller.
 fn smaller_of(
     streams: TensorStreams,
     field: super::context::Exponent,
     bytes: &[u8],
     positions: &[u64],
     old: Option<&[u64]>,
+    differences: Option<&[u64]>,
 ) -> TensorStreams {
     if !super::context::worth_walking(bytes, old, field, positions, streams.positions.len()) {
         return streams;
@@ -231,9 +247,21 @@ fn smaller_of(
         Some(old) => super::context::encode_from_new(bytes, field, positions, old),
         None => super::context::encode(bytes, field, positions),
     };
-    if stream.len() < streams.positions.len() {
-        TensorStreams { positions_codec: PositionCodec::Context, positions: stream, ..streams }
-    } else {
-        streams
+    if stream.len() >= streams.positions.len() {
+        return streams;
     }
+    let mut chosen = TensorStreams { positions_codec: PositionCodec::Context, positions: stream, ..streams };
+    if let Some(differences) = differences {
+        let classes = match old {
+            Some(old) => super::context::classes_of_bits(&chosen.positions, field, old.iter().copied()),
+            None => super::context::classes_at(&chosen.positions, field, bytes, positions),
+        }
+        .expect("a context stream just written");
+        if let Some(values) = super::classvalues::encode(&classes, differences, field.width) {
+            if values.len() < chosen.values.len() {
+                (chosen.values_codec, chosen.values) = (ValueCodec::RansClasses, values);
+            }
+        }
+    }
+    chosen
 }
