@@ -211,15 +211,20 @@ def test_publishing_a_delta_holds_the_mapped_checkpoint_and_one_mirror(tmp_path)
         array.view(np.uint16)[::97] += 1  # about 1% of the elements change
     save_file(state, tmp_path / "ckpt1.safetensors")
     del state, words
-    _peak_of("publish", "ckpt0.safetensors", "--store", "store", "--step", 0, cwd=tmp_path)
+    anchor = _peak_of("publish", "ckpt0.safetensors", "--store", "store", "--step", 0, cwd=tmp_path)
     baseline = _peak_of("log", "--store", "store", cwd=tmp_path)  # the interpreter and the modules alone
+    # The anchor is written straight from the mapped checkpoint: its pages, and no copy of them as a mirror.
+    assert anchor - baseline <= size + (64 << 20), (anchor, baseline)
     peak = _peak_of("publish", "ckpt1.safetensors", "--store", "store", "--step", 1, cwd=tmp_path)
     assert peak - baseline <= 2 * size + (64 << 20), (peak, baseline)
     pulled = _peak_of("pull", "--store", "store", "-o", "out.safetensors", cwd=tmp_path)
     assert pulled - baseline <= size + (64 << 20), (pulled, baseline)  # the state it writes, and little more
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ckpt1.safetensors").read_bytes()
     # The figures docs/benchmarks.md quotes (shown with pytest -s).
-    print(f"peak RSS: publish {peak >> 20} MiB, pull {pulled >> 20} MiB, interpreter alone {baseline >> 20} MiB")
+    print(
+        f"peak RSS: anchor {anchor >> 20} MiB, publish {peak >> 20} MiB, pull {pulled >> 20} MiB, "
+        f"interpreter alone {baseline >> 20} MiB"
+    )
 
 
 def test_publishing_a_checkpoint_with_other_tensors_than_the_store_is_refused(tmp_path):
@@ -252,3 +257,25 @@ def test_publishing_a_checkpoint_of_more_tensors_than_the_kernel_allows_mappings
     result = _deltasync("pull", "--store", "store", "-o", "out.safetensors", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert _bytes_equal(_load(tmp_path / "out.safetensors"), state)
+
+
+def test_a_publisher_sharing_read_only_arrays_publishes_that_step_alone(tmp_path):
+    """`publish_shared(..., read_only=True)` (what `deltasync publish` of an anchor does with the mapped checkpoint):
+    the anchor is published from the arrays themselves, and any later step is refused by name, with nothing
+    written into them."""
+    import deltasync_rs as ds
+
+    state = _state(0)
+    for array in state.values():
+        array.flags.writeable = False
+    before = {name: array.copy() for name, array in state.items()}
+    with ds.Publisher(tmp_path / "store", background=False) as publisher:
+        with pytest.raises(ds.DeltaSyncError):
+            publisher.publish_shared(0, state)  # without read_only, read-only arrays are refused
+        publisher.publish_shared(0, state, read_only=True)
+        with pytest.raises(ds.DeltaSyncError, match="read-only"):
+            publisher.publish(1, _state(1))
+    assert _bytes_equal(state, before)
+    pulled = {name: np.zeros_like(array) for name, array in state.items()}
+    ds.Subscriber(tmp_path / "store").pull(pulled)
+    assert _bytes_equal(pulled, state)

@@ -202,7 +202,11 @@ def _cmd_publish(args: argparse.Namespace) -> int:
                 )
             publisher.resume(base, step=step, copy=False)
             del base
-        publisher.publish(args.step, state)
+            publisher.publish(args.step, state)
+        else:
+            # An anchor (a first step, or --anchor): written straight from the mapped checkpoint, which the
+            # publisher shares rather than copies into a mirror that this one-step process would never use.
+            publisher.publish_shared(args.step, state, read_only=True)
     entry = subscriber.entry(args.step)
     files = [ref["key"] + f" ({_human(ref['size'])})" for ref in (entry.delta, entry.anchor) if ref]
     print(f"{args.store}: published step {args.step}: {', '.join(files)}")

@@ -31,6 +31,7 @@ class Mirror:
 
     def __init__(self, state: Mapping[str, Any] | None = None, *, step: int | None = None) -> None:
         self._tensors: dict[str, Any] = {}
+        self._read_only = False
         self.step: int | None = None
         if state is not None:
             self.reset(state, step=step)
@@ -47,16 +48,33 @@ class Mirror:
     def reset(self, state: Mapping[str, Any], *, step: int | None) -> None:
         """Replaces the mirror with a copy of ``state``."""
         self._tensors = {name: _host_copy(tensor) for name, tensor in state.items()}
+        self._read_only = False
         self.step = step
 
-    def share(self, tensors: Mapping[str, Any], *, step: int | None) -> None:
+    def share(self, tensors: Mapping[str, Any], *, step: int | None, read_only: bool = False) -> None:
         """Adopts ``tensors`` (CPU, contiguous) as the mirror without copying them: the caller keeps them equal to
-        the state at the mirror's step (as ds.torch.Mirror does)."""
+        the state at the mirror's step (as ds.torch.Mirror does). With ``read_only``, read-only arrays (a mapped
+        checkpoint) are taken too, and the mirror is then only read (an anchor, a digest): moving it to another
+        step is refused."""
+        has_read_only = False
         for name, tensor in tensors.items():
+            if read_only and isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
+                if not tensor.flags.c_contiguous:
+                    raise DeltaSyncError(f"tensor {name!r}: a shared mirror must be a contiguous CPU tensor or array")
+                has_read_only = True
+                continue
             if _arrays.writable_bytes(tensor) is None:
                 raise DeltaSyncError(f"tensor {name!r}: a shared mirror must be a contiguous CPU tensor or array")
         self._tensors = tensors  # type: ignore[assignment]
+        self._read_only = has_read_only
         self.step = step
+
+    def _check_writable(self) -> None:
+        if self._read_only:
+            raise DeltaSyncError(
+                f"the mirror at step {self.step} holds read-only arrays (shared with read_only=True, e.g. a mapped "
+                "checkpoint): it cannot move to another step"
+            )
 
     def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "compact") -> Delta:
         """The delta from the mirror to ``state``; the mirror moves to ``state`` and ``step``.
@@ -66,6 +84,7 @@ class Mirror:
         checked before the first write."""
         if self.is_empty:
             raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
+        self._check_writable()
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
         check_codec(codec, values=values, mirror=True)
@@ -92,6 +111,7 @@ class Mirror:
 
     def apply(self, delta: Delta) -> None:
         """Moves the mirror forward by a delta made elsewhere, which must start at the mirror's step."""
+        self._check_writable()
         if delta.base_step is not None and self.step is not None and delta.base_step != self.step:
             raise BaseMismatchError(f"delta starts at step {delta.base_step} but the mirror is at step {self.step}")
         delta.apply_(self._tensors, check_base=True)  # a delta made elsewhere must start from exactly this state

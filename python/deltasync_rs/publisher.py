@@ -225,10 +225,20 @@ class Publisher:
         delta.step = step
         self._enqueue(step, delta)
 
-    def publish_shared(self, step: int, tensors: Mapping[str, Any], advance: Callable[[], Delta] | None = None) -> None:
+    def publish_shared(
+        self,
+        step: int,
+        tensors: Mapping[str, Any],
+        advance: Callable[[], Delta] | None = None,
+        *,
+        read_only: bool = False,
+    ) -> None:
         """Publishes from a mirror the caller keeps (ds.torch.Mirror), shared rather than copied.
 
-        The first call (the publisher has no state yet) publishes ``tensors`` as ``step``. Later calls run
+        The first call (the publisher has no state yet) publishes ``tensors`` as ``step``; with ``read_only`` they
+        may be read-only arrays (a mapped checkpoint, as ``deltasync publish`` of an anchor does), which the
+        publisher then only reads: it publishes that step alone (later steps are refused), and the caller keeps
+        the arrays unchanged until ``flush`` or ``close`` returns. Later calls run
         ``advance()`` only once the step is checked and earlier uploads are known good; it must move ``tensors`` to
         ``step`` and return the delta from the last published state. If the publisher holds its own copy (after
         ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
@@ -236,7 +246,7 @@ class Publisher:
         self._raise_errors()
         if self._mirror.is_empty:
             self._check_step(step)
-            self._mirror.share(tensors, step=step)
+            self._mirror.share(tensors, step=step, read_only=read_only)
             self._enqueue(step, None)
             return
         if self._mirror.tensors is not tensors:
