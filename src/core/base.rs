@@ -167,15 +167,8 @@ mod tests {
     }
 
     fn bytes(len: usize, seed: u64) -> Vec<u8> {
-        let mut state = seed | 1;
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect()
+        let mut next = crate::core::testing::xorshift(seed | 1);
+        (0..len).map(|_| next() as u8).collect()
     }
 
     const SIZES: [usize; 6] = [0, 1, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 5];

@@ -302,6 +302,7 @@ pub fn advance(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -
 mod tests {
     use super::*;
     use crate::core::diff::{diff, DiffInput};
+    use crate::core::testing::xorshift;
     use proptest::prelude::*;
 
     fn same(a: &TensorDelta, b: &TensorDelta) {
@@ -547,13 +548,7 @@ mod tests {
         density: f64,
         change: impl Fn(&mut [u8], u64),
     ) -> (Vec<u8>, Vec<u8>) {
-        let mut state = seed | 1;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(seed | 1);
         let old: Vec<u8> = (0..numel * width).map(|_| next() as u8).collect();
         let mut new = old.clone();
         for element in new.chunks_mut(width.max(1)) {

@@ -18,6 +18,8 @@ pub mod records;
 pub mod scan;
 pub mod shards;
 pub mod stream;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod trl;
 
 pub use delta::{Delta, TensorDelta};

@@ -637,13 +637,7 @@ mod tests {
 
     #[test]
     fn every_kernel_matches_the_reference() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = crate::core::testing::xorshift(0x9e37_79b9_7f4a_7c15);
         for width in [1usize, 2, 4, 8] {
             for &len_elements in &[0usize, 1, 7, 31, 32, 33, 64, 1000, 4099] {
                 for density in [0u64, 3, 40, 100] {

@@ -628,20 +628,18 @@ mod tests {
 
     #[test]
     fn reciprocal_encoding_equals_division() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = crate::core::testing::xorshift(0x9e37_79b9_7f4a_7c15);
         for freq in 1..=PROB_SCALE {
             let start = PROB_SCALE - freq;
             let symbol = EncodeSymbol::new(0, freq, start);
             let limit = freq << 19;
             for k in 0..64u32 {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
+                let random = next();
                 // Any state from 1 to below the limit, edges included (the encoder holds them from limit / 256 on).
                 let x = match k {
                     0 => 1,
                     1 => limit - 1,
-                    _ => 1 + (state % u64::from(limit - 1)) as u32,
+                    _ => 1 + (random % u64::from(limit - 1)) as u32,
                 };
                 let want = ((x / freq) << PROB_BITS) + x % freq + start;
                 assert_eq!(symbol.next_state(x), want, "freq {freq} x {x}");
