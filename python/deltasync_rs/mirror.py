@@ -58,12 +58,9 @@ class Mirror:
         step is refused."""
         has_read_only = False
         for name, tensor in tensors.items():
-            if read_only and isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
-                if not tensor.flags.c_contiguous:
-                    raise DeltaSyncError(f"tensor {name!r}: a shared mirror must be a contiguous CPU tensor or array")
-                has_read_only = True
-                continue
-            if _arrays.writable_bytes(tensor) is None:
+            frozen = read_only and isinstance(tensor, np.ndarray) and not tensor.flags.writeable
+            has_read_only |= frozen
+            if not (tensor.flags.c_contiguous if frozen else _arrays.writable_bytes(tensor) is not None):
                 raise DeltaSyncError(f"tensor {name!r}: a shared mirror must be a contiguous CPU tensor or array")
         self._tensors = tensors  # type: ignore[assignment]
         self._read_only = has_read_only

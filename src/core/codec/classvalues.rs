@@ -23,6 +23,15 @@ struct Groups<'a> {
     streams: Vec<&'a [u8]>,
 }
 
+/// The group of every class, for groups starting at the ascending classes `starts` (the first 0).
+fn group_of(starts: &[usize]) -> [u8; CLASSES] {
+    let mut group_of = [0u8; CLASSES];
+    for (group, window) in starts.iter().chain([&CLASSES]).collect::<Vec<_>>().windows(2).enumerate() {
+        group_of[*window[0]..*window[1]].fill(group as u8);
+    }
+    group_of
+}
+
 fn read_groups(bytes: &[u8], changed: u64) -> Result<Groups<'_>, String> {
     let fail = |what: &str| format!("rans_classes stream: {what}");
     let groups = usize::from(*bytes.first().ok_or_else(|| fail("it is empty"))?);
@@ -39,10 +48,7 @@ fn read_groups(bytes: &[u8], changed: u64) -> Result<Groups<'_>, String> {
         }
         starts.push(start);
     }
-    let mut group_of = [0u8; CLASSES];
-    for (group, window) in starts.iter().chain([&CLASSES]).collect::<Vec<_>>().windows(2).enumerate() {
-        group_of[*window[0]..*window[1]].fill(group as u8);
-    }
+    let group_of = group_of(&starts);
     let (mut counts, mut lens) = (Vec::with_capacity(groups), Vec::with_capacity(groups));
     for group in 0..groups {
         let count = varint::read(bytes, &mut at).map_err(|_| fail(&format!("group {group}'s count is cut")))?;
@@ -185,13 +191,10 @@ pub fn encode(classes: &[u8], differences: &[u64], width: usize) -> Option<Vec<u
     if starts.len() == 1 {
         return None;
     }
-    let mut group_of = [0usize; CLASSES];
-    for (group, window) in starts.iter().chain([&CLASSES]).collect::<Vec<_>>().windows(2).enumerate() {
-        group_of[*window[0]..*window[1]].fill(group);
-    }
+    let group_of = group_of(&starts);
     let mut parts: Vec<Tokens> = (0..starts.len()).map(|_| Tokens::default()).collect();
     for (&class, &(token, low)) in classes.iter().zip(&tokens) {
-        let part = &mut parts[group_of[usize::from(class)]];
+        let part = &mut parts[usize::from(group_of[usize::from(class)])];
         part.tokens.push(token);
         if token >= 16 {
             part.low_bits.push(low);
@@ -219,16 +222,11 @@ pub fn encode(classes: &[u8], differences: &[u64], width: usize) -> Option<Vec<u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::testing::xorshift;
 
     /// Classes whose differences grow with the class (as small weights move by more steps), and their values.
     fn sample(n: usize, seed: u64) -> (Vec<u8>, Vec<u64>) {
-        let mut state = seed | 1;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(seed | 1);
         let (mut classes, mut values) = (Vec::new(), Vec::new());
         for _ in 0..n {
             let r = next();

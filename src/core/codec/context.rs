@@ -456,7 +456,7 @@ impl Bits for Bmi2 {
     }
 }
 
-/// True where the CPU has AVX2 and BMI2, and BMI2's `pdep`/`pext` are fast: the CPU has them, and is not an AMD Zen 1 or 2 (family 0x17 and
+/// True where the CPU has AVX2 and BMI2 and its `pdep`/`pext` are fast: not an AMD Zen 1 or 2 (family 0x17 and
 /// before), where they are microcoded and take hundreds of cycles, far slower than the portable loops.
 #[cfg(target_arch = "x86_64")]
 fn fast_bmi2() -> bool {
@@ -660,13 +660,8 @@ pub fn decode(bytes: &[u8], field: Exponent, base: &[u8], changed: u64) -> Resul
 /// The class of every changed element at `positions` (each below the element count) in `base`, for the reference
 /// exponent that the `context` stream `bytes` names: what `rans_classes` values are grouped by.
 pub fn classes_at(bytes: &[u8], field: Exponent, base: &[u8], positions: &[u64]) -> Result<Vec<u8>, String> {
-    let table = class_table(read_header(bytes, field)?.reference);
-    let mut classes = Vec::with_capacity(positions.len());
-    for &position in positions {
-        let at = position as usize * field.width;
-        field.for_each(&base[at..at + field.width], |exponent| classes.push(table[exponent]));
-    }
-    Ok(classes)
+    let width = field.width;
+    classes_of_bits(bytes, field, positions.iter().map(|&p| super::elements::load(&base[p as usize * width..], width)))
 }
 
 /// The class of every changed element from its base bits `old` (low `field.width` bytes), for the reference
@@ -959,16 +954,7 @@ fn encode_patched(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent, posi
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A xorshift64 generator from `seed` (odd).
-    fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
-        move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        }
-    }
+    use crate::core::testing::xorshift;
 
     fn bf16(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect()
@@ -1130,7 +1116,6 @@ mod tests {
         assert!(!worth_walking(&base, None, field, &[], 0));
     }
 
-    /// Every length around the 64-element blocks, dense and sparse changes, complement classes included.
     #[test]
     fn a_mostly_changed_class_roundtrips_when_its_last_blocks_do_not_change() {
         // One class, its first 70% changed: the stream lists the unchanged ranks, which lie past the class's last
@@ -1144,6 +1129,7 @@ mod tests {
         }
     }
 
+    /// Every length around the 64-element blocks, dense and sparse changes, complement classes included.
     #[test]
     fn roundtrips_at_block_edges() {
         let field = Exponent::of(Dtype::BF16).unwrap();
