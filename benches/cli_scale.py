@@ -1,6 +1,6 @@
 """`deltasync publish` and `deltasync pull` of model-shaped checkpoints too large to hold twice in RAM.
 
-    python benches/cli_scale.py [--shape 7b|0.6b|tiny] [--density 0.01] [--keep] FOLDER
+    python benches/cli_scale.py [--shape 7b|3b|0.6b|tiny] [--density 0.01] [--keep] FOLDER
 
 Writes two bf16 checkpoints of the shape's tensors (normal(0, 0.02) weights; the second with ``density`` of every
 tensor's elements moved by one step of their bit pattern, up or down), streamed in pieces so that writing them
@@ -33,6 +33,7 @@ import numpy as np
 SHAPES = {
     # name: (vocab, hidden, intermediate, layers); Llama-style: q/k/v/o, gate/up/down, two norms per layer.
     "7b": (32000, 4096, 11008, 32),
+    "3b": (32000, 3200, 8640, 26),  # OpenLLaMA-3B's shape: half a 7B, for disks that cannot hold 4.3x a 7B
     "0.6b": (151936, 1024, 3072, 28),
     "tiny": (1000, 256, 512, 2),
 }

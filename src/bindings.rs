@@ -16,7 +16,7 @@ use crate::core::codec::{Codec, ValueCodec};
 use crate::core::diff::{DiffInput, FullInput};
 use crate::core::digest::{self, DigestInput};
 use crate::core::stream::Backing;
-use crate::core::{anchors, apply, base, diff, dtype, files, format, pool, trl, Delta, Error};
+use crate::core::{anchors, apply, base, checkpoint, diff, dtype, files, format, pool, trl, Delta, Error};
 
 mod mirror;
 
@@ -684,6 +684,51 @@ fn sha256_pieces(py: Python<'_>, path: PathBuf, piece_bytes: usize) -> PyResult<
     Ok(PyBytes::new(py, hashes.as_flattened()).unbind())
 }
 
+/// A checkpoint's header, its tensors' byte ranges and its size, as Python gets them.
+type CheckpointLayout = (Py<PyBytes>, Vec<(u64, u64)>, u64);
+
+/// The layout of a plain safetensors checkpoint of (name, dtype, shape) tensors, as safetensors' own writer lays
+/// it out (core::checkpoint): its header (length prefix included), each tensor's absolute byte range in the given
+/// order, and the file's size.
+#[pyfunction]
+fn checkpoint_layout(py: Python<'_>, tensors: Vec<(String, String, Vec<u64>)>) -> PyResult<CheckpointLayout> {
+    let mut specs = Vec::with_capacity(tensors.len());
+    for (name, dtype_name, shape) in tensors {
+        let dtype = dtype::parse(&dtype_name).map_err(|e| DeltaSyncError::new_err(format!("tensor {name:?}: {e}")))?;
+        specs.push((name, dtype, shape));
+    }
+    let layout = checkpoint::layout(&specs).map_err(to_py)?;
+    Ok((PyBytes::new(py, &layout.header).unbind(), layout.ranges, layout.size))
+}
+
+/// Copies (from, length, to) segments of the file `source` into the existing file `dest`, each piece of the source
+/// checked against `expected` (32-byte SHA-256s, concatenated) before it is used (core::anchors::
+/// copy_checked_pieces). Returns None, or ("size", the source's size) or ("piece", the first differing piece).
+#[pyfunction]
+fn copy_checked_pieces(
+    py: Python<'_>,
+    source: PathBuf,
+    size: u64,
+    piece_bytes: usize,
+    expected: &[u8],
+    dest: PathBuf,
+    segments: Vec<(u64, u64, u64)>,
+) -> PyResult<Option<(&'static str, u64)>> {
+    if !expected.len().is_multiple_of(32) {
+        return Err(DeltaSyncError::new_err("expected piece hashes must be 32 bytes each"));
+    }
+    let hashes: Vec<[u8; 32]> = expected.chunks_exact(32).map(|h| h.try_into().expect("32 bytes")).collect();
+    let segments: Vec<anchors::Segment> =
+        segments.into_iter().map(|(from, len, to)| anchors::Segment { from, len, to }).collect();
+    let outcome = py
+        .detach(|| anchors::copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &segments))
+        .map_err(to_py)?;
+    Ok(outcome.map(|unchecked| match unchecked {
+        anchors::Unchecked::Size(actual) => ("size", actual),
+        anchors::Unchecked::Piece(index) => ("piece", index as u64),
+    }))
+}
+
 /// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).
 #[pyfunction]
 fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
@@ -748,6 +793,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
     m.add_function(wrap_pyfunction!(sha256_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_checked_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(scan_kernel, m)?)?;

@@ -69,7 +69,7 @@ def run_scenario(python, setup: str, script: str, *args: str, timeout: int, logs
 
 def counting_store(root):
     """A LocalStore over an existing folder that counts, in its ``read`` Counter, the bytes each key gave through
-    every read method (whole, small, to a file, by range)."""
+    every read method (whole, small, to a file, by range, opened to be read in place)."""
     from collections import Counter
 
     import deltasync_rs as ds
@@ -94,6 +94,11 @@ def counting_store(root):
             data = super().get_range(key, start, length)
             self.read[key] += len(data)
             return data
+
+        def open_local(self, key):  # opened to be read in place: every reader of it reads it whole
+            file = super().open_local(key)
+            self.read[key] += os.fstat(file.fileno()).st_size
+            return file
 
     store = Counting(root, create=False)
     store.read = Counter()

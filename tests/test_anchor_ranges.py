@@ -129,8 +129,9 @@ def test_a_flipped_byte_in_a_needed_piece_is_refused(tmp_path):
 
 
 def test_a_whole_pull_checks_the_pieces_in_parallel_or_the_whole_file_without_them(tmp_path, monkeypatch, caplog):
-    """A whole anchor is checked against its pieces sidecar (every piece hashed, on every core), not by one
-    SHA-256 of the whole file on one core; without a readable sidecar, by the whole-file SHA-256 in the entry."""
+    """A whole anchor is checked against its pieces sidecar (every piece hashed, on every core; from a local store
+    while it is copied), not by one SHA-256 of the whole file on one core; without a readable sidecar, by the
+    whole-file SHA-256 in the entry."""
     import deltasync_rs.subscriber as subscriber_module
 
     whole_file_hashes = []
@@ -141,6 +142,8 @@ def test_a_whole_pull_checks_the_pieces_in_parallel_or_the_whole_file_without_th
     monkeypatch.setattr(
         subscriber_module, "sha256_pieces", lambda path, size: pieced.append(size) or real_pieces(path, size)
     )
+    real_copy = subscriber_module.copy_checked_pieces  # a local store's anchor: copied and checked in one read
+    monkeypatch.setattr(subscriber_module, "copy_checked_pieces", lambda *a: pieced.append(a[2]) or real_copy(*a))
     state = _state()
     root = _published(tmp_path, state=state)
     target = {k: torch.zeros_like(v) for k, v in state.items()}

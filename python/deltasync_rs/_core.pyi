@@ -17,6 +17,8 @@ __all__ = [
     "__version__",
     "apply_file",
     "base_identity",
+    "checkpoint_layout",
+    "copy_checked_pieces",
     "diff_files",
     "get_num_threads",
     "join_shards",
@@ -115,6 +117,22 @@ def base_identity(data: Any) -> str:
 
 def sha256_pieces(path: str | PathLike[str], piece_bytes: int) -> bytes:
     """The SHA-256 of each ``piece_bytes`` piece of the file, concatenated (32 bytes each), hashed in parallel."""
+
+def checkpoint_layout(tensors: list[tuple[str, str, list[int]]]) -> tuple[bytes, list[tuple[int, int]], int]:
+    """The layout of a plain safetensors checkpoint of (name, dtype, shape) tensors as safetensors' own writer lays it
+    out: its header (length prefix included), each tensor's absolute byte range in the given order, the file's size."""
+
+def copy_checked_pieces(
+    source: str | PathLike[str],
+    size: int,
+    piece_bytes: int,
+    expected: bytes,
+    dest: str | PathLike[str],
+    segments: list[tuple[int, int, int]],
+) -> tuple[str, int] | None:
+    """Copies (from, length, to) segments of ``source`` into the existing file ``dest``, each piece of the source
+    checked against ``expected`` (32-byte SHA-256s, concatenated) before it is used. None, or ("size", the source's
+    size), or ("piece", the first piece that differs)."""
 
 def join_shards(parts: list[RawDelta], codec: str = "compact") -> RawDelta: ...
 def set_num_threads(n: int) -> None: ...

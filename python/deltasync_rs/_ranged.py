@@ -18,7 +18,7 @@ from .manifest import Pieces
 from .store import TEMP_PREFIX, Store
 
 #: safetensors' own cap on the header (docs/format.md §1).
-_MAX_HEADER_BYTES = 100_000_000
+MAX_HEADER_BYTES = 100_000_000
 #: The most bytes asked for in one ranged read; longer runs of pieces are split.
 _RUN_BYTES = 64 << 20
 
@@ -131,10 +131,10 @@ def read_ranged(store: Store, ref: dict[str, Any], pieces: Pieces, needed: Neede
             raise DeltaFormatError(f"{key}: {size} bytes, too short for a safetensors header")
         fetch(0, 8)
         header_bytes = int.from_bytes(os.pread(fd, 8, 0), "little")
-        if header_bytes > _MAX_HEADER_BYTES or 8 + header_bytes > size:
+        if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > size:
             raise DeltaFormatError(f"{key}: a header of {header_bytes} bytes does not fit the file")
         fetch(8, 8 + header_bytes)
-        tensors = _tensors(os.pread(fd, header_bytes, 8), 8 + header_bytes, size, key)
+        tensors = anchor_tensors(os.pread(fd, header_bytes, 8), 8 + header_bytes, size, key)
         ranges = [(int(s), int(e)) for s, e in needed(tensors)]
         wanted = set(verified)
         for start, end in ranges:
@@ -172,7 +172,7 @@ def _runs(indices: list[int], most: int) -> Iterable[list[int]]:
         yield run
 
 
-def _tensors(header: bytes, data_start: int, size: int, key: str) -> list[AnchorTensor]:
+def anchor_tensors(header: bytes, data_start: int, size: int, key: str) -> list[AnchorTensor]:
     """The tensors a safetensors header lists, with absolute byte offsets; a malformed header is a format error
     (the core's reader checks the whole file again when it is loaded)."""
     try:

@@ -236,10 +236,9 @@ def _rebuild(subscriber: Subscriber, until: int | None, store: str) -> tuple[dic
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    subscriber = Subscriber(args.store)
-    state, step, files = _rebuild(subscriber, args.step, args.store)
-    _save_checkpoint(state, args.output)
-    print(f"{args.output}: step {step} from {_count(files, 'file')}")
+    # Rebuilt in the output file itself (laid out as save_file lays it out), never as a second state in memory.
+    step = Subscriber(args.store).pull_to_file(args.output, until=args.step)
+    print(f"{args.output}: step {step}")
     return 0
 
 

@@ -75,6 +75,12 @@ class Store(ABC):
         out.write(data)
         return len(data)
 
+    def open_local(self, key: str) -> BinaryIO | None:
+        """The object opened for reading as a local regular file, where the store keeps it as one (a reader can then
+        read it in place rather than copy it first); None for stores that do not. Raises MissingObjectError when
+        absent. The caller closes it."""
+        return None
+
     #: True when ``get_range`` reads only the bytes asked for; False when it falls back to reading the whole object
     #: (readers then prefer one whole read to many ranged ones).
     supports_ranges: bool = False
@@ -303,6 +309,9 @@ class LocalStore(Store):
             f.close()
             raise StoreError(f"{path}: not a regular file; the store reads only regular files")
         return f
+
+    def open_local(self, key: str) -> BinaryIO | None:
+        return self._open_object(key)
 
     def _read(self, key: str, max_bytes: int | None) -> bytes:
         path = self.root / key

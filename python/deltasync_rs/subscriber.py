@@ -12,9 +12,11 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from ._core import sha256_pieces
+from ._checkpoint import CheckpointFile, copy_anchor, pieces_error
+from ._core import copy_checked_pieces, sha256_pieces
+from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
 from .delta import Delta, load, state_digest
 from .errors import (
@@ -44,6 +46,10 @@ from .manifest import (
 from .store import TEMP_PREFIX, Store, open_store
 
 log = logging.getLogger("deltasync_rs.sync")
+
+T = TypeVar("T")
+#: Reads one way to a step: the anchor's entry (None: from the current step) and the entries of the deltas after it.
+Download = Callable[[Entry | None, list[Entry]], T]
 
 # Entries kept in memory: far more than one pull's chain needs (anchor_every of them), bounded for long runs.
 _CACHED_ENTRIES = 64
@@ -245,6 +251,9 @@ class Subscriber:
         whole-file SHA-256 when ``whole_sha256`` or without pieces."""
         fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
         try:
+            if pieces is not None and not whole_sha256 and self._copy_local(ref, pieces, path):
+                os.close(fd)
+                return path
             with os.fdopen(fd, "w+b") as file:
                 self.store.get_file(ref["key"], file)
                 file.flush()
@@ -263,6 +272,23 @@ class Subscriber:
             os.unlink(path)
             raise
         return path
+
+    def _copy_local(self, ref: dict[str, Any], pieces: Pieces, path: str) -> bool:
+        """Copies anchor ``ref`` from a store that keeps it as a local file into the file at ``path`` in one read,
+        every piece checked before it is written (then True); False for a store that keeps no local file."""
+        if not os.path.isdir("/proc/self/fd"):
+            return False
+        source = self.store.open_local(ref["key"])
+        if source is None:
+            return False
+        with source:
+            segments = [(0, ref["size"], 0)] if ref["size"] else []
+            bad = copy_checked_pieces(
+                f"/proc/self/fd/{source.fileno()}", ref["size"], pieces.piece_bytes, pieces.hashes, path, segments
+            )
+        if bad is not None:
+            raise pieces_error(ref["key"], pieces, bad)
+        return True
 
     def _in_memory(self, ref: dict[str, Any]) -> Delta:
         blob = self.store.get(ref["key"])
@@ -309,9 +335,10 @@ class Subscriber:
             step = entry.base_step
         raise ChainError(f"no chain of deltas from step {target} back to the required start")
 
-    def _fetch_to(self, current: int | None, target: int) -> list[Delta]:
-        """Downloads a verified way to ``target``: the missed deltas when ``current`` is on the chain, else the newest
-        usable anchor and the deltas after it. Each way is tried in turn until one reads back whole."""
+    def _fetch_to(self, current: int | None, target: int, download: Download[T]) -> T:
+        """Downloads a verified way to ``target`` with ``download``: the missed deltas when ``current`` is on the
+        chain, else the newest usable anchor and the deltas after it. Each way is tried in turn until one reads back
+        whole."""
         errors: list[Exception] = []
         plans: list[Callable[[], tuple[Entry | None, list[Entry]]]] = []
         if current is not None:
@@ -336,7 +363,7 @@ class Subscriber:
         plans.extend(functools.partial(from_anchor, a) for a in anchors)
         for plan in plans:
             try:
-                return self._download(*plan())
+                return download(*plan())
             except (ChainError, StoreError, IntegrityError, DeltaFormatError) as error:
                 errors.append(error)
         detail = f": {errors[-1]}" if errors else " (the store holds no anchor)"
@@ -346,24 +373,28 @@ class Subscriber:
         """Verified deltas that bring a state at ``current_step`` (None: no state yet) to the newest step, or to step
         ``until`` exactly (a ChainError naming it when it is not published or cannot be reached): an anchor first
         when needed, then deltas in order; [] when already there or past it (a subscriber never moves back)."""
+        return self._fetch(current_step, until, self._download) or []
+
+    def _fetch(self, current_step: int | None, until: int | None, download: Download[T]) -> T | None:
+        """``fetch``'s choice of target and way, each way read with ``download``; None when already there."""
         latest = self.latest_step()
         if latest is None:
             if current_step is None:
                 raise ChainError(f"{self.store.url}: nothing has been published yet")
-            return []
+            return None
         if until is not None:
             if until > latest:
                 raise ChainError(
                     f"{self.store.url}: step {until} is not published (the newest verified step is {latest})"
                 )
             if current_step is not None and until <= current_step:
-                return []
+                return None
             try:
-                return self._fetch_to(current_step, until)
+                return self._fetch_to(current_step, until, download)
             except ChainError as error:
                 raise ChainError(f"{self.store.url}: step {until}: {error}") from error
         if current_step is not None and latest <= current_step:
-            return []
+            return None
         targets = [latest]
         last_error: Exception | None = None
         tried = 0
@@ -372,7 +403,7 @@ class Subscriber:
             if current_step is not None and target <= current_step:
                 break  # nothing newer than where we are can be reached: that is an error, not "up to date"
             try:
-                return self._fetch_to(current_step, target)
+                return self._fetch_to(current_step, target, download)
             except ChainError as error:
                 last_error = error
                 tried += 1
@@ -447,6 +478,73 @@ class Subscriber:
             self.step = delta.step
         self._at = self.entry(self._reached())
 
+    def pull_to_file(self, path: str | os.PathLike[str], *, until: int | None = None) -> int:
+        """Writes the newest step (or step ``until``) as a plain safetensors checkpoint at ``path``, the bytes
+        ``safetensors.numpy.save_file`` writes for that state, and returns the step. The state is rebuilt in the
+        file itself, never in memory: the file is laid out first, the anchor's tensors are copied into it (from a
+        local store straight from the anchor's file, every piece checked against the pieces sidecar before it is
+        used; from other stores through a checked temporary copy), the deltas after it are applied in place through a
+        memory map, and the result is checked against the step's state digest. It is written beside ``path`` and
+        renamed over it only then; on any error ``path`` is left as it was. Does not move this subscriber's step."""
+        reached: list[int] = []
+
+        def write(temp: str) -> None:
+            def into_file(anchor_entry: Entry | None, chain: list[Entry]) -> int:
+                assert anchor_entry is not None and anchor_entry.anchor is not None  # no current step: from an anchor
+                out = self._anchor_file(anchor_entry.anchor, anchor_entry.step, temp)
+                try:
+                    arrays = out.arrays()
+                    for delta in self._download(None, chain):
+                        delta.apply_(arrays, check_base=self.check_base)
+                    step = chain[-1].step if chain else anchor_entry.step
+                    if state_digest(arrays) != self.entry(step).state_digest:
+                        # Every file of the way checked out, so another way is no answer: raised past the ways.
+                        raise _NotTheState(
+                            f"{self.store.url}: the state rebuilt at step {step} does not match the state digest in "
+                            f"{entry_key(step)}; nothing was written"
+                        )
+                    del arrays
+                finally:
+                    out.close()
+                return step
+
+            try:
+                step = self._fetch(None, until, into_file)
+            except _NotTheState as error:
+                raise IntegrityError(str(error)) from None
+            assert step is not None  # from no step, there is always a way or an error
+            reached.append(step)
+
+        target = os.fspath(path)
+        remove_stale_temps(target)
+        write_atomically(target, write)
+        return reached[0]
+
+    def _anchor_file(self, ref: dict[str, Any], step: int, path: str) -> CheckpointFile:
+        """The checkpoint at ``path`` laid out for anchor ``ref`` of ``step`` and holding its tensors: copied in one
+        checked read from a store that keeps it as a local file and has its pieces sidecar, else applied from the
+        anchor read as ``pull`` reads it."""
+        if "pieces" in ref and os.path.isdir("/proc/self/fd"):
+
+            def local() -> CheckpointFile | None:
+                source = self.store.open_local(ref["key"])
+                if source is None:
+                    return None
+                with source:
+                    return copy_anchor(source, ref["key"], step, self._pieces(ref), path)
+
+            out = self._retry(ref["key"], local)
+            if out is not None:
+                return out
+        anchor = self._file(ref, step, "anchor")
+        out = CheckpointFile(path, [(t.name, t.dtype, tuple(t.shape or ())) for t in anchor.tensors])
+        try:
+            anchor.apply_(out.arrays())
+        except BaseException:
+            out.close()
+            raise
+        return out
+
     def _state_matches(self, state: Any) -> bool:
         if self.step is None or self._names is None or not isinstance(state, Mapping):
             return True
@@ -485,6 +583,10 @@ class Subscriber:
         if problem is not None:
             problems.append(str(problem))
         return problems
+
+
+class _NotTheState(Exception):
+    """A rebuilt state that misses its entry's state digest, raised past ``_fetch_to``'s other ways."""
 
 
 def _check_link(base: Entry, successor: Entry) -> None:

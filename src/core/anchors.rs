@@ -122,6 +122,108 @@ pub fn file_piece_hashes(path: &Path, piece_bytes: usize) -> Result<Vec<[u8; 32]
     Ok(groups.into_iter().flatten().collect())
 }
 
+/// One run of bytes that `copy_checked_pieces` copies: `len` bytes at offset `from` of the source, written at
+/// offset `to` of the destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub from: u64,
+    pub len: u64,
+    pub to: u64,
+}
+
+/// Why `copy_checked_pieces` copied nothing more: the source's size, or the first piece whose SHA-256 differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unchecked {
+    Size(u64),
+    Piece(usize),
+}
+
+/// Copies the `segments` of the file at `source` into the existing file at `dest`, every byte checked first: the
+/// source must be `size` bytes, and each of its `piece_bytes` pieces (the last may be shorter) must have the SHA-256
+/// `expected` lists for it, before any byte of that piece is written. Every piece of the source is read and checked,
+/// whether a segment uses it or not, in parallel groups (about `READ_BYTES` each, read with `pread` into a buffer
+/// per task: the source is never mapped and its pages never count towards this process's resident memory). This is
+/// a verified download and a copy in one read of the source, where checking a private copy costs a second read and a
+/// second write of the whole file.
+///
+/// Returns `Ok(Some(..))` for a source of another size (nothing written) or, after checking every piece, the first
+/// piece that differs (the destination then holds the checked pieces' segments only, and is the caller's to
+/// discard). Segments must lie within `size` bytes of the source and not overlap there; they may come in any order.
+pub fn copy_checked_pieces(
+    source: &Path,
+    size: u64,
+    piece_bytes: usize,
+    expected: &[[u8; 32]],
+    dest: &Path,
+    segments: &[Segment],
+) -> Result<Option<Unchecked>> {
+    use std::os::unix::fs::FileExt;
+
+    const READ_BYTES: usize = 8 << 20;
+    if piece_bytes == 0 {
+        return Err(Error::invalid("piece_bytes must be at least 1"));
+    }
+    if expected.len() as u64 != size.div_ceil(piece_bytes as u64) {
+        return Err(Error::invalid(format!(
+            "{}: {} piece hashes for {size} bytes in pieces of {piece_bytes}",
+            source.display(),
+            expected.len()
+        )));
+    }
+    let mut order: Vec<Segment> = segments.to_vec();
+    for segment in &order {
+        if segment.from.checked_add(segment.len).is_none_or(|end| end > size)
+            || segment.to.checked_add(segment.len).is_none()
+        {
+            return Err(Error::invalid(format!(
+                "{}: segment {segment:?} lies outside its {size} bytes",
+                source.display()
+            )));
+        }
+    }
+    order.sort_by_key(|segment| segment.from);
+    if let Some(pair) = order.windows(2).find(|pair| pair[0].from + pair[0].len > pair[1].from) {
+        return Err(Error::invalid(format!("{}: segments {:?} and {:?} overlap", source.display(), pair[0], pair[1])));
+    }
+    let file = std::fs::File::open(source).map_err(|e| Error::io(source, e))?;
+    let actual = file.metadata().map_err(|e| Error::io(source, e))?.len();
+    if actual != size {
+        return Ok(Some(Unchecked::Size(actual)));
+    }
+    let out = std::fs::OpenOptions::new().write(true).open(dest).map_err(|e| Error::io(dest, e))?;
+    let per_read = (READ_BYTES / piece_bytes).max(1) as u64;
+    let group_bytes = per_read * piece_bytes as u64;
+    let bad: Vec<Option<usize>> = crate::core::pool::install(|| {
+        (0..size.div_ceil(group_bytes))
+            .into_par_iter()
+            .map_init(Vec::new, |buffer, group| {
+                let start = group * group_bytes;
+                let end = size.min(start + group_bytes);
+                buffer.resize((end - start) as usize, 0);
+                file.read_exact_at(buffer, start).map_err(|e| Error::io(source, e))?;
+                let first = (start / piece_bytes as u64) as usize;
+                for (i, piece) in buffer.chunks(piece_bytes).enumerate() {
+                    if <[u8; 32]>::from(Sha256::digest(piece)) != expected[first + i] {
+                        return Ok(Some(first + i));
+                    }
+                }
+                let mut at = order.partition_point(|s| s.from + s.len <= start);
+                while let Some(segment) = order.get(at).filter(|s| s.from < end) {
+                    let lo = segment.from.max(start);
+                    let hi = (segment.from + segment.len).min(end);
+                    if hi > lo {
+                        let bytes = &buffer[(lo - start) as usize..(hi - start) as usize];
+                        out.write_all_at(bytes, segment.to + (lo - segment.from)).map_err(|e| Error::io(dest, e))?;
+                    }
+                    at += 1;
+                }
+                Ok(None)
+            })
+            .collect::<Result<_>>()
+    })?;
+    Ok(bad.into_iter().flatten().min().map(Unchecked::Piece))
+}
+
 /// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode` lays out
 /// the very file `to_bytes` would give without copying a tensor.
 struct Lent {
@@ -370,5 +472,52 @@ mod tests {
         for bad in [1usize, 512, 3 << 10, 2 << 30] {
             assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, bad).is_err(), "piece size {bad}");
         }
+    }
+
+    #[test]
+    fn copy_checked_pieces_copies_checked_segments_and_names_the_first_bad_piece() {
+        let folder = tempfile::tempdir().unwrap();
+        let (source, dest) = (folder.path().join("source"), folder.path().join("dest"));
+        let data: Vec<u8> = (0..(9 << 20) + 77).map(|i: usize| (i * 31 + i / 4096) as u8).collect();
+        std::fs::write(&source, &data).unwrap();
+        let piece_bytes = 1 << 16;
+        let hashes: Vec<[u8; 32]> = data.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect();
+        // Segments out of order, one crossing the 8 MiB read groups and piece edges, one ending at the file's end.
+        let segments = [
+            Segment { from: (8 << 20) - 100, len: 300, to: 0 },
+            Segment { from: 5, len: 70_000, to: 300 },
+            Segment { from: data.len() as u64 - 50, len: 50, to: 70_300 },
+        ];
+        std::fs::write(&dest, vec![0u8; 70_350]).unwrap();
+        let size = data.len() as u64;
+        assert_eq!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &segments).unwrap(), None);
+        let mut expected = data[(8 << 20) - 100..(8 << 20) + 200].to_vec();
+        expected.extend_from_slice(&data[5..70_005]);
+        expected.extend_from_slice(&data[data.len() - 50..]);
+        assert_eq!(std::fs::read(&dest).unwrap(), expected);
+
+        // A source of another size is refused before anything is read; so are hashes that do not count its pieces.
+        std::fs::write(&dest, b"").unwrap();
+        let outcome = copy_checked_pieces(&source, size + 1, piece_bytes, &hashes, &dest, &segments[..1]).unwrap();
+        assert_eq!(outcome, Some(Unchecked::Size(size)));
+        assert!(std::fs::read(&dest).unwrap().is_empty());
+        assert!(copy_checked_pieces(&source, size, piece_bytes, &hashes[1..], &dest, &[]).is_err());
+        // A changed byte: every piece is checked and the first bad one named.
+        let mut tampered = data.clone();
+        tampered[3 * piece_bytes + 9] ^= 1;
+        tampered[140 * piece_bytes] ^= 1;
+        std::fs::write(&source, &tampered).unwrap();
+        std::fs::write(&dest, vec![0u8; 70_350]).unwrap();
+        let outcome = copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &segments).unwrap();
+        assert_eq!(outcome, Some(Unchecked::Piece(3)));
+        // Nothing of the bad pieces' read groups was written (here: the group of pieces 0..128).
+        assert!(std::fs::read(&dest).unwrap()[300..70_300].iter().all(|&b| b == 0));
+
+        // Bad arguments are refused before anything is read.
+        assert!(copy_checked_pieces(&source, size, 0, &hashes, &dest, &[]).is_err());
+        let outside = [Segment { from: size - 1, len: 2, to: 0 }];
+        assert!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &outside).is_err());
+        let overlapping = [Segment { from: 0, len: 10, to: 0 }, Segment { from: 9, len: 1, to: 20 }];
+        assert!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &overlapping).is_err());
     }
 }

@@ -4,6 +4,7 @@
 pub mod anchors;
 pub mod apply;
 pub mod base;
+pub mod checkpoint;
 pub mod codec;
 pub mod delta;
 pub mod diff;

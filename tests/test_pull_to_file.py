@@ -1,0 +1,131 @@
+"""``Subscriber.pull_to_file`` (and ``deltasync pull``): a step rebuilt inside the output checkpoint itself, laid out
+as safetensors' writer lays it out, with the anchor copied from a local store in one checked read."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import deltasync_rs as ds
+from deltasync_rs.manifest import anchor_key
+from tests.helpers import counting_store
+
+
+def _states(steps: int) -> list[dict[str, np.ndarray]]:
+    """Mixed dtypes, names out of dtype order, a scalar, an empty tensor; each step changes a few elements."""
+    rng = np.random.default_rng(7)
+    state = {
+        "z.embed": rng.normal(0, 0.02, (64, 48)).astype(ml_dtypes.bfloat16),
+        "a.norm": rng.normal(1, 0.1, (48,)).astype(np.float32),
+        "m.half": rng.normal(0, 1, (33, 7)).astype(np.float16),
+        "b.count": np.arange(10, dtype=np.int32),
+        "scalar": np.array(3.5, dtype=np.float32),
+        "empty": np.zeros((0, 4), dtype=ml_dtypes.bfloat16),
+    }
+    out = [state]
+    for _ in range(steps - 1):
+        state = {name: array.copy() for name, array in state.items()}
+        for name in ("z.embed", "a.norm", "m.half"):
+            flat = state[name].reshape(-1).view(np.uint16 if state[name].itemsize == 2 else np.uint32)
+            picked = rng.choice(flat.size, size=max(1, flat.size // 50), replace=False)
+            flat[picked] += 1
+        state["b.count"][rng.integers(10)] += 1
+        out.append(state)
+    return out
+
+
+def _save_file_bytes(state: dict[str, np.ndarray], path) -> bytes:
+    save_file(state, str(path))
+    return path.read_bytes()
+
+
+def _publish(root, states, **options) -> None:
+    with ds.Publisher(root, background=False, **options) as publisher:
+        for step, state in enumerate(states):
+            publisher.publish(step, state)
+
+
+def test_the_file_is_what_save_file_writes_from_every_store(store, tmp_path):
+    states = _states(4)
+    _publish(store, states, piece_bytes=1024)
+    out = tmp_path / "out.safetensors"
+    assert ds.Subscriber(store).pull_to_file(out) == 3
+    assert out.read_bytes() == _save_file_bytes(states[3], tmp_path / "expected.safetensors")
+    assert ds.Subscriber(store).pull_to_file(out, until=1) == 1
+    assert out.read_bytes() == _save_file_bytes(states[1], tmp_path / "expected.safetensors")
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_local_anchor_is_copied_in_one_checked_read_never_through_a_temporary_file(tmp_path):
+    states = _states(3)
+    _publish(tmp_path / "store", states, piece_bytes=1024)
+    store = counting_store(tmp_path / "store")
+    opened = []
+    open_local = store.open_local
+    store.open_local = lambda key: opened.append(key) or open_local(key)
+    out = tmp_path / "out.safetensors"
+    assert ds.Subscriber(store).pull_to_file(out) == 2
+    assert opened == [anchor_key(0)]
+    anchor_size = (tmp_path / "store" / anchor_key(0)).stat().st_size
+    assert store.read[anchor_key(0)] == anchor_size  # read once, in place: not also through get_file
+    assert out.read_bytes() == _save_file_bytes(states[2], tmp_path / "expected.safetensors")
+
+
+def test_without_pieces_the_anchor_is_read_as_pull_reads_it(tmp_path):
+    states = _states(3)
+    _publish(tmp_path / "store", states, piece_bytes=None)
+    out = tmp_path / "out.safetensors"
+    assert ds.Subscriber(tmp_path / "store").pull_to_file(out) == 2
+    assert out.read_bytes() == _save_file_bytes(states[2], tmp_path / "expected.safetensors")
+
+
+@pytest.mark.parametrize("where", ["header", "data", "last byte"])
+def test_a_changed_anchor_byte_is_refused_and_the_output_left_as_it_was(tmp_path, where):
+    _publish(tmp_path / "store", _states(1), piece_bytes=1024)
+    anchor = tmp_path / "store" / anchor_key(0)
+    data = bytearray(anchor.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    at = {"header": 20, "data": header + (len(data) - header) // 2, "last byte": len(data) - 1}[where]
+    data[at] ^= 0x01
+    anchor.write_bytes(bytes(data))
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"kept")
+    with pytest.raises(ds.ChainError, match=f"piece {at // 1024}"):
+        ds.Subscriber(tmp_path / "store").pull_to_file(out)
+    assert out.read_bytes() == b"kept"
+    assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "store"]
+
+
+def test_a_truncated_anchor_is_refused(tmp_path):
+    _publish(tmp_path / "store", _states(1), piece_bytes=1024)
+    anchor = tmp_path / "store" / anchor_key(0)
+    anchor.write_bytes(anchor.read_bytes()[:-1])
+    with pytest.raises(ds.ChainError, match="bytes, its manifest entry says"):
+        ds.Subscriber(tmp_path / "store").pull_to_file(tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_changed_newest_anchor_falls_back_to_an_older_one(tmp_path):
+    states = _states(4)
+    _publish(tmp_path / "store", states, piece_bytes=1024, anchor_every=2)
+    newest = tmp_path / "store" / anchor_key(2)
+    data = bytearray(newest.read_bytes())
+    data[-100] ^= 0x10
+    newest.write_bytes(bytes(data))
+    out = tmp_path / "out.safetensors"
+    assert ds.Subscriber(tmp_path / "store").pull_to_file(out) == 3  # anchor 0, then deltas 1, 2 and 3
+    assert out.read_bytes() == _save_file_bytes(states[3], tmp_path / "expected.safetensors")
+
+
+def test_a_rebuilt_state_that_misses_its_digest_writes_nothing(tmp_path, monkeypatch):
+    _publish(tmp_path / "store", _states(2), piece_bytes=1024)
+    monkeypatch.setattr("deltasync_rs.subscriber.state_digest", lambda state: "0" * 32)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ds.IntegrityError, match="does not match the state digest"):
+        ds.Subscriber(tmp_path / "store").pull_to_file(out)
+    assert not out.exists()
+    assert os.listdir(tmp_path) == ["store"]
