@@ -13,7 +13,7 @@ import numpy as np
 
 from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_file, diff_files
-from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file, write_atomically
+from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file
 from .delta import Delta, load, state_digest
 from .errors import IntegrityError
 from .sync import Publisher, Subscriber, entry_key, log_entries, verify_store
@@ -169,14 +169,6 @@ def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
     return state
 
 
-def _save_checkpoint(state: dict[str, np.ndarray], path: str) -> None:
-    """Writes a checkpoint atomically: a temporary file beside it, then a rename."""
-    from safetensors.numpy import save_file
-
-    remove_stale_temps(path)
-    write_atomically(path, lambda temp: save_file(state, temp))
-
-
 def _cmd_publish(args: argparse.Namespace) -> int:
     state = _load_checkpoint(args.checkpoint)
     with Publisher(
@@ -192,7 +184,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         if latest is not None and not args.anchor:
             # Rebuild the last published state, so this step is a delta against it, in arrays that the publisher
             # then keeps as its mirror: the mapped checkpoint and one state in memory, never two.
-            base, step, _ = _rebuild(subscriber, None, args.store)
+            base, step = _rebuild(subscriber, args.store)
             only_store, only_checkpoint = sorted(base.keys() - state.keys()), sorted(state.keys() - base.keys())
             if only_store or only_checkpoint:
                 raise DeltaSyncError(
@@ -213,10 +205,10 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rebuild(subscriber: Subscriber, until: int | None, store: str) -> tuple[dict[str, np.ndarray], int, int]:
-    """The state published at step ``until`` (the newest when None) rebuilt from an anchor and the deltas after it
-    into new arrays, checked against that step's state digest; with the step and the number of files read."""
-    deltas = subscriber.fetch(None, until=until)
+def _rebuild(subscriber: Subscriber, store: str) -> tuple[dict[str, np.ndarray], int]:
+    """The newest published state rebuilt from an anchor and the deltas after it into new arrays (a publisher's
+    mirror), checked against that step's state digest; with its step."""
+    deltas = subscriber.fetch(None)
     state = {}
     for t in deltas[0].tensors:  # an anchor: every tensor whole, with its shape
         if t.shape is None:
@@ -232,7 +224,7 @@ def _rebuild(subscriber: Subscriber, until: int | None, store: str) -> tuple[dic
             f"{store}: the state rebuilt at step {step} does not match the state digest in "
             f"{entry_key(step)}; nothing was written"
         )
-    return state, step, len(deltas)
+    return state, step
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
