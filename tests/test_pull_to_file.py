@@ -129,3 +129,34 @@ def test_a_rebuilt_state_that_misses_its_digest_writes_nothing(tmp_path, monkeyp
         ds.Subscriber(tmp_path / "store").pull_to_file(out)
     assert not out.exists()
     assert os.listdir(tmp_path) == ["store"]
+
+
+def test_a_store_without_local_files_and_a_ranged_subscriber_still_write_every_byte(tmp_path):
+    """Without a local file the anchor is read as a pull reads it, and read whole even by a subscriber that reads
+    anchors by ranges (a tensor-parallel rank's), whose partial anchors would leave unread bytes zero."""
+    states = _states(3)
+    _publish(tmp_path / "store", states, piece_bytes=1024)
+
+    class Remote(ds.LocalStore):
+        def open_local(self, key):
+            return None
+
+    first_tensor_only = lambda tensors: [(tensors[0].start, tensors[0].end)]  # noqa: E731
+    subscriber = ds.Subscriber(Remote(tmp_path / "store", create=False), anchor_ranges=first_tensor_only)
+    out = tmp_path / "out.safetensors"
+    assert subscriber.pull_to_file(out) == 2
+    assert out.read_bytes() == _save_file_bytes(states[2], tmp_path / "expected.safetensors")
+
+
+def test_a_delta_naming_a_tensor_the_anchor_lacks_is_refused(tmp_path):
+    states = _states(2)
+    _publish(tmp_path / "store", states, piece_bytes=1024)
+    extra = {**states[1], "extra": np.ones(3, dtype=np.float32)}
+    with ds.Publisher(tmp_path / "store", background=False) as publisher:
+        publisher.resume(extra, step=1, copy=True)
+        bumped = {**extra, "extra": np.full(3, 2.0, dtype=np.float32)}
+        publisher.publish(2, bumped)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ds.DeltaSyncError, match="not in the anchor"):
+        ds.Subscriber(tmp_path / "store").pull_to_file(out)
+    assert not out.exists()

@@ -1,7 +1,7 @@
 """Checkpoints filled in place: a plain safetensors file laid out as safetensors' own writer lays it out, created at
-its full size and filled tensor by tensor, through a writable memory map or (an anchor in a local store) straight from
-the anchor's file with each piece checked first. A pulled state is then never held in memory a second time, and the
-file comes out byte for byte as ``safetensors.numpy.save_file`` would write it."""
+its full size and filled in batches of tensors, straight from an anchor's local file with each piece checked first
+(or through a writable memory map), each batch patched by the deltas right after. A pulled state is then never held
+in memory a second time, and the file comes out byte for byte as ``safetensors.numpy.save_file`` would write it."""
 
 from __future__ import annotations
 
@@ -13,25 +13,32 @@ from typing import BinaryIO
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _write
 from ._core import checkpoint_layout, copy_checked_pieces
-from ._ranged import MAX_HEADER_BYTES, AnchorTensor, anchor_tensors
-from .errors import DeltaFormatError, IntegrityError
+from ._ranged import MAX_HEADER_BYTES, AnchorTensor, PartialAnchor, anchor_tensors
+from .delta import Delta
+from .errors import BaseMismatchError, DeltaFormatError, IntegrityError
 from .manifest import Pieces
 
 #: Linux's madvise advice that faults every page of a range in, writable (5.14+; Python names no constant for it).
 _MADV_POPULATE_WRITE = 23
 
 
+#: Bytes of the output filled and patched at a time: small enough that the kernel's writeback has not cleaned a
+#: batch's pages between its copy and its deltas (a cleaned page faults again when written), and that only a batch
+#: of the output is mapped at once.
+BATCH_BYTES = 256 << 20
+
+
 class CheckpointFile:
     """The file at ``path`` (created or truncated) laid out for ``tensors`` (name, dtype name, shape) with its header
-    written and held open; :meth:`arrays` maps it and gives writable numpy views of its tensors. Close it before the
-    file is renamed."""
+    written and held open; :meth:`arrays` maps some or all of it and gives numpy views of those tensors, until
+    :meth:`release`. Close it before the file is renamed."""
 
     def __init__(self, path: str, tensors: list[tuple[str, str, tuple[int, ...]]]) -> None:
         header, ranges, size = checkpoint_layout([(name, dtype, list(shape)) for name, dtype, shape in tensors])
         self.path = path
-        self.tensors = tensors
+        self.specs = {name: (dtype, shape) for name, dtype, shape in tensors}
         self.ranges = {name: span for (name, _, _), span in zip(tensors, ranges)}
         self.size = size
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -43,59 +50,114 @@ class CheckpointFile:
             os.close(fd)
             raise
         self._fd: int | None = fd
-        self._map: mmap.mmap | None = None
+        self._maps: list[mmap.mmap] = []
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        if self._map is None and self.size:
-            assert self._fd is not None, "closed"
-            # Every page is then written (an anchor applied) or read (the state digest) through the map: populating
-            # it in one call costs far less than a fault per page. Mapped only now, after a copy of the anchor into
-            # the file, so that it maps the pages that copy wrote rather than zero-filled ones it then replaces.
-            self._map = mmap.mmap(self._fd, self.size)
-            try:
-                self._map.madvise(_MADV_POPULATE_WRITE)  # writable: no write-protect fault per page either
-            except (OSError, ValueError):  # before Linux 5.14, or elsewhere: faults as pages are touched
-                pass
-        buffer = self._map if self._map is not None else bytearray()
-        out = {}
-        for name, dtype, shape in self.tensors:
+    def batches(self) -> list[list[str]]:
+        """The tensors in file order, in runs of about ``BATCH_BYTES`` (a larger tensor is a run of its own)."""
+        runs: list[list[str]] = []
+        size = 0
+        for name in sorted(self.ranges, key=lambda n: self.ranges[n]):
+            start, end = self.ranges[name]
+            if not runs or size + end - start > BATCH_BYTES:
+                runs.append([])
+                size = 0
+            runs[-1].append(name)
+            size += end - start
+        return runs
+
+    def arrays(self, names: list[str] | None = None, *, writable: bool = True) -> dict[str, np.ndarray]:
+        """Views of tensors ``names`` (all when None) through one map of the bytes they span: writable and faulted
+        in at once (a write fault per page costs far more; map a batch, not a file larger than memory), or read-only
+        for a pass that only reads."""
+        assert self._fd is not None, "closed"
+        names = list(self.ranges) if names is None else names
+        spans = [self.ranges[n] for n in names if self.ranges[n][1] > self.ranges[n][0]]
+        out: dict[str, np.ndarray] = {}
+        buffer: mmap.mmap | bytearray = bytearray()
+        base = 0
+        if spans:
+            base = min(s for s, _ in spans) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            length = max(e for _, e in spans) - base
+            if writable:
+                buffer = mmap.mmap(self._fd, length, offset=base)
+                try:
+                    buffer.madvise(_MADV_POPULATE_WRITE)  # writable: no write-protect fault per page either
+                except (OSError, ValueError):  # before Linux 5.14, or elsewhere: faults as pages are touched
+                    pass
+            else:  # faulted in as read (a pass over a file larger than memory must not populate it all first)
+                buffer = mmap.mmap(self._fd, length, prot=mmap.PROT_READ, offset=base)
+            self._maps.append(buffer)
+        for name in names:
+            dtype, shape = self.specs[name]
             start, end = self.ranges[name]
             np_dtype = _arrays.numpy_dtype(dtype)
             count = (end - start) // np_dtype.itemsize
-            out[name] = np.frombuffer(buffer, dtype=np_dtype, count=count, offset=start if count else 0).reshape(shape)
+            offset = start - base if count else 0
+            view = np.frombuffer(buffer if count else bytearray(), dtype=np_dtype, count=count, offset=offset)
+            out[name] = view.reshape(shape)
         return out
 
-    def close(self) -> None:
-        """Unmaps the file; the arrays from :meth:`arrays` must be gone by then (a live view keeps the map)."""
-        if self._map is not None:
+    def release(self) -> None:
+        """Unmaps what :meth:`arrays` mapped; its views must be gone by then (a live view keeps its map)."""
+        for mapped in self._maps:
             try:
-                self._map.close()
+                mapped.close()
             except BufferError:  # a caller still holds a view: the map closes when the last one goes
                 pass
-            self._map = None
+        self._maps = []
+
+    def close(self) -> None:
+        self.release()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
 
-def copy_anchor(source: BinaryIO, key: str, step: int, pieces: Pieces, path: str) -> CheckpointFile:
-    """Lays out the checkpoint at ``path`` for the anchor open as ``source`` (a local regular file, ``key`` in its
-    store, the anchor of ``step``) and copies the anchor's tensors into it in one read of the anchor: its header is
-    read and checked against ``pieces`` before it is parsed, and every piece of the file is checked before any byte
-    of it is written (core::anchors::copy_checked_pieces). Raises IntegrityError when a byte differs, and
-    DeltaFormatError when the checked header is not an anchor of ``step``'s tensors; ``path`` is then the caller's to
-    remove."""
-    fd = source.fileno()
-    if os.fstat(fd).st_size != pieces.size:
-        raise IntegrityError(f"{key}: {os.fstat(fd).st_size} bytes, its manifest entry says {pieces.size}")
-    tensors = _checked_header(fd, key, step, pieces)
-    out = CheckpointFile(path, [(t.name, t.dtype, t.shape) for t in tensors])
-    segments = [(t.start, t.end - t.start, out.ranges[t.name][0]) for t in tensors]
-    bad = copy_checked_pieces(f"/proc/self/fd/{fd}", pieces.size, pieces.piece_bytes, pieces.hashes, path, segments)
-    if bad is not None:
-        out.close()
-        raise pieces_error(key, pieces, bad)
-    return out
+def apply_to(deltas: list[Delta], arrays: dict[str, np.ndarray], *, check_base: bool) -> None:
+    """Applies ``deltas`` in order to the tensors of ``arrays``, which may be some of the state's (a batch): each
+    delta's changes to tensors outside ``arrays`` are left for another call."""
+    for delta in deltas:
+        if isinstance(delta, PartialAnchor):  # its unread bytes read as zero: only vLLM's checked apply may use it
+            raise delta._refused()
+        writes = _write.Writes(delta._raw)
+        pairs = [(index, arrays[name]) for index, (name, *_) in enumerate(writes.infos) if name in arrays]
+        if pairs:
+            writes.add_all(pairs, check_base=check_base)
+            writes.commit()
+
+
+def require_names(deltas: list[Delta], names: set[str], where: str) -> None:
+    """Raises BaseMismatchError when a delta changes a tensor that the state (``names``) does not have."""
+    for delta in deltas:
+        missing = [name for name in delta.names if name not in names]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise BaseMismatchError(f"{where}: {len(missing)} tensors of a delta are not in the anchor: {shown}")
+
+
+class LocalAnchor:
+    """An anchor kept as a local regular file (``source``, ``key`` in its store, the anchor of ``step``): its header
+    read once into memory and checked against ``pieces`` before it is parsed; :meth:`copy_into` then copies tensors
+    from it with every piece they touch checked first (core::anchors::copy_checked_pieces)."""
+
+    def __init__(self, source: BinaryIO, key: str, step: int, pieces: Pieces) -> None:
+        self.fd, self.key, self.pieces = source.fileno(), key, pieces
+        size = os.fstat(self.fd).st_size
+        if size != pieces.size:
+            raise IntegrityError(f"{key}: {size} bytes, its manifest entry says {pieces.size}")
+        self.tensors = {t.name: t for t in _checked_header(self.fd, key, step, pieces)}
+
+    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(t.name, t.dtype, t.shape) for t in self.tensors.values()]
+
+    def copy_into(self, out: CheckpointFile, names: list[str]) -> None:
+        """Copies tensors ``names`` into ``out``; IntegrityError when a byte differs (``out`` is then the caller's
+        to discard)."""
+        segments = [(t.start, t.end - t.start, out.ranges[t.name][0]) for t in map(self.tensors.__getitem__, names)]
+        p = self.pieces
+        bad = copy_checked_pieces(f"/proc/self/fd/{self.fd}", p.size, p.piece_bytes, p.hashes, out.path, segments)
+        if bad is not None:
+            raise pieces_error(self.key, p, bad)
 
 
 def pieces_error(key: str, pieces: Pieces, bad: tuple[str, int]) -> IntegrityError:
@@ -139,4 +201,15 @@ def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> list[Anchor
             raise DeltaFormatError(f"{key}: tensor {t.name!r} takes {t.end - t.start} bytes, not its shape's")
         if t.name.endswith((":pos", ":val")) or t.name.startswith("__deltasync_"):
             raise DeltaFormatError(f"{key}: tensor {t.name!r} is a delta's stream; an anchor holds whole tensors")
+    # The tensors tile the data (as safetensors requires): every byte after the header lies in one, so copying every
+    # tensor checks every piece of the file, the header's included.
+    at = 8 + header_bytes
+    for t in sorted(tensors, key=lambda t: (t.start, t.end)):
+        if t.start != at:
+            raise DeltaFormatError(
+                f"{key}: tensor {t.name!r} starts at byte {t.start}, not at {at} where the last ended"
+            )
+        at = t.end
+    if at != pieces.size:
+        raise DeltaFormatError(f"{key}: its tensors end at byte {at} of {pieces.size}")
     return tensors

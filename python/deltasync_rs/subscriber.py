@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ._checkpoint import CheckpointFile, copy_anchor, pieces_error
+from ._checkpoint import CheckpointFile, LocalAnchor, apply_to, pieces_error, require_names
 from ._core import copy_checked_pieces, sha256_pieces
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
@@ -217,11 +217,12 @@ class Subscriber:
             log.error("%s; using the newest verified entry, step %s", problem, newest)
         return newest
 
-    def _file(self, ref: dict[str, Any], step: int, kind: str) -> Delta:
+    def _file(self, ref: dict[str, Any], step: int, kind: str, *, ranged: bool = True) -> Delta:
         def read() -> Delta:
             delta: Delta | None = None
-            if kind == "anchor" and self.anchor_ranges is not None and "pieces" in ref and self.store.supports_ranges:
-                delta = read_ranged(self.store, ref, self._pieces(ref), self.anchor_ranges)
+            ranges = self.anchor_ranges if ranged else None
+            if kind == "anchor" and ranges is not None and "pieces" in ref and self.store.supports_ranges:
+                delta = read_ranged(self.store, ref, self._pieces(ref), ranges)
             if delta is None:
                 delta = self._streamed(ref) if kind == "anchor" else self._in_memory(ref)
             if delta.step is not None and delta.step != step:
@@ -491,21 +492,21 @@ class Subscriber:
         def write(temp: str) -> None:
             def into_file(anchor_entry: Entry | None, chain: list[Entry]) -> int:
                 assert anchor_entry is not None and anchor_entry.anchor is not None  # no current step: from an anchor
-                out = self._anchor_file(anchor_entry.anchor, anchor_entry.step, temp)
+                deltas = self._download(None, chain)
+                step = chain[-1].step if chain else anchor_entry.step
+                out = self._anchor_file(anchor_entry.anchor, anchor_entry.step, temp, deltas)
                 try:
-                    arrays = out.arrays()
-                    for delta in self._download(None, chain):
-                        delta.apply_(arrays, check_base=self.check_base)
-                    step = chain[-1].step if chain else anchor_entry.step
-                    if state_digest(arrays) != self.entry(step).state_digest:
-                        # Every file of the way checked out, so another way is no answer: raised past the ways.
-                        raise _NotTheState(
-                            f"{self.store.url}: the state rebuilt at step {step} does not match the state digest in "
-                            f"{entry_key(step)}; nothing was written"
-                        )
+                    arrays = out.arrays(writable=False)
+                    matches = state_digest(arrays) == self.entry(step).state_digest
                     del arrays
                 finally:
                     out.close()
+                if not matches:
+                    # Every file of the way checked out, so another way is no answer: raised past the ways.
+                    raise _NotTheState(
+                        f"{self.store.url}: the state rebuilt at step {step} does not match the state digest in "
+                        f"{entry_key(step)}; nothing was written"
+                    )
                 return step
 
             try:
@@ -520,10 +521,11 @@ class Subscriber:
         write_atomically(target, write)
         return reached[0]
 
-    def _anchor_file(self, ref: dict[str, Any], step: int, path: str) -> CheckpointFile:
-        """The checkpoint at ``path`` laid out for anchor ``ref`` of ``step`` and holding its tensors: copied in one
-        checked read from a store that keeps it as a local file and has its pieces sidecar, else applied from the
-        anchor read as ``pull`` reads it."""
+    def _anchor_file(self, ref: dict[str, Any], step: int, path: str, deltas: list[Delta]) -> CheckpointFile:
+        """The checkpoint at ``path`` laid out for anchor ``ref`` of ``step``, holding its tensors with ``deltas``
+        applied, batch by batch of the output: from a store that keeps the anchor as a local file (and its pieces
+        sidecar), each batch copied with every piece it touches checked first, then patched; else from the anchor
+        read as ``pull`` reads it, each batch written from it and patched."""
         if "pieces" in ref and os.path.isdir("/proc/self/fd"):
 
             def local() -> CheckpointFile | None:
@@ -531,15 +533,29 @@ class Subscriber:
                 if source is None:
                     return None
                 with source:
-                    return copy_anchor(source, ref["key"], step, self._pieces(ref), path)
+                    anchor = LocalAnchor(source, ref["key"], step, self._pieces(ref))
+                    require_names(deltas, set(anchor.tensors), ref["key"])
+                    return self._filled(CheckpointFile(path, anchor.specs()), anchor.copy_into, deltas)
 
-            out = self._retry(ref["key"], local)
-            if out is not None:
-                return out
-        anchor = self._file(ref, step, "anchor")
-        out = CheckpointFile(path, [(t.name, t.dtype, tuple(t.shape or ())) for t in anchor.tensors])
+            done = self._retry(ref["key"], local)
+            if done is not None:
+                return done
+        whole = self._file(ref, step, "anchor", ranged=False)  # every byte: the file holds every tensor
+        require_names(deltas, set(whole.names), ref["key"])
+        specs = [(t.name, t.dtype, tuple(t.shape or ())) for t in whole.tensors]
+        return self._filled(CheckpointFile(path, specs), None, [whole, *deltas])
+
+    def _filled(
+        self, out: CheckpointFile, copy: Callable[[CheckpointFile, list[str]], None] | None, deltas: list[Delta]
+    ) -> CheckpointFile:
+        """``out`` with, batch by batch, ``copy`` (when given) then ``deltas`` applied: a batch's pages are patched
+        while the copy has just written them, and only a batch of the file is mapped at a time."""
         try:
-            anchor.apply_(out.arrays())
+            for batch in out.batches():
+                if copy is not None:
+                    copy(out, batch)
+                apply_to(deltas, out.arrays(batch), check_base=self.check_base)
+                out.release()
         except BaseException:
             out.close()
             raise

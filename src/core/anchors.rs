@@ -139,15 +139,14 @@ pub enum Unchecked {
 }
 
 /// Copies the `segments` of the file at `source` into the existing file at `dest`, every byte checked first: the
-/// source must be `size` bytes, and each of its `piece_bytes` pieces (the last may be shorter) must have the SHA-256
-/// `expected` lists for it, before any byte of that piece is written. Every piece of the source is read and checked,
-/// whether a segment uses it or not, in parallel groups (about `READ_BYTES` each, read with `pread` into a buffer
-/// per task: the source is never mapped and its pages never count towards this process's resident memory). This is
-/// a verified download and a copy in one read of the source, where checking a private copy costs a second read and a
-/// second write of the whole file.
+/// source must be `size` bytes, and each of its `piece_bytes` pieces (the last may be shorter) that a segment touches
+/// must have the SHA-256 `expected` lists for it before any byte of it is written. Those pieces are read whole and
+/// checked in parallel groups (about `READ_BYTES` each, read with `pread` into a buffer per task: the source is never
+/// mapped and its pages never count towards this process's resident memory). This is a verified download and a copy
+/// in one read of the source, where checking a private copy costs a second read and a second write of the file.
 ///
-/// Returns `Ok(Some(..))` for a source of another size (nothing written) or, after checking every piece, the first
-/// piece that differs (the destination then holds the checked pieces' segments only, and is the caller's to
+/// Returns `Ok(Some(..))` for a source of another size (nothing written) or, after checking every touched piece,
+/// the first one that differs (the destination then holds the checked pieces' segments only, and is the caller's to
 /// discard). Segments must lie within `size` bytes of the source and not overlap there; they may come in any order.
 pub fn copy_checked_pieces(
     source: &Path,
@@ -170,7 +169,7 @@ pub fn copy_checked_pieces(
             expected.len()
         )));
     }
-    let mut order: Vec<Segment> = segments.to_vec();
+    let mut order: Vec<Segment> = segments.iter().copied().filter(|segment| segment.len > 0).collect();
     for segment in &order {
         if segment.from.checked_add(segment.len).is_none_or(|end| end > size)
             || segment.to.checked_add(segment.len).is_none()
@@ -191,20 +190,31 @@ pub fn copy_checked_pieces(
         return Ok(Some(Unchecked::Size(actual)));
     }
     let out = std::fs::OpenOptions::new().write(true).open(dest).map_err(|e| Error::io(dest, e))?;
+    // The runs of pieces the segments touch, cut into read groups of at most `per_read` pieces.
+    let piece = piece_bytes as u64;
     let per_read = (READ_BYTES / piece_bytes).max(1) as u64;
-    let group_bytes = per_read * piece_bytes as u64;
+    let mut groups: Vec<(u64, u64)> = Vec::new(); // [first, last) piece indices
+    for segment in &order {
+        let (first, last) = (segment.from / piece, (segment.from + segment.len).div_ceil(piece));
+        let first = match groups.last() {
+            Some(&(_, end)) if end > first => end,
+            _ => first,
+        };
+        for start in (first..last).step_by(per_read as usize) {
+            groups.push((start, last.min(start + per_read)));
+        }
+    }
     let bad: Vec<Option<usize>> = crate::core::pool::install(|| {
-        (0..size.div_ceil(group_bytes))
+        groups
             .into_par_iter()
-            .map_init(Vec::new, |buffer, group| {
-                let start = group * group_bytes;
-                let end = size.min(start + group_bytes);
+            .map_init(Vec::new, |buffer, (first, last)| {
+                let start = first * piece;
+                let end = size.min(last * piece);
                 buffer.resize((end - start) as usize, 0);
                 file.read_exact_at(buffer, start).map_err(|e| Error::io(source, e))?;
-                let first = (start / piece_bytes as u64) as usize;
-                for (i, piece) in buffer.chunks(piece_bytes).enumerate() {
-                    if <[u8; 32]>::from(Sha256::digest(piece)) != expected[first + i] {
-                        return Ok(Some(first + i));
+                for (i, bytes) in buffer.chunks(piece_bytes).enumerate() {
+                    if <[u8; 32]>::from(Sha256::digest(bytes)) != expected[first as usize + i] {
+                        return Ok(Some(first as usize + i));
                     }
                 }
                 let mut at = order.partition_point(|s| s.from + s.len <= start);
@@ -502,16 +512,21 @@ mod tests {
         assert_eq!(outcome, Some(Unchecked::Size(size)));
         assert!(std::fs::read(&dest).unwrap().is_empty());
         assert!(copy_checked_pieces(&source, size, piece_bytes, &hashes[1..], &dest, &[]).is_err());
-        // A changed byte: every piece is checked and the first bad one named.
+        // Changed bytes in pieces the segments touch: each touched piece is checked and the first bad one named.
         let mut tampered = data.clone();
-        tampered[3 * piece_bytes + 9] ^= 1;
-        tampered[140 * piece_bytes] ^= 1;
+        tampered[piece_bytes + 9] ^= 1;
+        tampered[data.len() - 1] ^= 1;
         std::fs::write(&source, &tampered).unwrap();
         std::fs::write(&dest, vec![0u8; 70_350]).unwrap();
         let outcome = copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &segments).unwrap();
-        assert_eq!(outcome, Some(Unchecked::Piece(3)));
-        // Nothing of the bad pieces' read groups was written (here: the group of pieces 0..128).
+        assert_eq!(outcome, Some(Unchecked::Piece(1)));
+        // Nothing of the bad piece's read group was written (here: pieces 0 and 1, the second segment's).
         assert!(std::fs::read(&dest).unwrap()[300..70_300].iter().all(|&b| b == 0));
+
+        // Only the pieces the segments touch are read: a bad piece elsewhere is not this copy's concern.
+        let untouched = [Segment { from: 4 * piece_bytes as u64, len: 100, to: 0 }];
+        assert_eq!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &untouched).unwrap(), None);
+        assert_eq!(std::fs::read(&dest).unwrap()[..100], tampered[4 * piece_bytes..4 * piece_bytes + 100]);
 
         // Bad arguments are refused before anything is read.
         assert!(copy_checked_pieces(&source, size, 0, &hashes, &dest, &[]).is_err());
