@@ -745,6 +745,31 @@ fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String>
     Ok(digest)
 }
 
+/// Each tensor's own hash in a state digest, for (name, dtype, shape, bytes) entries: 16 bytes each, little-endian
+/// (core::digest::tensor_hashes); `combine_hashes` makes the digest of a state from all of them.
+#[pyfunction]
+fn tensor_hashes(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<Vec<Py<PyBytes>>> {
+    let (held, specs) = export_tensors(&entries)?;
+    let hashes = py.detach(|| {
+        let inputs: Vec<DigestInput<'_>> = specs
+            .iter()
+            // SAFETY: `held` keeps every buffer exported until after this call.
+            .map(|(name, dtype, shape, data)| DigestInput { name, dtype: *dtype, shape, data: unsafe { data.get() } })
+            .collect();
+        digest::tensor_hashes(&inputs)
+    });
+    drop(held);
+    Ok(hashes.into_iter().map(|hash| PyBytes::new(py, &hash.to_le_bytes()).unbind()).collect())
+}
+
+/// The digest of a state from each tensor's name and `tensor_hashes` hash, in any order: 32 hex digits.
+#[pyfunction]
+fn combine_hashes(tensors: Vec<(String, [u8; 16])>) -> String {
+    let named: Vec<(&str, u128)> =
+        tensors.iter().map(|(name, hash)| (name.as_str(), u128::from_le_bytes(*hash))).collect();
+    digest::combine(&named)
+}
+
 /// The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3).
 #[pyfunction]
 fn base_identity(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<String> {
@@ -790,6 +815,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(diff_files, m)?)?;
     m.add_function(wrap_pyfunction!(apply_file, m)?)?;
     m.add_function(wrap_pyfunction!(state_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(combine_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
     m.add_function(wrap_pyfunction!(sha256_pieces, m)?)?;

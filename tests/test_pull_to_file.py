@@ -123,7 +123,7 @@ def test_a_changed_newest_anchor_falls_back_to_an_older_one(tmp_path):
 
 def test_a_rebuilt_state_that_misses_its_digest_writes_nothing(tmp_path, monkeypatch):
     _publish(tmp_path / "store", _states(2), piece_bytes=1024)
-    monkeypatch.setattr("deltasync_rs.subscriber.state_digest", lambda state: "0" * 32)
+    monkeypatch.setattr("deltasync_rs._checkpoint.combine_hashes", lambda hashes: "0" * 32)
     out = tmp_path / "out.safetensors"
     with pytest.raises(ds.IntegrityError, match="does not match the state digest"):
         ds.Subscriber(tmp_path / "store").pull_to_file(out)
@@ -160,3 +160,29 @@ def test_a_delta_naming_a_tensor_the_anchor_lacks_is_refused(tmp_path):
     with pytest.raises(ds.DeltaSyncError, match="not in the anchor"):
         ds.Subscriber(tmp_path / "store").pull_to_file(out)
     assert not out.exists()
+
+
+def test_the_output_is_filled_patched_and_hashed_one_batch_at_a_time(tmp_path, monkeypatch):
+    """Only a batch of the output is mapped at a time (so a pull's resident memory is a batch, not the checkpoint),
+    every tensor is hashed once for the state digest, and the bytes do not depend on the batch size."""
+    import deltasync_rs._checkpoint as checkpoint
+
+    states = _states(3)
+    _publish(tmp_path / "store", states, piece_bytes=1024)
+    monkeypatch.setattr(checkpoint, "BATCH_BYTES", 2048)
+    mapped, hashed = [], []
+    arrays, hash_ = checkpoint.CheckpointFile.arrays, checkpoint.CheckpointFile.hash
+
+    def recording_arrays(self, names=None, **options):
+        assert not self._maps, "a batch is mapped while another still is"
+        mapped.append(sum(self.ranges[n][1] - self.ranges[n][0] for n in names or self.ranges))
+        return arrays(self, names, **options)
+
+    monkeypatch.setattr(checkpoint.CheckpointFile, "arrays", recording_arrays)
+    monkeypatch.setattr(checkpoint.CheckpointFile, "hash", lambda self, a: hashed.extend(a) or hash_(self, a))
+    out = tmp_path / "out.safetensors"
+    assert ds.Subscriber(tmp_path / "store").pull_to_file(out) == 2
+    assert out.read_bytes() == _save_file_bytes(states[2], tmp_path / "expected.safetensors")
+    largest = max(a.nbytes for a in states[2].values())
+    assert len(mapped) > 2 and max(mapped) <= max(2048, largest)
+    assert sorted(hashed) == sorted(states[2])

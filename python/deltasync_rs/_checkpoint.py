@@ -14,7 +14,7 @@ from typing import BinaryIO
 import numpy as np
 
 from . import _arrays, _write
-from ._core import checkpoint_layout, copy_checked_pieces
+from ._core import checkpoint_layout, combine_hashes, copy_checked_pieces, tensor_hashes
 from ._ranged import MAX_HEADER_BYTES, AnchorTensor, PartialAnchor, anchor_tensors
 from .delta import Delta
 from .errors import BaseMismatchError, DeltaFormatError, IntegrityError
@@ -51,6 +51,21 @@ class CheckpointFile:
             raise
         self._fd: int | None = fd
         self._maps: list[mmap.mmap] = []
+        self._hashes: dict[str, bytes] = {}
+
+    def hash(self, arrays: dict[str, np.ndarray]) -> None:
+        """Records the state-digest hash of each of ``arrays`` (views of this file) as it is now."""
+        entries = []
+        for name, array in arrays.items():
+            dtype, shape = self.specs[name]
+            entries.append((name, dtype, list(shape), array.reshape(-1).view(np.uint8)))
+        self._hashes.update(zip(arrays, tensor_hashes(entries)))
+
+    def state_digest(self) -> str:
+        """The state digest of the file's tensors, from the hashes :meth:`hash` recorded, one for every tensor."""
+        missing = self.specs.keys() - self._hashes.keys()
+        assert not missing, f"no hash recorded for {sorted(missing)[:3]}"
+        return combine_hashes(list(self._hashes.items()))
 
     def batches(self) -> list[list[str]]:
         """The tensors in file order, in runs of about ``BATCH_BYTES`` (a larger tensor is a run of its own)."""

@@ -18,6 +18,7 @@ __all__ = [
     "apply_file",
     "base_identity",
     "checkpoint_layout",
+    "combine_hashes",
     "copy_checked_pieces",
     "diff_files",
     "get_num_threads",
@@ -26,6 +27,7 @@ __all__ = [
     "set_num_threads",
     "sha256_pieces",
     "state_digest",
+    "tensor_hashes",
     "write_anchor",
 ]
 __version__: str
@@ -117,6 +119,12 @@ def base_identity(data: Any) -> str:
 
 def sha256_pieces(path: str | PathLike[str], piece_bytes: int) -> bytes:
     """The SHA-256 of each ``piece_bytes`` piece of the file, concatenated (32 bytes each), hashed in parallel."""
+
+def tensor_hashes(entries: list[tuple[str, str, list[int], Buffer]]) -> list[bytes]:
+    """Each tensor's own hash in a state digest (16 bytes, little-endian), for (name, dtype, shape, bytes) entries."""
+
+def combine_hashes(tensors: list[tuple[str, bytes]]) -> str:
+    """The digest of a state from each tensor's name and ``tensor_hashes`` hash, in any order: 32 hex digits."""
 
 def checkpoint_layout(tensors: list[tuple[str, str, list[int]]]) -> tuple[bytes, list[tuple[int, int]], int]:
     """The layout of a plain safetensors checkpoint of (name, dtype, shape) tensors as safetensors' own writer lays it

@@ -495,13 +495,8 @@ class Subscriber:
                 deltas = self._download(None, chain)
                 step = chain[-1].step if chain else anchor_entry.step
                 out = self._anchor_file(anchor_entry.anchor, anchor_entry.step, temp, deltas)
-                try:
-                    arrays = out.arrays(writable=False)
-                    matches = state_digest(arrays) == self.entry(step).state_digest
-                    del arrays
-                finally:
-                    out.close()
-                if not matches:
+                out.close()
+                if out.state_digest() != self.entry(step).state_digest:
                     # Every file of the way checked out, so another way is no answer: raised past the ways.
                     raise _NotTheState(
                         f"{self.store.url}: the state rebuilt at step {step} does not match the state digest in "
@@ -548,13 +543,17 @@ class Subscriber:
     def _filled(
         self, out: CheckpointFile, copy: Callable[[CheckpointFile, list[str]], None] | None, deltas: list[Delta]
     ) -> CheckpointFile:
-        """``out`` with, batch by batch, ``copy`` (when given) then ``deltas`` applied: a batch's pages are patched
-        while the copy has just written them, and only a batch of the file is mapped at a time."""
+        """``out`` with, batch by batch, ``copy`` (when given) then ``deltas`` applied and the state digest's hashes
+        taken: a batch's pages are patched and hashed while the copy has just written them, and only a batch of the
+        file is mapped at a time."""
         try:
             for batch in out.batches():
                 if copy is not None:
                     copy(out, batch)
-                apply_to(deltas, out.arrays(batch), check_base=self.check_base)
+                arrays = out.arrays(batch)
+                apply_to(deltas, arrays, check_base=self.check_base)
+                out.hash(arrays)  # the state digest's part for this batch, while its pages are still at hand
+                del arrays
                 out.release()
         except BaseException:
             out.close()

@@ -66,11 +66,17 @@ pub fn combine(tensors: &[(&str, u128)]) -> String {
     format!("{:032x}", hasher.digest128())
 }
 
+/// Each tensor's own hash (what `combine` takes), in parallel: a state too large to hold or map at once is digested
+/// a batch of tensors at a time, then combined.
+pub fn tensor_hashes(inputs: &[DigestInput<'_>]) -> Vec<u128> {
+    crate::core::pool::install(|| inputs.par_iter().map(tensor_hash).collect())
+}
+
 /// The digest of a state: XXH3-128 over, for each tensor in name order, the name's UTF-8 bytes, a zero byte
 /// and the tensor's own XXH3-128 (of dtype name, a zero byte, rank and dims as u64 LE, then its data), as 16
 /// little-endian bytes. Returned as 32 lowercase hex digits.
 pub fn state_digest(inputs: &[DigestInput<'_>]) -> String {
-    let hashes: Vec<u128> = crate::core::pool::install(|| inputs.par_iter().map(tensor_hash).collect());
+    let hashes = tensor_hashes(inputs);
     let named: Vec<(&str, u128)> = inputs.iter().zip(hashes).map(|(input, hash)| (input.name, hash)).collect();
     combine(&named)
 }
