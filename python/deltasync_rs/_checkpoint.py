@@ -9,7 +9,7 @@ import json
 import math
 import mmap
 import os
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class CheckpointFile:
 
     def hash(self, arrays: dict[str, np.ndarray]) -> None:
         """Records the state-digest hash of each of ``arrays`` (views of this file) as it is now."""
-        entries = []
+        entries: list[Any] = []
         for name, array in arrays.items():
             dtype, shape = self.specs[name]
             entries.append((name, dtype, list(shape), array.reshape(-1).view(np.uint8)))
