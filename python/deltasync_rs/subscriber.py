@@ -482,11 +482,12 @@ class Subscriber:
     def pull_to_file(self, path: str | os.PathLike[str], *, until: int | None = None) -> int:
         """Writes the newest step (or step ``until``) as a plain safetensors checkpoint at ``path``, the bytes
         ``safetensors.numpy.save_file`` writes for that state, and returns the step. The state is rebuilt in the
-        file itself, never in memory: the file is laid out first, the anchor's tensors are copied into it (from a
-        local store straight from the anchor's file, every piece checked against the pieces sidecar before it is
-        used; from other stores through a checked temporary copy), the deltas after it are applied in place through a
-        memory map, and the result is checked against the step's state digest. It is written beside ``path`` and
-        renamed over it only then; on any error ``path`` is left as it was. Does not move this subscriber's step."""
+        file itself, never in memory: the file is laid out first, then filled about 256 MiB at a time, each batch's
+        tensors copied from the anchor (from a local store straight from the anchor's file, every piece checked
+        against the pieces sidecar before it is used; from other stores through a checked temporary copy), patched
+        by the deltas after it through a memory map of that batch alone, and hashed; the hashes must make the step's
+        state digest. It is written beside ``path`` and renamed over it only then; on any error ``path`` is left as
+        it was. Does not move this subscriber's step."""
         reached: list[int] = []
 
         def write(temp: str) -> None:
