@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import deltasync_rs as ds
-from deltasync_rs.manifest import anchor_key
+from deltasync_rs.manifest import anchor_key, pieces_key
 from tests.helpers import counting_store
 
 
@@ -187,3 +187,19 @@ def test_the_output_is_filled_patched_and_hashed_one_batch_at_a_time(tmp_path, m
     largest = max(a.nbytes for a in states[2].values())
     assert len(mapped) > 2 and max(mapped) <= max(2048, largest)
     assert sorted(hashed) == sorted(states[2])
+
+
+def test_a_lost_pieces_sidecar_falls_back_to_the_whole_file_sha256(tmp_path, caplog):
+    states = _states(2)
+    _publish(tmp_path / "store", states, piece_bytes=1024)
+    (tmp_path / "store" / pieces_key(0)).unlink()
+    out = tmp_path / "out.safetensors"
+    assert ds.Subscriber(tmp_path / "store").pull_to_file(out) == 1
+    assert out.read_bytes() == _save_file_bytes(states[1], tmp_path / "expected.safetensors")
+    assert "whole-file SHA-256 instead" in caplog.text
+    anchor = tmp_path / "store" / anchor_key(0)
+    data = bytearray(anchor.read_bytes())
+    data[-1] ^= 1
+    anchor.write_bytes(bytes(data))
+    with pytest.raises(ds.ChainError, match="does not match the digest"):
+        ds.Subscriber(tmp_path / "store", retries=1).pull_to_file(out)
