@@ -729,27 +729,9 @@ fn copy_checked_pieces(
     }))
 }
 
-/// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).
-#[pyfunction]
-fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
-    let (held, specs) = export_tensors(&entries)?;
-    let digest = py.detach(|| {
-        let inputs: Vec<DigestInput<'_>> = specs
-            .iter()
-            // SAFETY: `held` keeps every buffer exported until after this call.
-            .map(|(name, dtype, shape, data)| DigestInput { name, dtype: *dtype, shape, data: unsafe { data.get() } })
-            .collect();
-        digest::state_digest(&inputs)
-    });
-    drop(held);
-    Ok(digest)
-}
-
-/// Each tensor's own hash in a state digest, for (name, dtype, shape, bytes) entries: 16 bytes each, little-endian
-/// (core::digest::tensor_hashes); `combine_hashes` makes the digest of a state from all of them.
-#[pyfunction]
-fn tensor_hashes(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<Vec<Py<PyBytes>>> {
-    let (held, specs) = export_tensors(&entries)?;
+/// Each entry's tensor hash (core::digest::tensor_hashes) with its name, computed with the GIL released.
+fn hashed_entries<'a>(py: Python<'_>, entries: &'a [FullEntry<'_>]) -> PyResult<Vec<(&'a str, u128)>> {
+    let (held, specs) = export_tensors(entries)?;
     let hashes = py.detach(|| {
         let inputs: Vec<DigestInput<'_>> = specs
             .iter()
@@ -759,7 +741,22 @@ fn tensor_hashes(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<Vec<Py
         digest::tensor_hashes(&inputs)
     });
     drop(held);
-    Ok(hashes.into_iter().map(|hash| PyBytes::new(py, &hash.to_le_bytes()).unbind()).collect())
+    Ok(specs.into_iter().zip(hashes).map(|((name, ..), hash)| (name, hash)).collect())
+}
+
+/// The digest of a state given as (name, dtype, shape, bytes) entries: 32 hex digits (docs/format.md §10).
+#[pyfunction]
+fn state_digest(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<String> {
+    let hashed = hashed_entries(py, &entries)?;
+    Ok(digest::combine(&hashed))
+}
+
+/// Each tensor's own hash in a state digest, for (name, dtype, shape, bytes) entries: 16 bytes each, little-endian
+/// (core::digest::tensor_hashes); `combine_hashes` makes the digest of a state from all of them.
+#[pyfunction]
+fn tensor_hashes(py: Python<'_>, entries: Vec<FullEntry<'_>>) -> PyResult<Vec<Py<PyBytes>>> {
+    let hashed = hashed_entries(py, &entries)?;
+    Ok(hashed.into_iter().map(|(_, hash)| PyBytes::new(py, &hash.to_le_bytes()).unbind()).collect())
 }
 
 /// The digest of a state from each tensor's name and `tensor_hashes` hash, in any order: 32 hex digits.
