@@ -142,8 +142,10 @@ def test_a_whole_pull_checks_the_pieces_in_parallel_or_the_whole_file_without_th
     monkeypatch.setattr(
         subscriber_module, "sha256_pieces", lambda path, size: pieced.append(size) or real_pieces(path, size)
     )
-    real_copy = subscriber_module.copy_checked_pieces  # a local store's anchor: copied and checked in one read
-    monkeypatch.setattr(subscriber_module, "copy_checked_pieces", lambda *a: pieced.append(a[2]) or real_copy(*a))
+    import deltasync_rs._checkpoint as checkpoint_module
+
+    real_copy = checkpoint_module.copy_checked_pieces  # a local store's anchor: copied and checked in one read
+    monkeypatch.setattr(checkpoint_module, "copy_checked_pieces", lambda *a: pieced.append(a[2]) or real_copy(*a))
     state = _state()
     root = _published(tmp_path, state=state)
     target = {k: torch.zeros_like(v) for k, v in state.items()}

@@ -32,7 +32,7 @@ BATCH_BYTES = 256 << 20
 
 class CheckpointFile:
     """The file at ``path`` (created or truncated) laid out for ``tensors`` (name, dtype name, shape) with its header
-    written and held open; :meth:`arrays` maps some or all of it and gives numpy views of those tensors, until
+    written and held open; :meth:`arrays` maps part of it and gives numpy views of those tensors, until
     :meth:`release`. Close it before the file is renamed."""
 
     def __init__(self, path: str, tensors: list[tuple[str, str, tuple[int, ...]]]) -> None:
@@ -40,7 +40,6 @@ class CheckpointFile:
         self.path = path
         self.specs = {name: (dtype, shape) for name, dtype, shape in tensors}
         self.ranges = {name: span for (name, _, _), span in zip(tensors, ranges)}
-        self.size = size
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, 0)  # a previous attempt's bytes must not survive into this one
@@ -80,12 +79,10 @@ class CheckpointFile:
             size += end - start
         return runs
 
-    def arrays(self, names: list[str] | None = None, *, writable: bool = True) -> dict[str, np.ndarray]:
-        """Views of tensors ``names`` (all when None) through one map of the bytes they span: writable and faulted
-        in at once (a write fault per page costs far more; map a batch, not a file larger than memory), or read-only
-        for a pass that only reads."""
+    def arrays(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Writable views of tensors ``names`` through one map of the bytes they span, faulted in at once (a write
+        fault per page costs far more; map a batch, not a file larger than memory)."""
         assert self._fd is not None, "closed"
-        names = list(self.ranges) if names is None else names
         spans = [self.ranges[n] for n in names if self.ranges[n][1] > self.ranges[n][0]]
         out: dict[str, np.ndarray] = {}
         buffer: mmap.mmap | bytearray = bytearray()
@@ -93,14 +90,11 @@ class CheckpointFile:
         if spans:
             base = min(s for s, _ in spans) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
             length = max(e for _, e in spans) - base
-            if writable:
-                buffer = mmap.mmap(self._fd, length, offset=base)
-                try:
-                    buffer.madvise(_MADV_POPULATE_WRITE)  # writable: no write-protect fault per page either
-                except (OSError, ValueError):  # before Linux 5.14, or elsewhere: faults as pages are touched
-                    pass
-            else:  # faulted in as read (a pass over a file larger than memory must not populate it all first)
-                buffer = mmap.mmap(self._fd, length, prot=mmap.PROT_READ, offset=base)
+            buffer = mmap.mmap(self._fd, length, offset=base)
+            try:
+                buffer.madvise(_MADV_POPULATE_WRITE)  # writable: no write-protect fault per page either
+            except (OSError, ValueError):  # before Linux 5.14, or elsewhere: faults as pages are touched
+                pass
             self._maps.append(buffer)
         for name in names:
             dtype, shape = self.specs[name]
@@ -169,19 +163,25 @@ class LocalAnchor:
         """Copies tensors ``names`` into ``out``; IntegrityError when a byte differs (``out`` is then the caller's
         to discard)."""
         segments = [(t.start, t.end - t.start, out.ranges[t.name][0]) for t in map(self.tensors.__getitem__, names)]
-        p = self.pieces
-        bad = copy_checked_pieces(f"/proc/self/fd/{self.fd}", p.size, p.piece_bytes, p.hashes, out.path, segments)
-        if bad is not None:
-            raise pieces_error(self.key, p, bad)
+        copy_checked(self.fd, self.key, self.pieces, out.path, segments)
 
 
-def pieces_error(key: str, pieces: Pieces, bad: tuple[str, int]) -> IntegrityError:
-    """The error for what ``copy_checked_pieces`` found wrong with anchor ``key``."""
+#: Whether a file opened here can be read by the core through its descriptor (/proc/self/fd/N: the very inode that
+#: was opened, whatever its name points to meanwhile).
+READS_BY_DESCRIPTOR = os.path.isdir("/proc/self/fd")
+
+
+def copy_checked(fd: int, key: str, pieces: Pieces, dest: str, segments: list[tuple[int, int, int]]) -> None:
+    """Copies (from, length, to) ``segments`` of anchor ``key``, open as ``fd``, into the file ``dest``, every piece
+    they touch checked against ``pieces`` before it is used (core::anchors::copy_checked_pieces); IntegrityError for
+    a source of another size or the first piece that differs (``dest`` is then the caller's to discard)."""
+    bad = copy_checked_pieces(f"/proc/self/fd/{fd}", pieces.size, pieces.piece_bytes, pieces.hashes, dest, segments)
+    if bad is None:
+        return
     what, value = bad
     if what == "size":
-        return IntegrityError(f"{key}: {value} bytes, its manifest entry says {pieces.size}")
-    start, end = pieces.span(value)
-    return IntegrityError(f"{key}: bytes {start}..{end} (piece {value}) do not match its pieces sidecar")
+        raise IntegrityError(f"{key}: {value} bytes, its manifest entry says {pieces.size}")
+    raise pieces.mismatch(value, key)
 
 
 def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> list[AnchorTensor]:
@@ -197,10 +197,13 @@ def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> list[Anchor
 
     if pieces.size < 8:
         raise DeltaFormatError(f"{key}: {pieces.size} bytes, too short for a safetensors header")
-    header_bytes = int.from_bytes(checked(8)[:8], "little")
+    first = checked(8)  # whole pieces: usually the header too
+    header_bytes = int.from_bytes(first[:8], "little")
     if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > pieces.size:
         raise DeltaFormatError(f"{key}: a header of {header_bytes} bytes does not fit the file")
-    header = checked(8 + header_bytes)[8 : 8 + header_bytes]
+    if len(first) < 8 + header_bytes:
+        first = checked(8 + header_bytes)
+    header = first[8 : 8 + header_bytes]
     tensors = anchor_tensors(header, 8 + header_bytes, pieces.size, key)
     metadata = json.loads(header).get("__metadata__") or {}
     if metadata.get("format") != "deltasync" or metadata.get("kind") != "anchor":

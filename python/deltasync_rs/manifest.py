@@ -115,11 +115,16 @@ class Pieces:
         start = index * self.piece_bytes
         return start, min(start + self.piece_bytes, self.size)
 
+    def mismatch(self, index: int, key: str) -> IntegrityError:
+        """The error for piece ``index`` of the anchor ``key`` not matching the sidecar."""
+        start, end = self.span(index)
+        return IntegrityError(f"{key}: bytes {start}..{end} (piece {index}) do not match its pieces sidecar")
+
     def check(self, index: int, data: bytes | memoryview, key: str) -> None:
         """Raises IntegrityError unless ``data`` is piece ``index`` of the anchor ``key``."""
         start, end = self.span(index)
         if len(data) != end - start or hashlib.sha256(data).digest() != self.hashes[32 * index : 32 * index + 32]:
-            raise IntegrityError(f"{key}: bytes {start}..{end} (piece {index}) do not match its pieces sidecar")
+            raise self.mismatch(index, key)
 
     def check_all(self, hashes: bytes, key: str) -> None:
         """Raises IntegrityError unless ``hashes`` (every piece's SHA-256 of a file of the anchor's size, in order)
@@ -128,8 +133,7 @@ class Pieces:
             return
         for index in range(self.count):
             if hashes[32 * index : 32 * index + 32] != self.hashes[32 * index : 32 * index + 32]:
-                start, end = self.span(index)
-                raise IntegrityError(f"{key}: bytes {start}..{end} (piece {index}) do not match its pieces sidecar")
+                raise self.mismatch(index, key)
         raise IntegrityError(f"{key}: {len(hashes) // 32} pieces, its pieces sidecar lists {self.count}")
 
 

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ._checkpoint import CheckpointFile, LocalAnchor, apply_to, pieces_error, require_names
-from ._core import copy_checked_pieces, sha256_pieces
+from ._checkpoint import READS_BY_DESCRIPTOR, CheckpointFile, LocalAnchor, apply_to, copy_checked, require_names
+from ._core import sha256_pieces
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
 from .delta import Delta, load, state_digest
@@ -277,18 +277,13 @@ class Subscriber:
     def _copy_local(self, ref: dict[str, Any], pieces: Pieces, path: str) -> bool:
         """Copies anchor ``ref`` from a store that keeps it as a local file into the file at ``path`` in one read,
         every piece checked before it is written (then True); False for a store that keeps no local file."""
-        if not os.path.isdir("/proc/self/fd"):
+        if not READS_BY_DESCRIPTOR:
             return False
         source = self.store.open_local(ref["key"])
         if source is None:
             return False
         with source:
-            segments = [(0, ref["size"], 0)] if ref["size"] else []
-            bad = copy_checked_pieces(
-                f"/proc/self/fd/{source.fileno()}", ref["size"], pieces.piece_bytes, pieces.hashes, path, segments
-            )
-        if bad is not None:
-            raise pieces_error(ref["key"], pieces, bad)
+            copy_checked(source.fileno(), ref["key"], pieces, path, [(0, ref["size"], 0)] if ref["size"] else [])
         return True
 
     def _in_memory(self, ref: dict[str, Any]) -> Delta:
@@ -522,7 +517,7 @@ class Subscriber:
         applied, batch by batch of the output: from a store that keeps the anchor as a local file (and its pieces
         sidecar), each batch copied with every piece it touches checked first, then patched; else from the anchor
         read as ``pull`` reads it, each batch written from it and patched."""
-        if "pieces" in ref and os.path.isdir("/proc/self/fd"):
+        if "pieces" in ref and READS_BY_DESCRIPTOR:
 
             def local() -> CheckpointFile | None:
                 source = self.store.open_local(ref["key"])
