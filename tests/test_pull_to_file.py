@@ -203,3 +203,21 @@ def test_a_lost_pieces_sidecar_falls_back_to_the_whole_file_sha256(tmp_path, cap
     anchor.write_bytes(bytes(data))
     with pytest.raises(ds.ChainError, match="does not match the digest"):
         ds.Subscriber(tmp_path / "store", retries=1).pull_to_file(out)
+
+
+def test_a_refused_local_anchor_leaves_no_descriptor_open(tmp_path):
+    """Both readers of a local anchor (pull's private copy, pull_to_file's output) close every file they opened when
+    a piece is refused."""
+    states = _states(1)
+    _publish(tmp_path / "store", states, piece_bytes=1024)
+    anchor = tmp_path / "store" / anchor_key(0)
+    data = bytearray(anchor.read_bytes())
+    data[-1] ^= 1
+    anchor.write_bytes(bytes(data))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(ds.ChainError, match="do not match its pieces sidecar"):
+            ds.Subscriber(tmp_path / "store", retries=1).pull({k: np.zeros_like(v) for k, v in states[0].items()})
+        with pytest.raises(ds.ChainError, match="do not match its pieces sidecar"):
+            ds.Subscriber(tmp_path / "store", retries=1).pull_to_file(tmp_path / "out.safetensors")
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -252,10 +252,9 @@ class Subscriber:
         whole-file SHA-256 when ``whole_sha256`` or without pieces."""
         fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
         try:
-            if pieces is not None and not whole_sha256 and self._copy_local(ref, pieces, path):
-                os.close(fd)
-                return path
-            with os.fdopen(fd, "w+b") as file:
+            with os.fdopen(fd, "w+b") as file:  # closed on every way out, a failed local copy's included
+                if pieces is not None and not whole_sha256 and self._copy_local(ref, pieces, path):
+                    return path
                 self.store.get_file(ref["key"], file)
                 file.flush()
                 size = file.seek(0, os.SEEK_END)
