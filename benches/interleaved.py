@@ -48,6 +48,8 @@ def main() -> None:
     encoders["encode TRL v1 torch"] = lambda: baselines.trl_v1_encode(w.prev, w.curr)
     encoders["read floor, 2 thr"] = lambda: baselines.read_floor(w.prev, w.curr, threads=2)
     appliers = {f"apply {c}": (lambda s, b=blobs[c]: ds.load(b).apply_(s)) for c in blobs}
+    # What a Subscriber does (check_base=True): every target must first hold the delta's base.
+    appliers["apply compact, base checked"] = lambda s: ds.load(blobs["compact"]).apply_(s, check_base=True)
     appliers["apply TRL v1 torch"] = lambda s: baselines.trl_v1_apply(trl, s)
     appliers["apply scatter floor"] = lambda s: baselines.scatter_apply(decoded, s)
     times: dict[str, list[float]] = {k: [] for k in [*encoders, *appliers]}
@@ -81,6 +83,11 @@ def main() -> None:
             f"apply / TRL v1 apply {med[f'apply {codec}'] / med['apply TRL v1 torch']:.2f}; "
             f"apply / scatter floor {med[f'apply {codec}'] / med['apply scatter floor']:.2f}"
         )
+    checked = med["apply compact, base checked"]
+    print(
+        f"  compact, base checked: / unchecked {checked / med['apply compact']:.2f}; / TRL v1 apply "
+        f"{checked / med['apply TRL v1 torch']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -524,8 +524,11 @@ impl RawDelta {
         Ok(())
     }
 
-    /// Applies tensors to writable contiguous byte buffers, given as (index, buffer); all are checked first.
-    fn apply(&self, py: Python<'_>, targets: Vec<(usize, Bound<'_, PyAny>)>) -> PyResult<()> {
+    /// Applies tensors to writable contiguous byte buffers, given as (index, buffer); all are checked first. With
+    /// `check_base`, each target must hold its tensor's recorded base (BaseMismatchError otherwise, every buffer as
+    /// it was): tensors of differences are hashed while they are written, and taken back on a mismatch.
+    #[pyo3(signature = (targets, check_base = false))]
+    fn apply(&self, py: Python<'_>, targets: Vec<(usize, Bound<'_, PyAny>)>, check_base: bool) -> PyResult<()> {
         let mut held = Vec::with_capacity(targets.len());
         let mut slices = Vec::with_capacity(targets.len());
         for (index, target) in &targets {
@@ -540,7 +543,11 @@ impl RawDelta {
         py.detach(|| {
             // SAFETY: buffers are held, writable and pairwise disjoint (checked above).
             let targets = slices.iter().map(|(index, slice)| (*index, unsafe { slice.get_mut() })).collect();
-            apply::apply(delta, targets)
+            if check_base {
+                apply::apply_checked(delta, targets)
+            } else {
+                apply::apply(delta, targets)
+            }
         })
         .map_err(to_py)?;
         drop(held);

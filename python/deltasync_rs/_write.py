@@ -145,6 +145,7 @@ class Writes:
         self._in_core: list[tuple[int, Any]] = []
         self._core_tensors: list[Any] = []  # torch tensors the core writes, for their version counters
         self._staged: list[Callable[[], object]] = []
+        self._check_in_core = False  # the core checks the base of the targets it writes (add_all's check_base)
         self.elements = 0  # elements staged for writing
 
     def _name(self, index: int) -> str:
@@ -168,24 +169,33 @@ class Writes:
             self._raw.check_target(index, dtype, list(shape))
             described.append(self._memory(index, target, name))
         kept = self._without_aliases(described)
+        in_core = [self._changed(m.index) > 0 and self._writable_in_core(m.target) for m in kept]
         if check_base:
-            self._check_base(kept)
-        for memory in kept:
+            # The core checks its own targets as it writes them (commit); the others are checked here, first.
+            self._check_base([memory for memory, core in zip(kept, in_core) if not core])
+            self._check_in_core = True
+        for memory, core in zip(kept, in_core):
             index, target = memory.index, memory.target
             changed = self._changed(index)
             self.elements += changed
             if changed == 0:
                 continue
-            if _arrays.is_torch(target):
-                if _arrays.readable_in_place(target):
-                    self._in_core.append((index, target))
-                    self._core_tensors.append(target)
-                else:
-                    self._staged.append(self._stage_torch(index, target))
-            elif target.flags.c_contiguous:
+            if core and _arrays.is_torch(target):
+                self._in_core.append((index, target))
+                self._core_tensors.append(target)
+            elif core:
                 self._in_core.append((index, target.reshape(-1).view(np.uint8)))
+            elif _arrays.is_torch(target):
+                self._staged.append(self._stage_torch(index, target))
             else:
                 self._staged.append(self._stage_numpy(index, target))
+
+    @staticmethod
+    def _writable_in_core(target: Any) -> bool:
+        """True when the core writes ``target`` through its memory: a contiguous CPU tensor or array."""
+        if _arrays.is_torch(target):
+            return bool(_arrays.readable_in_place(target))
+        return bool(target.flags.c_contiguous)
 
     def _memory(self, index: int, target: Any, name: str) -> _Memory:
         """The target's memory extent, after refusing targets that cannot be written."""
@@ -367,7 +377,7 @@ class Writes:
     def commit(self) -> None:
         """Writes everything staged: the core's targets first, then the staged index writes."""
         if self._in_core:
-            self._raw.apply(self._in_core)
+            self._raw.apply(self._in_core, check_base=self._check_in_core)
         torch = sys.modules.get("torch")
         if torch is None:
             for write in self._staged:

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use crate::core::base;
 use crate::core::codec::decode::{ContextChanges, BATCH};
 use crate::core::codec::{elements, values, with_width};
 use crate::core::delta::{Delta, TensorDelta};
@@ -134,10 +135,10 @@ fn scatter<const W: usize>(
     Ok(())
 }
 
-/// Applies the tensors named by index to their targets, in parallel, after checking every target.
-pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+/// Refuses an index out of range, a tensor named twice, and a target that cannot take its tensor's changes.
+fn check_targets(delta: &Delta, targets: &[(usize, &mut [u8])]) -> Result<()> {
     let mut seen = vec![false; delta.tensors.len()];
-    for (index, target) in &targets {
+    for (index, target) in targets {
         let tensor = delta
             .tensors
             .get(*index)
@@ -147,6 +148,142 @@ pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> 
         }
         check_target(tensor, tensor.dtype, None, target.len())?;
     }
+    Ok(())
+}
+
+/// Applies the tensors named by index to their targets, in parallel, after checking every target.
+pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+    check_targets(delta, &targets)?;
+    apply_checked_targets(delta, targets)
+}
+
+/// `apply` for targets that must each hold the exact base their tensor was made against (its record's `base`,
+/// docs/format.md §3.1), else a BaseMismatch naming the first such tensor, with every target as it was.
+///
+/// A tensor whose changes are differences is hashed while it is written: each base identity block is hashed just
+/// before the first change inside it is added, while the block is being brought into cache for those writes, so
+/// the check costs no read of its own. Should a tensor turn out not to hold its base, the differences already
+/// added to every such tensor are subtracted again (exactly: they were added modulo 2^bits) before the error is
+/// returned, and nothing else has been written yet. Other tensors with a base (new values, `context` positions)
+/// are checked before anything is written, as `base::check_bases` does.
+pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+    check_targets(delta, &targets)?;
+    let (mut hashed, rest): (Vec<_>, Vec<_>) =
+        targets.into_iter().partition(|(index, _)| hashed_while_written(&delta.tensors[*index]));
+    // `context` tensors are checked when their changes are decoded, before any write (apply_checked_targets).
+    let before: Vec<(usize, &[u8])> = rest
+        .iter()
+        .filter(|(index, _)| !delta.tensors[*index].needs_base())
+        .map(|(index, target)| (*index, &**target))
+        .collect();
+    base::check_bases(delta, &before)?;
+    drop(before);
+    hashed.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
+    let outcomes: Vec<Hashed> = crate::core::pool::install(|| {
+        hashed
+            .par_iter_mut()
+            .map(|(index, target)| {
+                let tensor = &delta.tensors[*index];
+                with_width!(tensor.width(), W => scatter_hashing::<W>(tensor, target))
+            })
+            .collect()
+    });
+    let failure = hashed.iter().zip(&outcomes).find_map(|((index, _), outcome)| {
+        let tensor = &delta.tensors[*index];
+        match &outcome.result {
+            Err(message) => Some(Error::format("delta", format!("tensor {:?}: {message}", tensor.name))),
+            Ok(found) => {
+                let expected = tensor.base.expect("only tensors with a base are hashed while written");
+                (*found != expected).then(|| base::mismatch(tensor, expected, *found))
+            }
+        }
+    });
+    if let Some(error) = failure {
+        crate::core::pool::install(|| {
+            hashed.par_iter_mut().zip(&outcomes).for_each(|((index, target), outcome)| {
+                let tensor = &delta.tensors[*index];
+                with_width!(tensor.width(), W => unscatter::<W>(tensor, target, outcome.written));
+            });
+        });
+        return Err(error);
+    }
+    apply_checked_targets(delta, rest)
+}
+
+/// True for a tensor `apply_checked` hashes while it writes it: one whose changes are differences (so that they
+/// can be taken back exactly), against a recorded base, and whose positions do not need the base to decode.
+fn hashed_while_written(tensor: &TensorDelta) -> bool {
+    tensor.base.is_some() && tensor.values_codec.holds_differences() && !tensor.needs_base()
+}
+
+/// What `scatter_hashing` did to one target: how many changes it added, and the base identity it found (or why
+/// it stopped).
+struct Hashed {
+    written: u64,
+    result: std::result::Result<u64, String>,
+}
+
+/// `scatter` of a tensor whose values are differences, hashing the target's base identity blocks on the way: each
+/// block is hashed before any change inside it is added, the rest after the last change.
+fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> Hashed {
+    let codec = tensor.values_codec;
+    debug_assert!(codec.holds_differences());
+    let mut hashes: Vec<u64> = Vec::with_capacity(target.len().div_ceil(base::BLOCK_BYTES));
+    let hash_until = |hashes: &mut Vec<u64>, target: &[u8], end_block: usize| {
+        while hashes.len() < end_block {
+            let start = hashes.len() * base::BLOCK_BYTES;
+            hashes.push(base::block_hash(&target[start..(start + base::BLOCK_BYTES).min(target.len())]));
+        }
+    };
+    let (mut held_positions, mut held_values, mut held) = ([0u64; BATCH], [0u64; BATCH], 0usize);
+    let mut written = 0u64;
+    let mut write = |positions: &[u64], values: &[u64], target: &mut [u8], hashes: &mut Vec<u64>| {
+        if let Some(&last) = positions.last() {
+            hash_until(hashes, target, last as usize * W / base::BLOCK_BYTES + 1);
+        }
+        for (&position, &value) in positions.iter().zip(values) {
+            let at = position as usize * W;
+            values::apply::<W>(&mut target[at..at + W], codec, value);
+        }
+        written += positions.len() as u64;
+    };
+    let walked = tensor.for_each_batch(None, |positions, values| {
+        for &position in positions {
+            prefetch(target, position as usize * W);
+        }
+        write(&held_positions[..held], &held_values[..held], target, &mut hashes);
+        held = positions.len();
+        held_positions[..held].copy_from_slice(positions);
+        held_values[..held].copy_from_slice(values);
+    });
+    let result = walked.map(|()| {
+        write(&held_positions[..held], &held_values[..held], target, &mut hashes);
+        hash_until(&mut hashes, target, target.len().div_ceil(base::BLOCK_BYTES));
+        base::combine(&hashes)
+    });
+    Hashed { written, result }
+}
+
+/// Takes back the first `count` changes `scatter_hashing` added to `target` (differences: subtracted modulo
+/// 2^bits, which restores the bits exactly).
+fn unscatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8], count: u64) {
+    let mut left = count;
+    // The same walk that wrote them, so it cannot fail before `count` changes.
+    let _ = tensor.for_each_batch(None, |positions, values| {
+        for (&position, &value) in positions.iter().zip(values) {
+            if left == 0 {
+                return;
+            }
+            let at = position as usize * W;
+            let bits = elements::load_const::<W>(&target[at..]).wrapping_sub(value);
+            elements::store_const::<W>(&mut target[at..at + W], bits);
+            left -= 1;
+        }
+    });
+}
+
+/// Applies targets that `check_targets` accepted, in parallel.
+fn apply_checked_targets(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> {
     // Largest first, so the biggest tensor does not start last and leave one thread working alone.
     targets.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
     crate::core::pool::install(|| {
@@ -217,6 +354,57 @@ mod tests {
             let mut target = old.clone();
             apply(&delta, vec![(0, &mut target[..])]).unwrap();
             assert_eq!(target, new, "{codec:?}");
+        }
+    }
+
+    /// Three tensors (one over several base identity blocks, one stored whole, one of new values) through
+    /// `apply_checked`: the new state when every target is its base; otherwise a BaseMismatch naming the first
+    /// wrong tensor and every target as it was, wherever the wrong byte lies.
+    #[test]
+    fn apply_checked_is_all_or_nothing() {
+        let mut next = crate::core::testing::xorshift(7);
+        let sizes = [3 * base::BLOCK_BYTES + 10, 64, 4000];
+        let olds: Vec<Vec<u8>> = sizes.iter().map(|&n| (0..n).map(|_| next() as u8).collect()).collect();
+        let mut news = olds.clone();
+        for i in (0..sizes[0]).step_by(997) {
+            news[0][i] = news[0][i].wrapping_add(1);
+        }
+        news[1].iter_mut().for_each(|b| *b ^= 0xff); // every byte: stored whole
+        news[2][100] ^= 1;
+        for codec in [Codec::Varint, Codec::Compact] {
+            let mut tensors = Vec::new();
+            for (i, values) in [ValueCodec::Diff, ValueCodec::Diff, ValueCodec::Abs].into_iter().enumerate() {
+                let input = DiffInput {
+                    name: format!("t{i}"),
+                    dtype: Dtype::U8,
+                    shape: vec![sizes[i] as u64],
+                    old: &olds[i],
+                    new: &news[i],
+                };
+                tensors.extend(diff(&[input], values, codec).unwrap());
+            }
+            assert!(tensors[1].is_dense() && tensors[1].base.is_none());
+            assert!(hashed_while_written(&tensors[0]) && !hashed_while_written(&tensors[2]));
+            let delta = Delta { tensors, ..Default::default() };
+            let run = |targets: &mut Vec<Vec<u8>>| {
+                let slices = targets.iter_mut().enumerate().map(|(i, t)| (i, &mut t[..])).collect();
+                apply_checked(&delta, slices)
+            };
+            let mut targets = olds.clone();
+            run(&mut targets).unwrap();
+            assert_eq!(targets, news, "{codec:?}");
+            assert!(matches!(run(&mut targets), Err(Error::BaseMismatch { .. })), "applied twice");
+            assert_eq!(targets, news, "{codec:?}: taken back after a second application");
+            for (tensor, at) in [(0, 0), (0, 5), (0, sizes[0] - 1), (0, 2 * base::BLOCK_BYTES), (2, 7)] {
+                let mut targets = olds.clone();
+                targets[tensor][at] ^= 0x10;
+                let before = targets.clone();
+                match run(&mut targets) {
+                    Err(Error::BaseMismatch { message }) => assert!(message.contains(&format!("\"t{tensor}\""))),
+                    other => panic!("{codec:?} byte {at} of t{tensor}: {other:?}"),
+                }
+                assert_eq!(targets, before, "{codec:?} byte {at} of t{tensor}: left changed");
+            }
         }
     }
 

@@ -106,7 +106,7 @@ impl BlockHasher {
     }
 }
 
-fn mismatch(tensor: &TensorDelta, expected: u64, found: u64) -> Error {
+pub(crate) fn mismatch(tensor: &TensorDelta, expected: u64, found: u64) -> Error {
     Error::mismatch(format!(
         "tensor {:?}: the target is not the base this delta was made for (base identity {} expected, {} found); \
          was it applied already, or to another step?",
