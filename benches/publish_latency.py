@@ -6,7 +6,9 @@ Publishes ``steps`` steps (default 11) to a LocalStore in a temporary folder, al
 states (each step a delta of about ``density`` of the elements, default 1%; anchor_every=1000, so only the first
 step is an anchor), and prints the medians over all steps but the first of ``publish()`` alone (the time until
 training may go on) and of ``publish()`` + ``flush()`` (until the step is in the store), beside the time of
-``ds.state_digest`` of one state, which the upload thread now pays instead of the caller. Nothing is asserted.
+``ds.state_digest`` of one state, which the upload thread now pays instead of the caller. Then a Subscriber
+pulls the same steps one at a time into a copy of the first state and the median of ``pull()`` per delta step is
+printed (checked base, state digest checked: what a trainer's peer pays per step). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main() -> None:
         ds.state_digest(w.curr)
         digest.append(time.perf_counter() - started)
     root = tempfile.mkdtemp(prefix="deltasync-publish-")
-    alone, flushed = [], []
+    alone, flushed, pulled = [], [], []
     try:
         with ds.Publisher(ds.LocalStore(root), anchor_every=1000) as publisher:
             publisher.publish(0, w.prev)
@@ -49,12 +51,20 @@ def main() -> None:
                 publisher.flush()
                 alone.append(returned - started)
                 flushed.append(time.perf_counter() - started)
+        subscriber = ds.Subscriber(ds.LocalStore(root, create=False))
+        target = w.clone_prev()
+        subscriber.pull(target, until=0)
+        for step in range(1, steps + 1):
+            started = time.perf_counter()
+            subscriber.pull(target, until=step)
+            pulled.append(time.perf_counter() - started)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
         f"scale {scale}, density {density:.2%}, {steps} steps: publish() {statistics.median(alone[1:]) * 1e3:.1f} ms, "
         f"publish() + flush() {statistics.median(flushed[1:]) * 1e3:.1f} ms (medians); "
-        f"ds.state_digest of one state {statistics.median(digest) * 1e3:.1f} ms"
+        f"ds.state_digest of one state {statistics.median(digest) * 1e3:.1f} ms; "
+        f"Subscriber.pull() of one step {statistics.median(pulled[1:]) * 1e3:.1f} ms"
     )
 
 

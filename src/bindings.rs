@@ -526,9 +526,17 @@ impl RawDelta {
 
     /// Applies tensors to writable contiguous byte buffers, given as (index, buffer); all are checked first. With
     /// `check_base`, each target must hold its tensor's recorded base (BaseMismatchError otherwise, every buffer as
-    /// it was): tensors of differences are hashed while they are written, and taken back on a mismatch.
-    #[pyo3(signature = (targets, check_base = false))]
-    fn apply(&self, py: Python<'_>, targets: Vec<(usize, Bound<'_, PyAny>)>, check_base: bool) -> PyResult<()> {
+    /// it was): tensors of differences are hashed while they are written, and taken back on a mismatch. With
+    /// `digest` too, returns (index, hash) for the tensors so hashed (core::apply::apply_checked): each one's hash
+    /// in the state digest (`tensor_hashes`), 16 bytes little-endian, taken from its bytes after the write.
+    #[pyo3(signature = (targets, check_base = false, digest = false))]
+    fn apply<'py>(
+        &self,
+        py: Python<'py>,
+        targets: Vec<(usize, Bound<'py, PyAny>)>,
+        check_base: bool,
+        digest: bool,
+    ) -> PyResult<Vec<(usize, Bound<'py, PyBytes>)>> {
         let mut held = Vec::with_capacity(targets.len());
         let mut slices = Vec::with_capacity(targets.len());
         for (index, target) in &targets {
@@ -540,18 +548,19 @@ impl RawDelta {
         let spans: Vec<(usize, usize, usize)> = slices.iter().map(|(i, s)| (*i, s.ptr as usize, s.len)).collect();
         apply::check_disjoint(&self.delta, &spans).map_err(to_py)?;
         let delta = &self.delta;
-        py.detach(|| {
-            // SAFETY: buffers are held, writable and pairwise disjoint (checked above).
-            let targets = slices.iter().map(|(index, slice)| (*index, unsafe { slice.get_mut() })).collect();
-            if check_base {
-                apply::apply_checked(delta, targets)
-            } else {
-                apply::apply(delta, targets)
-            }
-        })
-        .map_err(to_py)?;
+        let hashes = py
+            .detach(|| {
+                // SAFETY: buffers are held, writable and pairwise disjoint (checked above).
+                let targets = slices.iter().map(|(index, slice)| (*index, unsafe { slice.get_mut() })).collect();
+                if check_base {
+                    apply::apply_checked(delta, targets, digest)
+                } else {
+                    apply::apply(delta, targets).map(|()| Vec::new())
+                }
+            })
+            .map_err(to_py)?;
         drop(held);
-        Ok(())
+        Ok(hashes.into_iter().map(|(index, hash)| (index, PyBytes::new(py, &hash.to_le_bytes()))).collect())
     }
 
     /// Decodes tensor `index` into one little-endian bytearray: `changed` int64 positions, then

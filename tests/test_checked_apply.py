@@ -128,3 +128,79 @@ def test_torch_targets_and_staged_targets_share_the_verdict():
     t0.view(torch.int16)[7] ^= 1
     delta.apply_(target, check_base=True)
     assert all(torch.equal(target[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
+
+
+def _publish(folder, steps):
+    with ds.Publisher(ds.LocalStore(folder), anchor_every=100) as publisher:
+        for step, state in enumerate(steps):
+            publisher.publish(step, state)
+
+
+def test_a_pull_hashes_in_passing_what_it_writes_and_reads_only_the_rest(tmp_path, monkeypatch, caplog):
+    import deltasync_rs.delta as delta_module
+
+    rng = np.random.default_rng(5)
+    s0 = {f"t{i}": rng.integers(0, 2**16, BLOCK + 17 * i, dtype=np.uint16) for i in range(4)}
+    s1 = _copy(s0)
+    s1["t0"][::97] += 1
+    s1["t1"][5] += 3
+    s2 = _copy(s1)
+    s2["t1"][9] += 1
+    s2["t2"][:] = rng.integers(0, 2**16, s2["t2"].size, dtype=np.uint16)  # stored whole: not hashed in passing
+    _publish(tmp_path / "store", [s0, s1, s2])
+    subscriber = ds.Subscriber(ds.LocalStore(tmp_path / "store", create=False))
+    assert subscriber.fetch(1)[0].tensors[2].positions == "all"  # t2 really is stored whole at step 2
+    state = _copy(s0)
+    subscriber.pull(state, until=0)
+    read: list[str] = []
+    real = delta_module._tensor_hashes
+
+    def counting(entries):
+        read.extend(entry[0] for entry in entries)
+        return real(entries)
+
+    monkeypatch.setattr(delta_module, "_tensor_hashes", counting)
+    with caplog.at_level("WARNING", logger="deltasync_rs"):
+        assert subscriber.pull(state) == 2
+    assert _same(state, s2)
+    assert not [r for r in caplog.records if "mismatch" in r.getMessage()], "the digest check must pass first time"
+    # t0 and t1 were hashed as they were written; t2 was written whole and t3 not at all: read for the digest.
+    assert sorted(read) == ["t2", "t3"]
+
+
+def test_a_hash_made_in_passing_is_dropped_when_a_later_delta_writes_the_tensor_again(tmp_path, caplog):
+    rng = np.random.default_rng(6)
+    s0 = {"a": rng.integers(0, 2**16, BLOCK, dtype=np.uint16), "b": rng.integers(0, 2**16, 64, dtype=np.uint16)}
+    s1 = _copy(s0)
+    s1["a"][3] += 1  # a few differences: hashed in passing
+    s2 = _copy(s1)
+    s2["a"][:] = rng.integers(0, 2**16, s2["a"].size, dtype=np.uint16)  # then stored whole: the first hash is stale
+    _publish(tmp_path / "store", [s0, s1, s2])
+    subscriber = ds.Subscriber(ds.LocalStore(tmp_path / "store", create=False))
+    state = _copy(s0)
+    subscriber.pull(state, until=0)
+    with caplog.at_level("WARNING", logger="deltasync_rs"):
+        assert subscriber.pull(state) == 2
+    assert _same(state, s2)
+    assert not [r for r in caplog.records if "mismatch" in r.getMessage()]
+
+
+def test_a_digest_made_in_passing_is_still_checked(tmp_path):
+    import json
+
+    rng = np.random.default_rng(7)
+    s0 = {"a": rng.integers(0, 2**16, BLOCK, dtype=np.uint16), "b": rng.integers(0, 2**16, 64, dtype=np.uint16)}
+    s1 = _copy(s0)
+    s1["a"][3] += 1
+    _publish(tmp_path / "store", [s0, s1])
+    # The entry (unsigned store) now names another state: the state the pull builds, hashed in passing, must not
+    # match it.
+    entry_path = tmp_path / "store" / "manifest" / "step_000000000001.json"
+    entry = json.loads(entry_path.read_text())
+    entry["state_digest"] = "0" * 32
+    entry_path.write_text(json.dumps(entry))
+    subscriber = ds.Subscriber(ds.LocalStore(tmp_path / "store", create=False))
+    state = _copy(s0)
+    subscriber.pull(state, until=0)
+    with pytest.raises(ds.IntegrityError, match="state digest at step 1"):
+        subscriber.pull(state)

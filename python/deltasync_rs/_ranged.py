@@ -90,6 +90,9 @@ class PartialAnchor(Delta):
     def apply_(self, state: Any, *, check_base: bool = False) -> None:
         raise self._refused()
 
+    def _apply(self, state: Any, *, check_base: bool, digest: bool) -> dict[str, bytes | None]:
+        raise self._refused()
+
     def save(self, path: str | os.PathLike[str], format: str = "deltasync") -> None:
         raise self._refused()
 

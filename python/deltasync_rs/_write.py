@@ -374,15 +374,20 @@ class Writes:
         self._staged.append(lambda: flat.index_copy_(0, positions, new))
 
     # -- writing ----------------------------------------------------------------------------------------------------
-    def commit(self) -> None:
-        """Writes everything staged: the core's targets first, then the staged index writes."""
+    def commit(self, *, digest: bool = False) -> dict[int, bytes]:
+        """Writes everything staged: the core's targets first, then the staged index writes.
+
+        With ``digest`` (and ``add_all``'s ``check_base``), returns, by tensor index, the state-digest hash
+        (``_core.tensor_hashes``) of the targets the core hashed while writing them, taken after the write; other
+        targets are not in it."""
+        hashes: dict[int, bytes] = {}
         if self._in_core:
-            self._raw.apply(self._in_core, check_base=self._check_in_core)
+            hashes = dict(self._raw.apply(self._in_core, check_base=self._check_in_core, digest=digest))
         torch = sys.modules.get("torch")
         if torch is None:
             for write in self._staged:
                 write()
-            return
+            return hashes
         with torch.no_grad():
             for write in self._staged:
                 write()
@@ -391,3 +396,4 @@ class Writes:
         for tensor in self._core_tensors:
             if not tensor.is_inference():
                 torch.autograd.graph.increment_version(tensor)
+        return hashes

@@ -10,7 +10,9 @@ import numpy as np
 
 from . import _arrays, _write
 from ._core import BaseMismatchError, DeltaSyncError, RawDelta
+from ._core import combine_hashes as _combine_hashes
 from ._core import state_digest as _state_digest
+from ._core import tensor_hashes as _tensor_hashes
 from ._core import write_anchor as _write_anchor
 
 #: Name under which a single tensor (not a mapping) is stored.
@@ -155,9 +157,18 @@ class Delta:
         ``base`` identity the writer records per tensor), or BaseMismatchError names the tensor: a wrong base, or
         a delta applied twice, is refused instead of producing wrong weights.
         """
+        self._apply(state, check_base=check_base, digest=False)
+
+    def _apply(self, state: State, *, check_base: bool, digest: bool) -> dict[str, bytes | None]:
+        """``apply_``, returning the names of the tensors it wrote: each with its state-digest hash
+        (``_core.tensor_hashes``) where, with ``digest`` and ``check_base``, the core hashed its target in passing
+        after the write (so a caller checking the state digest need not read it again), else None."""
         writes = _write.Writes(self._raw)
         writes.add_all(self._resolve_targets(state, [info[0] for info in writes.infos]), check_base=check_base)
-        writes.commit()
+        hashes = writes.commit(digest=digest)
+        written: dict[str, bytes | None] = {info[0]: None for info in writes.infos if int(info[3]) > 0}
+        written.update((writes.infos[index][0], hash_) for index, hash_ in hashes.items())
+        return written
 
     def decoded(self, index: int, device: Any = None, *, base: Any = None) -> tuple[Any, Any]:
         """The changes of tensor ``index`` as torch tensors on ``device``, decoded on the CPU and moved in one transfer.
@@ -329,12 +340,24 @@ def write_anchor_pieces(
 
 def state_digest(state: State) -> str:
     """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §10)."""
+    return _state_digest(_digest_entries(_as_mapping(state, "state")))
+
+
+def state_digest_knowing(state: Mapping[str, Tensor], known: Mapping[str, bytes]) -> str:
+    """``state_digest``, given ``known``: tensor hashes (``_core.tensor_hashes``) already made from some tensors'
+    present bytes, dtype and shape (``Delta._apply``), so that those tensors are not read again."""
+    entries = _digest_entries({name: t for name, t in state.items() if name not in known})
+    hashes = dict(zip((entry[0] for entry in entries), _tensor_hashes(entries)))
+    return _combine_hashes([(name, hashes[name] if name in hashes else known[name]) for name in state])
+
+
+def _digest_entries(state: Mapping[str, Tensor]) -> list[tuple[str, str, list[int], Any]]:
     entries = []
-    for name, tensor in _as_mapping(state, "state").items():
+    for name, tensor in state.items():
         dtype, shape = _arrays.describe(tensor, name)
         data, _ = _arrays.host_bytes(tensor)
         entries.append((name, dtype, list(shape), data))
-    return _state_digest(entries)
+    return entries
 
 
 def _check_step(value: int | None, what: str) -> int | None:

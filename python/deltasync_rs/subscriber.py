@@ -18,7 +18,7 @@ from ._checkpoint import READS_BY_DESCRIPTOR, CheckpointFile, LocalAnchor, apply
 from ._core import sha256_pieces
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
-from .delta import Delta, load, state_digest
+from .delta import Delta, load, state_digest_knowing
 from .errors import (
     BaseMismatchError,
     ChainError,
@@ -442,7 +442,7 @@ class Subscriber:
                 raise ChainError(f"{self.store.url}: nothing to pull")
             return self.step
         try:
-            self._apply_all(state, deltas)
+            known = self._apply_all(state, deltas)
         except BaseMismatchError as error:
             if not self.check_base or deltas[0].is_anchor:
                 raise
@@ -451,12 +451,12 @@ class Subscriber:
             log.warning("%s; re-syncing from the newest anchor", error)
             target = deltas[-1].step
             self.step = None
-            self._apply_all(state, self.fetch(None, until=target))
-        if self._state_matches(state):
+            known = self._apply_all(state, self.fetch(None, until=target))
+        if self._state_matches(state, known):
             return self._reached()
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
-        self._apply_all(state, self.fetch(None, until=self.step))
-        if not self._state_matches(state):
+        known = self._apply_all(state, self.fetch(None, until=self.step))
+        if not self._state_matches(state, known):
             raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
         return self._reached()
 
@@ -465,13 +465,21 @@ class Subscriber:
             raise ChainError(f"{self.store.url}: the pulled files name no step")
         return self.step
 
-    def _apply_all(self, state: Any, deltas: list[Delta]) -> None:
+    def _apply_all(self, state: Any, deltas: list[Delta]) -> dict[str, bytes]:
+        """Applies ``deltas`` in order; returns the state-digest hashes the writes made in passing
+        (``Delta._apply``) of tensors that no later delta wrote again: the hashes of those tensors as they now are."""
+        known: dict[str, bytes] = {}
         for delta in deltas:
-            delta.apply_(state, check_base=self.check_base)
+            for name, hash_ in delta._apply(state, check_base=self.check_base, digest=True).items():
+                if hash_ is None:
+                    known.pop(name, None)
+                else:
+                    known[name] = hash_
             if delta.is_anchor:
                 self._names = delta.names
             self.step = delta.step
         self._at = self.entry(self._reached())
+        return known
 
     def pull_to_file(self, path: str | os.PathLike[str], *, until: int | None = None) -> int:
         """Writes the newest step (or step ``until``) as a plain safetensors checkpoint at ``path``, the bytes
@@ -560,12 +568,15 @@ class Subscriber:
             raise
         return out
 
-    def _state_matches(self, state: Any) -> bool:
+    def _state_matches(self, state: Any, known: Mapping[str, bytes]) -> bool:
+        """True when ``state``'s digest is the current entry's; ``known`` holds tensors' hashes already made from
+        their present bytes (``_apply_all``), the others are read and hashed here."""
         if self.step is None or self._names is None or not isinstance(state, Mapping):
             return True
         if any(name not in state for name in self._names):
             return True  # a partial state (a shard) cannot be checked against the whole-state digest
-        return state_digest({name: state[name] for name in self._names}) == self.entry(self.step).state_digest
+        digest = state_digest_knowing({name: state[name] for name in self._names}, known)
+        return digest == self.entry(self.step).state_digest
 
     # -- auditing -----------------------------------------------------------------------------------------------------
     def verify(self) -> list[str]:

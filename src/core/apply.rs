@@ -6,6 +6,7 @@ use crate::core::base;
 use crate::core::codec::decode::{ContextChanges, BATCH};
 use crate::core::codec::{elements, values, with_width};
 use crate::core::delta::{Delta, TensorDelta};
+use crate::core::digest;
 use crate::core::dtype;
 use crate::core::error::{Error, Result};
 
@@ -166,7 +167,12 @@ pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
 /// added to every such tensor are subtracted again (exactly: they were added modulo 2^bits) before the error is
 /// returned, and nothing else has been written yet. Other tensors with a base (new values, `context` positions)
 /// are checked before anything is written, as `base::check_bases` does.
-pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+///
+/// With `digest`, each tensor hashed while written is also hashed after it, for the state digest
+/// (core::digest::tensor_hasher: a block once its last change is written, while still in cache): returned as
+/// (tensor index, hash) for those tensors whose record has a shape, so that a caller checking the state's digest
+/// need not read them again.
+pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bool) -> Result<Vec<(usize, u128)>> {
     check_targets(delta, &targets)?;
     let (mut hashed, rest): (Vec<_>, Vec<_>) =
         targets.into_iter().partition(|(index, _)| hashed_while_written(&delta.tensors[*index]));
@@ -184,7 +190,8 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<
             .par_iter_mut()
             .map(|(index, target)| {
                 let tensor = &delta.tensors[*index];
-                with_width!(tensor.width(), W => scatter_hashing::<W>(tensor, target))
+                let after = digest.then(|| tensor.shape.as_ref().map(|s| digest::tensor_hasher(tensor.dtype, s)));
+                with_width!(tensor.width(), W => scatter_hashing::<W>(tensor, target, after.flatten()))
             })
             .collect()
     });
@@ -207,7 +214,8 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<
         });
         return Err(error);
     }
-    apply_checked_targets(delta, rest)
+    apply_checked_targets(delta, rest)?;
+    Ok(hashed.iter().zip(outcomes).filter_map(|((index, _), outcome)| Some((*index, outcome.digest?))).collect())
 }
 
 /// True for a tensor `apply_checked` hashes while it writes it: one whose changes are differences (so that they
@@ -216,16 +224,18 @@ fn hashed_while_written(tensor: &TensorDelta) -> bool {
     tensor.base.is_some() && tensor.values_codec.holds_differences() && !tensor.needs_base()
 }
 
-/// What `scatter_hashing` did to one target: how many changes it added, and the base identity it found (or why
-/// it stopped).
+/// What `scatter_hashing` did to one target: how many changes it added, the base identity it found (or why it
+/// stopped), and its hash for the state digest when asked.
 struct Hashed {
     written: u64,
     result: std::result::Result<u64, String>,
+    digest: Option<u128>,
 }
 
 /// `scatter` of a tensor whose values are differences, hashing the target's base identity blocks on the way: each
-/// block is hashed before any change inside it is added, the rest after the last change.
-fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> Hashed {
+/// block is hashed before any change inside it is added, the rest after the last change. With `after`, the
+/// tensor's digest hasher, each block is fed to it once no change is left to write inside it.
+fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8], mut after: Option<digest::Xxh3>) -> Hashed {
     let codec = tensor.values_codec;
     debug_assert!(codec.holds_differences());
     let mut hashes: Vec<u64> = Vec::with_capacity(target.len().div_ceil(base::BLOCK_BYTES));
@@ -235,10 +245,22 @@ fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> H
             hashes.push(base::block_hash(&target[start..(start + base::BLOCK_BYTES).min(target.len())]));
         }
     };
+    let blocks = target.len().div_ceil(base::BLOCK_BYTES);
+    let mut digested = 0usize; // blocks fed to `after`
+    let mut digest_until = |after: &mut Option<digest::Xxh3>, target: &[u8], end_block: usize| {
+        if let Some(hasher) = after.as_mut() {
+            if end_block > digested {
+                hasher.update(&target[digested * base::BLOCK_BYTES..(end_block * base::BLOCK_BYTES).min(target.len())]);
+                digested = end_block;
+            }
+        }
+    };
     let (mut held_positions, mut held_values, mut held) = ([0u64; BATCH], [0u64; BATCH], 0usize);
     let mut written = 0u64;
     let mut write = |positions: &[u64], values: &[u64], target: &mut [u8], hashes: &mut Vec<u64>| {
-        if let Some(&last) = positions.last() {
+        if let (Some(&first), Some(&last)) = (positions.first(), positions.last()) {
+            // Positions ascend: blocks before the first one's have had all their changes.
+            digest_until(&mut after, target, first as usize * W / base::BLOCK_BYTES);
             hash_until(hashes, target, last as usize * W / base::BLOCK_BYTES + 1);
         }
         for (&position, &value) in positions.iter().zip(values) {
@@ -258,10 +280,12 @@ fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8]) -> H
     });
     let result = walked.map(|()| {
         write(&held_positions[..held], &held_values[..held], target, &mut hashes);
-        hash_until(&mut hashes, target, target.len().div_ceil(base::BLOCK_BYTES));
+        hash_until(&mut hashes, target, blocks);
         base::combine(&hashes)
     });
-    Hashed { written, result }
+    digest_until(&mut after, target, blocks);
+    let digest = result.is_ok().then(|| after.map(|hasher| hasher.digest128())).flatten();
+    Hashed { written, result, digest }
 }
 
 /// Takes back the first `count` changes `scatter_hashing` added to `target` (differences: subtracted modulo
@@ -388,7 +412,7 @@ mod tests {
             let delta = Delta { tensors, ..Default::default() };
             let run = |targets: &mut Vec<Vec<u8>>| {
                 let slices = targets.iter_mut().enumerate().map(|(i, t)| (i, &mut t[..])).collect();
-                apply_checked(&delta, slices)
+                apply_checked(&delta, slices, false).map(|_| ())
             };
             let mut targets = olds.clone();
             run(&mut targets).unwrap();
@@ -404,6 +428,49 @@ mod tests {
                     other => panic!("{codec:?} byte {at} of t{tensor}: {other:?}"),
                 }
                 assert_eq!(targets, before, "{codec:?} byte {at} of t{tensor}: left changed");
+            }
+        }
+    }
+
+    /// The hashes `apply_checked` returns for the state digest are those of the targets after the write, whatever
+    /// blocks the changes fall in.
+    #[test]
+    fn apply_checked_hashes_the_written_state() {
+        let mut next = crate::core::testing::xorshift(11);
+        let n = 2 * base::BLOCK_BYTES + 6; // u16 elements: the last block is cut
+        let old: Vec<u8> = (0..2 * n).map(|_| next() as u8).collect();
+        for changed in [vec![0usize], vec![n - 1], vec![3, base::BLOCK_BYTES / 2, n - 2], (0..n).step_by(500).collect()]
+        {
+            let mut new = old.clone();
+            for &i in &changed {
+                new[2 * i] = new[2 * i].wrapping_add(1);
+            }
+            for codec in [Codec::Varint, Codec::Compact] {
+                let input = DiffInput {
+                    name: "w".into(),
+                    dtype: Dtype::BF16,
+                    shape: vec![2, n as u64 / 2],
+                    old: &old,
+                    new: &new,
+                };
+                let delta = Delta { tensors: diff(&[input], ValueCodec::Diff, codec).unwrap(), ..Default::default() };
+                let mut target = old.clone();
+                let hashes = apply_checked(&delta, vec![(0, &mut target[..])], true).unwrap();
+                assert_eq!(target, new);
+                let expected = digest::tensor_hashes(&[digest::DigestInput {
+                    name: "w",
+                    dtype: Dtype::BF16,
+                    shape: &[2, n as u64 / 2],
+                    data: &new,
+                }]);
+                assert_eq!(
+                    hashes,
+                    vec![(0, expected[0])],
+                    "{codec:?}, changes at {:?}",
+                    &changed[..changed.len().min(3)]
+                );
+                let mut again = old.clone();
+                assert!(apply_checked(&delta, vec![(0, &mut again[..])], false).unwrap().is_empty());
             }
         }
     }
