@@ -204,3 +204,32 @@ def test_a_digest_made_in_passing_is_still_checked(tmp_path):
     subscriber.pull(state, until=0)
     with pytest.raises(ds.IntegrityError, match="state digest at step 1"):
         subscriber.pull(state)
+
+
+def test_a_context_tensor_with_a_wrong_base_refuses_the_whole_delta():
+    """A delta of `context` tensors beside tensors of rice positions: the context tensors' bases are checked when
+    their positions are decoded, which must come before any tensor is written."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(8)
+    magnitudes = torch.rand(256, 256, generator=g) * 2.0 ** -torch.randint(0, 14, (256, 256), generator=g).float()
+    prev = {
+        "a_context": (magnitudes * torch.sign(torch.randn(256, 256, generator=g))).bfloat16(),
+        "b_uniform": torch.randn(BLOCK, generator=g).bfloat16(),
+    }
+    curr = {name: t.clone() for name, t in prev.items()}
+    curr["a_context"] = (prev["a_context"].float() + 3e-5 * torch.sign(torch.randn(256, 256, generator=g))).bfloat16()
+    curr["b_uniform"].view(torch.int16)[::89] += 1
+    delta = ds.diff(prev, curr, codec="context")
+    kinds = {t.name: t.positions for t in delta.tensors}
+    assert kinds["a_context"] == "context" and kinds["b_uniform"] != "context", kinds
+    for wrong in ("a_context", "b_uniform"):
+        target = {name: t.clone() for name, t in prev.items()}
+        target[wrong].view(torch.int16).view(-1)[100] ^= 1
+        before = {name: t.clone() for name, t in target.items()}
+        with pytest.raises(ds.BaseMismatchError, match=wrong):
+            delta.apply_(target, check_base=True)
+        for name in target:
+            assert torch.equal(target[name].view(torch.int16), before[name].view(torch.int16)), (wrong, name)
+    target = {name: t.clone() for name, t in prev.items()}
+    delta.apply_(target, check_base=True)
+    assert all(torch.equal(target[n].view(torch.int16), curr[n].view(torch.int16)) for n in curr)

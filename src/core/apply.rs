@@ -174,9 +174,9 @@ pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
 /// need not read them again.
 pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bool) -> Result<Vec<(usize, u128)>> {
     check_targets(delta, &targets)?;
-    let (mut hashed, rest): (Vec<_>, Vec<_>) =
+    let (mut hashed, mut rest): (Vec<_>, Vec<_>) =
         targets.into_iter().partition(|(index, _)| hashed_while_written(&delta.tensors[*index]));
-    // `context` tensors are checked when their changes are decoded, before any write (apply_checked_targets).
+    // `context` tensors are checked when their changes are decoded (below), before any write.
     let before: Vec<(usize, &[u8])> = rest
         .iter()
         .filter(|(index, _)| !delta.tensors[*index].needs_base())
@@ -184,6 +184,9 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bo
         .collect();
     base::check_bases(delta, &before)?;
     drop(before);
+    rest.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
+    // `context` tensors' bases too, as their changes are decoded: all before the first write.
+    let decoded = decode_context(delta, &rest)?;
     hashed.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
     let outcomes: Vec<Hashed> = crate::core::pool::install(|| {
         hashed
@@ -214,7 +217,7 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bo
         });
         return Err(error);
     }
-    apply_checked_targets(delta, rest)?;
+    write_decoded(delta, rest, decoded)?;
     Ok(hashed.iter().zip(outcomes).filter_map(|((index, _), outcome)| Some((*index, outcome.digest?))).collect())
 }
 
@@ -310,13 +313,21 @@ fn unscatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8], count: u64
 fn apply_checked_targets(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> {
     // Largest first, so the biggest tensor does not start last and leave one thread working alone.
     targets.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
+    let decoded = decode_context(delta, &targets)?;
+    write_decoded(delta, targets, decoded)
+}
+
+/// The changes of the `context` tensors among `targets`, decoded from the targets before anything is written (each
+/// checked to hold the exact base first), so that a wrong base or a bad stream leaves every target as it was.
+fn decode_context(delta: &Delta, targets: &[(usize, &mut [u8])]) -> Result<Vec<Option<ContextChanges>>> {
     crate::core::pool::install(|| {
-        // `context` positions are decoded from the targets (each checked to hold the exact base) before anything
-        // is written, so a wrong base or a bad stream leaves every target as it was.
-        let decoded: Vec<Option<ContextChanges>> = targets
-            .par_iter()
-            .map(|(index, target)| delta.tensors[*index].context_changes(target))
-            .collect::<Result<_>>()?;
+        targets.par_iter().map(|(index, target)| delta.tensors[*index].context_changes(target)).collect()
+    })
+}
+
+/// Writes `targets`, their `context` changes decoded beforehand (`decode_context`), in parallel.
+fn write_decoded(delta: &Delta, targets: Vec<(usize, &mut [u8])>, decoded: Vec<Option<ContextChanges>>) -> Result<()> {
+    crate::core::pool::install(|| {
         targets
             .into_par_iter()
             .zip(decoded)
