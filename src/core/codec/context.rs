@@ -835,6 +835,28 @@ const SAMPLE: usize = 4096;
 /// is worth it from 1% of `other_len`. `old` gives the base's bits of the changed elements where `base` holds the
 /// new bits (as for `encode_from_new`). Only the writer's choice depends on this, never the format.
 pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, positions: &[u64], other_len: usize) -> bool {
+    let step = sample_step(positions.len() as u64);
+    let sampled: Vec<u64> = positions.iter().step_by(step).copied().collect();
+    let sampled_old: Option<Vec<u64>> = old.map(|old| old.iter().step_by(step).copied().collect());
+    worth_walking_sampled(base, sampled_old.as_deref(), field, &sampled, positions.len() as u64, other_len)
+}
+
+/// Which of a tensor's `changes` changes `worth_walking` samples: every `sample_step(changes)`-th, from the first.
+pub fn sample_step(changes: u64) -> usize {
+    ((changes / SAMPLE as u64) as usize).max(1)
+}
+
+/// `worth_walking` from its sample alone: the positions (and, as for `worth_walking`, base bits) of the changes
+/// number 0, `sample_step(changes)`, 2 × that, ... of the tensor's `changes` changes, so that a writer need not
+/// gather every change of a tensor the walk would not pay for.
+pub fn worth_walking_sampled(
+    base: &[u8],
+    old: Option<&[u64]>,
+    field: Exponent,
+    positions: &[u64],
+    changes: u64,
+    other_len: usize,
+) -> bool {
     let numel = base.len() / field.width;
     if positions.is_empty() || numel == 0 {
         return false;
@@ -845,7 +867,7 @@ pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, position
         field.for_each(&base[i * field.width..(i + 1) * field.width], |e| all[usize::from(table[e])] += 1.0);
     }
     let mut changed = [0f64; CLASSES];
-    for j in (0..positions.len()).step_by((positions.len() / SAMPLE).max(1)) {
+    for j in 0..positions.len() {
         let bits = match old {
             Some(old) => old[j].to_le_bytes(),
             None => {
@@ -867,7 +889,7 @@ pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, position
             p * (p / q).log2()
         })
         .sum();
-    divergence * positions.len() as f64 / 8.0 >= 0.01 * other_len as f64
+    divergence * changes as f64 / 8.0 >= 0.01 * other_len as f64
 }
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.

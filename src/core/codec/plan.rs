@@ -185,8 +185,40 @@ pub fn with_context(
     base: &[u8],
 ) -> TensorStreams {
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
+    let (sampled, _) = sampled_changes(ranges, field.width, false);
+    let changes = ranges.iter().map(|r| r.count).sum();
+    if !super::context::worth_walking_sampled(base, None, field, &sampled, changes, streams.positions.len()) {
+        return streams;
+    }
     let differences = (streams.values_codec != ValueCodec::Abs).then(|| differences_of(ranges, field.width));
     smaller_of(streams, field, base, &positions_of(ranges), None, differences.as_deref())
+}
+
+/// The changes `context::worth_walking` samples (number 0, `sample_step`, 2 × that, ...), read from the scan's
+/// ranges without gathering the others: their positions, and with `differences` (ranges of `diff` values) their
+/// differences.
+fn sampled_changes(ranges: &[Changes], width: usize, differences: bool) -> (Vec<u64>, Vec<u64>) {
+    let step = super::context::sample_step(ranges.iter().map(|r| r.count).sum()) as u64;
+    let (mut positions, mut sampled_differences) = (Vec::new(), Vec::new());
+    let mut index = 0u64; // of the change, over all ranges
+    for range in ranges.iter().filter(|r| r.count > 0) {
+        let (mut position, mut gap_at, mut value_at) = (range.first_position, 0usize, 0usize);
+        for k in 0..range.count {
+            if k > 0 {
+                position += 1 + varint::read_gap(&range.positions, &mut gap_at).expect("written by the scan");
+            }
+            let difference = differences.then(|| {
+                with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut value_at))
+                    .expect("written by the scan")
+            });
+            if index.is_multiple_of(step) {
+                positions.push(position);
+                sampled_differences.extend(difference);
+            }
+            index += 1;
+        }
+    }
+    (positions, sampled_differences)
 }
 
 /// The wrapping differences of a tensor's changes, in order, from ranges whose values are `diff` differences.
@@ -215,21 +247,30 @@ pub fn with_context_from_new(
 ) -> TensorStreams {
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
     let width = field.width;
+    let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
+    let base_bits = |position: u64, difference: u64| {
+        super::elements::load(&new[position as usize * width..], width).wrapping_sub(difference) & mask
+    };
+    let (sampled, sampled_differences) = sampled_changes(ranges, width, true);
+    let sampled_old: Vec<u64> = sampled.iter().zip(&sampled_differences).map(|(&p, &d)| base_bits(p, d)).collect();
+    let changes = ranges.iter().map(|r| r.count).sum();
+    if !super::context::worth_walking_sampled(
+        new,
+        Some(&sampled_old),
+        field,
+        &sampled,
+        changes,
+        streams.positions.len(),
+    ) {
+        return streams;
+    }
     let positions = positions_of(ranges);
     let differences = differences_of(ranges, width);
-    let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
-    let old: Vec<u64> = positions
-        .iter()
-        .zip(&differences)
-        .map(|(&position, &difference)| {
-            let now = super::elements::load(&new[position as usize * width..], width);
-            now.wrapping_sub(difference) & mask
-        })
-        .collect();
+    let old: Vec<u64> = positions.iter().zip(&differences).map(|(&p, &d)| base_bits(p, d)).collect();
     smaller_of(streams, field, new, &positions, Some(&old), Some(&differences))
 }
 
-/// `streams` with `context` positions where they are smaller (and the walk is worth trying): coded against
+/// `streams` with `context` positions where they are smaller (callers first ask `worth_walking_sampled`): coded against
 /// `bytes`, or, with `old`, against `bytes` holding the new bits and `old` the changed elements' base bits. With
 /// the changes' `differences`, their values are coded by class too (`rans_classes`) where that is smaller.
 fn smaller_of(
@@ -240,9 +281,6 @@ fn smaller_of(
     old: Option<&[u64]>,
     differences: Option<&[u64]>,
 ) -> TensorStreams {
-    if !super::context::worth_walking(bytes, old, field, positions, streams.positions.len()) {
-        return streams;
-    }
     let stream = match old {
         Some(old) => super::context::encode_from_new(bytes, field, positions, old),
         None => super::context::encode(bytes, field, positions),
@@ -264,4 +302,41 @@ fn smaller_of(
         }
     }
     chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::codec::ValueCodec;
+    use crate::core::scan;
+    use crate::core::testing::xorshift;
+
+    /// `sampled_changes` reads exactly the changes `worth_walking` would sample from all of them, across ranges.
+    #[test]
+    fn sampled_changes_are_every_step_th_change() {
+        let mut next = xorshift(3);
+        for (n, per_mille) in [(100usize, 500u64), (300_000, 20), (1_000_000, 30), (50, 0)] {
+            let old: Vec<u8> = (0..2 * n).map(|_| next() as u8).collect();
+            let mut new = old.clone();
+            for i in 0..n {
+                if next() % 1000 < per_mille {
+                    new[2 * i] = new[2 * i].wrapping_add(1 + (next() % 200) as u8);
+                }
+            }
+            let ranges: Vec<Changes> = (0..n)
+                .step_by(1 << 16)
+                .map(|start| {
+                    let end = (start + (1 << 16)).min(n);
+                    scan::scan(&old[2 * start..2 * end], &new[2 * start..2 * end], start as u64, 2, ValueCodec::Diff)
+                })
+                .collect();
+            let positions = positions_of(&ranges);
+            let differences = differences_of(&ranges, 2);
+            let step = super::super::context::sample_step(positions.len() as u64);
+            let (sampled, sampled_differences) = sampled_changes(&ranges, 2, true);
+            assert_eq!(sampled, positions.iter().step_by(step).copied().collect::<Vec<_>>(), "{n} elements");
+            assert_eq!(sampled_differences, differences.iter().step_by(step).copied().collect::<Vec<_>>());
+            assert!(sampled_changes(&ranges, 2, false).1.is_empty());
+        }
+    }
 }
