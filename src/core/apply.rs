@@ -114,10 +114,23 @@ fn scatter<const W: usize>(
     target: &mut [u8],
     decoded: Option<&ContextChanges>,
 ) -> std::result::Result<(), String> {
+    scatter_with::<W>(tensor, target, decoded, |_, _| {})
+}
+
+/// Adds a tensor's changes to `target` batch by batch: each batch is written while the next one is decoded and its
+/// lines prefetched. `before_write(positions, target)` runs before each non-empty batch is written.
+fn scatter_with<const W: usize>(
+    tensor: &TensorDelta,
+    target: &mut [u8],
+    decoded: Option<&ContextChanges>,
+    mut before_write: impl FnMut(&[u64], &mut [u8]),
+) -> std::result::Result<(), String> {
     let codec = tensor.values_codec;
-    // Each batch is written while the next one is decoded and its lines prefetched.
     let (mut held_positions, mut held_values, mut held) = ([0u64; BATCH], [0u64; BATCH], 0usize);
-    let write = |positions: &[u64], values: &[u64], target: &mut [u8]| {
+    let mut write = |positions: &[u64], values: &[u64], target: &mut [u8]| {
+        if !positions.is_empty() {
+            before_write(positions, target);
+        }
         for (&position, &value) in positions.iter().zip(values) {
             let at = position as usize * W;
             values::apply::<W>(&mut target[at..at + W], codec, value);
@@ -153,9 +166,17 @@ fn check_targets(delta: &Delta, targets: &[(usize, &mut [u8])]) -> Result<()> {
 }
 
 /// Applies the tensors named by index to their targets, in parallel, after checking every target.
-pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> {
     check_targets(delta, &targets)?;
-    apply_checked_targets(delta, targets)
+    largest_first(delta, &mut targets);
+    let decoded = decode_context(delta, &targets)?;
+    write_decoded(delta, targets, decoded)
+}
+
+/// Sorts targets by their tensor's changes, largest first, so the biggest tensor does not start last and leave one
+/// thread working alone.
+fn largest_first(delta: &Delta, targets: &mut [(usize, &mut [u8])]) {
+    targets.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
 }
 
 /// `apply` for targets that must each hold the exact base their tensor was made against (its record's `base`,
@@ -184,10 +205,10 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bo
         .collect();
     base::check_bases(delta, &before)?;
     drop(before);
-    rest.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
+    largest_first(delta, &mut rest);
     // `context` tensors' bases too, as their changes are decoded: all before the first write.
     let decoded = decode_context(delta, &rest)?;
-    hashed.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
+    largest_first(delta, &mut hashed);
     let outcomes: Vec<Hashed> = crate::core::pool::install(|| {
         hashed
             .par_iter_mut()
@@ -239,16 +260,15 @@ struct Hashed {
 /// block is hashed before any change inside it is added, the rest after the last change. With `after`, the
 /// tensor's digest hasher, each block is fed to it once no change is left to write inside it.
 fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8], mut after: Option<digest::Xxh3>) -> Hashed {
-    let codec = tensor.values_codec;
-    debug_assert!(codec.holds_differences());
-    let mut hashes: Vec<u64> = Vec::with_capacity(target.len().div_ceil(base::BLOCK_BYTES));
+    debug_assert!(tensor.values_codec.holds_differences());
+    let blocks = target.len().div_ceil(base::BLOCK_BYTES);
+    let mut hashes: Vec<u64> = Vec::with_capacity(blocks);
     let hash_until = |hashes: &mut Vec<u64>, target: &[u8], end_block: usize| {
         while hashes.len() < end_block {
             let start = hashes.len() * base::BLOCK_BYTES;
             hashes.push(base::block_hash(&target[start..(start + base::BLOCK_BYTES).min(target.len())]));
         }
     };
-    let blocks = target.len().div_ceil(base::BLOCK_BYTES);
     let mut digested = 0usize; // blocks fed to `after`
     let mut digest_until = |after: &mut Option<digest::Xxh3>, target: &[u8], end_block: usize| {
         if let Some(hasher) = after.as_mut() {
@@ -258,31 +278,15 @@ fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8], mut 
             }
         }
     };
-    let (mut held_positions, mut held_values, mut held) = ([0u64; BATCH], [0u64; BATCH], 0usize);
     let mut written = 0u64;
-    let mut write = |positions: &[u64], values: &[u64], target: &mut [u8], hashes: &mut Vec<u64>| {
-        if let (Some(&first), Some(&last)) = (positions.first(), positions.last()) {
-            // Positions ascend: blocks before the first one's have had all their changes.
-            digest_until(&mut after, target, first as usize * W / base::BLOCK_BYTES);
-            hash_until(hashes, target, last as usize * W / base::BLOCK_BYTES + 1);
-        }
-        for (&position, &value) in positions.iter().zip(values) {
-            let at = position as usize * W;
-            values::apply::<W>(&mut target[at..at + W], codec, value);
-        }
+    let walked = scatter_with::<W>(tensor, target, None, |positions, target| {
+        let (first, last) = (positions[0] as usize, positions[positions.len() - 1] as usize);
+        // Positions ascend: blocks before the first one's have had all their changes.
+        digest_until(&mut after, target, first * W / base::BLOCK_BYTES);
+        hash_until(&mut hashes, target, last * W / base::BLOCK_BYTES + 1);
         written += positions.len() as u64;
-    };
-    let walked = tensor.for_each_batch(None, |positions, values| {
-        for &position in positions {
-            prefetch(target, position as usize * W);
-        }
-        write(&held_positions[..held], &held_values[..held], target, &mut hashes);
-        held = positions.len();
-        held_positions[..held].copy_from_slice(positions);
-        held_values[..held].copy_from_slice(values);
     });
     let result = walked.map(|()| {
-        write(&held_positions[..held], &held_values[..held], target, &mut hashes);
         hash_until(&mut hashes, target, blocks);
         base::combine(&hashes)
     });
@@ -307,14 +311,6 @@ fn unscatter<const W: usize>(tensor: &TensorDelta, target: &mut [u8], count: u64
             left -= 1;
         }
     });
-}
-
-/// Applies targets that `check_targets` accepted, in parallel.
-fn apply_checked_targets(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> {
-    // Largest first, so the biggest tensor does not start last and leave one thread working alone.
-    targets.sort_by_key(|(index, _)| std::cmp::Reverse(delta.tensors[*index].changed));
-    let decoded = decode_context(delta, &targets)?;
-    write_decoded(delta, targets, decoded)
 }
 
 /// The changes of the `context` tensors among `targets`, decoded from the targets before anything is written (each

@@ -833,7 +833,9 @@ const SAMPLE: usize = 4096;
 /// wasted. The saving is estimated as the changes times the relative entropy, in bits, of the changed elements'
 /// class shares against all elements' (about what per-class codes save over one code for the tensor), and the walk
 /// is worth it from 1% of `other_len`. `old` gives the base's bits of the changed elements where `base` holds the
-/// new bits (as for `encode_from_new`). Only the writer's choice depends on this, never the format.
+/// new bits (as for `encode_from_new`). Only the writer's choice depends on this, never the format. Writers ask
+/// `worth_walking_sampled` with the sample alone; this is its definition over every change.
+#[cfg(test)]
 pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, positions: &[u64], other_len: usize) -> bool {
     let step = sample_step(positions.len() as u64);
     let sampled: Vec<u64> = positions.iter().step_by(step).copied().collect();

@@ -185,8 +185,8 @@ pub fn with_context(
     base: &[u8],
 ) -> TensorStreams {
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
-    let (sampled, _) = sampled_changes(ranges, field.width, false);
     let changes = ranges.iter().map(|r| r.count).sum();
+    let (sampled, _) = sampled_changes(ranges, changes, field.width, false);
     if !super::context::worth_walking_sampled(base, None, field, &sampled, changes, streams.positions.len()) {
         return streams;
     }
@@ -194,11 +194,11 @@ pub fn with_context(
     smaller_of(streams, field, base, &positions_of(ranges), None, differences.as_deref())
 }
 
-/// The changes `context::worth_walking` samples (number 0, `sample_step`, 2 × that, ...), read from the scan's
-/// ranges without gathering the others: their positions, and with `differences` (ranges of `diff` values) their
-/// differences.
-fn sampled_changes(ranges: &[Changes], width: usize, differences: bool) -> (Vec<u64>, Vec<u64>) {
-    let step = super::context::sample_step(ranges.iter().map(|r| r.count).sum()) as u64;
+/// The changes `context::worth_walking` samples (number 0, `sample_step`, 2 × that, ...) of the `changes` in
+/// `ranges`, read from the scan's ranges without gathering the others: their positions, and with `differences`
+/// (ranges of `diff` values) their differences.
+fn sampled_changes(ranges: &[Changes], changes: u64, width: usize, differences: bool) -> (Vec<u64>, Vec<u64>) {
+    let step = super::context::sample_step(changes) as u64;
     let (mut positions, mut sampled_differences) = (Vec::new(), Vec::new());
     let mut index = 0u64; // of the change, over all ranges
     for range in ranges.iter().filter(|r| r.count > 0) {
@@ -251,9 +251,9 @@ pub fn with_context_from_new(
     let base_bits = |position: u64, difference: u64| {
         super::elements::load(&new[position as usize * width..], width).wrapping_sub(difference) & mask
     };
-    let (sampled, sampled_differences) = sampled_changes(ranges, width, true);
-    let sampled_old: Vec<u64> = sampled.iter().zip(&sampled_differences).map(|(&p, &d)| base_bits(p, d)).collect();
     let changes = ranges.iter().map(|r| r.count).sum();
+    let (sampled, sampled_differences) = sampled_changes(ranges, changes, width, true);
+    let sampled_old: Vec<u64> = sampled.iter().zip(&sampled_differences).map(|(&p, &d)| base_bits(p, d)).collect();
     if !super::context::worth_walking_sampled(
         new,
         Some(&sampled_old),
@@ -270,9 +270,9 @@ pub fn with_context_from_new(
     smaller_of(streams, field, new, &positions, Some(&old), Some(&differences))
 }
 
-/// `streams` with `context` positions where they are smaller (callers first ask `worth_walking_sampled`): coded against
-/// `bytes`, or, with `old`, against `bytes` holding the new bits and `old` the changed elements' base bits. With
-/// the changes' `differences`, their values are coded by class too (`rans_classes`) where that is smaller.
+/// `streams` with `context` positions where they are smaller (callers first ask `worth_walking_sampled`): coded
+/// against `bytes`, or, with `old`, against `bytes` holding the new bits and `old` the changed elements' base bits.
+/// With the changes' `differences`, their values are coded by class too (`rans_classes`) where that is smaller.
 fn smaller_of(
     streams: TensorStreams,
     field: super::context::Exponent,
@@ -333,10 +333,11 @@ mod tests {
             let positions = positions_of(&ranges);
             let differences = differences_of(&ranges, 2);
             let step = super::super::context::sample_step(positions.len() as u64);
-            let (sampled, sampled_differences) = sampled_changes(&ranges, 2, true);
+            let changes = positions.len() as u64;
+            let (sampled, sampled_differences) = sampled_changes(&ranges, changes, 2, true);
             assert_eq!(sampled, positions.iter().step_by(step).copied().collect::<Vec<_>>(), "{n} elements");
             assert_eq!(sampled_differences, differences.iter().step_by(step).copied().collect::<Vec<_>>());
-            assert!(sampled_changes(&ranges, 2, false).1.is_empty());
+            assert!(sampled_changes(&ranges, changes, 2, false).1.is_empty());
         }
     }
 }
