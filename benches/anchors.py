@@ -14,13 +14,18 @@ VmRSS) before the measured call and reports VmHWM less the resident size before 
   (SHA-256, the state digest and the 256 KiB pieces in the same pass), then ``store.put_file`` (fsync, link into
   the store) and the pieces sidecar's ``store.put``; "without pieces" is the same with ``piece_bytes=None``.
 - anchor alone, in memory (the path before streaming): ``ds.anchor(mirror).to_bytes()``, SHA-256, ``store.put``.
-- pull, streamed: a fresh Subscriber's ``pull`` into a zeroed target (allocated and touched before the reset).
+- pull: a fresh Subscriber's ``pull`` into a zeroed target (allocated and touched before the reset): from this
+  local store, every piece of the store's file checked (BLAKE3, in parallel), then the file read again straight
+  into the target, each group checked again before it is copied; no temporary copy. "cold": the same with the
+  anchor's pages dropped from the page cache first (``posix_fadvise(DONTNEED)``), as a reader on another machine
+  or long after the publish finds it.
 - pull, ranged half: what one rank of two reads of the anchor (the first half of every tensor's rows, as a row
   split gives): the sidecar, the header and the pieces covering those rows, each piece checked, into a sparse
   temporary file that is then mapped (``Subscriber(anchor_ranges=...).fetch``; the apply is vLLM's, not timed).
 - pull, in memory (before): ``store.get``, SHA-256, ``ds.load(blob).apply_(target)``.
 - the floors: ``cp`` of the anchor file on the same disk (then ``sync`` of the copy), the same bytes written with
-  numpy's ``tofile`` (then fsync), reading the file in 8 MiB pieces, and reading it with hashlib's SHA-256. The page cache is warm for every row.
+  numpy's ``tofile`` (then fsync), reading the file in 8 MiB pieces (warm, and cold as above), and reading it with
+  hashlib's SHA-256. The page cache is warm for every row but the two cold ones.
 Linux only.
 """
 
@@ -97,9 +102,12 @@ subscriber = ds.Subscriber(store)
 ref = subscriber.entry(subscriber.latest_step()).anchor
 shapes = json.loads(os.environ["ANCHOR_SHAPES"])
 target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}  # touched: zeroed
+if mode == "cold":  # the anchor's pages dropped from the page cache: read from the disk, as on a fresh reader
+    with open(os.path.join(store_path, ref["key"]), "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 before = reset_peak()
 started = time.perf_counter()
-if mode == "streamed":
+if mode in ("streamed", "cold"):
     subscriber.pull(target)
 elif mode == "ranged half":
     def half(tensors):
@@ -159,6 +167,12 @@ def floors(anchor: Path, scratch: Path) -> dict[str, float]:
         while f.readinto(buffer):
             pass
     out["read the file"] = time.perf_counter() - started
+    with open(anchor, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        started = time.perf_counter()
+        while f.readinto(buffer):
+            pass
+    out["read the file, cold"] = time.perf_counter() - started
     started = time.perf_counter()
     with open(anchor, "rb") as f:
         hashlib.file_digest(f, "sha256")
@@ -191,6 +205,7 @@ def main() -> None:
             rows.append(child(PUBLISH, gb, where, mode))
         publish[mode] = median_row(rows)
     anchor = store / "anchors" / "step_000000000001.safetensors"
+    os.sync()  # the publishes' dirty pages written back now, not under the pulls and floors timed next
     import safetensors
 
     with safetensors.safe_open(anchor, "np") as f:
@@ -198,7 +213,7 @@ def main() -> None:
     env = {"ANCHOR_SHAPES": json.dumps(shapes)}
     pull = {
         mode: median_row([child(PULL, gb, store, mode, env) for _ in range(runs)])
-        for mode in ("streamed", "ranged half", "in memory")
+        for mode in ("streamed", "cold", "ranged half", "in memory")
     }
     loads.append(os.getloadavg()[0])
     samples = [floors(anchor, folder) for _ in range(runs)]
@@ -219,7 +234,8 @@ def main() -> None:
         ("anchor alone, streamed (file, pieces, fsync, link)", publish["anchor only"]),
         ("anchor alone, streamed, without pieces", publish["anchor only, no pieces"]),
         ("anchor alone, in memory (before)", publish["in memory"]),
-        ("pull, streamed", pull["streamed"]),
+        ("pull (local store: every piece checked, then filled from the store's file)", pull["streamed"]),
+        ("pull, cold (the anchor's pages dropped first)", pull["cold"]),
         ("pull, ranged half (one rank of two: fetch and verify)", pull["ranged half"]),
         ("pull, in memory (before)", pull["in memory"]),
     ):
@@ -235,6 +251,7 @@ def main() -> None:
         f"anchor alone / (numpy tofile + fsync) = {ratio / base['numpy tofile + fsync']:.2f}, "
         f"anchor alone without pieces / cp = {publish['anchor only, no pieces']['seconds'] / base['cp']:.2f}, "
         f"pull / read = {pull['streamed']['seconds'] / base['read the file']:.2f}, "
+        f"pull cold / read cold = {pull['cold']['seconds'] / base['read the file, cold']:.2f}, "
         f"ranged half / read = {pull['ranged half']['seconds'] / base['read the file']:.2f}, "
         f"pull / (read + SHA-256) = {pull['streamed']['seconds'] / base['read + SHA-256 (hashlib)']:.2f}"
     )

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use pyo3::buffer::PyBuffer;
@@ -667,10 +667,10 @@ fn apply_file(
 
 /// Writes the anchor of tensors given as (name, dtype, shape, bytes) into the existing file at `path`, straight
 /// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex), the tensors' state
-/// digest (as `state_digest` gives it) and, with `piece_bytes`, the SHA-256 of each piece of that size
-/// concatenated (32 bytes each; empty without), all from one pass.
+/// digest (as `state_digest` gives it) and, with `piece_bytes`, the hash (`piece_hash`: "blake3" or "sha256") of
+/// each piece of that size concatenated (32 bytes each; empty without), all from one pass.
 #[pyfunction]
-#[pyo3(signature = (path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0))]
+#[pyo3(signature = (path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0, piece_hash = "blake3"))]
 fn write_anchor(
     py: Python<'_>,
     path: PathBuf,
@@ -678,13 +678,15 @@ fn write_anchor(
     step: Option<u64>,
     metadata: BTreeMap<String, String>,
     piece_bytes: usize,
+    piece_hash: &str,
 ) -> PyResult<(u64, String, String, Py<PyBytes>)> {
+    let kind = anchors::PieceHash::parse(piece_hash).map_err(to_py)?;
     let (held, specs) = export_tensors(&entries)?;
     let written = py
         .detach(|| {
             // SAFETY: `held` keeps every buffer exported until after this call.
             let inputs = unsafe { full_inputs(&specs) };
-            anchors::write_anchor(&inputs, step, &metadata, &path, piece_bytes)
+            anchors::write_anchor(&inputs, step, &metadata, &path, piece_bytes, kind)
         })
         .map_err(to_py)?;
     drop(held);
@@ -693,11 +695,24 @@ fn write_anchor(
     Ok((written.size, hex, written.state_digest, pieces))
 }
 
-/// The SHA-256 of each `piece_bytes` piece of the file at `path`, concatenated (32 bytes each), hashed in parallel.
+/// The hash (`piece_hash`: "blake3" or "sha256") of each `piece_bytes` piece of the file at `path`, concatenated
+/// (32 bytes each), hashed in parallel.
 #[pyfunction]
-fn sha256_pieces(py: Python<'_>, path: PathBuf, piece_bytes: usize) -> PyResult<Py<PyBytes>> {
-    let hashes = py.detach(|| anchors::file_piece_hashes(&path, piece_bytes)).map_err(to_py)?;
+fn file_piece_hashes(py: Python<'_>, path: PathBuf, piece_bytes: usize, piece_hash: &str) -> PyResult<Py<PyBytes>> {
+    let kind = anchors::PieceHash::parse(piece_hash).map_err(to_py)?;
+    let hashes = py.detach(|| anchors::file_piece_hashes(&path, piece_bytes, kind)).map_err(to_py)?;
     Ok(PyBytes::new(py, hashes.as_flattened()).unbind())
+}
+
+/// The hash (`piece_hash`: "blake3" or "sha256") of one anchor piece.
+#[pyfunction]
+fn piece_hash(py: Python<'_>, data: Bound<'_, PyAny>, piece_hash: &str) -> PyResult<Py<PyBytes>> {
+    let kind = anchors::PieceHash::parse(piece_hash).map_err(to_py)?;
+    let (held, slice) = export(&data, &|| "piece".to_owned(), false)?;
+    // SAFETY: `held` keeps the buffer exported until after this call.
+    let hash = py.detach(|| kind.digest(unsafe { slice.get() }));
+    drop(held);
+    Ok(PyBytes::new(py, &hash).unbind())
 }
 
 /// A checkpoint's header, its tensors' byte ranges and its size, as Python gets them.
@@ -717,32 +732,96 @@ fn checkpoint_layout(py: Python<'_>, tensors: Vec<(String, String, Vec<u64>)>) -
     Ok((PyBytes::new(py, &layout.header).unbind(), layout.ranges, layout.size))
 }
 
+/// The checked source of `copy_checked_pieces` and `fill_checked_pieces`.
+fn checked_source<'a>(
+    source: &'a Path,
+    size: u64,
+    piece_bytes: usize,
+    piece_hash: &str,
+    expected: &'a [[u8; 32]],
+) -> PyResult<anchors::CheckedSource<'a>> {
+    let kind = anchors::PieceHash::parse(piece_hash).map_err(to_py)?;
+    Ok(anchors::CheckedSource { path: source, size, piece_bytes, kind, expected })
+}
+
+/// `expected` piece hashes (32 bytes each, concatenated) as the core takes them.
+fn piece_list(expected: &[u8]) -> PyResult<Vec<[u8; 32]>> {
+    if !expected.len().is_multiple_of(32) {
+        return Err(DeltaSyncError::new_err("expected piece hashes must be 32 bytes each"));
+    }
+    Ok(expected.chunks_exact(32).map(|h| h.try_into().expect("32 bytes")).collect())
+}
+
+/// A checked copy's outcome as Python gets it: None, or ("size", the source's size) or ("piece", the first
+/// differing piece).
+fn unchecked(outcome: Option<anchors::Unchecked>) -> Option<(&'static str, u64)> {
+    outcome.map(|unchecked| match unchecked {
+        anchors::Unchecked::Size(actual) => ("size", actual),
+        anchors::Unchecked::Piece(index) => ("piece", index as u64),
+    })
+}
+
 /// Copies (from, length, to) segments of the file `source` into the existing file `dest`, each piece of the source
-/// checked against `expected` (32-byte SHA-256s, concatenated) before it is used (core::anchors::
+/// checked against `expected` (32-byte hashes of `piece_hash`, concatenated) before it is used (core::anchors::
 /// copy_checked_pieces). Returns None, or ("size", the source's size) or ("piece", the first differing piece).
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 fn copy_checked_pieces(
     py: Python<'_>,
     source: PathBuf,
     size: u64,
     piece_bytes: usize,
+    piece_hash: &str,
     expected: &[u8],
     dest: PathBuf,
     segments: Vec<(u64, u64, u64)>,
 ) -> PyResult<Option<(&'static str, u64)>> {
-    if !expected.len().is_multiple_of(32) {
-        return Err(DeltaSyncError::new_err("expected piece hashes must be 32 bytes each"));
-    }
-    let hashes: Vec<[u8; 32]> = expected.chunks_exact(32).map(|h| h.try_into().expect("32 bytes")).collect();
+    let hashes = piece_list(expected)?;
+    let checked = checked_source(&source, size, piece_bytes, piece_hash, &hashes)?;
     let segments: Vec<anchors::Segment> =
         segments.into_iter().map(|(from, len, to)| anchors::Segment { from, len, to }).collect();
+    let outcome = py.detach(|| anchors::copy_checked_pieces(&checked, &dest, &segments)).map_err(to_py)?;
+    Ok(unchecked(outcome))
+}
+
+/// Fills each target (a writable contiguous CPU tensor or buffer, paired with the offset of its bytes in `source`)
+/// from the file `source`, each group of pieces checked against `expected` before its bytes are copied
+/// (core::anchors::fill_checked). Targets must not overlap. Returns as `copy_checked_pieces` does.
+#[pyfunction]
+fn fill_checked_pieces<'py>(
+    py: Python<'py>,
+    source: PathBuf,
+    size: u64,
+    piece_bytes: usize,
+    piece_hash: &str,
+    expected: &[u8],
+    fills: Vec<(u64, Bound<'py, PyAny>)>,
+) -> PyResult<Option<(&'static str, u64)>> {
+    let hashes = piece_list(expected)?;
+    let checked = checked_source(&source, size, piece_bytes, piece_hash, &hashes)?;
+    let mut held = Vec::with_capacity(fills.len());
+    let mut slices = Vec::with_capacity(fills.len());
+    for (index, (from, target)) in fills.iter().enumerate() {
+        let (buffer, slice) = export(target, &|| format!("target at byte {from} of {}", source.display()), true)?;
+        held.push(buffer);
+        slices.push((index, slice));
+    }
+    let mut spans: Vec<(usize, usize)> =
+        slices.iter().filter(|(_, s)| s.len > 0).map(|(_, s)| (s.ptr as usize, s.ptr as usize + s.len)).collect();
+    spans.sort_unstable();
+    if spans.windows(2).any(|pair| pair[1].0 < pair[0].1) {
+        return Err(DeltaSyncError::new_err(format!("{}: two targets overlap", source.display())));
+    }
+    let offsets: Vec<(u64, usize)> = fills.iter().enumerate().map(|(index, (from, _))| (*from, index)).collect();
     let outcome = py
-        .detach(|| anchors::copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &segments))
+        .detach(|| {
+            // SAFETY: buffers are held, writable and pairwise disjoint (checked above).
+            let mut targets: Vec<&mut [u8]> = slices.iter().map(|(_, slice)| unsafe { slice.get_mut() }).collect();
+            anchors::fill_checked(&checked, &mut targets, &offsets)
+        })
         .map_err(to_py)?;
-    Ok(outcome.map(|unchecked| match unchecked {
-        anchors::Unchecked::Size(actual) => ("size", actual),
-        anchors::Unchecked::Piece(index) => ("piece", index as u64),
-    }))
+    drop(held);
+    Ok(unchecked(outcome))
 }
 
 /// Each entry's tensor hash (core::digest::tensor_hashes) with its name, computed with the GIL released.
@@ -832,7 +911,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(combine_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
-    m.add_function(wrap_pyfunction!(sha256_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(piece_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(fill_checked_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_layout, m)?)?;
     m.add_function(wrap_pyfunction!(copy_checked_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;

@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 
+import blake3
 import pytest
 import torch
 
@@ -29,27 +30,34 @@ def _state() -> dict[str, torch.Tensor]:
     return state | {"norm.weight": values(1, 40, 9).reshape(40).to(torch.float32)}
 
 
-def _published(tmp_path, piece_bytes=1024, state=None):
+def _published(tmp_path, piece_bytes=1024, state=None, piece_hash="blake3"):
     root = tmp_path / "store"
-    with ds.Publisher(root, piece_bytes=piece_bytes, background=False) as publisher:
+    with ds.Publisher(root, piece_bytes=piece_bytes, piece_hash=piece_hash, background=False) as publisher:
         publisher.publish(3, state or _state())
     return root
+
+
+def _piece_hashes(data: bytes, piece: int, algorithm: str = "blake3") -> bytes:
+    """Each piece's hash, by an implementation other than the core's (hashlib's SHA-256, the blake3 package)."""
+    hash_ = (lambda b: hashlib.sha256(b).digest()) if algorithm == "sha256" else (lambda b: blake3.blake3(b).digest())
+    return b"".join(hash_(data[i : i + piece]) for i in range(0, len(data), piece))
 
 
 def _first_tensor_only(tensors):
     return [(tensors[0].start, tensors[0].end)]
 
 
-def test_pieces_are_the_sha256_of_each_piece_of_the_file(tmp_path):
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_pieces_are_the_hash_of_each_piece_of_the_file(tmp_path, algorithm):
     path = tmp_path / "anchor"
     path.write_bytes(b"")
     state = _state()
     for piece in (1 << 10, 1 << 12, 1 << 20):
-        size, sha256, digest, hashes = write_anchor_pieces(state, path, step=1, piece_bytes=piece)
+        size, sha256, digest, hashes = write_anchor_pieces(state, path, step=1, piece_bytes=piece, piece_hash=algorithm)
         data = path.read_bytes()
         assert data == ds.anchor(state, step=1).to_bytes() and size == len(data)
         assert sha256 == hashlib.sha256(data).hexdigest() and digest == ds.state_digest(state)
-        assert hashes == b"".join(hashlib.sha256(data[i : i + piece]).digest() for i in range(0, len(data), piece))
+        assert hashes == _piece_hashes(data, piece, algorithm)
     for bad in (0x300, 512, 3 << 10, 2 << 30):
         with pytest.raises(ds.DeltaSyncError, match="power of two"):
             write_anchor_pieces(state, path, piece_bytes=bad)
@@ -57,10 +65,18 @@ def test_pieces_are_the_sha256_of_each_piece_of_the_file(tmp_path):
         ds.Publisher(tmp_path / "s", piece_bytes=1000)
 
 
-def test_sidecar_layout_is_pinned(tmp_path):
-    """The sidecar's bytes: b"DSPIECE1", the anchor's size and the piece size as u64 LE, then one SHA-256 per piece.
-    The digest pins the whole chain (anchor bytes, piece cut, layout) for this state."""
-    root = _published(tmp_path)
+@pytest.mark.parametrize(
+    "algorithm, magic, pinned",
+    [
+        ("sha256", b"DSPIECE1", "20a95bb02cf07080ab19bcc746f4df420efd1ae9c3efdf531d787214db5d2139"),
+        ("blake3", b"DSPIECE2", "971360b612b1af5af0712cc913071bddd1cc608905d2f91f63948462af7c5ee3"),
+    ],
+)
+def test_sidecar_layout_is_pinned(tmp_path, algorithm, magic, pinned):
+    """The sidecar's bytes: a magic naming the hash (b"DSPIECE1": SHA-256, b"DSPIECE2": BLAKE3), the anchor's size
+    and the piece size as u64 LE, then one hash per piece. The digest pins the whole chain (anchor bytes, piece cut,
+    hash, layout) for this state."""
+    root = _published(tmp_path, piece_hash=algorithm)
     entry = json.loads((root / entry_key(3)).read_bytes())
     anchor = (root / anchor_key(3)).read_bytes()
     sidecar = (root / pieces_key(3)).read_bytes()
@@ -70,16 +86,11 @@ def test_sidecar_layout_is_pinned(tmp_path):
         "sha256": hashlib.sha256(sidecar).hexdigest(),
         "piece_bytes": 1024,
     }
-    assert sidecar[:8] == b"DSPIECE1"
+    assert sidecar[:8] == magic
     assert int.from_bytes(sidecar[8:16], "little") == len(anchor)
     assert int.from_bytes(sidecar[16:24], "little") == 1024
-    assert sidecar[PIECES_HEADER_BYTES:] == b"".join(
-        hashlib.sha256(anchor[i : i + 1024]).digest() for i in range(0, len(anchor), 1024)
-    )
-    assert hashlib.sha256(sidecar).hexdigest() == PINNED_SIDECAR_SHA256
-
-
-PINNED_SIDECAR_SHA256 = "20a95bb02cf07080ab19bcc746f4df420efd1ae9c3efdf531d787214db5d2139"
+    assert sidecar[PIECES_HEADER_BYTES:] == _piece_hashes(anchor, 1024, algorithm)
+    assert hashlib.sha256(sidecar).hexdigest() == pinned
 
 
 def test_ranged_read_reads_only_the_pieces_it_needs_and_verifies_them(tmp_path):
@@ -130,33 +141,31 @@ def test_a_flipped_byte_in_a_needed_piece_is_refused(tmp_path):
 
 def test_a_whole_pull_checks_the_pieces_in_parallel_or_the_whole_file_without_them(tmp_path, monkeypatch, caplog):
     """A whole anchor is checked against its pieces sidecar (every piece hashed, on every core; from a local store
-    while it is copied), not by one SHA-256 of the whole file on one core; without a readable sidecar, by the
+    in place, then filled into the target straight from the store's file, each group checked again, with no
+    temporary copy), not by one SHA-256 of the whole file on one core; without a readable sidecar, by the
     whole-file SHA-256 in the entry."""
-    import deltasync_rs.subscriber as subscriber_module
+    import deltasync_rs._checkpoint as checkpoint_module
 
     whole_file_hashes = []
     real = hashlib.file_digest
     monkeypatch.setattr(hashlib, "file_digest", lambda *a, **k: whole_file_hashes.append(1) or real(*a, **k))
-    pieced = []
-    real_pieces = subscriber_module.sha256_pieces
-    monkeypatch.setattr(
-        subscriber_module, "sha256_pieces", lambda path, size: pieced.append(size) or real_pieces(path, size)
-    )
-    import deltasync_rs._checkpoint as checkpoint_module
-
-    real_copy = checkpoint_module.copy_checked_pieces  # a local store's anchor: copied and checked in one read
-    monkeypatch.setattr(checkpoint_module, "copy_checked_pieces", lambda *a: pieced.append(a[2]) or real_copy(*a))
+    pieced, filled = [], []
+    real_pieces, real_fill = checkpoint_module.file_piece_hashes, checkpoint_module.fill_checked_pieces
+    monkeypatch.setattr(checkpoint_module, "file_piece_hashes", lambda *a: pieced.append(a[1:]) or real_pieces(*a))
+    monkeypatch.setattr(checkpoint_module, "fill_checked_pieces", lambda *a: filled.append(a[1:4]) or real_fill(*a))
+    monkeypatch.setattr(checkpoint_module, "copy_checked_pieces", None)  # no temporary copy of a local anchor
     state = _state()
     root = _published(tmp_path, state=state)
+    size = (root / anchor_key(3)).stat().st_size
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     assert ds.Subscriber(root).pull(target) == 3
     assert all(torch.equal(target[k], state[k]) for k in state)
-    assert (pieced, whole_file_hashes) == ([1024], [])
+    assert (pieced, filled, whole_file_hashes) == ([(1024, "blake3")], [(size, 1024, "blake3")], [])
     (root / pieces_key(3)).unlink()  # a lost sidecar: the whole-file SHA-256 still checks the anchor
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     assert ds.Subscriber(root).pull(target) == 3
     assert all(torch.equal(target[k], state[k]) for k in state)
-    assert (pieced, whole_file_hashes) == ([1024], [1])
+    assert (len(pieced), len(filled), whole_file_hashes) == (1, 1, [1])
     assert "whole-file SHA-256 instead" in caplog.text
     _flip(root / anchor_key(3), 100)
     with pytest.raises(ds.ChainError, match="does not match the digest"):
@@ -169,9 +178,7 @@ def test_a_rewritten_sidecar_is_refused_by_the_signed_entry(tmp_path):
     _flip(anchor, anchor.stat().st_size // 8)
     data = anchor.read_bytes()
     sidecar = bytearray((root / pieces_key(3)).read_bytes())
-    sidecar[PIECES_HEADER_BYTES:] = b"".join(
-        hashlib.sha256(data[i : i + 1024]).digest() for i in range(0, len(data), 1024)
-    )
+    sidecar[PIECES_HEADER_BYTES:] = _piece_hashes(data, 1024)
     (root / pieces_key(3)).write_bytes(bytes(sidecar))
     with pytest.raises(ds.ChainError, match="pieces: content does not match"):
         ds.Subscriber(root, retries=1, anchor_ranges=_first_tensor_only).fetch(None)
@@ -203,9 +210,7 @@ def test_verify_checks_the_whole_file_sha256_too(tmp_path):
     _flip(anchor, anchor.stat().st_size // 8)
     data = anchor.read_bytes()
     sidecar = bytearray((root / pieces_key(3)).read_bytes())
-    sidecar[PIECES_HEADER_BYTES:] = b"".join(
-        hashlib.sha256(data[i : i + 1024]).digest() for i in range(0, len(data), 1024)
-    )
+    sidecar[PIECES_HEADER_BYTES:] = _piece_hashes(data, 1024)
     (root / pieces_key(3)).write_bytes(bytes(sidecar))
     entry_path = root / entry_key(3)
     document = json.loads(entry_path.read_bytes())

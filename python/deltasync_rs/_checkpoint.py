@@ -9,16 +9,27 @@ import json
 import math
 import mmap
 import os
+import sys
+import tempfile
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from . import _arrays, _write
-from ._core import checkpoint_layout, combine_hashes, copy_checked_pieces, tensor_hashes
+from ._core import (
+    checkpoint_layout,
+    combine_hashes,
+    copy_checked_pieces,
+    file_piece_hashes,
+    fill_checked_pieces,
+    tensor_hashes,
+)
 from ._ranged import MAX_HEADER_BYTES, AnchorTensor, PartialAnchor, anchor_tensors
-from .delta import Delta
+from .delta import Delta, load
 from .errors import BaseMismatchError, DeltaFormatError, IntegrityError
 from .manifest import Pieces
+from .store import TEMP_PREFIX
 
 #: Linux's madvise advice that faults every page of a range in, writable (5.14+; Python names no constant for it).
 _MADV_POPULATE_WRITE = 23
@@ -154,7 +165,8 @@ class LocalAnchor:
         size = os.fstat(self.fd).st_size
         if size != pieces.size:
             raise IntegrityError(f"{key}: {size} bytes, its manifest entry says {pieces.size}")
-        self.tensors = {t.name: t for t in _checked_header(self.fd, key, step, pieces)}
+        tensors, self.prefix = _checked_header(self.fd, key, step, pieces)
+        self.tensors = {t.name: t for t in tensors}
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         return [(t.name, t.dtype, t.shape) for t in self.tensors.values()]
@@ -166,6 +178,123 @@ class LocalAnchor:
         copy_checked(self.fd, self.key, self.pieces, out.path, segments)
 
 
+class FilledAnchor(PartialAnchor):
+    """An anchor kept as a local file (a local store's), applied by filling each target straight from that file.
+    :meth:`open` checks every piece of the file against the pieces sidecar (hashed in parallel); ``_apply`` reads
+    them again, each group checked again before its bytes are copied into the targets (core::anchors::fill_checked),
+    so no byte is used unchecked even if the file changes in between (then IntegrityError says the targets hold
+    part of the anchor; a retry fills them again). Nothing of the anchor is copied anywhere else: no temporary
+    file, no buffer beyond a few MiB per thread. Only its checked header is held here (every other byte reads as
+    zero, as in a PartialAnchor that covers nothing), so only ``Subscriber.pull`` uses one, through ``_apply``;
+    ``apply_``, ``save`` and ``to_bytes`` refuse. Targets the core cannot write in place (other devices, strided
+    views, tensors that share memory) are written from ``whole()``, the anchor read the usual way."""
+
+    __slots__ = ("_source", "_pieces", "_retry", "_whole")
+
+    def __init__(
+        self,
+        source: BinaryIO,
+        anchor: LocalAnchor,
+        delta: Delta,
+        retry: Callable[[str, Callable[[], Any]], Any],
+        whole: Callable[[], Delta],
+    ) -> None:
+        offsets = {name: (t.start, t.end) for name, t in anchor.tensors.items()}
+        super().__init__(delta, frozenset(), anchor.pieces.piece_bytes, offsets, anchor.key)
+        self._source, self._pieces, self._retry, self._whole = source, anchor.pieces, retry, whole
+
+    @classmethod
+    def open(
+        cls,
+        source: BinaryIO,
+        key: str,
+        step: int,
+        pieces: Pieces,
+        retry: Callable[[str, Callable[[], Any]], Any],
+        whole: Callable[[], Delta],
+    ) -> FilledAnchor:
+        """The anchor ``key`` of ``step``, open as ``source`` (which it takes over once this returns), every piece
+        checked: IntegrityError for the first that differs."""
+        anchor = LocalAnchor(source, key, step, pieces)
+        pieces.check_all(
+            file_piece_hashes(f"/proc/self/fd/{source.fileno()}", pieces.piece_bytes, pieces.algorithm), key
+        )
+        # The checked header alone, in a sparse private file of the anchor's size, for the tensors' metadata.
+        fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
+        try:
+            os.ftruncate(fd, pieces.size)
+            os.pwrite(fd, anchor.prefix, 0)
+            delta = load(path, mmap=True)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return cls(source, anchor, delta, retry, whole)
+
+    def close(self) -> None:
+        self._source.close()
+
+    def _apply(self, state: Any, *, check_base: bool, digest: bool) -> dict[str, bytes | None]:
+        if self._source.closed:  # applied once already: the file it was checked from is gone
+            return self._whole()._apply(state, check_base=check_base, digest=digest)
+        try:
+            infos = self._raw.tensors()
+            names = [info[0] for info in infos]
+            fills: list[tuple[int, Any]] = []
+            spans: list[tuple[int, int]] = []
+            written: dict[str, bytes | None] = {}
+            for index, target in self._resolve_targets(state, names):
+                dtype, shape = _arrays.describe(target, names[index])
+                self._raw.check_target(index, dtype, list(shape))
+                if int(infos[index][3]) == 0:
+                    continue
+                if _arrays.is_torch(target):
+                    if not _arrays.readable_in_place(target):
+                        return self._whole()._apply(state, check_base=check_base, digest=digest)
+                    start, length = int(target.data_ptr()), target.numel() * target.element_size()
+                else:
+                    if not (target.flags.c_contiguous and target.flags.writeable):
+                        return self._whole()._apply(state, check_base=check_base, digest=digest)
+                    target = target.reshape(-1).view(np.uint8)
+                    start, length = int(target.__array_interface__["data"][0]), target.nbytes
+                fills.append((self._offsets[names[index]][0], target))
+                spans.append((start, start + length))
+                written[names[index]] = None
+            spans.sort()
+            if any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])):
+                # Tensors that share memory (tied weights): the usual path writes them once, when they agree.
+                return self._whole()._apply(state, check_base=check_base, digest=digest)
+            self._retry(self.key, lambda: self._fill(fills))
+        finally:
+            self.close()
+        torch = sys.modules.get("torch")
+        if torch is not None:  # writes through memory are invisible to autograd: move the version counters
+            for _, target in fills:
+                if _arrays.is_torch(target) and not target.is_inference():
+                    torch.autograd.graph.increment_version(target)
+        return written
+
+    def _fill(self, fills: list[tuple[int, Any]]) -> None:
+        pieces, key = self._pieces, self.key
+        bad = fill_checked_pieces(
+            f"/proc/self/fd/{self._source.fileno()}",
+            pieces.size,
+            pieces.piece_bytes,
+            pieces.algorithm,
+            pieces.hashes,
+            fills,
+        )
+        if bad is None:
+            return
+        what, value = bad
+        if what == "size":
+            raise IntegrityError(f"{key}: {value} bytes, its manifest entry says {pieces.size}")
+        start, end = pieces.span(value)
+        raise IntegrityError(
+            f"{key}: bytes {start}..{end} (piece {value}) changed after the anchor was checked (they matched its "
+            "pieces sidecar, then did not); the target holds part of this anchor: pull it again"
+        )
+
+
 #: Whether a file opened here can be read by the core through its descriptor (/proc/self/fd/N: the very inode that
 #: was opened, whatever its name points to meanwhile).
 READS_BY_DESCRIPTOR = os.path.isdir("/proc/self/fd")
@@ -175,7 +304,9 @@ def copy_checked(fd: int, key: str, pieces: Pieces, dest: str, segments: list[tu
     """Copies (from, length, to) ``segments`` of anchor ``key``, open as ``fd``, into the file ``dest``, every piece
     they touch checked against ``pieces`` before it is used (core::anchors::copy_checked_pieces); IntegrityError for
     a source of another size or the first piece that differs (``dest`` is then the caller's to discard)."""
-    bad = copy_checked_pieces(f"/proc/self/fd/{fd}", pieces.size, pieces.piece_bytes, pieces.hashes, dest, segments)
+    bad = copy_checked_pieces(
+        f"/proc/self/fd/{fd}", pieces.size, pieces.piece_bytes, pieces.algorithm, pieces.hashes, dest, segments
+    )
     if bad is None:
         return
     what, value = bad
@@ -184,8 +315,9 @@ def copy_checked(fd: int, key: str, pieces: Pieces, dest: str, segments: list[tu
     raise pieces.mismatch(value, key)
 
 
-def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> list[AnchorTensor]:
-    """The tensors of the anchor open as ``fd``, from its header read once into memory and checked piece by piece."""
+def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> tuple[list[AnchorTensor], bytes]:
+    """The tensors of the anchor open as ``fd``, from its header read once into memory and checked piece by piece,
+    and the file's first bytes, the header's included (whole pieces, checked)."""
 
     def checked(end: int) -> bytes:
         last = max(0, -(-end // pieces.piece_bytes) - 1)
@@ -215,7 +347,7 @@ def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> list[Anchor
     for t in tensors:
         if t.dtype not in _arrays._NUMPY_NAMES.values():
             raise DeltaFormatError(f"{key}: tensor {t.name!r} has dtype {t.dtype!r}, which no state holds")
-        if t.end - t.start != _arrays.numpy_dtype(t.dtype).itemsize * math.prod(t.shape):
+        if t.end - t.start != _arrays.WIDTHS[t.dtype] * math.prod(t.shape):  # no numpy dtype: ml_dtypes loads slowly
             raise DeltaFormatError(f"{key}: tensor {t.name!r} takes {t.end - t.start} bytes, not its shape's")
         if t.name.endswith((":pos", ":val")) or t.name.startswith("__deltasync_"):
             raise DeltaFormatError(f"{key}: tensor {t.name!r} is a delta's stream; an anchor holds whole tensors")
@@ -230,4 +362,4 @@ def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> list[Anchor
         at = t.end
     if at != pieces.size:
         raise DeltaFormatError(f"{key}: its tensors end at byte {at} of {pieces.size}")
-    return tensors
+    return tensors, first

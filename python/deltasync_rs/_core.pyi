@@ -21,11 +21,13 @@ __all__ = [
     "combine_hashes",
     "copy_checked_pieces",
     "diff_files",
+    "file_piece_hashes",
+    "fill_checked_pieces",
     "get_num_threads",
     "join_shards",
+    "piece_hash",
     "scan_kernel",
     "set_num_threads",
-    "sha256_pieces",
     "state_digest",
     "tensor_hashes",
     "write_anchor",
@@ -115,12 +117,17 @@ def write_anchor(
     step: int | None = None,
     metadata: dict[str, str] = ...,
     piece_bytes: int = 0,
+    piece_hash: str = "blake3",
 ) -> tuple[int, str, str, bytes]: ...
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""
 
-def sha256_pieces(path: str | PathLike[str], piece_bytes: int) -> bytes:
-    """The SHA-256 of each ``piece_bytes`` piece of the file, concatenated (32 bytes each), hashed in parallel."""
+def file_piece_hashes(path: str | PathLike[str], piece_bytes: int, piece_hash: str) -> bytes:
+    """The hash (``piece_hash``: "blake3" or "sha256") of each ``piece_bytes`` piece of the file, concatenated (32
+    bytes each), hashed in parallel."""
+
+def piece_hash(data: Buffer, piece_hash: str) -> bytes:
+    """The hash (``piece_hash``: "blake3" or "sha256") of one anchor piece: 32 bytes."""
 
 def tensor_hashes(entries: list[tuple[str, str, list[int], Buffer]]) -> list[bytes]:
     """Each tensor's own hash in a state digest (16 bytes, little-endian), for (name, dtype, shape, bytes) entries."""
@@ -136,13 +143,26 @@ def copy_checked_pieces(
     source: str | PathLike[str],
     size: int,
     piece_bytes: int,
+    piece_hash: str,
     expected: bytes,
     dest: str | PathLike[str],
     segments: list[tuple[int, int, int]],
 ) -> tuple[str, int] | None:
     """Copies (from, length, to) segments of ``source`` into the existing file ``dest``, each piece of the source
-    checked against ``expected`` (32-byte SHA-256s, concatenated) before it is used. None, or ("size", the source's
-    size), or ("piece", the first piece that differs)."""
+    checked against ``expected`` (32-byte hashes of ``piece_hash``, concatenated) before it is used. None, or
+    ("size", the source's size), or ("piece", the first piece that differs)."""
+
+def fill_checked_pieces(
+    source: str | PathLike[str],
+    size: int,
+    piece_bytes: int,
+    piece_hash: str,
+    expected: bytes,
+    fills: list[tuple[int, Any]],
+) -> tuple[str, int] | None:
+    """Fills each target (a writable contiguous CPU tensor or buffer, with the offset of its bytes in ``source``),
+    each group of pieces checked before its bytes are copied; targets must not overlap. None, ("size", the source's
+    size: nothing written) or ("piece", the first piece that differs: the targets hold the groups that matched)."""
 
 def join_shards(parts: list[RawDelta], codec: str = "compact") -> RawDelta: ...
 def set_num_threads(n: int) -> None: ...

@@ -325,17 +325,21 @@ def write_anchor_pieces(
     path: str | os.PathLike[str],
     *,
     piece_bytes: int,
+    piece_hash: str = "blake3",
     step: int | None = None,
     metadata: Mapping[str, str] | None = None,
 ) -> tuple[int, str, str, bytes]:
-    """:func:`write_anchor_file`, also returning the SHA-256 of each ``piece_bytes`` piece of the file (a power of
-    two from 1 KiB to 1 GiB; 0: none), concatenated, 32 bytes each, hashed in the same pass (docs/format.md §10)."""
+    """:func:`write_anchor_file`, also returning the hash (``piece_hash``: "blake3" or "sha256") of each
+    ``piece_bytes`` piece of the file (a power of two from 1 KiB to 1 GiB; 0: none), concatenated, 32 bytes each,
+    hashed in the same pass (docs/format.md §10)."""
     entries = []
     for name, tensor in _as_mapping(state, "state").items():
         dtype, shape = _arrays.describe(tensor, name)
         data, _ = _arrays.host_bytes(tensor)
         entries.append((name, dtype, list(shape), data))
-    return _write_anchor(os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}), piece_bytes)
+    return _write_anchor(
+        os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}), piece_bytes, piece_hash
+    )
 
 
 def state_digest(state: State) -> str:

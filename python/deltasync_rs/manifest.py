@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ._core import piece_hash
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
 from .store import Store
 
@@ -48,9 +49,13 @@ def pieces_key(step: int) -> str:
     return f"anchors/step_{step:012d}.pieces"
 
 
-#: The first bytes of a pieces sidecar, then the anchor's size and the piece size (u64 LE each), then the hashes.
-PIECES_MAGIC = b"DSPIECE1"
-PIECES_HEADER_BYTES = len(PIECES_MAGIC) + 16
+#: The first bytes of a pieces sidecar, naming the hash of its pieces; then the anchor's size and the piece size
+#: (u64 LE each), then the hashes, 32 bytes each.
+PIECES_MAGICS = {b"DSPIECE1": "sha256", b"DSPIECE2": "blake3"}
+PIECE_HASHES = {hash_: magic for magic, hash_ in PIECES_MAGICS.items()}
+PIECES_HEADER_BYTES = 24
+#: The hash of each piece the Publisher records by default: BLAKE3 (DSPIECE2), since sidecars were added.
+DEFAULT_PIECE_HASH = "blake3"
 #: The piece size the Publisher records by default, and the range a reader accepts (powers of two).
 DEFAULT_PIECE_BYTES = 1 << 18
 MIN_PIECE_BYTES = 1 << 10
@@ -75,20 +80,30 @@ def check_piece_bytes(piece_bytes: int, where: str) -> int:
     return piece_bytes
 
 
-def pieces_document(anchor_size: int, piece_bytes: int, hashes: bytes) -> bytes:
-    """The sidecar of an anchor: magic, its size and the piece size (u64 LE), then each piece's SHA-256."""
+def check_piece_hash(piece_hash: str, where: str) -> str:
+    if piece_hash not in PIECE_HASHES:
+        raise DeltaSyncError(f"{where}: piece hash {piece_hash!r} is not one of {sorted(PIECE_HASHES)}")
+    return piece_hash
+
+
+def pieces_document(anchor_size: int, piece_bytes: int, hashes: bytes, piece_hash: str = DEFAULT_PIECE_HASH) -> bytes:
+    """The sidecar of an anchor: magic (naming ``piece_hash``), its size and the piece size (u64 LE), then each
+    piece's hash."""
     if len(hashes) != 32 * -(-anchor_size // piece_bytes):
         raise DeltaSyncError(f"{len(hashes) // 32} piece hashes for {anchor_size} bytes in pieces of {piece_bytes}")
-    return PIECES_MAGIC + anchor_size.to_bytes(8, "little") + piece_bytes.to_bytes(8, "little") + hashes
+    magic = PIECE_HASHES[check_piece_hash(piece_hash, "pieces sidecar")]
+    return magic + anchor_size.to_bytes(8, "little") + piece_bytes.to_bytes(8, "little") + hashes
 
 
 @dataclass(frozen=True)
 class Pieces:
-    """An anchor's pieces sidecar, read and checked: the anchor's size, the piece size and each piece's SHA-256."""
+    """An anchor's pieces sidecar, read and checked: the anchor's size, the piece size, the hash its magic names
+    ("sha256" or "blake3") and each piece's hash."""
 
     size: int
     piece_bytes: int
     hashes: bytes
+    algorithm: str = DEFAULT_PIECE_HASH
 
     @classmethod
     def parse(cls, raw: bytes, anchor: Mapping[str, Any]) -> Pieces:
@@ -96,15 +111,16 @@ class Pieces:
         checked ``raw`` against the reference's size and SHA-256; this checks that it describes that anchor."""
         ref = anchor["pieces"]
         key = ref["key"]
-        if len(raw) < PIECES_HEADER_BYTES or raw[: len(PIECES_MAGIC)] != PIECES_MAGIC:
-            raise IntegrityError(f"{key}: not a pieces sidecar")
+        piece_hash = PIECES_MAGICS.get(bytes(raw[:8]))
+        if len(raw) < PIECES_HEADER_BYTES or piece_hash is None:
+            raise IntegrityError(f"{key}: not a pieces sidecar (or one of a later version: its magic is {raw[:8]!r})")
         size = int.from_bytes(raw[8:16], "little")
         piece_bytes = int.from_bytes(raw[16:24], "little")
         if size != anchor["size"] or piece_bytes != ref["piece_bytes"]:
             raise IntegrityError(f"{key}: describes {size} bytes in pieces of {piece_bytes}, not its anchor")
         if len(raw) != pieces_size(size, piece_bytes):
             raise IntegrityError(f"{key}: {len(raw)} bytes, not one hash per piece")
-        return cls(size, piece_bytes, bytes(raw[PIECES_HEADER_BYTES:]))
+        return cls(size, piece_bytes, bytes(raw[PIECES_HEADER_BYTES:]), piece_hash)
 
     @property
     def count(self) -> int:
@@ -123,11 +139,11 @@ class Pieces:
     def check(self, index: int, data: bytes | memoryview, key: str) -> None:
         """Raises IntegrityError unless ``data`` is piece ``index`` of the anchor ``key``."""
         start, end = self.span(index)
-        if len(data) != end - start or hashlib.sha256(data).digest() != self.hashes[32 * index : 32 * index + 32]:
+        if len(data) != end - start or piece_hash(data, self.algorithm) != self.hashes[32 * index : 32 * index + 32]:
             raise self.mismatch(index, key)
 
     def check_all(self, hashes: bytes, key: str) -> None:
-        """Raises IntegrityError unless ``hashes`` (every piece's SHA-256 of a file of the anchor's size, in order)
+        """Raises IntegrityError unless ``hashes`` (every piece's hash of a file of the anchor's size, in order)
         are the sidecar's, naming the first piece that differs."""
         if hashes == self.hashes:
             return
@@ -427,6 +443,7 @@ __all__ = [
     "MAX_DOCUMENT_BYTES",
     "RUN_KEY",
     "DEFAULT_PIECE_BYTES",
+    "DEFAULT_PIECE_HASH",
     "Entry",
     "Pieces",
     "Pointer",
@@ -439,6 +456,8 @@ __all__ = [
     "pieces_key",
     "parse_run",
     "check_run",
+    "check_piece_bytes",
+    "check_piece_hash",
     "file_ref",
     "latest_document",
     "run_document",

@@ -23,12 +23,14 @@ from .delta import Delta, check_codec, state_digest, write_anchor_pieces
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
 from .manifest import (
     DEFAULT_PIECE_BYTES,
+    DEFAULT_PIECE_HASH,
     LATEST_KEY,
     MAX_DOCUMENT_BYTES,
     RUN_KEY,
     Entry,
     anchor_key,
     check_piece_bytes,
+    check_piece_hash,
     delta_key,
     entry_key,
     file_ref,
@@ -65,8 +67,11 @@ class Publisher:
     temporary file (hashing it on the way) and uploads from that file, so an anchor costs no copy of the state in
     memory. The mirror must hold still until that file is written, so a publish that follows an anchor waits for
     the anchor's file first (not for its upload). With ``piece_bytes`` (a power of two, 256 KiB by default; None:
-    none) each anchor also gets a pieces sidecar, the SHA-256 of each piece of that size, hashed in the same pass,
-    so that a reader can verify a byte range of it alone (docs/format.md §10, anchor pieces).
+    none) each anchor also gets a pieces sidecar, the hash of each piece of that size, hashed in the same pass, so
+    that a reader can verify a byte range of it alone, or the whole anchor on every core (docs/format.md §10, anchor
+    pieces). ``piece_hash`` is BLAKE3 by default; ``piece_hash="sha256"`` writes the sidecars that readers before
+    BLAKE3 sidecars check (they read a BLAKE3 one as unknown and check the whole-file SHA-256 instead, or, reading
+    by ranges, refuse it).
 
     Every entry carries the store's run id (``run.json``, made by the first publisher of the store) and the
     SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
@@ -87,6 +92,7 @@ class Publisher:
         retries: int = 3,
         exit_timeout: float = 60.0,
         piece_bytes: int | None = DEFAULT_PIECE_BYTES,
+        piece_hash: str = DEFAULT_PIECE_HASH,
     ) -> None:
         if anchor_every < 1 or keep_anchors < 1:
             raise DeltaSyncError("anchor_every and keep_anchors must be at least 1")
@@ -96,6 +102,7 @@ class Publisher:
             except DeltaFormatError as error:
                 raise DeltaSyncError(str(error)) from None
         self.piece_bytes = piece_bytes
+        self.piece_hash = check_piece_hash(piece_hash, "piece_hash")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
         check_codec(codec, values=values, mirror=True)
@@ -342,7 +349,7 @@ class Publisher:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
             try:
                 size, sha256, digest, hashes = write_anchor_pieces(
-                    tensors, path, step=step, piece_bytes=self.piece_bytes or 0
+                    tensors, path, step=step, piece_bytes=self.piece_bytes or 0, piece_hash=self.piece_hash
                 )
             except BaseException:
                 os.unlink(path)
@@ -352,7 +359,7 @@ class Publisher:
         ref: dict[str, Any] = {"key": anchor_key(step), "size": size, "sha256": sha256}
         sidecar = None
         if self.piece_bytes:
-            sidecar = pieces_document(size, self.piece_bytes, hashes)
+            sidecar = pieces_document(size, self.piece_bytes, hashes, self.piece_hash)
             ref["pieces"] = file_ref(pieces_key(step), sidecar) | {"piece_bytes": self.piece_bytes}
         return path, ref, digest, sidecar
 

@@ -14,8 +14,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ._checkpoint import READS_BY_DESCRIPTOR, CheckpointFile, LocalAnchor, apply_to, copy_checked, require_names
-from ._core import sha256_pieces
+from ._checkpoint import (
+    READS_BY_DESCRIPTOR,
+    CheckpointFile,
+    FilledAnchor,
+    LocalAnchor,
+    apply_to,
+    copy_checked,
+    require_names,
+)
+from ._core import file_piece_hashes
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
 from .delta import Delta, load, state_digest_knowing
@@ -217,12 +225,18 @@ class Subscriber:
             log.error("%s; using the newest verified entry, step %s", problem, newest)
         return newest
 
-    def _file(self, ref: dict[str, Any], step: int, kind: str, *, ranged: bool = True) -> Delta:
+    def _file(self, ref: dict[str, Any], step: int, kind: str, *, ranged: bool = True, fill: bool = False) -> Delta:
+        """The file ``ref`` of ``step`` (``kind`` "anchor" or "delta"), checked against its entry. An anchor is read
+        by ranges with ``anchor_ranges`` (and ``ranged``); with ``fill``, from a store that keeps it as a local file,
+        only its header is read here: it is applied straight from that file (``FilledAnchor``)."""
+
         def read() -> Delta:
             delta: Delta | None = None
             ranges = self.anchor_ranges if ranged else None
             if kind == "anchor" and ranges is not None and "pieces" in ref and self.store.supports_ranges:
                 delta = read_ranged(self.store, ref, self._pieces(ref), ranges)
+            elif kind == "anchor" and fill:
+                delta = self._fillable(ref, step)
             if delta is None:
                 delta = self._streamed(ref) if kind == "anchor" else self._in_memory(ref)
             if delta.step is not None and delta.step != step:
@@ -232,6 +246,27 @@ class Subscriber:
             return delta
 
         return self._retry(ref["key"], read)
+
+    def _fillable(self, ref: dict[str, Any], step: int) -> FilledAnchor | None:
+        """Anchor ``ref`` as a FilledAnchor, its header checked, when the store keeps it as a local file and it has
+        a readable pieces sidecar; else None."""
+        if "pieces" not in ref or not READS_BY_DESCRIPTOR:
+            return None
+        try:
+            pieces = self._pieces(ref)
+        except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
+            log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
+            return None
+        source = self.store.open_local(ref["key"])
+        if source is None:
+            return None
+        try:
+            return FilledAnchor.open(
+                source, ref["key"], step, pieces, self._retry, lambda: self._file(ref, step, "anchor", ranged=False)
+            )
+        except BaseException:
+            source.close()
+            raise
 
     def _pieces(self, ref: dict[str, Any]) -> Pieces:
         """The pieces sidecar of anchor ``ref``, checked against the size and SHA-256 its entry records."""
@@ -267,7 +302,7 @@ class Subscriber:
             if pieces is not None:
                 # The signed entry binds the sidecar (size and SHA-256), the sidecar binds every piece, and the
                 # size is checked: all pieces matching is the whole file matching.
-                pieces.check_all(sha256_pieces(path, pieces.piece_bytes), ref["key"])
+                pieces.check_all(file_piece_hashes(path, pieces.piece_bytes, pieces.algorithm), ref["key"])
         except BaseException:
             os.unlink(path)
             raise
@@ -407,13 +442,15 @@ class Subscriber:
                     targets = [s for s in listed_steps(self.store)[::-1] if s < target][:8]
         raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
 
-    def _download(self, anchor_entry: Entry | None, chain: list[Entry]) -> list[Delta]:
+    def _download(self, anchor_entry: Entry | None, chain: list[Entry], *, fill: bool = False) -> list[Delta]:
+        """The files of the way: the anchor (when the way starts from one), then each delta. With ``fill`` (a pull
+        that applies them at once) an anchor in a local store is a FilledAnchor, applied straight from its file."""
         bar = _progress(len(chain) + (anchor_entry is not None), "pull")
         out = []
         try:
             if anchor_entry is not None:
                 assert anchor_entry.anchor is not None  # the plan chose an entry with an anchor
-                out.append(self._file(anchor_entry.anchor, anchor_entry.step, "anchor"))
+                out.append(self._file(anchor_entry.anchor, anchor_entry.step, "anchor", fill=fill))
                 if bar is not None:
                     bar.update()
             for entry in chain:
@@ -436,7 +473,7 @@ class Subscriber:
         returns that step. Each delta is applied all-or-nothing; when ``state`` holds every published tensor, its
         digest is checked against the manifest, and a mismatch re-syncs from the newest anchor before raising
         IntegrityError."""
-        deltas = self.fetch(self.step, until=until)
+        deltas = self._fetch_to_apply(self.step, until)
         if not deltas:
             if self.step is None:
                 raise ChainError(f"{self.store.url}: nothing to pull")
@@ -451,14 +488,18 @@ class Subscriber:
             log.warning("%s; re-syncing from the newest anchor", error)
             target = deltas[-1].step
             self.step = None
-            known = self._apply_all(state, self.fetch(None, until=target))
+            known = self._apply_all(state, self._fetch_to_apply(None, target))
         if self._state_matches(state, known):
             return self._reached()
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
-        known = self._apply_all(state, self.fetch(None, until=self.step))
+        known = self._apply_all(state, self._fetch_to_apply(None, self.step))
         if not self._state_matches(state, known):
             raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
         return self._reached()
+
+    def _fetch_to_apply(self, current_step: int | None, until: int | None) -> list[Delta]:
+        """``fetch``, for files applied at once: an anchor in a local store is applied straight from its file."""
+        return self._fetch(current_step, until, functools.partial(self._download, fill=True)) or []
 
     def _reached(self) -> int:
         if self.step is None:

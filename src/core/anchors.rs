@@ -1,5 +1,6 @@
-//! Anchors at scale: written from the caller's tensors straight into a file, hashed (SHA-256) on the way, and read
-//! back through a memory map, so neither side holds a second copy of the whole state.
+//! Anchors at scale: written from the caller's tensors straight into a file, hashed (SHA-256, and each piece with
+//! BLAKE3 or SHA-256) on the way, and read back through a memory map or straight into the target's memory, every
+//! piece checked first, so neither side holds a second copy of the whole state.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -24,8 +25,67 @@ pub const MAX_PIECE_BYTES: usize = 1 << 30;
 /// Below this many bytes a write's pieces are hashed on the calling thread.
 const PARALLEL_PIECES_BYTES: usize = 1 << 20;
 
+/// The hash of each piece of an anchor (docs/format.md §10, anchor pieces); the pieces sidecar's magic names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PieceHash {
+    /// `DSPIECE1` sidecars.
+    Sha256,
+    /// `DSPIECE2` sidecars: about 2.5 times SHA-256's speed with SHA extensions, far more without.
+    Blake3,
+}
+
+impl PieceHash {
+    /// The hash named `name` ("sha256" or "blake3").
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "sha256" => Ok(Self::Sha256),
+            "blake3" => Ok(Self::Blake3),
+            other => Err(Error::invalid(format!("piece hash {other:?}: must be \"sha256\" or \"blake3\""))),
+        }
+    }
+
+    /// The hash of one piece.
+    pub fn digest(self, piece: &[u8]) -> [u8; 32] {
+        match self {
+            Self::Sha256 => Sha256::digest(piece).into(),
+            Self::Blake3 => *blake3::hash(piece).as_bytes(),
+        }
+    }
+
+    fn running(self) -> Running {
+        match self {
+            Self::Sha256 => Running::Sha256(Sha256::new()),
+            Self::Blake3 => Running::Blake3(Box::default()),
+        }
+    }
+}
+
+/// A piece being hashed as its bytes arrive.
+enum Running {
+    Sha256(Sha256),
+    Blake3(Box<blake3::Hasher>),
+}
+
+impl Running {
+    fn update(&mut self, data: &[u8]) {
+        match self {
+            Self::Sha256(hasher) => hasher.update(data),
+            Self::Blake3(hasher) => {
+                hasher.update(data);
+            }
+        }
+    }
+
+    fn finish(self) -> [u8; 32] {
+        match self {
+            Self::Sha256(hasher) => hasher.finalize().into(),
+            Self::Blake3(hasher) => *hasher.finalize().as_bytes(),
+        }
+    }
+}
+
 /// What `write_anchor` wrote: the file's size and SHA-256, the state digest of its tensors (core::digest), and the
-/// SHA-256 of each `piece_bytes` piece of the file in order (the last may be shorter; none when not asked for).
+/// hash of each `piece_bytes` piece of the file in order (the last may be shorter; none when not asked for).
 pub struct Written {
     pub size: u64,
     pub sha256: [u8; 32],
@@ -33,18 +93,19 @@ pub struct Written {
     pub pieces: Vec<[u8; 32]>,
 }
 
-/// SHA-256 of consecutive fixed-size pieces of a byte stream fed in arbitrary slices; whole pieces inside one
+/// The hashes of consecutive fixed-size pieces of a byte stream fed in arbitrary slices; whole pieces inside one
 /// slice are hashed in parallel.
 struct Pieces {
     piece_bytes: usize,
-    current: Sha256,
+    kind: PieceHash,
+    current: Running,
     filled: usize,
     done: Vec<[u8; 32]>,
 }
 
 impl Pieces {
-    fn new(piece_bytes: usize) -> Self {
-        Self { piece_bytes, current: Sha256::new(), filled: 0, done: Vec::new() }
+    fn new(piece_bytes: usize, kind: PieceHash) -> Self {
+        Self { piece_bytes, kind, current: kind.running(), filled: 0, done: Vec::new() }
     }
 
     fn update(&mut self, mut data: &[u8]) {
@@ -57,18 +118,19 @@ impl Pieces {
             self.filled += take;
             data = &data[take..];
             if self.filled == self.piece_bytes {
-                self.done.push(std::mem::take(&mut self.current).finalize().into());
+                self.done.push(std::mem::replace(&mut self.current, self.kind.running()).finish());
                 self.filled = 0;
             }
         }
         let whole = data.len() / self.piece_bytes * self.piece_bytes;
         let (full, tail) = data.split_at(whole);
+        let kind = self.kind;
         if full.len() >= PARALLEL_PIECES_BYTES {
             let hashed: Vec<[u8; 32]> =
-                full.par_chunks_exact(self.piece_bytes).map(|piece| Sha256::digest(piece).into()).collect();
+                full.par_chunks_exact(self.piece_bytes).map(|piece| kind.digest(piece)).collect();
             self.done.extend(hashed);
         } else {
-            self.done.extend(full.chunks_exact(self.piece_bytes).map(|piece| <[u8; 32]>::from(Sha256::digest(piece))));
+            self.done.extend(full.chunks_exact(self.piece_bytes).map(|piece| kind.digest(piece)));
         }
         if !tail.is_empty() {
             self.current.update(tail);
@@ -78,28 +140,51 @@ impl Pieces {
 
     fn finish(mut self) -> Vec<[u8; 32]> {
         if self.filled > 0 {
-            self.done.push(self.current.finalize().into());
+            self.done.push(self.current.finish());
         }
         self.done
     }
 }
 
-/// The SHA-256 of each `piece_bytes` piece of `data` (the last may be shorter): what `write_anchor` records.
-pub fn piece_hashes(data: &[u8], piece_bytes: usize) -> Vec<[u8; 32]> {
-    let mut pieces = Pieces::new(piece_bytes);
+/// The hash of each `piece_bytes` piece of `data` (the last may be shorter): what `write_anchor` records.
+pub fn piece_hashes(data: &[u8], piece_bytes: usize, kind: PieceHash) -> Vec<[u8; 32]> {
+    let mut pieces = Pieces::new(piece_bytes, kind);
     pieces.update(data);
     pieces.finish()
 }
 
-/// The SHA-256 of each `piece_bytes` piece of the file at `path`, hashed in parallel in the deltasync pool: a reader
+/// Bytes of a source read with `pread` (into a buffer of the reading task's own) and checked at a time.
+const READ_BYTES: usize = 8 << 20;
+
+/// `work` on each of `items`, in order, in parallel on the current rayon pool, each task with a read buffer of its
+/// own, kept for the next task once done: (a fresh buffer per rayon job, as `map_init` makes them, is allocated,
+/// faulted in and zeroed again many times a call; on a first call in a process that cost about as much as the
+/// hashing).
+fn with_buffers<I: Sync, T: Send>(items: &[I], work: impl Fn(&mut Vec<u8>, &I) -> Result<T> + Sync) -> Result<Vec<T>> {
+    struct Kept<'a> {
+        free: &'a std::sync::Mutex<Vec<Vec<u8>>>,
+        buffer: Vec<u8>,
+    }
+    impl Drop for Kept<'_> {
+        fn drop(&mut self) {
+            if let Ok(mut free) = self.free.lock() {
+                free.push(std::mem::take(&mut self.buffer));
+            }
+        }
+    }
+    let free = std::sync::Mutex::new(Vec::new());
+    let lend = || Kept { free: &free, buffer: free.lock().ok().and_then(|mut free| free.pop()).unwrap_or_default() };
+    items.par_iter().map_init(lend, |lent, item| work(&mut lent.buffer, item)).collect()
+}
+
+/// The hash of each `piece_bytes` piece of the file at `path`, hashed in parallel in the deltasync pool: a reader
 /// checks a whole anchor against its pieces sidecar this way, on every core, where one SHA-256 of the whole file
 /// runs on one. Each task reads its group of pieces with `pread` into a buffer of its own (about `READ_BYTES`), so
 /// the file is never mapped and its pages never count towards this process's resident memory. The file must not
 /// change meanwhile (a private copy).
-pub fn file_piece_hashes(path: &Path, piece_bytes: usize) -> Result<Vec<[u8; 32]>> {
+pub fn file_piece_hashes(path: &Path, piece_bytes: usize, kind: PieceHash) -> Result<Vec<[u8; 32]>> {
     use std::os::unix::fs::FileExt;
 
-    const READ_BYTES: usize = 8 << 20;
     if piece_bytes == 0 {
         return Err(Error::invalid("piece_bytes must be at least 1"));
     }
@@ -107,23 +192,32 @@ pub fn file_piece_hashes(path: &Path, piece_bytes: usize) -> Result<Vec<[u8; 32]
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     let pieces = len.div_ceil(piece_bytes as u64);
     let per_read = (READ_BYTES / piece_bytes).max(1) as u64;
+    let groups: Vec<u64> = (0..pieces.div_ceil(per_read)).collect();
     let groups: Vec<Vec<[u8; 32]>> = crate::core::pool::install(|| {
-        (0..pieces.div_ceil(per_read))
-            .into_par_iter()
-            .map_init(Vec::new, |buffer, group| {
-                let start = group * per_read * piece_bytes as u64;
-                let end = len.min(start + per_read * piece_bytes as u64);
-                buffer.resize((end - start) as usize, 0);
-                file.read_exact_at(buffer, start).map_err(|e| Error::io(path, e))?;
-                Ok(buffer.chunks(piece_bytes).map(|piece| Sha256::digest(piece).into()).collect())
-            })
-            .collect::<Result<_>>()
+        with_buffers(&groups, |buffer, &group| {
+            let start = group * per_read * piece_bytes as u64;
+            let end = len.min(start + per_read * piece_bytes as u64);
+            buffer.resize((end - start) as usize, 0);
+            file.read_exact_at(buffer, start).map_err(|e| Error::io(path, e))?;
+            Ok(buffer.chunks(piece_bytes).map(|piece| kind.digest(piece)).collect())
+        })
     })?;
     Ok(groups.into_iter().flatten().collect())
 }
 
-/// One run of bytes that `copy_checked_pieces` copies: `len` bytes at offset `from` of the source, written at
-/// offset `to` of the destination.
+/// A file checked piece by piece as it is read: `size` bytes in pieces of `piece_bytes` (the last may be shorter),
+/// each of which must have the hash (`kind`) that `expected` lists for it.
+#[derive(Clone, Copy, Debug)]
+pub struct CheckedSource<'a> {
+    pub path: &'a Path,
+    pub size: u64,
+    pub piece_bytes: usize,
+    pub kind: PieceHash,
+    pub expected: &'a [[u8; 32]],
+}
+
+/// One run of bytes that a checked copy copies: `len` bytes at offset `from` of the source, written at offset `to`
+/// of the destination (a file), or into target `to` (memory).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {
     pub from: u64,
@@ -131,89 +225,87 @@ pub struct Segment {
     pub to: u64,
 }
 
-/// Why `copy_checked_pieces` copied nothing more: the source's size, or the first piece whose SHA-256 differs.
+/// Why a checked copy copied nothing more: the source's size, or the first piece whose hash differs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unchecked {
     Size(u64),
     Piece(usize),
 }
 
-/// Copies the `segments` of the file at `source` into the existing file at `dest`, every byte checked first: the
-/// source must be `size` bytes, and each of its `piece_bytes` pieces (the last may be shorter) that a segment touches
-/// must have the SHA-256 `expected` lists for it before any byte of it is written. Those pieces are read whole and
-/// checked in parallel groups (about `READ_BYTES` each, read with `pread` into a buffer per task: the source is never
-/// mapped and its pages never count towards this process's resident memory). This is a verified download and a copy
-/// in one read of the source, where checking a private copy costs a second read and a second write of the file.
-///
-/// Returns `Ok(Some(..))` for a source of another size (nothing written) or, after checking every touched piece,
-/// the first one that differs (the destination then holds the checked pieces' segments only, and is the caller's to
-/// discard). Segments must lie within `size` bytes of the source and not overlap there; they may come in any order.
-pub fn copy_checked_pieces(
-    source: &Path,
-    size: u64,
-    piece_bytes: usize,
-    expected: &[[u8; 32]],
-    dest: &Path,
-    segments: &[Segment],
-) -> Result<Option<Unchecked>> {
-    use std::os::unix::fs::FileExt;
+/// Writes a checked segment's bytes: the segment, the offset of the bytes in it, the bytes.
+type SegmentWrite<'a> = dyn Fn(&Segment, u64, &[u8]) -> Result<()> + Sync + 'a;
 
-    const READ_BYTES: usize = 8 << 20;
-    if piece_bytes == 0 {
-        return Err(Error::invalid("piece_bytes must be at least 1"));
-    }
-    if expected.len() as u64 != size.div_ceil(piece_bytes as u64) {
-        return Err(Error::invalid(format!(
-            "{}: {} piece hashes for {size} bytes in pieces of {piece_bytes}",
-            source.display(),
-            expected.len()
-        )));
-    }
-    let mut order: Vec<Segment> = segments.iter().copied().filter(|segment| segment.len > 0).collect();
-    for segment in &order {
-        if segment.from.checked_add(segment.len).is_none_or(|end| end > size)
-            || segment.to.checked_add(segment.len).is_none()
-        {
+impl CheckedSource<'_> {
+    /// Opens the source, or tells its size when it is not the expected one; checks the arguments and `segments`
+    /// (within the source, not overlapping there), which it returns sorted by source offset.
+    fn open(&self, segments: &[Segment]) -> Result<std::result::Result<(std::fs::File, Vec<Segment>), Unchecked>> {
+        let (source, size, piece_bytes) = (self.path, self.size, self.piece_bytes);
+        if piece_bytes == 0 {
+            return Err(Error::invalid("piece_bytes must be at least 1"));
+        }
+        if self.expected.len() as u64 != size.div_ceil(piece_bytes as u64) {
             return Err(Error::invalid(format!(
-                "{}: segment {segment:?} lies outside its {size} bytes",
-                source.display()
+                "{}: {} piece hashes for {size} bytes in pieces of {piece_bytes}",
+                source.display(),
+                self.expected.len()
             )));
         }
-    }
-    order.sort_by_key(|segment| segment.from);
-    if let Some(pair) = order.windows(2).find(|pair| pair[0].from + pair[0].len > pair[1].from) {
-        return Err(Error::invalid(format!("{}: segments {:?} and {:?} overlap", source.display(), pair[0], pair[1])));
-    }
-    let file = std::fs::File::open(source).map_err(|e| Error::io(source, e))?;
-    let actual = file.metadata().map_err(|e| Error::io(source, e))?.len();
-    if actual != size {
-        return Ok(Some(Unchecked::Size(actual)));
-    }
-    let out = std::fs::OpenOptions::new().write(true).open(dest).map_err(|e| Error::io(dest, e))?;
-    // The runs of pieces the segments touch, cut into read groups of at most `per_read` pieces.
-    let piece = piece_bytes as u64;
-    let per_read = (READ_BYTES / piece_bytes).max(1) as u64;
-    let mut groups: Vec<(u64, u64)> = Vec::new(); // [first, last) piece indices
-    for segment in &order {
-        let (first, last) = (segment.from / piece, (segment.from + segment.len).div_ceil(piece));
-        let first = match groups.last() {
-            Some(&(_, end)) if end > first => end,
-            _ => first,
-        };
-        for start in (first..last).step_by(per_read as usize) {
-            groups.push((start, last.min(start + per_read)));
+        let mut order: Vec<Segment> = segments.iter().copied().filter(|segment| segment.len > 0).collect();
+        for segment in &order {
+            if segment.from.checked_add(segment.len).is_none_or(|end| end > size)
+                || segment.to.checked_add(segment.len).is_none()
+            {
+                return Err(Error::invalid(format!(
+                    "{}: segment {segment:?} lies outside its {size} bytes",
+                    source.display()
+                )));
+            }
         }
+        order.sort_by_key(|segment| segment.from);
+        if let Some(pair) = order.windows(2).find(|pair| pair[0].from + pair[0].len > pair[1].from) {
+            return Err(Error::invalid(format!(
+                "{}: segments {:?} and {:?} overlap",
+                source.display(),
+                pair[0],
+                pair[1]
+            )));
+        }
+        let file = std::fs::File::open(source).map_err(|e| Error::io(source, e))?;
+        let actual = file.metadata().map_err(|e| Error::io(source, e))?.len();
+        if actual != size {
+            return Ok(Err(Unchecked::Size(actual)));
+        }
+        Ok(Ok((file, order)))
     }
-    let bad: Vec<Option<usize>> = crate::core::pool::install(|| {
-        groups
-            .into_par_iter()
-            .map_init(Vec::new, |buffer, (first, last)| {
+
+    /// Reads the pieces that `order` (sorted, from `open`) touches in parallel groups of about `READ_BYTES`, checks
+    /// each group's pieces, then hands `write` each segment's bytes in that group (the segment, the offset of the
+    /// bytes in it, the bytes). Returns the first piece that differs: nothing of its group was handed over.
+    fn walk(&self, file: &std::fs::File, order: &[Segment], write: &SegmentWrite<'_>) -> Result<Option<usize>> {
+        use std::os::unix::fs::FileExt;
+
+        let (size, piece_bytes) = (self.size, self.piece_bytes);
+        let piece = piece_bytes as u64;
+        let per_read = (READ_BYTES / piece_bytes).max(1) as u64;
+        let mut groups: Vec<(u64, u64)> = Vec::new(); // [first, last) piece indices
+        for segment in order {
+            let (first, last) = (segment.from / piece, (segment.from + segment.len).div_ceil(piece));
+            let first = match groups.last() {
+                Some(&(_, end)) if end > first => end,
+                _ => first,
+            };
+            for start in (first..last).step_by(per_read as usize) {
+                groups.push((start, last.min(start + per_read)));
+            }
+        }
+        let bad: Vec<Option<usize>> = crate::core::pool::install(|| {
+            with_buffers(&groups, |buffer, &(first, last)| {
                 let start = first * piece;
                 let end = size.min(last * piece);
                 buffer.resize((end - start) as usize, 0);
-                file.read_exact_at(buffer, start).map_err(|e| Error::io(source, e))?;
+                file.read_exact_at(buffer, start).map_err(|e| Error::io(self.path, e))?;
                 for (i, bytes) in buffer.chunks(piece_bytes).enumerate() {
-                    if <[u8; 32]>::from(Sha256::digest(bytes)) != expected[first as usize + i] {
+                    if self.kind.digest(bytes) != self.expected[first as usize + i] {
                         return Ok(Some(first as usize + i));
                     }
                 }
@@ -222,16 +314,93 @@ pub fn copy_checked_pieces(
                     let lo = segment.from.max(start);
                     let hi = (segment.from + segment.len).min(end);
                     if hi > lo {
-                        let bytes = &buffer[(lo - start) as usize..(hi - start) as usize];
-                        out.write_all_at(bytes, segment.to + (lo - segment.from)).map_err(|e| Error::io(dest, e))?;
+                        write(segment, lo - segment.from, &buffer[(lo - start) as usize..(hi - start) as usize])?;
                     }
                     at += 1;
                 }
                 Ok(None)
             })
-            .collect::<Result<_>>()
-    })?;
-    Ok(bad.into_iter().flatten().min().map(Unchecked::Piece))
+        })?;
+        Ok(bad.into_iter().flatten().min())
+    }
+}
+
+/// Copies the `segments` of `source` into the existing file at `dest`, every byte checked first: the source must be
+/// its size, and each piece that a segment touches must have its expected hash before any byte of it is written.
+/// Those pieces are read whole and checked in parallel groups (read with `pread` into a buffer per task: the source
+/// is never mapped and its pages never count towards this process's resident memory). This is a verified download
+/// and a copy in one read of the source, where checking a private copy costs a second read and a second write.
+///
+/// Returns `Ok(Some(..))` for a source of another size (nothing written) or, after checking every touched piece,
+/// the first one that differs (the destination then holds the checked pieces' segments only, and is the caller's to
+/// discard). Segments must lie within the source and not overlap there; they may come in any order.
+pub fn copy_checked_pieces(source: &CheckedSource<'_>, dest: &Path, segments: &[Segment]) -> Result<Option<Unchecked>> {
+    use std::os::unix::fs::FileExt;
+
+    let (file, order) = match source.open(segments)? {
+        Ok(opened) => opened,
+        Err(unchecked) => return Ok(Some(unchecked)),
+    };
+    let out = std::fs::OpenOptions::new().write(true).open(dest).map_err(|e| Error::io(dest, e))?;
+    let write = |segment: &Segment, offset: u64, bytes: &[u8]| {
+        out.write_all_at(bytes, segment.to + offset).map_err(|e| Error::io(dest, e))
+    };
+    Ok(source.walk(&file, &order, &write)?.map(Unchecked::Piece))
+}
+
+/// A target's memory, written by several tasks at once, each at bytes no other task writes.
+struct Shared {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: `fill_checked` hands each byte of a target to exactly one task (its segments do not overlap in the
+// source, and each target has one segment), so no two tasks write the same byte.
+unsafe impl Sync for Shared {}
+
+/// Fills each target with the bytes of `source` at its offset in `fills` ((offset, target index) pairs; a target
+/// takes as many bytes as it is long), reading the pieces they touch in parallel groups and checking each group
+/// before its bytes are copied into the targets: no byte is used unchecked, and nothing of the source is copied
+/// anywhere else (no temporary file, no buffer beyond one group per task). Returns the source's size when it is not
+/// the expected one (nothing written), or the first piece that differs: the targets then hold the bytes of the
+/// groups that matched. A caller that must write all or nothing checks the source first (`file_piece_hashes`),
+/// so that a piece differing here means the source changed in between: a loud error, never an unchecked byte.
+pub fn fill_checked(
+    source: &CheckedSource<'_>,
+    targets: &mut [&mut [u8]],
+    fills: &[(u64, usize)],
+) -> Result<Option<Unchecked>> {
+    let mut segments = Vec::with_capacity(fills.len());
+    let mut seen = vec![false; targets.len()];
+    for &(from, target) in fills {
+        let Some(taken) = seen.get_mut(target) else {
+            return Err(Error::invalid(format!(
+                "{}: fill of target {target} of {}",
+                source.path.display(),
+                targets.len()
+            )));
+        };
+        if std::mem::replace(taken, true) {
+            return Err(Error::invalid(format!("{}: target {target} is filled twice", source.path.display())));
+        }
+        segments.push(Segment { from, len: targets[target].len() as u64, to: target as u64 });
+    }
+    let (file, order) = match source.open(&segments)? {
+        Ok(opened) => opened,
+        Err(unchecked) => return Ok(Some(unchecked)),
+    };
+    let shared: Vec<Shared> =
+        targets.iter_mut().map(|target| Shared { ptr: target.as_mut_ptr(), len: target.len() }).collect();
+    let write = |segment: &Segment, offset: u64, bytes: &[u8]| {
+        let target = &shared[segment.to as usize];
+        let offset = offset as usize;
+        assert!(offset + bytes.len() <= target.len, "a segment's bytes lie within its target");
+        // SAFETY: within the target (asserted), which `targets` borrows mutably for this call; no other task
+        // writes these bytes (see `Shared`).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), target.ptr.add(offset), bytes.len()) };
+        Ok(())
+    };
+    Ok(source.walk(&file, &order, &write)?.map(Unchecked::Piece))
 }
 
 /// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode` lays out
@@ -302,13 +471,14 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
 /// hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the size of the
 /// state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file durable (fsync)
 /// where it needs to. With `piece_bytes` (a power of two from MIN_PIECE_BYTES to MAX_PIECE_BYTES; 0: none) it also
-/// returns the SHA-256 of each piece of that size, hashed in the same pass.
+/// returns the hash (`kind`) of each piece of that size, hashed in the same pass.
 pub fn write_anchor(
     inputs: &[FullInput<'_>],
     step: Option<u64>,
     metadata: &BTreeMap<String, String>,
     path: &Path,
     piece_bytes: usize,
+    kind: PieceHash,
 ) -> Result<Written> {
     if piece_bytes != 0
         && (!piece_bytes.is_power_of_two() || !(MIN_PIECE_BYTES..=MAX_PIECE_BYTES).contains(&piece_bytes))
@@ -334,7 +504,7 @@ pub fn write_anchor(
     let mut writer = Hashing {
         inner: std::io::BufWriter::with_capacity(1 << 20, file),
         sha256: Sha256::new(),
-        pieces: Pieces::new(piece_bytes),
+        pieces: Pieces::new(piece_bytes, kind),
         size: 0,
         inputs,
         pending,
@@ -412,7 +582,7 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"old, longer content that must be truncated away").unwrap();
-        let written = write_anchor(&inputs, Some(7), &metadata, &path, 0).unwrap();
+        let written = write_anchor(&inputs, Some(7), &metadata, &path, 0, PieceHash::Blake3).unwrap();
         assert!(written.pieces.is_empty());
         let file = std::fs::read(&path).unwrap();
         assert_eq!(file, expected);
@@ -440,7 +610,7 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"kept").unwrap();
-        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, 0).is_err());
+        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, 0, PieceHash::Sha256).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
     }
 
@@ -454,10 +624,12 @@ mod tests {
             std::fs::write(&path, &data).unwrap();
             for piece_bytes in [1024usize, 4096, 1 << 20] {
                 let expected: Vec<[u8; 32]> = data.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect();
-                assert_eq!(file_piece_hashes(&path, piece_bytes).unwrap(), expected, "{len} {piece_bytes}");
+                assert_eq!(file_piece_hashes(&path, piece_bytes, PieceHash::Sha256).unwrap(), expected);
+                let expected: Vec<[u8; 32]> = data.chunks(piece_bytes).map(|p| *blake3::hash(p).as_bytes()).collect();
+                assert_eq!(file_piece_hashes(&path, piece_bytes, PieceHash::Blake3).unwrap(), expected);
             }
         }
-        assert!(file_piece_hashes(&path, 0).is_err());
+        assert!(file_piece_hashes(&path, 0, PieceHash::Blake3).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -472,15 +644,21 @@ mod tests {
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"").unwrap();
         for piece_bytes in [MIN_PIECE_BYTES, 1 << 16, 1 << 20, 32 << 20] {
-            let written = write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, piece_bytes).unwrap();
-            let file = std::fs::read(&path).unwrap();
-            let expected: Vec<[u8; 32]> = file.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect();
-            assert_eq!(written.pieces, expected, "piece size {piece_bytes}");
-            assert_eq!(written.pieces, piece_hashes(&file, piece_bytes));
-            assert_eq!(written.sha256, <[u8; 32]>::from(Sha256::digest(&file)));
+            for kind in [PieceHash::Sha256, PieceHash::Blake3] {
+                let written = write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, piece_bytes, kind).unwrap();
+                let file = std::fs::read(&path).unwrap();
+                let expected: Vec<[u8; 32]> = match kind {
+                    PieceHash::Sha256 => file.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect(),
+                    PieceHash::Blake3 => file.chunks(piece_bytes).map(|p| *blake3::hash(p).as_bytes()).collect(),
+                };
+                assert_eq!(written.pieces, expected, "piece size {piece_bytes}, {kind:?}");
+                assert_eq!(written.pieces, piece_hashes(&file, piece_bytes, kind));
+                assert_eq!(written.sha256, <[u8; 32]>::from(Sha256::digest(&file)));
+            }
         }
         for bad in [1usize, 512, 3 << 10, 2 << 30] {
-            assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, bad).is_err(), "piece size {bad}");
+            let written = write_anchor(&inputs, None, &BTreeMap::new(), &path, bad, PieceHash::Blake3);
+            assert!(written.is_err(), "piece size {bad}");
         }
     }
 
@@ -492,6 +670,15 @@ mod tests {
         std::fs::write(&source, &data).unwrap();
         let piece_bytes = 1 << 16;
         let hashes: Vec<[u8; 32]> = data.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect();
+        let size = data.len() as u64;
+        let checked = |size: u64, piece_bytes: usize, expected: &'static [[u8; 32]]| CheckedSource {
+            path: Box::leak(source.clone().into_boxed_path()),
+            size,
+            piece_bytes,
+            kind: PieceHash::Sha256,
+            expected,
+        };
+        let hashes: &'static [[u8; 32]] = hashes.leak();
         // Segments out of order, one crossing the 8 MiB read groups and piece edges, one ending at the file's end.
         let segments = [
             Segment { from: (8 << 20) - 100, len: 300, to: 0 },
@@ -499,8 +686,7 @@ mod tests {
             Segment { from: data.len() as u64 - 50, len: 50, to: 70_300 },
         ];
         std::fs::write(&dest, vec![0u8; 70_350]).unwrap();
-        let size = data.len() as u64;
-        assert_eq!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &segments).unwrap(), None);
+        assert_eq!(copy_checked_pieces(&checked(size, piece_bytes, hashes), &dest, &segments).unwrap(), None);
         let mut expected = data[(8 << 20) - 100..(8 << 20) + 200].to_vec();
         expected.extend_from_slice(&data[5..70_005]);
         expected.extend_from_slice(&data[data.len() - 50..]);
@@ -508,31 +694,82 @@ mod tests {
 
         // A source of another size is refused before anything is read; so are hashes that do not count its pieces.
         std::fs::write(&dest, b"").unwrap();
-        let outcome = copy_checked_pieces(&source, size + 1, piece_bytes, &hashes, &dest, &segments[..1]).unwrap();
+        let outcome = copy_checked_pieces(&checked(size + 1, piece_bytes, hashes), &dest, &segments[..1]).unwrap();
         assert_eq!(outcome, Some(Unchecked::Size(size)));
         assert!(std::fs::read(&dest).unwrap().is_empty());
-        assert!(copy_checked_pieces(&source, size, piece_bytes, &hashes[1..], &dest, &[]).is_err());
+        assert!(copy_checked_pieces(&checked(size, piece_bytes, &hashes[1..]), &dest, &[]).is_err());
         // Changed bytes in pieces the segments touch: each touched piece is checked and the first bad one named.
         let mut tampered = data.clone();
         tampered[piece_bytes + 9] ^= 1;
         tampered[data.len() - 1] ^= 1;
         std::fs::write(&source, &tampered).unwrap();
         std::fs::write(&dest, vec![0u8; 70_350]).unwrap();
-        let outcome = copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &segments).unwrap();
+        let outcome = copy_checked_pieces(&checked(size, piece_bytes, hashes), &dest, &segments).unwrap();
         assert_eq!(outcome, Some(Unchecked::Piece(1)));
         // Nothing of the bad piece's read group was written (here: pieces 0 and 1, the second segment's).
         assert!(std::fs::read(&dest).unwrap()[300..70_300].iter().all(|&b| b == 0));
 
         // Only the pieces the segments touch are read: a bad piece elsewhere is not this copy's concern.
         let untouched = [Segment { from: 4 * piece_bytes as u64, len: 100, to: 0 }];
-        assert_eq!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &untouched).unwrap(), None);
+        assert_eq!(copy_checked_pieces(&checked(size, piece_bytes, hashes), &dest, &untouched).unwrap(), None);
         assert_eq!(std::fs::read(&dest).unwrap()[..100], tampered[4 * piece_bytes..4 * piece_bytes + 100]);
 
         // Bad arguments are refused before anything is read.
-        assert!(copy_checked_pieces(&source, size, 0, &hashes, &dest, &[]).is_err());
+        assert!(copy_checked_pieces(&checked(size, 0, hashes), &dest, &[]).is_err());
         let outside = [Segment { from: size - 1, len: 2, to: 0 }];
-        assert!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &outside).is_err());
+        assert!(copy_checked_pieces(&checked(size, piece_bytes, hashes), &dest, &outside).is_err());
         let overlapping = [Segment { from: 0, len: 10, to: 0 }, Segment { from: 9, len: 1, to: 20 }];
-        assert!(copy_checked_pieces(&source, size, piece_bytes, &hashes, &dest, &overlapping).is_err());
+        assert!(copy_checked_pieces(&checked(size, piece_bytes, hashes), &dest, &overlapping).is_err());
+    }
+
+    #[test]
+    fn fill_checked_fills_targets_with_checked_bytes_only() {
+        let folder = tempfile::tempdir().unwrap();
+        let source = folder.path().join("source");
+        let data: Vec<u8> = (0..(17 << 20) + 333).map(|i: usize| (i * 29 + i / 1000) as u8).collect();
+        std::fs::write(&source, &data).unwrap();
+        let piece_bytes = 1 << 18;
+        for kind in [PieceHash::Sha256, PieceHash::Blake3] {
+            let hashes = piece_hashes(&data, piece_bytes, kind);
+            let checked =
+                CheckedSource { path: &source, size: data.len() as u64, piece_bytes, kind, expected: &hashes };
+            // Three targets that tile the file after a 1000-byte "header", given out of order; one is empty.
+            let cuts = [1000usize, 1000, (9 << 20) + 7, data.len()];
+            let mut buffers: Vec<Vec<u8>> = cuts.windows(2).map(|w| vec![0xAA; w[1] - w[0]]).collect();
+            let fills = [(cuts[2] as u64, 2), (1000, 0), (1000, 1)];
+            let mut targets: Vec<&mut [u8]> = buffers.iter_mut().map(|b| &mut b[..]).collect();
+            assert_eq!(fill_checked(&checked, &mut targets, &fills).unwrap(), None);
+            for (buffer, w) in buffers.iter().zip(cuts.windows(2)) {
+                assert!(buffer[..] == data[w[0]..w[1]]);
+            }
+            // One changed byte: the first bad piece is named, and nothing of its read group is written (the
+            // header's piece is checked too, though no target takes its first bytes).
+            for at in [3usize, (9 << 20) + 5, data.len() - 1] {
+                let mut tampered = data.clone();
+                tampered[at] ^= 0x40;
+                std::fs::write(&source, &tampered).unwrap();
+                let mut buffer = vec![0xAA; data.len() - 1000];
+                let mut targets: Vec<&mut [u8]> = vec![&mut buffer[..]];
+                let outcome = fill_checked(&checked, &mut targets, &[(1000, 0)]).unwrap();
+                assert_eq!(outcome, Some(Unchecked::Piece(at / piece_bytes)), "{kind:?} {at}");
+                let group = at / READ_BYTES * READ_BYTES;
+                let (lo, hi) = (group.max(1000) - 1000, (group + READ_BYTES).min(data.len()) - 1000);
+                assert!(buffer[lo..hi].iter().all(|&b| b == 0xAA), "{kind:?} {at}: its group is not written");
+                assert!(buffer[hi..] == data[hi + 1000..], "{kind:?} {at}: later groups are");
+            }
+            std::fs::write(&source, &data).unwrap();
+            // A target filled twice, or one that does not exist, is refused; so is a fill past the file's end.
+            let mut buffers = [vec![0u8; 10], vec![0u8; 10]];
+            let mut targets: Vec<&mut [u8]> = buffers.iter_mut().map(|b| &mut b[..]).collect();
+            assert!(fill_checked(&checked, &mut targets, &[(0, 0), (20, 0)]).is_err());
+            assert!(fill_checked(&checked, &mut targets, &[(0, 2)]).is_err());
+            assert!(fill_checked(&checked, &mut targets, &[(data.len() as u64 - 5, 1)]).is_err());
+            let longer = [data.as_slice(), &[0]].concat();
+            let hashes_longer = piece_hashes(&longer, piece_bytes, kind);
+            let other_size = CheckedSource { size: longer.len() as u64, expected: &hashes_longer, ..checked };
+            let outcome = fill_checked(&other_size, &mut targets, &[(0, 0)]).unwrap();
+            assert_eq!(outcome, Some(Unchecked::Size(data.len() as u64)));
+            assert!(buffers.iter().all(|b| b.iter().all(|&x| x == 0)));
+        }
     }
 }
