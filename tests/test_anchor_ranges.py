@@ -202,6 +202,24 @@ def test_verify_checks_the_pieces_against_the_anchor(tmp_path):
     assert problems and "do not match its pieces sidecar" in problems[0]
 
 
+def test_verify_reads_a_local_stores_anchor_in_place(tmp_path, monkeypatch):
+    """An audit writes nothing, so it checks a local store's anchor (header, every piece, the whole-file SHA-256)
+    in the store's own file: no temporary copy; other stores' anchors still go through one."""
+    import deltasync_rs.subscriber as subscriber_module
+
+    root = _published(tmp_path)
+    copies = []
+    real = subscriber_module.Subscriber._checked_copy
+    monkeypatch.setattr(
+        subscriber_module.Subscriber, "_checked_copy", lambda self, *a, **k: copies.append(1) or real(self, *a, **k)
+    )
+    assert ds.Subscriber(root).verify() == []
+    assert copies == []
+    _flip(root / anchor_key(3), 100)
+    problems = ds.Subscriber(root, retries=1).verify()
+    assert problems and "do not match its pieces sidecar" in problems[0] and copies == []
+
+
 def test_verify_checks_the_whole_file_sha256_too(tmp_path):
     """A reader may take either check (a pull now takes the pieces), so an auditor takes both: an anchor whose
     sidecar and entry describe its pieces but whose whole-file SHA-256 in the entry does not match is a problem."""

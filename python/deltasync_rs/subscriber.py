@@ -278,8 +278,23 @@ class Subscriber:
 
     def _check_pieces(self, ref: dict[str, Any]) -> None:
         """Reads anchor ``ref`` whole and checks every piece against its sidecar, and its whole-file SHA-256 (an
-        auditor checks both, whichever a reader uses)."""
-        os.unlink(self._checked_copy(ref, self._pieces(ref), whole_sha256=True))
+        auditor checks both, whichever a reader uses): in place when the store keeps it as a local file (an audit
+        writes nothing, so it needs no private copy), else through a checked temporary copy."""
+        pieces = self._pieces(ref)
+        source = self.store.open_local(ref["key"]) if READS_BY_DESCRIPTOR else None
+        if source is None:
+            os.unlink(self._checked_copy(ref, pieces, whole_sha256=True))
+            return
+        with source:
+            size = os.fstat(source.fileno()).st_size
+            if size != ref["size"]:
+                raise IntegrityError(f"{ref['key']}: {size} bytes, its manifest entry says {ref['size']}")
+            path = f"/proc/self/fd/{source.fileno()}"
+            pieces.check_all(file_piece_hashes(path, pieces.piece_bytes, pieces.algorithm), ref["key"])
+            with open(path, "rb") as whole:  # the very file opened above (its descriptor's link)
+                sha256 = hashlib.file_digest(whole, "sha256").hexdigest()
+            if sha256 != ref["sha256"]:
+                raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
 
     def _checked_copy(self, ref: dict[str, Any], pieces: Pieces | None, *, whole_sha256: bool) -> str:
         """The path of a private temporary file (in TMPDIR; the caller unlinks it) holding anchor ``ref``, checked
@@ -633,7 +648,9 @@ class Subscriber:
                 entry = self.entry(step)
                 for ref, kind in ((entry.delta, "delta"), (entry.anchor, "anchor")):
                     if ref is not None:
-                        self._file(ref, step, kind)
+                        checked = self._file(ref, step, kind, fill=True)  # a local store's anchor: checked in place
+                        if isinstance(checked, FilledAnchor):
+                            checked.close()
                 if entry.anchor is not None and "pieces" in entry.anchor:
                     self._retry(entry.anchor["pieces"]["key"], functools.partial(self._check_pieces, entry.anchor))
                 if entry.delta is not None and step != steps[0]:
