@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from ._checkpoint import (
     READS_BY_DESCRIPTOR,
@@ -247,19 +247,32 @@ class Subscriber:
 
         return self._retry(ref["key"], read)
 
-    def _fillable(self, ref: dict[str, Any], step: int) -> FilledAnchor | None:
-        """Anchor ``ref`` as a FilledAnchor, its header checked, when the store keeps it as a local file and it has
-        a readable pieces sidecar; else None."""
+    def _local_source(self, ref: dict[str, Any]) -> tuple[BinaryIO, Pieces] | None:
+        """Anchor ``ref``'s file, open (the caller closes it), and its checked pieces sidecar, when the store keeps
+        it as a local file and it has a readable sidecar; else None, and the anchor is read the usual way (checked by
+        its whole-file SHA-256 when the sidecar does not read). The sidecar is read only for a local file."""
         if "pieces" not in ref or not READS_BY_DESCRIPTOR:
-            return None
-        try:
-            pieces = self._pieces(ref)
-        except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
-            log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
             return None
         source = self.store.open_local(ref["key"])
         if source is None:
             return None
+        try:
+            return source, self._pieces(ref)
+        except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
+            source.close()
+            log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
+            return None
+        except BaseException:
+            source.close()
+            raise
+
+    def _fillable(self, ref: dict[str, Any], step: int) -> FilledAnchor | None:
+        """Anchor ``ref`` as a FilledAnchor, every piece checked, when the store keeps it as a local file with a
+        readable pieces sidecar; else None."""
+        local = self._local_source(ref)
+        if local is None:
+            return None
+        source, pieces = local
         try:
             return FilledAnchor.open(
                 source, ref["key"], step, pieces, self._retry, lambda: self._file(ref, step, "anchor", ranged=False)
@@ -580,25 +593,20 @@ class Subscriber:
         applied, batch by batch of the output: from a store that keeps the anchor as a local file (and its pieces
         sidecar), each batch copied with every piece it touches checked first, then patched; else from the anchor
         read as ``pull`` reads it, each batch written from it and patched."""
-        if "pieces" in ref and READS_BY_DESCRIPTOR:
 
-            def local() -> CheckpointFile | None:
-                source = self.store.open_local(ref["key"])
-                if source is None:
-                    return None
-                with source:
-                    try:
-                        pieces = self._pieces(ref)
-                    except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
-                        log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
-                        return None
-                    anchor = LocalAnchor(source, ref["key"], step, pieces)
-                    require_names(deltas, set(anchor.tensors), ref["key"])
-                    return self._filled(CheckpointFile(path, anchor.specs()), anchor.copy_into, deltas)
+        def local() -> CheckpointFile | None:
+            opened = self._local_source(ref)
+            if opened is None:
+                return None
+            source, pieces = opened
+            with source:
+                anchor = LocalAnchor(source, ref["key"], step, pieces)
+                require_names(deltas, set(anchor.tensors), ref["key"])
+                return self._filled(CheckpointFile(path, anchor.specs()), anchor.copy_into, deltas)
 
-            done = self._retry(ref["key"], local)
-            if done is not None:
-                return done
+        done = self._retry(ref["key"], local)
+        if done is not None:
+            return done
         whole = self._file(ref, step, "anchor", ranged=False)  # every byte: the file holds every tensor
         require_names(deltas, set(whole.names), ref["key"])
         specs = [(t.name, t.dtype, tuple(t.shape or ())) for t in whole.tensors]
