@@ -26,6 +26,13 @@ VmRSS) before the measured call and reports VmHWM less the resident size before 
 - the floors: ``cp`` of the anchor file on the same disk (then ``sync`` of the copy), the same bytes written with
   numpy's ``tofile`` (then fsync), reading the file in 8 MiB pieces (warm, and cold as above), and reading it with
   hashlib's SHA-256. The page cache is warm for every row but the two cold ones.
+
+Every timed write (the publish rows, ``cp``, numpy) starts the same way: a scratch file of the anchor's size is
+written and deleted, then ``sync``. On the virtual machines these benchmarks run on, memory the guest has not used
+for a while is given back to the host, and a write that takes such pages for the page cache pays for each one again:
+the anchor's write pass took 2.0-2.7 s per GB into such pages and 0.83-0.89 s into pages just freed, which is what
+``cp`` of a file deleted a moment before gets. Without the ``sync`` the writeback of earlier rows throttles the
+next. Neither is the code under test; both made any one row up to three times slower.
 Linux only.
 """
 
@@ -56,6 +63,18 @@ def reset_peak():
         f.write("5")
     return status("VmRSS")
 
+def ready_to_write(folder, nbytes):
+    # A scratch file of `nbytes` written and deleted in `folder`, then a sync: the timed write that follows gets
+    # page-cache pages the kernel has just freed, and no writeback of earlier writes runs under it (see the module's
+    # docstring).
+    path = os.path.join(folder, "scratch.bin")
+    chunk = bytes(8 << 20)
+    with open(path, "wb") as f:
+        for _ in range(-(-nbytes // len(chunk))):
+            f.write(chunk)
+    os.unlink(path)
+    os.sync()
+
 def make_state(gb, seed):
     total = int(gb * 1e9) // 2
     g = torch.Generator().manual_seed(seed)
@@ -74,6 +93,7 @@ store = ds.LocalStore(store_path)
 with ds.Publisher(store, anchor_every=1, keep_anchors=2) as publisher:
     publisher.publish(0, state)
     publisher.flush()
+    ready_to_write(store_path, sum(t.numel() * 2 for t in state.values()))
     before = reset_peak()
     started = time.perf_counter()
     if mode == "streamed":
@@ -137,6 +157,12 @@ def child(code: str, gb: float, store: Path, mode: str, env: dict | None = None)
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+# The children's ready_to_write, for the floors' writes here.
+_shared: dict = {}
+exec(COMMON[COMMON.index("def ready_to_write") : COMMON.index("def make_state")], {"os": os}, _shared)
+ready_to_write = _shared["ready_to_write"]
+
+
 def timed(command: list[str]) -> float:
     started = time.perf_counter()
     subprocess.run(command, check=True)
@@ -147,11 +173,15 @@ def floors(anchor: Path, scratch: Path) -> dict[str, float]:
     import numpy as np
 
     copy = scratch / "copy.safetensors"
+    size = anchor.stat().st_size
+    ready_to_write(scratch, size)  # as before each publish row
     out = {"cp": timed(["cp", str(anchor), str(copy)])}
     copy.unlink()
+    ready_to_write(scratch, size)
     out["cp + sync"] = timed(["sh", "-c", f"cp '{anchor}' '{copy}' && sync '{copy}'"])
     copy.unlink()
     data = np.fromfile(anchor, dtype=np.uint8)
+    ready_to_write(scratch, size)
     started = time.perf_counter()
     with open(copy, "wb") as f:
         data.tofile(f)

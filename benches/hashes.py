@@ -1,0 +1,131 @@
+"""What an anchor's write pass is made of, each part timed alone on this machine: the piece hashes (BLAKE3, the
+default, and SHA-256), the whole-file SHA-256, the state digest's XXH3 and the kernel's copy of the bytes into the
+page cache, against the pass itself (``write_anchor_pieces``) and ``cp`` of the file it writes.
+
+    python benches/hashes.py [GiB] [rounds] [FOLDER]
+
+GiB of random bytes (default 1) are hashed in memory, 256 KiB pieces one after another on one thread (``per core``
+rows), then as a file in the page cache on every thread of the deltasync pool (``file_piece_hashes``, what a reader
+checks an anchor with). The same bytes, as a bf16 state of 32 tensors, are written as an anchor into FOLDER (default:
+a new temporary folder; give one on the disk you care about), which is then copied with ``cp``. Medians of ``rounds``
+(default 5) after one warm-up, all in this process; each write starts as in benches/anchors.py (a scratch file of
+the same size written and deleted, then ``sync``: see there why); the ``blake3`` package (a test dependency) checks the core's
+BLAKE3 against a second implementation first. Nothing is asserted on timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import deltasync_rs as ds
+from deltasync_rs._core import file_piece_hashes, piece_hash
+from deltasync_rs.delta import state_digest, write_anchor_pieces
+
+PIECE = 256 << 10
+
+
+def timed(run, rounds: int, *, writes: Path | None = None, nbytes: int = 0) -> float:
+    """Median seconds of ``run``. With ``writes`` (the file ``run`` writes), each round starts as benches/anchors.py's
+    do: that file deleted, a scratch file of ``nbytes`` written beside it and deleted, then ``sync``."""
+    run()  # warm-up: allocations, page cache, thread pool
+    samples = []
+    for _ in range(rounds):
+        if writes is not None:
+            writes.unlink(missing_ok=True)  # its pages freed here, not in the timed run
+            scratch = writes.parent / "scratch.bin"
+            with open(scratch, "wb") as f:
+                for _ in range(-(-nbytes // (8 << 20))):
+                    f.write(bytes(8 << 20))
+            scratch.unlink()
+            os.sync()
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    gib = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    folder = Path(sys.argv[3]) if len(sys.argv) > 3 else Path(tempfile.mkdtemp(prefix="deltasync-hashes-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    size = int(gib * (1 << 30)) // (64 << 20) * (64 << 20)
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    view = memoryview(data)
+    pieces = [view[i : i + PIECE] for i in range(0, size, PIECE)]
+    try:
+        import blake3
+
+        assert piece_hash(pieces[1], "blake3") == blake3.blake3(pieces[1]).digest(), "BLAKE3 differs from blake3"
+    except ImportError:
+        print("(the blake3 package is not installed: the core's BLAKE3 is not cross-checked)")
+    assert piece_hash(pieces[1], "sha256") == hashlib.sha256(pieces[1]).digest(), "SHA-256 differs from hashlib"
+
+    state = {
+        f"layers.{i}.weight": torch.from_numpy(part).view(torch.bfloat16) for i, part in enumerate(np.split(data, 32))
+    }
+    anchor, copy = folder / "anchor.safetensors", folder / "copy.safetensors"
+    source, written = folder / "bytes.bin", folder / "written.bin"
+    data.tofile(source)
+
+    def write_anchor() -> None:
+        anchor.touch()
+        write_anchor_pieces(state, str(anchor), step=1, piece_bytes=PIECE, piece_hash="blake3")
+
+    def kernel_copy() -> None:
+        with open(written, "wb", buffering=0) as f:
+            for i in range(0, size, 8 << 20):
+                f.write(view[i : i + (8 << 20)])
+
+    def cp() -> None:
+        subprocess.run(["cp", str(anchor), str(copy)], check=True)
+
+    rows = [
+        ("BLAKE3 of each 256 KiB piece, one core", timed(lambda: [piece_hash(p, "blake3") for p in pieces], rounds)),
+        ("SHA-256 of each 256 KiB piece, one core", timed(lambda: [piece_hash(p, "sha256") for p in pieces], rounds)),
+        ("SHA-256 of the whole (hashlib, one stream: one core)", timed(lambda: hashlib.sha256(view).digest(), rounds)),
+        ("XXH3-128 state digest of the same bytes as 32 tensors", timed(lambda: state_digest(state), rounds)),
+        (
+            "BLAKE3 pieces of the file, cached (`file_piece_hashes`, the pool)",
+            timed(lambda: file_piece_hashes(source, PIECE, "blake3"), rounds),
+        ),
+        (
+            "SHA-256 pieces of the file, cached (`file_piece_hashes`, the pool)",
+            timed(lambda: file_piece_hashes(source, PIECE, "sha256"), rounds),
+        ),
+        (
+            "the bytes written into a new file (the kernel's copy into the page cache)",
+            timed(kernel_copy, rounds, writes=written, nbytes=size),
+        ),
+        (
+            "anchor write pass (`write_anchor_pieces`: file, SHA-256, pieces, digest)",
+            timed(write_anchor, rounds, writes=anchor, nbytes=size),
+        ),
+        ("`cp` of the anchor file", timed(cp, rounds, writes=copy, nbytes=size)),
+    ]
+    threads = ds.get_num_threads() if hasattr(ds, "get_num_threads") else os.cpu_count()
+    print(f"{size / (1 << 30):.2f} GiB, medians of {rounds}, deltasync pool of {threads} threads, folder {folder}")
+    print()
+    print("| what | seconds | GB/s |")
+    print("|---|---:|---:|")
+    for name, seconds in rows:
+        print(f"| {name} | {seconds:.3f} | {size / seconds / 1e9:.2f} |")
+    for path in (anchor, copy, source, written):
+        path.unlink(missing_ok=True)
+    if len(sys.argv) <= 3:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
