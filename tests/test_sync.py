@@ -358,3 +358,29 @@ def test_cli_publish_pull_log_verify(tmp_path, capsys):
     Path(store, "deltas", "step_000000000002.safetensors").write_bytes(b"junk")
     assert main(["verify", "--store", str(store)]) == 1
     assert "step 2" in capsys.readouterr().out
+
+
+def test_retries_is_always_at_least_one_attempt(tmp_path):
+    """``retries`` set after construction as at construction: below 1 means one attempt (a later ``retries = 0``
+    once made every write of the upload thread a no-op, losing the step silently), and a non-integer is refused."""
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, background=False, retries=0) as publisher:
+        assert publisher.retries == 1
+        publisher.retries = 0
+        publisher.publish(0, _state())
+        publisher.retries = -5
+        publisher.publish(1, _state())
+    assert ds.Subscriber(store).latest_step() == 1  # both steps written
+    subscriber = ds.Subscriber(store, retries=0)
+    subscriber.retries = 0
+    assert subscriber.retries == 1
+    assert subscriber.latest_step() == 1
+    target = {name: torch.zeros_like(tensor) for name, tensor in _state().items()}
+    assert subscriber.pull(target) == 1
+    for bad in (2.5, "3", True, None):
+        with pytest.raises(ds.DeltaSyncError, match="retries must be an integer"):
+            ds.Publisher(store, retries=bad)
+        with pytest.raises(ds.DeltaSyncError, match="retries must be an integer"):
+            publisher.retries = bad
+        with pytest.raises(ds.DeltaSyncError, match="retries must be an integer"):
+            ds.Subscriber(store, retries=bad)

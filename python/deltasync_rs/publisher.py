@@ -44,7 +44,7 @@ from .manifest import (
 )
 from .mirror import Mirror
 from .store import TEMP_PREFIX, Store, open_store
-from .subscriber import Subscriber
+from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -111,7 +111,7 @@ class Publisher:
         self.keep_anchors = keep_anchors
         self.values = values
         self.codec = codec
-        self.retries = max(1, retries)
+        self.retries = retries
         self.exit_timeout = exit_timeout
         self._key = resolve_signing_key(signing_key)
         self._mirror = Mirror()
@@ -325,6 +325,16 @@ class Publisher:
 
     def _put_file(self, key: str, path: str) -> None:
         self._retrying(key, lambda: self.store.put_file(key, path))
+
+    @property
+    def retries(self) -> int:
+        """How many times each store write is tried before its error is raised: at least once, whatever it is set to
+        (values below 1 mean once, so no write is ever skipped); anything but an integer is refused."""
+        return self._retries
+
+    @retries.setter
+    def retries(self, value: int) -> None:
+        self._retries = attempts(value)
 
     def _retrying(self, key: str, write: Callable[[], None]) -> None:
         """Calls ``write`` up to ``retries`` times, backing off after each StoreError; the last one is raised."""

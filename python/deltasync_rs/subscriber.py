@@ -76,6 +76,13 @@ def _progress(total: int, description: str):
     return tqdm(total=total, desc=description, unit="file", file=sys.stderr, leave=False)
 
 
+def attempts(retries: Any) -> int:
+    """How many times a store read or write is tried for the option ``retries``: an integer, at least once."""
+    if isinstance(retries, bool) or not isinstance(retries, int):
+        raise DeltaSyncError(f"retries must be an integer (how many times a store call is tried), not {retries!r}")
+    return max(1, retries)
+
+
 class Subscriber:
     """Pulls a store's published steps into a state, verifying every file and signature on the way.
 
@@ -104,7 +111,7 @@ class Subscriber:
         self.store = open_store(store, create=False)
         self.anchor_ranges = anchor_ranges
         self.check_base = check_base
-        self.retries = max(1, retries)
+        self.retries = retries
         self.retry_delay = retry_delay
         self.step: int | None = None
         self._key = resolve_signing_key(signing_key)
@@ -113,6 +120,15 @@ class Subscriber:
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._at: Entry | None = None  # the entry of `step`, once a pull got there
         self._names: list[str] | None = None
+
+    @property
+    def retries(self) -> int:
+        """How many times each read is tried before its error is raised (at least once; values below 1 mean once)."""
+        return self._retries
+
+    @retries.setter
+    def retries(self, value: int) -> None:
+        self._retries = attempts(value)
 
     # -- reading with verification ------------------------------------------------------------------------------
     def _retry(self, what: str, read: Callable[[], Any]) -> Any:
