@@ -384,3 +384,22 @@ def test_retries_is_always_at_least_one_attempt(tmp_path):
             publisher.retries = bad
         with pytest.raises(ds.DeltaSyncError, match="retries must be an integer"):
             ds.Subscriber(store, retries=bad)
+
+
+def test_publisher_counts_are_checked_before_the_store_is_made_and_when_set(tmp_path):
+    """``anchor_every`` and ``keep_anchors`` are integers of at least 1, at construction (before the store's folder is
+    made) and when set later (a float once raised only in the upload thread, at retention)."""
+    for bad in (0, -1, 2.5, "3", True, None):
+        for name in ("anchor_every", "keep_anchors"):
+            with pytest.raises(ds.DeltaSyncError, match=f"{name} must be an integer of at least 1"):
+                ds.Publisher(tmp_path / "never", **{name: bad})
+    assert not (tmp_path / "never").exists()
+    with ds.Publisher(tmp_path / "store", background=False, anchor_every=2, keep_anchors=1) as publisher:
+        for name in ("anchor_every", "keep_anchors"):
+            with pytest.raises(ds.DeltaSyncError, match=f"{name} must be an integer of at least 1"):
+                setattr(publisher, name, 1.5)
+        publisher.anchor_every = 1  # every publish an anchor now: retention keeps the newest one alone
+        for step in range(3):
+            publisher.publish(step, _state(step))
+    anchors = [k for k in ds.LocalStore(tmp_path / "store").list("anchors/") if k.endswith(".safetensors")]
+    assert anchors == ["anchors/step_000000000002.safetensors"]

@@ -49,6 +49,12 @@ from .subscriber import Subscriber, attempts
 log = logging.getLogger("deltasync_rs.sync")
 
 
+def _at_least_one(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DeltaSyncError(f"{name} must be an integer of at least 1, not {value!r}")
+    return value
+
+
 class Publisher:
     """Publishes a training run's states to a store: an anchor first and every ``anchor_every`` publishes, and a
     delta against the last published state for every publish after the first (anchor steps get both, so no
@@ -94,8 +100,6 @@ class Publisher:
         piece_bytes: int | None = DEFAULT_PIECE_BYTES,
         piece_hash: str = DEFAULT_PIECE_HASH,
     ) -> None:
-        if anchor_every < 1 or keep_anchors < 1:
-            raise DeltaSyncError("anchor_every and keep_anchors must be at least 1")
         if piece_bytes is not None:
             try:
                 check_piece_bytes(piece_bytes, "piece_bytes")
@@ -106,12 +110,12 @@ class Publisher:
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
         check_codec(codec, values=values, mirror=True)
-        self.store = open_store(store)
-        self.anchor_every = anchor_every
+        self.anchor_every = anchor_every  # checked (as the options above) before the store is opened or made
         self.keep_anchors = keep_anchors
+        self.retries = retries
+        self.store = open_store(store)
         self.values = values
         self.codec = codec
-        self.retries = retries
         self.exit_timeout = exit_timeout
         self._key = resolve_signing_key(signing_key)
         self._mirror = Mirror()
@@ -325,6 +329,24 @@ class Publisher:
 
     def _put_file(self, key: str, path: str) -> None:
         self._retrying(key, lambda: self.store.put_file(key, path))
+
+    @property
+    def anchor_every(self) -> int:
+        """An anchor is published at the first publish and every this many publishes after (an integer, at least 1)."""
+        return self._anchor_every
+
+    @anchor_every.setter
+    def anchor_every(self, value: int) -> None:
+        self._anchor_every = _at_least_one(value, "anchor_every")
+
+    @property
+    def keep_anchors(self) -> int:
+        """How many of the newest anchors retention keeps, with the deltas after the oldest of them (at least 1)."""
+        return self._keep_anchors
+
+    @keep_anchors.setter
+    def keep_anchors(self, value: int) -> None:
+        self._keep_anchors = _at_least_one(value, "keep_anchors")
 
     @property
     def retries(self) -> int:
