@@ -63,18 +63,6 @@ def reset_peak():
         f.write("5")
     return status("VmRSS")
 
-def ready_to_write(folder, nbytes):
-    # A scratch file of `nbytes` written and deleted in `folder`, then a sync: the timed write that follows gets
-    # page-cache pages the kernel has just freed, and no writeback of earlier writes runs under it (see the module's
-    # docstring).
-    path = os.path.join(folder, "scratch.bin")
-    chunk = bytes(8 << 20)
-    with open(path, "wb") as f:
-        for _ in range(-(-nbytes // len(chunk))):
-            f.write(chunk)
-    os.unlink(path)
-    os.sync()
-
 def make_state(gb, seed):
     total = int(gb * 1e9) // 2
     g = torch.Generator().manual_seed(seed)
@@ -145,9 +133,15 @@ print(json.dumps({"seconds": seconds, "peak_extra": status("VmHWM") - before}))
 """
 
 
+#: The children import this module's ``ready_to_write`` (this module imports nothing heavy).
+CHILD_IMPORTS = (
+    f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\nfrom anchors import ready_to_write\n"
+)
+
+
 def child(code: str, gb: float, store: Path, mode: str, env: dict | None = None) -> dict:
     run = subprocess.run(
-        [sys.executable, "-c", COMMON + code, str(gb), str(store), mode],
+        [sys.executable, "-c", CHILD_IMPORTS + COMMON + code, str(gb), str(store), mode],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -157,10 +151,17 @@ def child(code: str, gb: float, store: Path, mode: str, env: dict | None = None)
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-# The children's ready_to_write, for the floors' writes here.
-_shared: dict = {}
-exec(COMMON[COMMON.index("def ready_to_write") : COMMON.index("def make_state")], {"os": os}, _shared)
-ready_to_write = _shared["ready_to_write"]
+def ready_to_write(folder: str | Path, nbytes: int) -> None:
+    """Writes and deletes a scratch file of ``nbytes`` in ``folder``, then syncs: the timed write that follows gets
+    page-cache pages the kernel has just freed, and no writeback of earlier writes runs under it (see the module's
+    docstring). Every timed write here starts with it, in the children (which import it) and in ``floors``."""
+    path = os.path.join(folder, "scratch.bin")
+    chunk = bytes(8 << 20)
+    with open(path, "wb") as f:
+        for _ in range(-(-nbytes // len(chunk))):
+            f.write(chunk)
+    os.unlink(path)
+    os.sync()
 
 
 def timed(command: list[str]) -> float:

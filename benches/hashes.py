@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from anchors import ready_to_write  # benches/ is this script's folder, first on sys.path
 
 import deltasync_rs as ds
 from deltasync_rs._core import file_piece_hashes, piece_hash
@@ -43,12 +44,7 @@ def timed(run, rounds: int, *, writes: Path | None = None, nbytes: int = 0) -> f
     for _ in range(rounds):
         if writes is not None:
             writes.unlink(missing_ok=True)  # its pages freed here, not in the timed run
-            scratch = writes.parent / "scratch.bin"
-            with open(scratch, "wb") as f:
-                for _ in range(-(-nbytes // (8 << 20))):
-                    f.write(bytes(8 << 20))
-            scratch.unlink()
-            os.sync()
+            ready_to_write(writes.parent, nbytes)
         started = time.perf_counter()
         run()
         samples.append(time.perf_counter() - started)
