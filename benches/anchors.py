@@ -11,8 +11,10 @@ VmRSS) before the measured call and reports VmHWM less the resident size before 
   delta and an anchor), through flush(): the diff against the mirror, then the anchor. The publisher rows' peak
   extra is over state + mirror.
 - anchor alone, streamed: the anchor's own work in the upload thread: the file written from the mirror, hashed
-  (SHA-256, the state digest and the 256 KiB pieces in the same pass), then ``store.put_file`` (fsync, link into
-  the store) and the pieces sidecar's ``store.put``; "without pieces" is the same with ``piece_bytes=None``.
+  (the state digest and the 256 KiB pieces in the same pass), then ``store.put_file`` (fsync, link into the store)
+  and the pieces sidecar's ``store.put``. "with the whole-file SHA-256 too" is the same with ``whole_sha256=True``
+  (what version 1 entries need: one more hash, serial, on one core); "without pieces" is the same with
+  ``piece_bytes=None``, which always has the whole-file SHA-256.
 - anchor alone, in memory (the path before streaming): ``ds.anchor(mirror).to_bytes()``, SHA-256, ``store.put``.
 - pull: a fresh Subscriber's ``pull`` into a zeroed target (allocated and touched before the reset): from this
   local store, every piece of the store's file checked (BLAKE3, in parallel), then the file read again straight
@@ -22,7 +24,8 @@ VmRSS) before the measured call and reports VmHWM less the resident size before 
 - pull, ranged half: what one rank of two reads of the anchor (the first half of every tensor's rows, as a row
   split gives): the sidecar, the header and the pieces covering those rows, each piece checked, into a sparse
   temporary file that is then mapped (``Subscriber(anchor_ranges=...).fetch``; the apply is vLLM's, not timed).
-- pull, in memory (before): ``store.get``, SHA-256, ``ds.load(blob).apply_(target)``.
+- pull, in memory (before): ``store.get``, SHA-256, ``ds.load(blob).apply_(target)`` (for an entry without the
+  whole-file SHA-256 the digest it is checked against is taken from the file before the timer).
 - the floors: ``cp`` of the anchor file on the same disk (then ``sync`` of the copy), the same bytes written with
   numpy's ``tofile`` (then fsync), reading the file in 8 MiB pieces (warm, and cold as above), and reading it with
   hashlib's SHA-256. The page cache is warm for every row but the two cold ones.
@@ -87,8 +90,9 @@ with ds.Publisher(store, anchor_every=1, keep_anchors=2) as publisher:
     if mode == "streamed":
         publisher.publish(1, state)
         publisher.flush()
-    elif mode in ("anchor only", "anchor only, no pieces"):
+    elif mode.startswith("anchor only"):
         publisher.piece_bytes = None if mode.endswith("no pieces") else publisher.piece_bytes
+        publisher.whole_sha256 = mode.endswith("whole SHA-256")
         path, ref, _, sidecar = publisher._anchor_file(publisher._mirror.tensors, 1)
         store.put_file(ref["key"], path)
         if sidecar is not None:
@@ -108,6 +112,9 @@ PULL = r"""
 store = ds.LocalStore(store_path, create=False)
 subscriber = ds.Subscriber(store)
 ref = subscriber.entry(subscriber.latest_step()).anchor
+if mode == "in memory" and "sha256" not in ref:  # a version 2 entry: what the path before streaming checked against
+    with open(os.path.join(store_path, ref["key"]), "rb") as f:
+        ref["sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
 shapes = json.loads(os.environ["ANCHOR_SHAPES"])
 target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}  # touched: zeroed
 if mode == "cold":  # the anchor's pages dropped from the page cache: read from the disk, as on a fresh reader
@@ -225,7 +232,7 @@ def main() -> None:
     runs = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     store = folder / "store-0"
     # A fresh store per publishing run (each publishes steps 0 and 1); the pulls read the first one.
-    modes = ("streamed", "anchor only", "anchor only, no pieces", "in memory")
+    modes = ("streamed", "anchor only", "anchor only, whole SHA-256", "anchor only, no pieces", "in memory")
     loads = [os.getloadavg()[0]]
     publish = {}
     for i, mode in enumerate(modes):
@@ -262,8 +269,12 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, row in (
         ("publish, streamed", publish["streamed"]),
-        ("anchor alone, streamed (file, pieces, fsync, link)", publish["anchor only"]),
-        ("anchor alone, streamed, without pieces", publish["anchor only, no pieces"]),
+        ("anchor alone, streamed (file, pieces, digest, fsync, link)", publish["anchor only"]),
+        (
+            "anchor alone, streamed, with the whole-file SHA-256 too (version 1 entry)",
+            publish["anchor only, whole SHA-256"],
+        ),
+        ("anchor alone, streamed, without pieces (whole-file SHA-256 only)", publish["anchor only, no pieces"]),
         ("anchor alone, in memory (before)", publish["in memory"]),
         ("pull (local store: every piece checked, then filled from the store's file)", pull["streamed"]),
         ("pull, cold (the anchor's pages dropped first)", pull["cold"]),
@@ -280,6 +291,8 @@ def main() -> None:
     print(
         f"anchor alone / cp = {ratio / base['cp']:.2f}, anchor alone / (cp + sync) = {ratio / base['cp + sync']:.2f}, "
         f"anchor alone / (numpy tofile + fsync) = {ratio / base['numpy tofile + fsync']:.2f}, "
+        f"anchor alone with the whole-file SHA-256 / cp = "
+        f"{publish['anchor only, whole SHA-256']['seconds'] / base['cp']:.2f}, "
         f"anchor alone without pieces / cp = {publish['anchor only, no pieces']['seconds'] / base['cp']:.2f}, "
         f"pull / read = {pull['streamed']['seconds'] / base['read the file']:.2f}, "
         f"pull cold / read cold = {pull['cold']['seconds'] / base['read the file, cold']:.2f}, "

@@ -666,11 +666,14 @@ fn apply_file(
 }
 
 /// Writes the anchor of tensors given as (name, dtype, shape, bytes) into the existing file at `path`, straight
-/// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex), the tensors' state
-/// digest (as `state_digest` gives it) and, with `piece_bytes`, the hash (`piece_hash`: "blake3" or "sha256") of
-/// each piece of that size concatenated (32 bytes each; empty without), all from one pass.
+/// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex; None without
+/// `whole_sha256`), the tensors' state digest (as `state_digest` gives it) and, with `piece_bytes`, the hash
+/// (`piece_hash`: "blake3" or "sha256") of each piece of that size concatenated (32 bytes each; empty without), all
+/// from one pass.
 #[pyfunction]
-#[pyo3(signature = (path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0, piece_hash = "blake3"))]
+#[pyo3(signature = (
+    path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0, piece_hash = "blake3", whole_sha256 = true
+))]
 fn write_anchor(
     py: Python<'_>,
     path: PathBuf,
@@ -679,18 +682,19 @@ fn write_anchor(
     metadata: BTreeMap<String, String>,
     piece_bytes: usize,
     piece_hash: &str,
-) -> PyResult<(u64, String, String, Py<PyBytes>)> {
+    whole_sha256: bool,
+) -> PyResult<(u64, Option<String>, String, Py<PyBytes>)> {
     let kind = anchors::PieceHash::parse(piece_hash).map_err(to_py)?;
     let (held, specs) = export_tensors(&entries)?;
     let written = py
         .detach(|| {
             // SAFETY: `held` keeps every buffer exported until after this call.
             let inputs = unsafe { full_inputs(&specs) };
-            anchors::write_anchor(&inputs, step, &metadata, &path, piece_bytes, kind)
+            anchors::write_anchor(&inputs, step, &metadata, &path, piece_bytes, kind, whole_sha256)
         })
         .map_err(to_py)?;
     drop(held);
-    let hex: String = written.sha256.iter().map(|byte| format!("{byte:02x}")).collect();
+    let hex = written.sha256.map(|sha256| sha256.iter().map(|byte| format!("{byte:02x}")).collect());
     let pieces = PyBytes::new(py, written.pieces.as_flattened()).unbind();
     Ok((written.size, hex, written.state_digest, pieces))
 }

@@ -30,9 +30,10 @@ def _state() -> dict[str, torch.Tensor]:
     return state | {"norm.weight": values(1, 40, 9).reshape(40).to(torch.float32)}
 
 
-def _published(tmp_path, piece_bytes=1024, state=None, piece_hash="blake3"):
+def _published(tmp_path, piece_bytes=1024, state=None, piece_hash="blake3", whole_sha256=False):
     root = tmp_path / "store"
-    with ds.Publisher(root, piece_bytes=piece_bytes, piece_hash=piece_hash, background=False) as publisher:
+    options = {"piece_bytes": piece_bytes, "piece_hash": piece_hash, "whole_sha256": whole_sha256}
+    with ds.Publisher(root, background=False, **options) as publisher:
         publisher.publish(3, state or _state())
     return root
 
@@ -155,7 +156,7 @@ def test_a_whole_pull_checks_the_pieces_in_parallel_or_the_whole_file_without_th
     monkeypatch.setattr(checkpoint_module, "fill_checked_pieces", lambda *a: filled.append(a[1:4]) or real_fill(*a))
     monkeypatch.setattr(checkpoint_module, "copy_checked_pieces", None)  # no temporary copy of a local anchor
     state = _state()
-    root = _published(tmp_path, state=state)
+    root = _published(tmp_path, state=state, whole_sha256=True)
     size = (root / anchor_key(3)).stat().st_size
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     assert ds.Subscriber(root).pull(target) == 3
@@ -223,7 +224,7 @@ def test_verify_reads_a_local_stores_anchor_in_place(tmp_path, monkeypatch):
 def test_verify_checks_the_whole_file_sha256_too(tmp_path):
     """A reader may take either check (a pull now takes the pieces), so an auditor takes both: an anchor whose
     sidecar and entry describe its pieces but whose whole-file SHA-256 in the entry does not match is a problem."""
-    root = _published(tmp_path)
+    root = _published(tmp_path, whole_sha256=True)
     anchor = root / anchor_key(3)
     _flip(anchor, anchor.stat().st_size // 8)
     data = anchor.read_bytes()
@@ -242,7 +243,9 @@ def test_verify_checks_the_whole_file_sha256_too(tmp_path):
 def test_entries_without_pieces_still_load_and_pull_whole(tmp_path):
     root = _published(tmp_path, piece_bytes=None)
     assert not (root / pieces_key(3)).exists()
-    assert "pieces" not in json.loads((root / entry_key(3)).read_bytes())["anchor"]
+    entry = json.loads((root / entry_key(3)).read_bytes())
+    # Without pieces the whole-file SHA-256 is the anchor's only check: always written, so the entry is version 1.
+    assert "pieces" not in entry["anchor"] and "sha256" in entry["anchor"] and entry["version"] == 1
     store = counting_store(root)
     (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
     assert not isinstance(delta, PartialAnchor)

@@ -98,11 +98,15 @@ def test_a_bad_mapped_file_is_a_format_error(tmp_path):
         load(path, mmap=True)
 
 
-@pytest.mark.parametrize("background", [True, False])
-def test_published_anchor_equals_the_in_memory_anchor_and_leaves_no_temp_files(tmp_path, private_tmp, background):
+@pytest.mark.parametrize(("background", "whole_sha256"), [(True, False), (False, False), (True, True)])
+def test_published_anchor_equals_the_in_memory_anchor_and_leaves_no_temp_files(
+    tmp_path, private_tmp, background, whole_sha256
+):
+    """The anchor file is the in-memory anchor's bytes; its entry has the whole-file SHA-256 only when asked for
+    (then the entry is version 1, which every reader reads; else version 2: docs/format.md §10)."""
     state = _state()
     store = ds.LocalStore(tmp_path / "store")
-    with ds.Publisher(store, anchor_every=2, background=background) as publisher:
+    with ds.Publisher(store, anchor_every=2, background=background, whole_sha256=whole_sha256) as publisher:
         for step in range(4):
             _change(state, step)
             publisher.publish(step, state)
@@ -113,11 +117,11 @@ def test_published_anchor_equals_the_in_memory_anchor_and_leaves_no_temp_files(t
     entry = json.loads((tmp_path / "store" / entry_key(2)).read_bytes())
     pieces = entry["anchor"].pop("pieces")  # docs/format.md §10, anchor pieces (tests/test_anchor_ranges.py)
     assert pieces["key"] == pieces_key(2)
-    assert entry["anchor"] == {
-        "key": anchor_key(2),
-        "size": len(expected),
-        "sha256": hashlib.sha256(expected).hexdigest(),
-    }
+    assert entry["anchor"] == {"key": anchor_key(2), "size": len(expected)} | (
+        {"sha256": hashlib.sha256(expected).hexdigest()} if whole_sha256 else {}
+    )
+    assert entry["version"] == (1 if whole_sha256 else 2)
+    assert json.loads((tmp_path / "store" / entry_key(1)).read_bytes())["version"] == 1  # a delta only
     assert not [p for p in (tmp_path / "store").rglob(".deltasync-*")]
     assert list(private_tmp.iterdir()) == []
 

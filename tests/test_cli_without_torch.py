@@ -3,6 +3,7 @@ inspect work with numpy alone (bf16 and fp8 through ml_dtypes); plus the command
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,11 +88,16 @@ def test_publish_pull_log_verify_without_torch(tmp_path):
     states = [_state(step) for step in range(3)]
     for step, state in enumerate(states):
         save_file(state, tmp_path / f"ckpt{step}.safetensors")
+        whole = ["--whole-sha256"] if step == 2 else []
         result = _deltasync(
-            "publish", f"ckpt{step}.safetensors", "--store", store, "--step", step, "--anchor-every", 2, cwd=tmp_path
-        )
+            "publish", f"ckpt{step}.safetensors", "--store", store, "--step", step, "--anchor-every", 2, *whole,
+            cwd=tmp_path,
+        )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert f"published step {step}" in result.stdout
+    # Anchors at steps 0 and 2: the second with its whole-file SHA-256, so version 1 (docs/format.md §10).
+    entries = [json.loads((store / "manifest" / f"step_{step:012d}.json").read_bytes()) for step in (0, 2)]
+    assert [(e["version"], "sha256" in e["anchor"]) for e in entries] == [(2, False), (1, True)]
 
     result = _deltasync("log", "--store", store, cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -191,7 +191,7 @@ def test_the_output_is_filled_patched_and_hashed_one_batch_at_a_time(tmp_path, m
 
 def test_a_lost_pieces_sidecar_falls_back_to_the_whole_file_sha256(tmp_path, caplog):
     states = _states(2)
-    _publish(tmp_path / "store", states, piece_bytes=1024)
+    _publish(tmp_path / "store", states, piece_bytes=1024, whole_sha256=True)
     (tmp_path / "store" / pieces_key(0)).unlink()
     out = tmp_path / "out.safetensors"
     assert ds.Subscriber(tmp_path / "store").pull_to_file(out) == 1
@@ -203,6 +203,20 @@ def test_a_lost_pieces_sidecar_falls_back_to_the_whole_file_sha256(tmp_path, cap
     anchor.write_bytes(bytes(data))
     with pytest.raises(ds.ChainError, match="does not match the digest"):
         ds.Subscriber(tmp_path / "store", retries=1).pull_to_file(out)
+
+
+def test_a_lost_pieces_sidecar_without_a_whole_file_sha256_is_an_error(tmp_path):
+    """An entry of version 2 (the default: no whole-file SHA-256) has nothing else to check its anchor by, so a lost
+    sidecar refuses the anchor, naming the sidecar, and the output file is not made."""
+    states = _states(2)
+    _publish(tmp_path / "store", states, piece_bytes=1024)
+    (tmp_path / "store" / pieces_key(0)).unlink()
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ds.ChainError, match=r"step_000000000000\.pieces: no such object"):
+        ds.Subscriber(tmp_path / "store", retries=1).pull_to_file(out)
+    assert not out.exists()
+    with pytest.raises(ds.ChainError, match=r"step_000000000000\.pieces: no such object"):
+        ds.Subscriber(tmp_path / "store", retries=1).pull({k: np.zeros_like(v) for k, v in states[1].items()})
 
 
 def test_a_refused_local_anchor_leaves_no_descriptor_open(tmp_path):

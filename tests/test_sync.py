@@ -388,11 +388,15 @@ def test_retries_is_always_at_least_one_attempt(tmp_path):
 
 def test_publisher_counts_are_checked_before_the_store_is_made_and_when_set(tmp_path):
     """``anchor_every`` and ``keep_anchors`` are integers of at least 1, at construction (before the store's folder is
-    made) and when set later (a float once raised only in the upload thread, at retention)."""
+    made) and when set later (a float once raised only in the upload thread, at retention); ``whole_sha256`` is a
+    bool."""
     for bad in (0, -1, 2.5, "3", True, None):
         for name in ("anchor_every", "keep_anchors"):
             with pytest.raises(ds.DeltaSyncError, match=f"{name} must be an integer of at least 1"):
                 ds.Publisher(tmp_path / "never", **{name: bad})
+    for bad in (1, "yes", None):
+        with pytest.raises(ds.DeltaSyncError, match="whole_sha256 must be True or False"):
+            ds.Publisher(tmp_path / "never", whole_sha256=bad)
     assert not (tmp_path / "never").exists()
     with ds.Publisher(tmp_path / "store", background=False, anchor_every=2, keep_anchors=1) as publisher:
         for name in ("anchor_every", "keep_anchors"):

@@ -173,6 +173,36 @@ def test_every_malformed_entry_field_is_a_format_error(tmp_path, capsys, field, 
     assert "step 1" in capsys.readouterr().out
 
 
+def test_an_entry_version_says_which_anchor_checks_it_may_leave_out(tmp_path):
+    """Version 1 entries name every file with its whole-file SHA-256; version 2 (what a publisher writes for an
+    anchor with pieces, by default) lets an anchor with a pieces sidecar go without one, and nothing else: a delta,
+    or an anchor without a sidecar, still needs it. Other versions are refused by number (docs/format.md §10)."""
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 2, key=None)
+    anchor_entry, delta_entry = (json.loads(store.get(entry_key(step))) for step in (0, 1))
+    assert anchor_entry["version"] == 2 and "sha256" not in anchor_entry["anchor"]
+    assert delta_entry["version"] == 1 and "sha256" in delta_entry["delta"]
+    cases = [
+        (0, {"version": 1}, r"\(anchor\): the field 'sha256' is missing"),
+        (0, {"anchor": {k: v for k, v in anchor_entry["anchor"].items() if k != "pieces"}}, "'sha256' is missing"),
+        (1, {"version": 2, "delta": {k: v for k, v in delta_entry["delta"].items() if k != "sha256"}}, "'sha256'"),
+        (0, {"version": 3}, "unsupported version 3"),
+        (0, {"version": True}, "unsupported version True"),
+        (1, {"version": 2.0}, "unsupported version 2.0"),
+    ]
+    for step, change, message in cases:
+        original = store.get(entry_key(step))
+        store.put(entry_key(step), json.dumps(json.loads(original) | change).encode())
+        with pytest.raises(ds.DeltaFormatError, match=rf"manifest/step_00000000000{step}\.json.*{message}"):
+            ds.Subscriber(store).entry(step)
+        store.put(entry_key(step), original)
+    # A delta entry may say version 2 (it changes nothing for it), and both versions replay.
+    store.put(entry_key(1), json.dumps(delta_entry | {"version": 2}).encode())
+    replica = _fresh(history[1])
+    assert ds.Subscriber(store).pull(replica) == 1
+    assert_states_equal(replica, history[1])
+
+
 def test_a_publisher_with_a_key_verifies_the_pointer_it_reads_back(tmp_path, caplog):
     store = ds.LocalStore(tmp_path)
     history = _publish(store, 3)

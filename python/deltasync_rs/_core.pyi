@@ -118,7 +118,8 @@ def write_anchor(
     metadata: dict[str, str] = ...,
     piece_bytes: int = 0,
     piece_hash: str = "blake3",
-) -> tuple[int, str, str, bytes]: ...
+    whole_sha256: bool = True,
+) -> tuple[int, str | None, str, bytes]: ...
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""
 

@@ -178,6 +178,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         values=args.values,
         codec=args.codec,
         background=False,
+        whole_sha256=args.whole_sha256,
     ) as publisher:
         subscriber = Subscriber(publisher.store)
         latest = subscriber.latest_step()
@@ -367,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
         "training steps; needs --values diff, and readers holding whole tensors)",
     )
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
+    p.add_argument(
+        "--whole-sha256",
+        action="store_true",
+        help="also record an anchor's whole-file SHA-256 (one more pass over it, on one core), which readers before "
+        "sync protocol version 2 need; by default its pieces sidecar alone checks it",
+    )
     p.set_defaults(run=_cmd_publish)
 
     p = commands.add_parser("pull", help="reconstruct the newest (or a given) step from a store into a checkpoint")

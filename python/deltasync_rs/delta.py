@@ -317,6 +317,7 @@ def write_anchor_file(
     ``state_digest(state)``, all hashed in the same pass as the write. The tensors must not change until this
     returns; the file is not fsynced."""
     size, sha256, digest, _ = write_anchor_pieces(state, path, step=step, metadata=metadata, piece_bytes=0)
+    assert sha256 is not None
     return size, sha256, digest
 
 
@@ -328,17 +329,21 @@ def write_anchor_pieces(
     piece_hash: str = "blake3",
     step: int | None = None,
     metadata: Mapping[str, str] | None = None,
-) -> tuple[int, str, str, bytes]:
+    whole_sha256: bool = True,
+) -> tuple[int, str | None, str, bytes]:
     """:func:`write_anchor_file`, also returning the hash (``piece_hash``: "blake3" or "sha256") of each
     ``piece_bytes`` piece of the file (a power of two from 1 KiB to 1 GiB; 0: none), concatenated, 32 bytes each,
-    hashed in the same pass (docs/format.md §10)."""
+    hashed in the same pass (docs/format.md §10). With ``whole_sha256=False`` the file's SHA-256 is not computed
+    (None in its place; a pass on one core, the slowest part of the write) and ``piece_bytes`` must not be 0."""
+    if not whole_sha256 and not piece_bytes:
+        raise DeltaSyncError("an anchor without a whole-file SHA-256 needs pieces (piece_bytes) to be checked by")
     entries = []
     for name, tensor in _as_mapping(state, "state").items():
         dtype, shape = _arrays.describe(tensor, name)
         data, _ = _arrays.host_bytes(tensor)
         entries.append((name, dtype, list(shape), data))
     return _write_anchor(
-        os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}), piece_bytes, piece_hash
+        os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}), piece_bytes, piece_hash, whole_sha256
     )
 
 

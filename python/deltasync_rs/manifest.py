@@ -22,7 +22,11 @@ from .store import Store
 MANIFEST_FORMAT = "deltasync-manifest"
 LATEST_FORMAT = "deltasync-latest"
 RUN_FORMAT = "deltasync-run"
+#: The sync protocol version of ``run.json``, ``latest.json`` and of a manifest entry every reader reads.
 PROTOCOL_VERSION = 1
+#: The version of a manifest entry whose anchor has no whole-file SHA-256 (its pieces sidecar checks it): readers
+#: before it refuse such an entry by its version (docs/format.md §10, §11).
+PIECES_ONLY_VERSION = 2
 LATEST_KEY = "latest.json"
 RUN_KEY = "run.json"
 MAX_DOCUMENT_BYTES = 1 << 20
@@ -217,9 +221,11 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_document(raw: bytes, key: str, expected_format: str) -> dict[str, Any]:
+def parse_document(
+    raw: bytes, key: str, expected_format: str, versions: tuple[int, ...] = (PROTOCOL_VERSION,)
+) -> dict[str, Any]:
     """A manifest document's JSON object: at most MAX_DOCUMENT_BYTES, nested at most MAX_DEPTH deep (checked before
-    parsing, so no input reaches the parser's recursion limit), with the expected `format` and `version`."""
+    parsing, so no input reaches the parser's recursion limit), with the expected `format` and one of `versions`."""
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise DeltaFormatError(f"{key}: larger than {MAX_DOCUMENT_BYTES} bytes")
     # Each pass removes the innermost bracket pairs: whatever is left after MAX_DEPTH passes nests deeper.
@@ -236,7 +242,8 @@ def parse_document(raw: bytes, key: str, expected_format: str) -> dict[str, Any]
         raise DeltaFormatError(f"{key}: not valid JSON: {error}") from None
     if not isinstance(document, dict) or document.get("format") != expected_format:
         raise DeltaFormatError(f"{key}: not a {expected_format} document")
-    if document.get("version") != PROTOCOL_VERSION:
+    version = document.get("version")
+    if type(version) is not int or version not in versions:
         raise DeltaFormatError(f"{key}: unsupported version {document.get('version')!r}")
     return document
 
@@ -295,7 +302,10 @@ def _file_ref(document: Mapping[str, Any], name: str, expected_key: str, key: st
     if _field(ref, "key", str, where) != expected_key:
         raise DeltaFormatError(f"{where}: names {ref['key']!r}, not {expected_key!r}")
     _count(ref, "size", where)
-    _hex_digest(ref, "sha256", where)
+    # From version 2 an anchor with a pieces sidecar may go without its whole-file SHA-256: the signed entry binds
+    # the sidecar and the sidecar every piece. Without a sidecar the whole-file SHA-256 is the only check.
+    if "sha256" in ref or name != "anchor" or "pieces" not in ref or document["version"] < PIECES_ONLY_VERSION:
+        _hex_digest(ref, "sha256", where)
     if name == "anchor" and "pieces" in ref:
         pieces = _field(ref, "pieces", dict, where)
         step = step_of(expected_key)
@@ -340,7 +350,7 @@ class Entry:
     def parse(cls, raw: bytes, key: str, signing_key: bytes | None) -> Entry:
         """The entry in ``raw`` (read from ``key``), checked field by field and by signature; the caller checks
         its run with :func:`check_run`."""
-        document = parse_document(raw, key, MANIFEST_FORMAT)
+        document = parse_document(raw, key, MANIFEST_FORMAT, (PROTOCOL_VERSION, PIECES_ONLY_VERSION))
         verify_signature(document, signing_key, key)
         step = _count(document, "step", key)
         if entry_key(step) != key:
@@ -377,9 +387,12 @@ class Entry:
         return entry
 
     def to_json(self, signing_key: bytes | None) -> bytes:
+        """The entry's document, signed with ``signing_key``: version 1, or 2 when its anchor has no whole-file
+        SHA-256 (so readers that need one refuse the entry by its version rather than by a missing field)."""
+        pieces_only = self.anchor is not None and "sha256" not in self.anchor
         document = {
             "format": MANIFEST_FORMAT,
-            "version": PROTOCOL_VERSION,
+            "version": PIECES_ONLY_VERSION if pieces_only else PROTOCOL_VERSION,
             "step": self.step,
             "base_step": self.base_step,
             "delta": self.delta,
@@ -444,6 +457,8 @@ __all__ = [
     "RUN_KEY",
     "DEFAULT_PIECE_BYTES",
     "DEFAULT_PIECE_HASH",
+    "PIECES_ONLY_VERSION",
+    "PROTOCOL_VERSION",
     "Entry",
     "Pieces",
     "Pointer",

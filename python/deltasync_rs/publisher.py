@@ -76,8 +76,11 @@ class Publisher:
     none) each anchor also gets a pieces sidecar, the hash of each piece of that size, hashed in the same pass, so
     that a reader can verify a byte range of it alone, or the whole anchor on every core (docs/format.md §10, anchor
     pieces). ``piece_hash`` is BLAKE3 by default; ``piece_hash="sha256"`` writes the sidecars that readers before
-    BLAKE3 sidecars check (they read a BLAKE3 one as unknown and check the whole-file SHA-256 instead, or, reading
-    by ranges, refuse it).
+    BLAKE3 sidecars check. An anchor with pieces has no whole-file SHA-256 in its entry unless ``whole_sha256=True``
+    (its sidecar, which the signed entry binds, checks every byte; the whole-file hash is one more pass on one core,
+    about as long as writing the file): such entries are protocol version 2, which readers before it refuse by
+    their version. Publish with ``whole_sha256=True`` (and ``piece_hash="sha256"`` for the oldest) while such
+    readers remain. Without pieces an anchor always has its whole-file SHA-256.
 
     Every entry carries the store's run id (``run.json``, made by the first publisher of the store) and the
     SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
@@ -99,6 +102,7 @@ class Publisher:
         exit_timeout: float = 60.0,
         piece_bytes: int | None = DEFAULT_PIECE_BYTES,
         piece_hash: str = DEFAULT_PIECE_HASH,
+        whole_sha256: bool = False,
     ) -> None:
         if piece_bytes is not None:
             try:
@@ -107,6 +111,9 @@ class Publisher:
                 raise DeltaSyncError(str(error)) from None
         self.piece_bytes = piece_bytes
         self.piece_hash = check_piece_hash(piece_hash, "piece_hash")
+        if not isinstance(whole_sha256, bool):
+            raise DeltaSyncError(f"whole_sha256 must be True or False, not {whole_sha256!r}")
+        self.whole_sha256 = whole_sha256
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
         check_codec(codec, values=values, mirror=True)
@@ -381,14 +388,21 @@ class Publisher:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
             try:
                 size, sha256, digest, hashes = write_anchor_pieces(
-                    tensors, path, step=step, piece_bytes=self.piece_bytes or 0, piece_hash=self.piece_hash
+                    tensors,
+                    path,
+                    step=step,
+                    piece_bytes=self.piece_bytes or 0,
+                    piece_hash=self.piece_hash,
+                    whole_sha256=bool(self.whole_sha256) or not self.piece_bytes,
                 )
             except BaseException:
                 os.unlink(path)
                 raise
         finally:
             self._mirror_free.set()
-        ref: dict[str, Any] = {"key": anchor_key(step), "size": size, "sha256": sha256}
+        ref: dict[str, Any] = {"key": anchor_key(step), "size": size}
+        if sha256 is not None:
+            ref["sha256"] = sha256
         sidecar = None
         if self.piece_bytes:
             sidecar = pieces_document(size, self.piece_bytes, hashes, self.piece_hash)

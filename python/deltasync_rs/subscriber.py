@@ -266,7 +266,8 @@ class Subscriber:
     def _local_source(self, ref: dict[str, Any]) -> tuple[BinaryIO, Pieces] | None:
         """Anchor ``ref``'s file, open (the caller closes it), and its checked pieces sidecar, when the store keeps
         it as a local file and it has a readable sidecar; else None, and the anchor is read the usual way (checked by
-        its whole-file SHA-256 when the sidecar does not read). The sidecar is read only for a local file."""
+        its whole-file SHA-256 when the sidecar does not read; without one, that sidecar's error is raised). The
+        sidecar is read only for a local file."""
         if "pieces" not in ref or not READS_BY_DESCRIPTOR:
             return None
         source = self.store.open_local(ref["key"])
@@ -274,9 +275,9 @@ class Subscriber:
             return None
         try:
             return source, self._pieces(ref)
-        except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
+        except DeltaSyncError as error:
             source.close()
-            log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
+            self._without_pieces(ref, error)
             return None
         except BaseException:
             source.close()
@@ -297,6 +298,15 @@ class Subscriber:
             source.close()
             raise
 
+    @staticmethod
+    def _without_pieces(ref: dict[str, Any], error: DeltaSyncError) -> None:
+        """Anchor ``ref``'s sidecar could not be read (``error``): with a whole-file SHA-256 in its entry, which
+        checks the file as well, a warning; without one (entries of version 2) nothing else can check it, so
+        ``error`` is raised."""
+        if "sha256" not in ref:
+            raise error
+        log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
+
     def _pieces(self, ref: dict[str, Any]) -> Pieces:
         """The pieces sidecar of anchor ``ref``, checked against the size and SHA-256 its entry records."""
         sidecar = ref["pieces"]
@@ -306,13 +316,13 @@ class Subscriber:
         return Pieces.parse(raw, ref)
 
     def _check_pieces(self, ref: dict[str, Any]) -> None:
-        """Reads anchor ``ref`` whole and checks every piece against its sidecar, and its whole-file SHA-256 (an
-        auditor checks both, whichever a reader uses): in place when the store keeps it as a local file (an audit
-        writes nothing, so it needs no private copy), else through a checked temporary copy."""
+        """Reads anchor ``ref`` whole and checks every piece against its sidecar, and its whole-file SHA-256 when
+        its entry has one (an auditor checks both, whichever a reader uses): in place when the store keeps it as a
+        local file (an audit writes nothing, so it needs no private copy), else through a checked temporary copy."""
         pieces = self._pieces(ref)
         source = self.store.open_local(ref["key"]) if READS_BY_DESCRIPTOR else None
         if source is None:
-            os.unlink(self._checked_copy(ref, pieces, whole_sha256=True))
+            os.unlink(self._checked_copy(ref, pieces, whole_sha256="sha256" in ref))
             return
         with source:
             size = os.fstat(source.fileno()).st_size
@@ -320,6 +330,8 @@ class Subscriber:
                 raise IntegrityError(f"{ref['key']}: {size} bytes, its manifest entry says {ref['size']}")
             path = f"/proc/self/fd/{source.fileno()}"
             pieces.check_all(file_piece_hashes(path, pieces.piece_bytes, pieces.algorithm), ref["key"])
+            if "sha256" not in ref:
+                return
             with open(path, "rb") as whole:  # the very file opened above (its descriptor's link)
                 sha256 = hashlib.file_digest(whole, "sha256").hexdigest()
             if sha256 != ref["sha256"]:
@@ -327,8 +339,8 @@ class Subscriber:
 
     def _checked_copy(self, ref: dict[str, Any], pieces: Pieces | None, *, whole_sha256: bool) -> str:
         """The path of a private temporary file (in TMPDIR; the caller unlinks it) holding anchor ``ref``, checked
-        against its entry's size, against ``pieces`` (every piece's SHA-256, in parallel) when given, and against its
-        whole-file SHA-256 when ``whole_sha256`` or without pieces."""
+        against its entry's size, against ``pieces`` (every piece's hash, in parallel) when given, and against its
+        whole-file SHA-256 when ``whole_sha256`` or without pieces (an entry without pieces always has one)."""
         fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
         try:
             with os.fdopen(fd, "w+b") as file:  # closed on every way out, a failed local copy's included
@@ -372,15 +384,15 @@ class Subscriber:
 
     def _streamed(self, ref: dict[str, Any]) -> Delta:
         """An anchor downloaded into a private temporary file (in TMPDIR), checked against its entry's size and
-        its pieces sidecar (every piece's SHA-256, in parallel) or, without one, its whole-file SHA-256, then
+        its pieces sidecar (every piece's hash, in parallel) or, without one, its whole-file SHA-256, then
         memory-mapped: its tensors are copied from the file as they are applied, never held in memory whole. The
         file is unlinked before this returns; the mapping keeps it."""
         pieces = None
         if "pieces" in ref:
             try:
                 pieces = self._pieces(ref)
-            except DeltaSyncError as error:  # the whole-file SHA-256 in the entry checks the file as well
-                log.warning("%s; checking %s by its whole-file SHA-256 instead", error, ref["key"])
+            except DeltaSyncError as error:
+                self._without_pieces(ref, error)
         path = self._checked_copy(ref, pieces, whole_sha256=False)
         try:
             return load(path, mmap=True)

@@ -84,11 +84,12 @@ impl Running {
     }
 }
 
-/// What `write_anchor` wrote: the file's size and SHA-256, the state digest of its tensors (core::digest), and the
-/// hash of each `piece_bytes` piece of the file in order (the last may be shorter; none when not asked for).
+/// What `write_anchor` wrote: the file's size and SHA-256 (when asked for), the state digest of its tensors
+/// (core::digest), and the hash of each `piece_bytes` piece of the file in order (the last may be shorter; none when
+/// not asked for).
 pub struct Written {
     pub size: u64,
-    pub sha256: [u8; 32],
+    pub sha256: Option<[u8; 32]>,
     pub state_digest: String,
     pub pieces: Vec<[u8; 32]>,
 }
@@ -421,12 +422,12 @@ impl AsRef<[u8]> for Lent {
     }
 }
 
-/// A writer that hashes what it writes with SHA-256, and each tensor's bytes with its state-digest hash when they
+/// A writer that hashes what it writes with SHA-256 (when it has a hasher for it), and each tensor's bytes with its state-digest hash when they
 /// pass whole (`write_to` hands over each piece as the very slice it was lent, before any buffering); large writes
 /// are hashed and written side by side, chunk by chunk.
 struct Hashing<'a, 'b, W: Write> {
     inner: W,
-    sha256: Sha256,
+    sha256: Option<Sha256>,
     pieces: Pieces,
     size: u64,
     inputs: &'a [FullInput<'b>],
@@ -446,7 +447,9 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
             let (sha256, pieces, inner, hasher) =
                 (&mut self.sha256, &mut self.pieces, &mut self.inner, &mut tensor_hasher);
             let hash = || {
-                sha256.update(chunk);
+                if let Some(sha256) = sha256.as_mut() {
+                    sha256.update(chunk);
+                }
                 if let Some(hasher) = hasher.as_mut() {
                     hasher.update(chunk);
                 }
@@ -467,8 +470,8 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
 }
 
 /// Writes the anchor of `inputs` (the bytes `format::to_bytes` gives for `diff::full(inputs)` with this step and
-/// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 and state digest, all three
-/// hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the size of the
+/// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 (with `whole_sha256`; it is
+/// one serial pass over the file, the slowest part of this one) and state digest, all hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the size of the
 /// state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file durable (fsync)
 /// where it needs to. With `piece_bytes` (a power of two from MIN_PIECE_BYTES to MAX_PIECE_BYTES; 0: none) it also
 /// returns the hash (`kind`) of each piece of that size, hashed in the same pass.
@@ -479,6 +482,7 @@ pub fn write_anchor(
     path: &Path,
     piece_bytes: usize,
     kind: PieceHash,
+    whole_sha256: bool,
 ) -> Result<Written> {
     if piece_bytes != 0
         && (!piece_bytes.is_power_of_two() || !(MIN_PIECE_BYTES..=MAX_PIECE_BYTES).contains(&piece_bytes))
@@ -503,7 +507,7 @@ pub fn write_anchor(
     }
     let mut writer = Hashing {
         inner: std::io::BufWriter::with_capacity(1 << 20, file),
-        sha256: Sha256::new(),
+        sha256: whole_sha256.then(Sha256::new),
         pieces: Pieces::new(piece_bytes, kind),
         size: 0,
         inputs,
@@ -530,7 +534,7 @@ pub fn write_anchor(
         .collect();
     Ok(Written {
         size: writer.size,
-        sha256: writer.sha256.finalize().into(),
+        sha256: writer.sha256.map(|hasher| hasher.finalize().into()),
         state_digest: digest::combine(&named),
         pieces: writer.pieces.finish(),
     })
@@ -582,12 +586,12 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"old, longer content that must be truncated away").unwrap();
-        let written = write_anchor(&inputs, Some(7), &metadata, &path, 0, PieceHash::Blake3).unwrap();
+        let written = write_anchor(&inputs, Some(7), &metadata, &path, 0, PieceHash::Blake3, true).unwrap();
         assert!(written.pieces.is_empty());
         let file = std::fs::read(&path).unwrap();
         assert_eq!(file, expected);
         assert_eq!(written.size, expected.len() as u64);
-        assert_eq!(written.sha256, <[u8; 32]>::from(Sha256::digest(&expected)));
+        assert_eq!(written.sha256, Some(<[u8; 32]>::from(Sha256::digest(&expected))));
         let digest_inputs: Vec<digest::DigestInput<'_>> = inputs
             .iter()
             .map(|i| digest::DigestInput { name: &i.name, dtype: i.dtype, shape: &i.shape, data: i.data })
@@ -610,7 +614,7 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"kept").unwrap();
-        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, 0, PieceHash::Sha256).is_err());
+        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, 0, PieceHash::Sha256, true).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
     }
 
@@ -644,8 +648,11 @@ mod tests {
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"").unwrap();
         for piece_bytes in [MIN_PIECE_BYTES, 1 << 16, 1 << 20, 32 << 20] {
-            for kind in [PieceHash::Sha256, PieceHash::Blake3] {
-                let written = write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, piece_bytes, kind).unwrap();
+            for (kind, whole_sha256) in
+                [(PieceHash::Sha256, true), (PieceHash::Blake3, true), (PieceHash::Blake3, false)]
+            {
+                let written =
+                    write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, piece_bytes, kind, whole_sha256).unwrap();
                 let file = std::fs::read(&path).unwrap();
                 let expected: Vec<[u8; 32]> = match kind {
                     PieceHash::Sha256 => file.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect(),
@@ -653,11 +660,11 @@ mod tests {
                 };
                 assert_eq!(written.pieces, expected, "piece size {piece_bytes}, {kind:?}");
                 assert_eq!(written.pieces, piece_hashes(&file, piece_bytes, kind));
-                assert_eq!(written.sha256, <[u8; 32]>::from(Sha256::digest(&file)));
+                assert_eq!(written.sha256, whole_sha256.then(|| <[u8; 32]>::from(Sha256::digest(&file))));
             }
         }
         for bad in [1usize, 512, 3 << 10, 2 << 30] {
-            let written = write_anchor(&inputs, None, &BTreeMap::new(), &path, bad, PieceHash::Blake3);
+            let written = write_anchor(&inputs, None, &BTreeMap::new(), &path, bad, PieceHash::Blake3, true);
             assert!(written.is_err(), "piece size {bad}");
         }
     }
