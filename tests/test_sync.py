@@ -388,8 +388,8 @@ def test_retries_is_always_at_least_one_attempt(tmp_path):
 
 def test_publisher_counts_are_checked_before_the_store_is_made_and_when_set(tmp_path):
     """``anchor_every`` and ``keep_anchors`` are integers of at least 1, at construction (before the store's folder is
-    made) and when set later (a float once raised only in the upload thread, at retention); ``whole_sha256`` is a
-    bool."""
+    made) and when set later (a float once raised only in the upload thread, at retention); the pieces options are
+    checked when set too (a bad piece size once failed the next anchor in the upload thread)."""
     for bad in (0, -1, 2.5, "3", True, None):
         for name in ("anchor_every", "keep_anchors"):
             with pytest.raises(ds.DeltaSyncError, match=f"{name} must be an integer of at least 1"):
@@ -402,8 +402,22 @@ def test_publisher_counts_are_checked_before_the_store_is_made_and_when_set(tmp_
         for name in ("anchor_every", "keep_anchors"):
             with pytest.raises(ds.DeltaSyncError, match=f"{name} must be an integer of at least 1"):
                 setattr(publisher, name, 1.5)
+        for name, bad, message in [
+            ("piece_bytes", 3000, "piece size 3000 is not a power of two"),
+            ("piece_bytes", 1.5, "piece size 1.5"),
+            ("piece_hash", "md5", "piece hash 'md5' is not one of"),
+            ("piece_hash", ["blake3"], "piece hash"),
+            ("whole_sha256", "yes", "whole_sha256 must be True or False"),
+        ]:
+            with pytest.raises(ds.DeltaSyncError, match=message):
+                setattr(publisher, name, bad)
         publisher.anchor_every = 1  # every publish an anchor now: retention keeps the newest one alone
         for step in range(3):
             publisher.publish(step, _state(step))
-    anchors = [k for k in ds.LocalStore(tmp_path / "store").list("anchors/") if k.endswith(".safetensors")]
-    assert anchors == ["anchors/step_000000000002.safetensors"]
+        publisher.piece_bytes = None  # an anchor without pieces: its whole-file SHA-256 is then its check
+        publisher.publish(3, _state(3))
+    store = ds.LocalStore(tmp_path / "store")
+    anchors = [k for k in store.list("anchors/") if k.endswith(".safetensors")]
+    assert anchors == ["anchors/step_000000000003.safetensors"]
+    entry = json.loads(store.get("manifest/step_000000000003.json"))
+    assert entry["version"] == 1 and "sha256" in entry["anchor"] and "pieces" not in entry["anchor"]

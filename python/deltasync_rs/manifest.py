@@ -85,7 +85,7 @@ def check_piece_bytes(piece_bytes: int, where: str) -> int:
 
 
 def check_piece_hash(piece_hash: str, where: str) -> str:
-    if piece_hash not in PIECE_HASHES:
+    if not isinstance(piece_hash, str) or piece_hash not in PIECE_HASHES:
         raise DeltaSyncError(f"{where}: piece hash {piece_hash!r} is not one of {sorted(PIECE_HASHES)}")
     return piece_hash
 

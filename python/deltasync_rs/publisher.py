@@ -104,15 +104,8 @@ class Publisher:
         piece_hash: str = DEFAULT_PIECE_HASH,
         whole_sha256: bool = False,
     ) -> None:
-        if piece_bytes is not None:
-            try:
-                check_piece_bytes(piece_bytes, "piece_bytes")
-            except DeltaFormatError as error:
-                raise DeltaSyncError(str(error)) from None
         self.piece_bytes = piece_bytes
-        self.piece_hash = check_piece_hash(piece_hash, "piece_hash")
-        if not isinstance(whole_sha256, bool):
-            raise DeltaSyncError(f"whole_sha256 must be True or False, not {whole_sha256!r}")
+        self.piece_hash = piece_hash
         self.whole_sha256 = whole_sha256
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
@@ -356,6 +349,42 @@ class Publisher:
         self._keep_anchors = _at_least_one(value, "keep_anchors")
 
     @property
+    def piece_bytes(self) -> int | None:
+        """The size of an anchor's pieces (a power of two from 1 KiB to 1 GiB), or None for anchors without a pieces
+        sidecar (docs/format.md §10); checked whenever set, so a bad value never reaches the upload thread."""
+        return self._piece_bytes
+
+    @piece_bytes.setter
+    def piece_bytes(self, value: int | None) -> None:
+        if value is not None:
+            try:
+                check_piece_bytes(value, "piece_bytes")
+            except DeltaFormatError as error:
+                raise DeltaSyncError(str(error)) from None
+        self._piece_bytes = value
+
+    @property
+    def piece_hash(self) -> str:
+        """The hash of each anchor piece: "blake3" (the default) or "sha256"; checked whenever set."""
+        return self._piece_hash
+
+    @piece_hash.setter
+    def piece_hash(self, value: str) -> None:
+        self._piece_hash = check_piece_hash(value, "piece_hash")
+
+    @property
+    def whole_sha256(self) -> bool:
+        """Whether an anchor with pieces also gets its whole-file SHA-256 (for readers of sync protocol version 1);
+        anchors without pieces always do."""
+        return self._whole_sha256
+
+    @whole_sha256.setter
+    def whole_sha256(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise DeltaSyncError(f"whole_sha256 must be True or False, not {value!r}")
+        self._whole_sha256 = value
+
+    @property
     def retries(self) -> int:
         """How many times each store write is tried before its error is raised: at least once, whatever it is set to
         (values below 1 mean once, so no write is ever skipped); anything but an integer is refused."""
@@ -393,7 +422,7 @@ class Publisher:
                     step=step,
                     piece_bytes=self.piece_bytes or 0,
                     piece_hash=self.piece_hash,
-                    whole_sha256=bool(self.whole_sha256) or not self.piece_bytes,
+                    whole_sha256=self.whole_sha256 or not self.piece_bytes,
                 )
             except BaseException:
                 os.unlink(path)
