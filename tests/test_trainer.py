@@ -163,6 +163,22 @@ def test_mirror_advance_is_all_or_nothing():
     assert (delta.num_changed, delta.step, delta.base_step) == (4, 1, 0) and mirror.tensors["a"].all()
 
 
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2", None])
+def test_sync_every_is_an_integer_of_at_least_one_for_attach_and_the_callback(bad):
+    """Both ways of publishing from training refuse a bad ``sync_every`` alike, before anything is attached."""
+    pytest.importorskip("transformers")
+    from deltasync_rs.integrations import DeltaSyncCallback
+
+    model = tiny_gpt2(seed=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    hooks = dict(optimizer._optimizer_step_post_hooks)
+    with pytest.raises(ds.DeltaSyncError, match="sync_every must be an integer of at least 1"):
+        ds_torch.attach(optimizer, model, None, sync_every=bad)
+    assert dict(optimizer._optimizer_step_post_hooks) == hooks
+    with pytest.raises(ds.DeltaSyncError, match="sync_every must be an integer of at least 1"):
+        DeltaSyncCallback(None, sync_every=bad)
+
+
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_attach_publishes_to_a_store_and_a_subscriber_pulls_bit_exact(tmp_path, sync_every):
     model = tiny_gpt2(seed=2)

@@ -1,6 +1,16 @@
-"""The exception hierarchy: the core's classes plus the ones the sync protocol and stores raise."""
+"""The exception hierarchy: the core's classes plus the ones the sync protocol and stores raise; and the check of
+an option that counts something (every such option is refused the same way, with DeltaSyncError)."""
+
+from typing import Any
 
 from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
+
+
+def at_least_one(value: Any, name: str) -> int:
+    """``value`` when it is an integer of at least 1 (not a bool); else DeltaSyncError naming the option ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DeltaSyncError(f"{name} must be an integer of at least 1, not {value!r}")
+    return value
 
 
 class IntegrityError(DeltaSyncError):

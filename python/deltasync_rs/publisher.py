@@ -20,7 +20,7 @@ from typing import Any
 
 from . import _arrays
 from .delta import Delta, check_codec, state_digest, write_anchor_pieces
-from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError
+from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError, at_least_one
 from .manifest import (
     DEFAULT_PIECE_BYTES,
     DEFAULT_PIECE_HASH,
@@ -47,12 +47,6 @@ from .store import TEMP_PREFIX, Store, open_store
 from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
-
-
-def _at_least_one(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DeltaSyncError(f"{name} must be an integer of at least 1, not {value!r}")
-    return value
 
 
 class Publisher:
@@ -337,7 +331,7 @@ class Publisher:
 
     @anchor_every.setter
     def anchor_every(self, value: int) -> None:
-        self._anchor_every = _at_least_one(value, "anchor_every")
+        self._anchor_every = at_least_one(value, "anchor_every")
 
     @property
     def keep_anchors(self) -> int:
@@ -346,7 +340,7 @@ class Publisher:
 
     @keep_anchors.setter
     def keep_anchors(self, value: int) -> None:
-        self._keep_anchors = _at_least_one(value, "keep_anchors")
+        self._keep_anchors = at_least_one(value, "keep_anchors")
 
     @property
     def piece_bytes(self) -> int | None:

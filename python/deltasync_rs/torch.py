@@ -11,6 +11,7 @@ import torch
 from . import _arrays
 from ._core import DeltaSyncError, MirrorDiff
 from .delta import Delta, _finish, check_codec
+from .errors import at_least_one
 
 
 def _named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -318,10 +319,8 @@ class Attachment:
         chunk_bytes: int,
         start_step: int,
     ) -> None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise DeltaSyncError(f"sync_every must be a positive integer, not {sync_every!r}")
         self.publisher = publisher
-        self.sync_every = sync_every
+        self.sync_every = at_least_one(sync_every, "sync_every")
         self.steps = 0  # optimizer steps seen since attaching
         self._group: Any = None
         if any(isinstance(t, _dtensor_type() or ()) for t in _named_tensors(model).values()):

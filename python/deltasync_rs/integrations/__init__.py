@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..errors import DeltaSyncError
+from ..errors import DeltaSyncError, at_least_one
 from ..torch import Mirror
 
 
@@ -28,10 +28,8 @@ class DeltaSyncCallback(TrainerCallback):
         chunk_bytes: int = 64 << 20,
         enabled: bool = True,
     ) -> None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise DeltaSyncError(f"sync_every must be a positive integer, not {sync_every!r}")
         self.publisher = publisher
-        self.sync_every = sync_every
+        self.sync_every = at_least_one(sync_every, "sync_every")
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
         self.enabled = enabled
