@@ -11,7 +11,8 @@ needs little memory. Then, each command in its own process under ``/usr/bin/time
 3. ``deltasync pull --step 1`` into a new checkpoint, checked byte for byte against the second checkpoint's tensors.
 
 Prints wall seconds and peak resident set size (``Maximum resident set size``) of each, next to ``cp`` of a
-checkpoint and reading it. Needs about 4.3x the checkpoint's size on disk (two checkpoints, the anchor, the pulled
+checkpoint and reading it. Every timed write (``cp``, both publishes, the pull) starts as in benches/anchors.py: a
+scratch file of the checkpoint's size written and deleted, then ``sync`` (see there why). Needs about 4.3x the checkpoint's size on disk (two checkpoints, the anchor, the pulled
 file): a 7B shape is 13.5 GB. Linux only. The folder is deleted at the end unless ``--keep``.
 """
 
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from anchors import ready_to_write  # benches/ is this script's folder, first on sys.path
 
 SHAPES = {
     # name: (vocab, hidden, intermediate, layers); Llama-style: q/k/v/o, gate/up/down, two norms per layer.
@@ -120,20 +122,24 @@ def main() -> None:
             f"({time.perf_counter() - start:.0f} s to write both)"
         )
         rows = []
+        ready_to_write(folder, size)
         wall, _ = timed(["cp", str(first), str(folder / "copy.safetensors")])
         os.remove(folder / "copy.safetensors")
         rows.append(("cp of a checkpoint", wall, None))
         wall, _ = timed(["sh", "-c", f"cat {first} > /dev/null"])
         rows.append(("read a checkpoint (cat)", wall, None))
+        ready_to_write(folder, size)
         rows.append(
             (
                 "publish --anchor --step 0",
                 *timed([*cli, "publish", "--store", str(store), "--step", "0", "--anchor", str(first)]),
             )
         )
+        ready_to_write(folder, size)
         rows.append(
             ("publish --step 1 (a delta)", *timed([*cli, "publish", "--store", str(store), "--step", "1", str(second)]))
         )
+        ready_to_write(folder, size)
         rows.append(("pull --step 1", *timed([*cli, "pull", "--store", str(store), "--step", "1", "-o", str(pulled)])))
         ok = check_same(second, pulled)
         files = {str(p.relative_to(store)): p.stat().st_size for p in store.rglob("*") if p.is_file()}
