@@ -244,7 +244,11 @@ def parse_document(
         raise DeltaFormatError(f"{key}: not a {expected_format} document")
     version = document.get("version")
     if type(version) is not int or version not in versions:
-        raise DeltaFormatError(f"{key}: unsupported version {document.get('version')!r}")
+        known = ("versions " if len(versions) > 1 else "version ") + " and ".join(str(v) for v in versions)
+        raise DeltaFormatError(
+            f"{key}: unsupported version {version!r} (this reader knows {known}; a later deltasync-rs may have "
+            "written it: upgrade the reader)"
+        )
     return document
 
 
