@@ -59,6 +59,13 @@ def test_pieces_are_the_hash_of_each_piece_of_the_file(tmp_path, algorithm):
         assert data == ds.anchor(state, step=1).to_bytes() and size == len(data)
         assert sha256 == hashlib.sha256(data).hexdigest() and digest == ds.state_digest(state)
         assert hashes == _piece_hashes(data, piece, algorithm)
+        # Without the whole-file SHA-256 (protocol 2's default): the same file and pieces, no SHA-256.
+        path.write_bytes(b"longer than the anchor is not" * 1000)
+        options = {"step": 1, "piece_bytes": piece, "piece_hash": algorithm, "whole_sha256": False}
+        assert write_anchor_pieces(state, path, **options) == (size, None, digest, hashes)
+        assert path.read_bytes() == data
+    with pytest.raises(ds.DeltaSyncError, match="needs pieces"):
+        write_anchor_pieces(state, path, piece_bytes=0, whole_sha256=False)
     for bad in (0x300, 512, 3 << 10, 2 << 30):
         with pytest.raises(ds.DeltaSyncError, match="power of two"):
             write_anchor_pieces(state, path, piece_bytes=bad)
