@@ -674,6 +674,7 @@ fn apply_file(
 #[pyo3(signature = (
     path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0, piece_hash = "blake3", whole_sha256 = true
 ))]
+#[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
 fn write_anchor(
     py: Python<'_>,
     path: PathBuf,
