@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
 from .delta import Delta, check_codec, state_digest, write_anchor_pieces
@@ -47,6 +47,47 @@ from .store import TEMP_PREFIX, Store, open_store
 from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
+
+
+T = TypeVar("T")
+
+
+class _Option(Generic[T]):
+    """An option of a Publisher that is checked whenever it is set, at construction too, so a bad value is refused
+    by the caller's own line and never reaches the upload thread: ``check(value, name)`` returns the value to keep
+    or raises DeltaSyncError naming the option."""
+
+    def __init__(self, check: Callable[[Any, str], T], doc: str) -> None:
+        self._check = check
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name, self._slot = name, f"_{name}"
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> _Option[T]: ...
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> T: ...
+    def __get__(self, instance: object | None, owner: type | None = None) -> T | _Option[T]:
+        return self if instance is None else getattr(instance, self._slot)
+
+    def __set__(self, instance: object, value: Any) -> None:
+        setattr(instance, self._slot, self._check(value, self._name))
+
+
+def _piece_size(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return check_piece_bytes(value, name)
+    except DeltaFormatError as error:
+        raise DeltaSyncError(str(error)) from None
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise DeltaSyncError(f"{name} must be True or False, not {value!r}")
+    return value
 
 
 class Publisher:
@@ -80,6 +121,30 @@ class Publisher:
     SHA-256 of its base step's entry. Use it as a context manager, or call ``close()``: uploads still pending at
     interpreter exit are waited for up to ``exit_timeout`` seconds, and any that are lost are reported on stderr.
     """
+
+    anchor_every = _Option(
+        at_least_one,
+        "An anchor is published at the first publish and every this many publishes after (an integer, at least 1).",
+    )
+    keep_anchors = _Option(
+        at_least_one, "How many of the newest anchors retention keeps, with the deltas after the oldest of them."
+    )
+    piece_bytes = _Option(
+        _piece_size,
+        "The size of an anchor's pieces (a power of two from 1 KiB to 1 GiB), or None for anchors without a pieces "
+        "sidecar (docs/format.md §10).",
+    )
+    piece_hash = _Option(check_piece_hash, 'The hash of each anchor piece: "blake3" (the default) or "sha256".')
+    whole_sha256 = _Option(
+        _flag,
+        "Whether an anchor with pieces also gets its whole-file SHA-256 (for readers of sync protocol version 1); "
+        "anchors without pieces always do.",
+    )
+    retries = _Option(
+        lambda value, _name: attempts(value),
+        "How many times each store write is tried before its error is raised: at least once, whatever it is set to "
+        "(values below 1 mean once, so no write is ever skipped); anything but an integer is refused.",
+    )
 
     def __init__(
         self,
@@ -323,70 +388,6 @@ class Publisher:
 
     def _put_file(self, key: str, path: str) -> None:
         self._retrying(key, lambda: self.store.put_file(key, path))
-
-    @property
-    def anchor_every(self) -> int:
-        """An anchor is published at the first publish and every this many publishes after (an integer, at least 1)."""
-        return self._anchor_every
-
-    @anchor_every.setter
-    def anchor_every(self, value: int) -> None:
-        self._anchor_every = at_least_one(value, "anchor_every")
-
-    @property
-    def keep_anchors(self) -> int:
-        """How many of the newest anchors retention keeps, with the deltas after the oldest of them (at least 1)."""
-        return self._keep_anchors
-
-    @keep_anchors.setter
-    def keep_anchors(self, value: int) -> None:
-        self._keep_anchors = at_least_one(value, "keep_anchors")
-
-    @property
-    def piece_bytes(self) -> int | None:
-        """The size of an anchor's pieces (a power of two from 1 KiB to 1 GiB), or None for anchors without a pieces
-        sidecar (docs/format.md §10); checked whenever set, so a bad value never reaches the upload thread."""
-        return self._piece_bytes
-
-    @piece_bytes.setter
-    def piece_bytes(self, value: int | None) -> None:
-        if value is not None:
-            try:
-                check_piece_bytes(value, "piece_bytes")
-            except DeltaFormatError as error:
-                raise DeltaSyncError(str(error)) from None
-        self._piece_bytes = value
-
-    @property
-    def piece_hash(self) -> str:
-        """The hash of each anchor piece: "blake3" (the default) or "sha256"; checked whenever set."""
-        return self._piece_hash
-
-    @piece_hash.setter
-    def piece_hash(self, value: str) -> None:
-        self._piece_hash = check_piece_hash(value, "piece_hash")
-
-    @property
-    def whole_sha256(self) -> bool:
-        """Whether an anchor with pieces also gets its whole-file SHA-256 (for readers of sync protocol version 1);
-        anchors without pieces always do."""
-        return self._whole_sha256
-
-    @whole_sha256.setter
-    def whole_sha256(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise DeltaSyncError(f"whole_sha256 must be True or False, not {value!r}")
-        self._whole_sha256 = value
-
-    @property
-    def retries(self) -> int:
-        """How many times each store write is tried before its error is raised: at least once, whatever it is set to
-        (values below 1 mean once, so no write is ever skipped); anything but an integer is refused."""
-        return self._retries
-
-    @retries.setter
-    def retries(self, value: int) -> None:
-        self._retries = attempts(value)
 
     def _retrying(self, key: str, write: Callable[[], None]) -> None:
         """Calls ``write`` up to ``retries`` times, backing off after each StoreError; the last one is raised."""
