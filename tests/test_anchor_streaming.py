@@ -141,6 +141,31 @@ def test_anchor_upload_from_a_file_on_every_store(store, private_tmp):
     assert list(private_tmp.iterdir()) == []
 
 
+def test_piece_options_set_while_an_anchor_is_written_apply_from_the_next(tmp_path, monkeypatch):
+    """The upload thread reads the pieces options once per anchor: set from the training thread while the file is
+    being written, they cannot leave an anchor whose reference, sidecar and hashes disagree (hashed in 1 KiB pieces
+    of BLAKE3 but described as none, or as SHA-256), or a reference with neither a whole-file hash nor pieces."""
+    real = publisher_module.write_anchor_pieces
+    publisher = ds.Publisher(tmp_path / "store", piece_bytes=1024, background=False)
+
+    def write_then_change_options(tensors, path, **options):
+        written = real(tensors, path, **options)
+        publisher.piece_bytes, publisher.piece_hash = None, "sha256"
+        return written
+
+    monkeypatch.setattr(publisher_module, "write_anchor_pieces", write_then_change_options)
+    state = _state()
+    with publisher:
+        publisher.publish(0, state)
+    entry = json.loads((tmp_path / "store" / entry_key(0)).read_bytes())
+    assert entry["version"] == 2 and entry["anchor"]["pieces"]["piece_bytes"] == 1024
+    assert (tmp_path / "store" / pieces_key(0)).read_bytes()[:8] == b"DSPIECE2"  # BLAKE3, as hashed
+    replica = _fresh(state)
+    assert ds.Subscriber(tmp_path / "store").pull(replica) == 0
+    assert_states_equal(replica, state)
+    assert verify_store(tmp_path / "store") == []
+
+
 def test_the_next_publish_waits_for_the_anchor_file(tmp_path, monkeypatch):
     """The upload thread reads the mirror while it writes the anchor: a publish right after must not change the
     mirror before that file is written, or the anchor would hold bits of the next step."""

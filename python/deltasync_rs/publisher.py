@@ -405,19 +405,17 @@ class Publisher:
         """Writes the anchor of ``tensors`` into a new temporary file (in the store's own folder when it has one,
         so a local store links it in place) and returns its path, its manifest reference, the state digest and its
         pieces sidecar (None without ``piece_bytes``), all hashed in the same pass. The mirror is free again once
-        this returns, whatever happens."""
+        this returns, whatever happens. The pieces options are read once, here: the training thread may set them
+        while the file is being written, and the hashes, the sidecar and the reference must agree."""
+        piece_bytes, piece_hash = self.piece_bytes or 0, self.piece_hash
+        whole_sha256 = self.whole_sha256 or not piece_bytes
         try:
             folder = self.store.staging_folder() or tempfile.gettempdir()
             path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
             try:
                 size, sha256, digest, hashes = write_anchor_pieces(
-                    tensors,
-                    path,
-                    step=step,
-                    piece_bytes=self.piece_bytes or 0,
-                    piece_hash=self.piece_hash,
-                    whole_sha256=self.whole_sha256 or not self.piece_bytes,
+                    tensors, path, step=step, piece_bytes=piece_bytes, piece_hash=piece_hash, whole_sha256=whole_sha256
                 )
             except BaseException:
                 os.unlink(path)
@@ -428,9 +426,9 @@ class Publisher:
         if sha256 is not None:
             ref["sha256"] = sha256
         sidecar = None
-        if self.piece_bytes:
-            sidecar = pieces_document(size, self.piece_bytes, hashes, self.piece_hash)
-            ref["pieces"] = file_ref(pieces_key(step), sidecar) | {"piece_bytes": self.piece_bytes}
+        if piece_bytes:
+            sidecar = pieces_document(size, piece_bytes, hashes, piece_hash)
+            ref["pieces"] = file_ref(pieces_key(step), sidecar) | {"piece_bytes": piece_bytes}
         return path, ref, digest, sidecar
 
     def _upload(self, step: int, delta: Delta | None, tensors: Mapping[str, Any], anchor: bool, elements: int) -> None:
