@@ -34,8 +34,8 @@ Every timed write (the publish rows, ``cp``, numpy) starts the same way: a scrat
 written and deleted, then ``sync``. On the virtual machines these benchmarks run on, memory the guest has not used
 for a while is given back to the host, and a write that takes such pages for the page cache pays for each one again:
 the anchor's write pass took about 2-2.7 s per GB into such pages and 0.83-0.89 s into pages just freed
-(docs/benchmarks.md), which is what ``cp`` of a file deleted a moment before gets. Without the ``sync`` the writeback of earlier rows throttles the
-next. Neither is the code under test; both made any one row up to three times slower.
+(docs/benchmarks.md), which is what ``cp`` of a file deleted a moment before gets. Without the ``sync`` the
+writeback of earlier rows throttles the next. Neither is the code under test; both made any one row up to three times slower.
 Linux only.
 """
 

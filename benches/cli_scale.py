@@ -12,8 +12,8 @@ needs little memory. Then, each command in its own process under ``/usr/bin/time
 
 Prints wall seconds and peak resident set size (``Maximum resident set size``) of each, next to ``cp`` of a
 checkpoint and reading it. Every timed write (``cp``, both publishes, the pull) starts as in benches/anchors.py: a
-scratch file of the checkpoint's size written and deleted, then ``sync`` (see there why). Needs about 4.3x the checkpoint's size on disk (two checkpoints, the anchor, the pulled
-file): a 7B shape is 13.5 GB. Linux only. The folder is deleted at the end unless ``--keep``.
+scratch file of the checkpoint's size written and deleted, then ``sync`` (see there why). Needs about 4.3x the
+checkpoint's size on disk (two checkpoints, the anchor, the pulled file): a 7B shape is 13.5 GB. Linux only. The folder is deleted at the end unless ``--keep``.
 """
 
 from __future__ import annotations

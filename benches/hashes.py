@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -81,18 +82,20 @@ def main() -> None:
             state, str(anchor), step=1, piece_bytes=PIECE, piece_hash="blake3", whole_sha256=whole_sha256
         )
 
-    def kernel_copy() -> None:
-        with open(written, "wb", buffering=0) as f:
-            for i in range(0, size, 8 << 20):
-                f.write(view[i : i + (8 << 20)])
+    def write_in(buffers: list[memoryview], chunk: int) -> Callable[[], None]:
+        """Plain writes of ``buffers`` into a new file, ``chunk`` bytes per write, nothing hashed."""
 
-    def plain_writes() -> None:
-        # What any writer of these tensors from this process's memory pays: their bytes, 32 MiB per write, no hash.
-        with open(written, "wb", buffering=0) as f:
-            for tensor in state.values():
-                raw = tensor.view(torch.uint8).numpy().data
-                for i in range(0, len(raw), 32 << 20):
-                    f.write(raw[i : i + (32 << 20)])
+        def write() -> None:
+            with open(written, "wb", buffering=0) as f:
+                for buffer in buffers:
+                    for i in range(0, len(buffer), chunk):
+                        f.write(buffer[i : i + chunk])
+
+        return write
+
+    kernel_copy = write_in([view], 8 << 20)
+    # What any writer of these tensors from this process's memory pays: their bytes, 32 MiB per write.
+    plain_writes = write_in([t.view(torch.uint8).numpy().data for t in state.values()], 32 << 20)
 
     def cp() -> None:
         subprocess.run(["cp", str(anchor), str(copy)], check=True)

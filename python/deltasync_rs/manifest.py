@@ -308,7 +308,8 @@ def _file_ref(document: Mapping[str, Any], name: str, expected_key: str, key: st
     _count(ref, "size", where)
     # From version 2 an anchor with a pieces sidecar may go without its whole-file SHA-256: the signed entry binds
     # the sidecar and the sidecar every piece. Without a sidecar the whole-file SHA-256 is the only check.
-    if "sha256" in ref or name != "anchor" or "pieces" not in ref or document["version"] < PIECES_ONLY_VERSION:
+    pieces_only = name == "anchor" and "pieces" in ref and document["version"] >= PIECES_ONLY_VERSION
+    if "sha256" in ref or not pieces_only:
         _hex_digest(ref, "sha256", where)
     if name == "anchor" and "pieces" in ref:
         pieces = _field(ref, "pieces", dict, where)

@@ -424,9 +424,9 @@ impl AsRef<[u8]> for Lent {
     }
 }
 
-/// A writer that hashes what it writes with SHA-256 (when it has a hasher for it), and each tensor's bytes with its state-digest hash when they
-/// pass whole (`write_to` hands over each piece as the very slice it was lent, before any buffering); large writes
-/// are hashed and written side by side, chunk by chunk.
+/// A writer that hashes what it writes with SHA-256 (when it has a hasher for it), and each tensor's bytes with its
+/// state-digest hash when they pass whole (`write_to` hands over each piece as the very slice it was lent, before any
+/// buffering); large writes are hashed and written side by side, chunk by chunk.
 struct Hashing<'a, 'b, W: Write> {
     inner: W,
     sha256: Option<Sha256>,
@@ -473,8 +473,8 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
 
 /// Writes the anchor of `inputs` (the bytes `format::to_bytes` gives for `diff::full(inputs)` with this step and
 /// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 (with `whole_sha256`; it is
-/// one serial pass over the file, the slowest part of this one) and state digest, all hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the size of the
-/// state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file durable (fsync)
+/// one serial pass over the file, the slowest part of this one) and state digest, all hashed in the same pass. Each
+/// tensor is copied once, from its own memory into the file; nothing the size of the state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file durable (fsync)
 /// where it needs to. With `piece_bytes` (a power of two from MIN_PIECE_BYTES to MAX_PIECE_BYTES; 0: none) it also
 /// returns the hash (`kind`) of each piece of that size, hashed in the same pass.
 pub fn write_anchor(
