@@ -47,6 +47,9 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str) -> N
         if rank == 0:
             publisher.close()
             torch.save(whole, out)
+        # Both ranks tear down together: a rank that destroyed its process group and exited while the other was
+        # still publishing died once in CI with a C++ abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
