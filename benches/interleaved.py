@@ -48,8 +48,14 @@ def main() -> None:
     encoders["encode TRL v1 torch"] = lambda: baselines.trl_v1_encode(w.prev, w.curr)
     encoders["read floor, 2 thr"] = lambda: baselines.read_floor(w.prev, w.curr, threads=2)
     appliers = {f"apply {c}": (lambda s, b=blobs[c]: ds.load(b).apply_(s)) for c in blobs}
-    # What a Subscriber does (check_base=True): every target must first hold the delta's base.
+    # What a Subscriber's pull does (check_base=True, and the streams checked as they are applied): every target must
+    # first hold the delta's base.
     appliers["apply compact, base checked"] = lambda s: ds.load(blobs["compact"]).apply_(s, check_base=True)
+    # A file read to be applied at once: its streams checked by the apply, decoded once instead of twice.
+    appliers["apply compact, check=apply"] = lambda s: ds.load(blobs["compact"], check="apply").apply_(s)
+    appliers["apply compact, check=apply, base checked"] = lambda s: ds.load(blobs["compact"], check="apply").apply_(
+        s, check_base=True
+    )
     appliers["apply TRL v1 torch"] = lambda s: baselines.trl_v1_apply(trl, s)
     appliers["apply scatter floor"] = lambda s: baselines.scatter_apply(decoded, s)
     times: dict[str, list[float]] = {k: [] for k in [*encoders, *appliers]}
@@ -88,6 +94,8 @@ def main() -> None:
         f"  compact, base checked: / unchecked {checked / med['apply compact']:.2f}; / TRL v1 apply "
         f"{checked / med['apply TRL v1 torch']:.2f}"
     )
+    for name in ("apply compact, check=apply", "apply compact, check=apply, base checked"):
+        print(f"  {name[6:]}: / TRL v1 apply {med[name] / med['apply TRL v1 torch']:.2f}")
 
 
 if __name__ == "__main__":

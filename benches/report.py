@@ -25,6 +25,8 @@ def _rows(path: str) -> dict:
         median = bench["stats"]["median"] * 1e3
         if "codec" in info:
             label = f"deltasync {info['codec']}"
+            if info.get("check") == "apply":  # the same file, its streams checked as they are applied
+                label += ', load(check="apply")'
             if kind == "encode":
                 kind += str(info["deltasync_threads"])
         elif "peer" in info:

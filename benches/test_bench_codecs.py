@@ -153,20 +153,21 @@ def test_encode_read_floor(benchmark, sweep, pedantic_opts, floor_threads):
 # ---------------------------------------------------------------------------------------------------- decode+apply
 
 
-@pytest.mark.parametrize("codec", CODECS)
-def test_apply(benchmark, sweep, pedantic_opts, files, codec):
+@pytest.mark.parametrize("codec, check", [(codec, "load") for codec in CODECS] + [("compact", "apply")])
+def test_apply(benchmark, sweep, pedantic_opts, files, codec, check):
+    """``check="apply"``: the streams checked as they are applied (what ``Subscriber.pull`` does), not at load."""
     benchmark.group = f"apply-{_density_id(sweep.density)}"
     blob = files(codec)
 
     def apply(state):
-        ds.load(blob).apply_(state)
+        ds.load(blob, check=check).apply_(state)
         return state
 
     state = benchmark.pedantic(apply, setup=_fresh_prev(sweep), **pedantic_opts)
 
     _assert_equals_curr(state, sweep)
     del state
-    _info(benchmark, sweep, blob, codec=codec, deltasync_threads=ds.get_num_threads())
+    _info(benchmark, sweep, blob, codec=codec, check=check, deltasync_threads=ds.get_num_threads())
 
 
 @pytest.mark.parametrize("peer", list(PEERS))

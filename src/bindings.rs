@@ -452,10 +452,16 @@ impl RawDelta {
         result.map_err(to_py)
     }
 
-    /// Parses and fully validates a delta (deltasync or TRL) from a bytes-like object.
+    /// Parses and fully validates a delta (deltasync or TRL) from a bytes-like object; with `defer_checks`, the
+    /// streams whose check can wait for the apply are checked only as far as their headers (core::format::read_checked).
     #[staticmethod]
-    #[pyo3(signature = (data, source_name = "<bytes>"))]
-    fn from_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, source_name: &str) -> PyResult<RawDelta> {
+    #[pyo3(signature = (data, source_name = "<bytes>", defer_checks = false))]
+    fn from_bytes(
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        source_name: &str,
+        defer_checks: bool,
+    ) -> PyResult<RawDelta> {
         let (buffer, slice) = export(data, &|| source_name.to_owned(), false)?;
         let backing = if data.is_exact_instance_of::<PyBytes>() {
             // `bytes` never changes: keep it alive and read it in place instead of copying it.
@@ -467,14 +473,17 @@ impl RawDelta {
             drop(buffer);
             Backing::Owned(bytes)
         };
-        let delta = py.detach(|| format::read(std::sync::Arc::new(backing), source_name)).map_err(to_py)?;
+        let delta = py
+            .detach(|| format::read_checked(std::sync::Arc::new(backing), source_name, defer_checks))
+            .map_err(to_py)?;
         Ok(RawDelta { delta })
     }
 
-    /// Reads and fully validates a delta file (deltasync or TRL).
+    /// Reads and fully validates a delta file (deltasync or TRL); `defer_checks` as for `from_bytes`.
     #[staticmethod]
-    fn load(py: Python<'_>, path: PathBuf) -> PyResult<RawDelta> {
-        let delta = py.detach(|| format::load(&path)).map_err(to_py)?;
+    #[pyo3(signature = (path, defer_checks = false))]
+    fn load(py: Python<'_>, path: PathBuf, defer_checks: bool) -> PyResult<RawDelta> {
+        let delta = py.detach(|| format::load_checked(&path, defer_checks)).map_err(to_py)?;
         Ok(RawDelta { delta })
     }
 

@@ -385,17 +385,29 @@ def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Ma
     return Delta(raw)
 
 
-def load(source: Source, *, mmap: bool = False) -> Delta:
+def load(source: Source, *, mmap: bool = False, check: str = "load") -> Delta:
     """Reads a delta from a path or from bytes: a deltasync file or a TRL v1/v3 weight patch.
     Everything is validated up front; a bad file raises :class:`DeltaFormatError`.
 
     With ``mmap=True`` a file is memory-mapped instead of read: tensors stored whole (an anchor's) stay in the file
     and their pages are dropped as ``apply_`` copies them, so applying holds little of the file at a time. The file
-    must then not change while the delta lives (a private copy may be unlinked right away)."""
+    must then not change while the delta lives (a private copy may be unlinked right away).
+
+    ``check="apply"`` is for a file read to be applied at once (what ``Subscriber.pull`` does): the bit-packed
+    streams of tensors whose changes are differences (``rice`` positions with ``rans`` or ``diffbits`` values, the
+    default codec's) are checked at load only as far as their headers, and in full as ``apply_`` decodes them, so
+    they are decoded once instead of twice. A malformed stream still raises :class:`DeltaFormatError` naming the
+    tensor, from ``apply_`` (which first takes back every change it wrote: the target is left as it was) or from
+    any other method that reads the streams. With ``mmap=True`` every stream is checked at load."""
+    if check not in ("load", "apply"):
+        raise DeltaSyncError(f'check must be "load" or "apply", not {check!r}')
+    defer = check == "apply"
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return Delta(RawDelta.from_bytes(source))
+        return Delta(RawDelta.from_bytes(source, defer_checks=defer))
     if isinstance(source, (str, os.PathLike)):
-        return Delta((RawDelta.map if mmap else RawDelta.load)(os.fspath(source)))
+        if mmap:
+            return Delta(RawDelta.map(os.fspath(source)))
+        return Delta(RawDelta.load(os.fspath(source), defer_checks=defer))
     raise DeltaSyncError(f"load takes a path or bytes, not {type(source).__name__}")
 
 

@@ -241,10 +241,14 @@ class Subscriber:
             log.error("%s; using the newest verified entry, step %s", problem, newest)
         return newest
 
-    def _file(self, ref: dict[str, Any], step: int, kind: str, *, ranged: bool = True, fill: bool = False) -> Delta:
+    def _file(
+        self, ref: dict[str, Any], step: int, kind: str, *, ranged: bool = True, fill: bool = False, defer: bool = False
+    ) -> Delta:
         """The file ``ref`` of ``step`` (``kind`` "anchor" or "delta"), checked against its entry. An anchor is read
         by ranges with ``anchor_ranges`` (and ``ranged``); with ``fill``, from a store that keeps it as a local file,
-        only its header is read here: it is applied straight from that file (``FilledAnchor``)."""
+        only its header is read here: it is applied straight from that file (``FilledAnchor``). A delta read with
+        ``defer``, to be applied at once, leaves the check of its bit-packed streams to the apply
+        (``load(check="apply")``)."""
 
         def read() -> Delta:
             delta: Delta | None = None
@@ -254,7 +258,7 @@ class Subscriber:
             elif kind == "anchor" and fill:
                 delta = self._fillable(ref, step)
             if delta is None:
-                delta = self._streamed(ref) if kind == "anchor" else self._in_memory(ref)
+                delta = self._streamed(ref) if kind == "anchor" else self._in_memory(ref, defer=defer)
             if delta.step is not None and delta.step != step:
                 raise IntegrityError(f"{ref['key']}: the file says step {delta.step}, its entry step {step}")
             if kind == "anchor" and not delta.is_anchor:
@@ -376,11 +380,11 @@ class Subscriber:
             copy_checked(source.fileno(), ref["key"], pieces, path, [(0, ref["size"], 0)] if ref["size"] else [])
         return True
 
-    def _in_memory(self, ref: dict[str, Any]) -> Delta:
+    def _in_memory(self, ref: dict[str, Any], *, defer: bool = False) -> Delta:
         blob = self.store.get(ref["key"])
         if len(blob) != ref["size"] or hashlib.sha256(blob).hexdigest() != ref["sha256"]:
             raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
-        return load(blob)
+        return load(blob, check="apply" if defer else "load")
 
     def _streamed(self, ref: dict[str, Any]) -> Delta:
         """An anchor downloaded into a private temporary file (in TMPDIR), checked against its entry's size and
@@ -498,9 +502,12 @@ class Subscriber:
                     targets = [s for s in listed_steps(self.store)[::-1] if s < target][:8]
         raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
 
-    def _download(self, anchor_entry: Entry | None, chain: list[Entry], *, fill: bool = False) -> list[Delta]:
+    def _download(
+        self, anchor_entry: Entry | None, chain: list[Entry], *, fill: bool = False, defer: bool = False
+    ) -> list[Delta]:
         """The files of the way: the anchor (when the way starts from one), then each delta. With ``fill`` (a pull
-        that applies them at once) an anchor in a local store is a FilledAnchor, applied straight from its file."""
+        that applies them at once) an anchor in a local store is a FilledAnchor, applied straight from its file;
+        with ``defer``, the deltas' bit-packed streams are checked as they are applied (``_file``)."""
         bar = _progress(len(chain) + (anchor_entry is not None), "pull")
         out = []
         try:
@@ -511,7 +518,7 @@ class Subscriber:
                     bar.update()
             for entry in chain:
                 assert entry.delta is not None  # every entry after the start of a chain has a delta
-                delta = self._file(entry.delta, entry.step, "delta")
+                delta = self._file(entry.delta, entry.step, "delta", defer=defer)
                 if delta.base_step is not None and delta.base_step != entry.base_step:
                     raise IntegrityError(f"{entry.delta['key']}: base step {delta.base_step} differs from its entry")
                 delta.step, delta.base_step = entry.step, entry.base_step
@@ -535,7 +542,15 @@ class Subscriber:
                 raise ChainError(f"{self.store.url}: nothing to pull")
             return self.step
         try:
-            known = self._apply_all(state, deltas)
+            try:
+                known = self._apply_all(state, deltas)
+            except DeltaFormatError as error:
+                # A stream checked only as it was applied is malformed (its file matched its entry: the publisher
+                # wrote it so). Nothing of that delta was written: the state is at the step before it. Read the way
+                # on again with every file checked first, so that a way around the bad file is taken, as when a
+                # file is refused at download.
+                log.warning("%s; reading the way from step %s again with every stream checked first", error, self.step)
+                known = self._apply_all(state, self._fetch_to_apply(self.step, until, defer=False))
         except BaseMismatchError as error:
             if not self.check_base or deltas[0].is_anchor:
                 raise
@@ -553,9 +568,11 @@ class Subscriber:
             raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
         return self._reached()
 
-    def _fetch_to_apply(self, current_step: int | None, until: int | None) -> list[Delta]:
-        """``fetch``, for files applied at once: an anchor in a local store is applied straight from its file."""
-        return self._fetch(current_step, until, functools.partial(self._download, fill=True)) or []
+    def _fetch_to_apply(self, current_step: int | None, until: int | None, *, defer: bool = True) -> list[Delta]:
+        """``fetch``, for files applied at once: an anchor in a local store is applied straight from its file, and
+        with ``defer`` the deltas' bit-packed streams are checked as they are applied, not decoded once more at load
+        (a malformed one is then a DeltaFormatError from the apply, with nothing of its delta written)."""
+        return self._fetch(current_step, until, functools.partial(self._download, fill=True, defer=defer)) or []
 
     def _reached(self) -> int:
         if self.step is None:

@@ -165,12 +165,60 @@ fn check_targets(delta: &Delta, targets: &[(usize, &mut [u8])]) -> Result<()> {
     Ok(())
 }
 
-/// Applies the tensors named by index to their targets, in parallel, after checking every target.
-pub fn apply(delta: &Delta, mut targets: Vec<(usize, &mut [u8])>) -> Result<()> {
+/// Applies the tensors named by index to their targets, in parallel, after checking every target; all or nothing.
+///
+/// Tensors whose streams were checked at load cannot fail once their targets are checked. Those loaded with the
+/// check left to the apply (`TensorDelta::unchecked`) are written first, each change counted, and should one of
+/// them turn out malformed, the changes written to all of them are taken back before the error is returned (they
+/// are differences, added modulo 2^bits: subtracting them restores the bits exactly), and nothing else is written.
+pub fn apply(delta: &Delta, targets: Vec<(usize, &mut [u8])>) -> Result<()> {
     check_targets(delta, &targets)?;
-    largest_first(delta, &mut targets);
-    let decoded = decode_context(delta, &targets)?;
-    write_decoded(delta, targets, decoded)
+    let (mut unchecked, mut rest): (Vec<_>, Vec<_>) =
+        targets.into_iter().partition(|(index, _)| delta.tensors[*index].unchecked);
+    largest_first(delta, &mut rest);
+    // `context` tensors are decoded (and checked) before anything is written.
+    let decoded = decode_context(delta, &rest)?;
+    write_or_take_back(delta, &mut unchecked)?;
+    write_decoded(delta, rest, decoded)
+}
+
+/// Writes tensors whose changes are differences in parallel, counting the changes written to each; should any
+/// stream turn out malformed, takes back every change written to all of them and returns the first error.
+fn write_or_take_back(delta: &Delta, targets: &mut [(usize, &mut [u8])]) -> Result<()> {
+    largest_first(delta, targets);
+    let outcomes: Vec<(u64, std::result::Result<(), String>)> = crate::core::pool::install(|| {
+        targets
+            .par_iter_mut()
+            .map(|(index, target)| {
+                let tensor = &delta.tensors[*index];
+                debug_assert!(tensor.values_codec.holds_differences() && !tensor.needs_base());
+                let mut written = 0u64;
+                let result = with_width!(tensor.width(), W => scatter_with::<W>(tensor, target, None, |positions, _| {
+                    written += positions.len() as u64;
+                }));
+                (written, result)
+            })
+            .collect()
+    });
+    let failure = targets.iter().zip(&outcomes).find_map(|((index, _), (_, result))| {
+        let message = result.as_ref().err()?;
+        Some(Error::format("delta", format!("tensor {:?}: {message}", delta.tensors[*index].name)))
+    });
+    if let Some(error) = failure {
+        take_back(delta, targets, outcomes.iter().map(|(written, _)| *written).collect());
+        return Err(error);
+    }
+    Ok(())
+}
+
+/// Takes back the first `written[i]` changes written to `targets[i]`, in parallel (`unscatter`).
+fn take_back(delta: &Delta, targets: &mut [(usize, &mut [u8])], written: Vec<u64>) {
+    crate::core::pool::install(|| {
+        targets.par_iter_mut().zip(written).for_each(|((index, target), count)| {
+            let tensor = &delta.tensors[*index];
+            with_width!(tensor.width(), W => unscatter::<W>(tensor, target, count));
+        });
+    });
 }
 
 /// Sorts targets by their tensor's changes, largest first, so the biggest tensor does not start last and leave one
@@ -195,8 +243,12 @@ fn largest_first(delta: &Delta, targets: &mut [(usize, &mut [u8])]) {
 /// need not read them again.
 pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bool) -> Result<Vec<(usize, u128)>> {
     check_targets(delta, &targets)?;
-    let (mut hashed, mut rest): (Vec<_>, Vec<_>) =
-        targets.into_iter().partition(|(index, _)| hashed_while_written(&delta.tensors[*index]));
+    // Tensors whose streams are checked only as they are decoded are written the same way, hashed or not, so that
+    // a malformed stream takes back their writes too.
+    let (mut hashed, mut rest): (Vec<_>, Vec<_>) = targets.into_iter().partition(|(index, _)| {
+        let tensor = &delta.tensors[*index];
+        hashed_while_written(tensor) || tensor.unchecked
+    });
     // `context` tensors are checked when their changes are decoded (below), before any write.
     let before: Vec<(usize, &[u8])> = rest
         .iter()
@@ -224,18 +276,12 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bo
         match &outcome.result {
             Err(message) => Some(Error::format("delta", format!("tensor {:?}: {message}", tensor.name))),
             Ok(found) => {
-                let expected = tensor.base.expect("only tensors with a base are hashed while written");
-                (*found != expected).then(|| base::mismatch(tensor, expected, *found))
+                tensor.base.and_then(|expected| (*found != expected).then(|| base::mismatch(tensor, expected, *found)))
             }
         }
     });
     if let Some(error) = failure {
-        crate::core::pool::install(|| {
-            hashed.par_iter_mut().zip(&outcomes).for_each(|((index, target), outcome)| {
-                let tensor = &delta.tensors[*index];
-                with_width!(tensor.width(), W => unscatter::<W>(tensor, target, outcome.written));
-            });
-        });
+        take_back(delta, &mut hashed, outcomes.iter().map(|outcome| outcome.written).collect());
         return Err(error);
     }
     write_decoded(delta, rest, decoded)?;
@@ -256,15 +302,17 @@ struct Hashed {
     digest: Option<u128>,
 }
 
-/// `scatter` of a tensor whose values are differences, hashing the target's base identity blocks on the way: each
-/// block is hashed before any change inside it is added, the rest after the last change. With `after`, the
-/// tensor's digest hasher, each block is fed to it once no change is left to write inside it.
+/// `scatter` of a tensor whose values are differences, hashing the target's base identity blocks on the way when
+/// the tensor records a base: each block is hashed before any change inside it is added, the rest after the last
+/// change (without a base, the identity found is 0). With `after`, the tensor's digest hasher, each block is fed
+/// to it once no change is left to write inside it.
 fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8], mut after: Option<digest::Xxh3>) -> Hashed {
     debug_assert!(tensor.values_codec.holds_differences());
+    let hash = tensor.base.is_some();
     let blocks = target.len().div_ceil(base::BLOCK_BYTES);
-    let mut hashes: Vec<u64> = Vec::with_capacity(blocks);
+    let mut hashes: Vec<u64> = Vec::with_capacity(if hash { blocks } else { 0 });
     let hash_until = |hashes: &mut Vec<u64>, target: &[u8], end_block: usize| {
-        while hashes.len() < end_block {
+        while hash && hashes.len() < end_block {
             let start = hashes.len() * base::BLOCK_BYTES;
             hashes.push(base::block_hash(&target[start..(start + base::BLOCK_BYTES).min(target.len())]));
         }
@@ -288,7 +336,11 @@ fn scatter_hashing<const W: usize>(tensor: &TensorDelta, target: &mut [u8], mut 
     });
     let result = walked.map(|()| {
         hash_until(&mut hashes, target, blocks);
-        base::combine(&hashes)
+        if hash {
+            base::combine(&hashes)
+        } else {
+            0
+        }
     });
     digest_until(&mut after, target, blocks);
     let digest = result.is_ok().then(|| after.map(|hasher| hasher.digest128())).flatten();
@@ -385,6 +437,85 @@ mod tests {
             let mut target = old.clone();
             apply(&delta, vec![(0, &mut target[..])]).unwrap();
             assert_eq!(target, new, "{codec:?}");
+        }
+    }
+
+    /// A compact delta of three tensors loaded with its checks left to the apply, the last value stream cut
+    /// short (or a byte of the first position stream changed): `apply` and `apply_checked` (with and without base
+    /// identities) fail naming the tensor, having taken back what they wrote to every target; whole, both apply.
+    #[test]
+    fn streams_checked_by_the_apply_are_taken_back_when_malformed() {
+        let mut next = crate::core::testing::xorshift(11);
+        let sizes = [70_000usize, 5_000, 30_000];
+        let olds: Vec<Vec<u8>> = sizes.iter().map(|&n| (0..2 * n).map(|_| next() as u8).collect()).collect();
+        let mut news = olds.clone();
+        for (t, new) in news.iter_mut().enumerate() {
+            for i in (0..new.len() / 2).step_by(37 + 11 * t) {
+                new[2 * i] = new[2 * i].wrapping_add(if i % 3 == 0 { 2 } else { 1 });
+            }
+        }
+        let inputs: Vec<DiffInput> = (0..3)
+            .map(|t| DiffInput {
+                name: format!("t{t}"),
+                dtype: Dtype::BF16,
+                shape: vec![sizes[t] as u64],
+                old: &olds[t],
+                new: &news[t],
+            })
+            .collect();
+        let written = Delta {
+            tensors: diff(&inputs, ValueCodec::Diff, Codec::Compact).unwrap(),
+            packed: true,
+            ..Default::default()
+        };
+        assert!(written.tensors.iter().all(TensorDelta::check_can_wait), "rice positions, bit-packed differences");
+        let bytes = crate::core::format::to_bytes(&written).unwrap();
+        let read = |bytes: Vec<u8>| {
+            crate::core::format::read_checked(
+                std::sync::Arc::new(crate::core::stream::Backing::Owned(bytes)),
+                "t",
+                true,
+            )
+        };
+        let whole = read(bytes.clone()).unwrap();
+        assert!(whole.tensors.iter().all(|t| t.unchecked && t.last_position.is_none()));
+        for bases in [true, false] {
+            let mut whole = whole.clone();
+            whole.tensors.iter_mut().filter(|_| !bases).for_each(|t| t.base = None);
+            for checked in [false, true] {
+                let mut targets = olds.clone();
+                let slices = targets.iter_mut().enumerate().map(|(i, t)| (i, &mut t[..])).collect();
+                if checked { apply_checked(&whole, slices, false).map(|_| ()) } else { apply(&whole, slices) }.unwrap();
+                assert_eq!(targets, news);
+            }
+        }
+        // The last tensor's value stream ends the packed streams: drop its last byte and the header still reads.
+        let mut broken = read(bytes).unwrap();
+        let last = broken.tensors.len() - 1;
+        let values = broken.tensors[last].values.to_vec();
+        broken.tensors[last].values = values[..values.len() - 1].to_vec().into();
+        let mut flipped = whole.clone();
+        let positions = flipped.tensors[0].positions.to_vec();
+        flipped.tensors[0].positions =
+            positions.iter().enumerate().map(|(i, b)| if i == 40 { !b } else { *b }).collect::<Vec<u8>>().into();
+        for (delta, name) in [(&broken, "t2"), (&flipped, "t0")] {
+            for bases in [true, false] {
+                let mut delta = delta.clone();
+                delta.tensors.iter_mut().filter(|_| !bases).for_each(|t| t.base = None);
+                for checked in [false, true] {
+                    let mut targets = olds.clone();
+                    let slices = targets.iter_mut().enumerate().map(|(i, t)| (i, &mut t[..])).collect();
+                    let result =
+                        if checked { apply_checked(&delta, slices, false).map(|_| ()) } else { apply(&delta, slices) };
+                    match result {
+                        Err(Error::Format { message, .. }) => {
+                            assert!(message.contains(&format!("\"{name}\"")), "{message}")
+                        }
+                        other => panic!("{name} bases {bases} checked {checked}: {other:?}"),
+                    }
+                    assert_eq!(targets, olds, "{name} bases {bases} checked {checked}: left changed");
+                }
+            }
         }
     }
 

@@ -31,6 +31,10 @@ pub struct TensorDelta {
     /// For a tensor stored whole (where `changed` counts every element): how many elements differ from the base,
     /// when the writer knew and fewer than all did.
     pub differing: Option<u64>,
+    /// True for a tensor loaded with the check of its streams left to the apply (`validate` with `defer`): only
+    /// their headers have been checked, and `last_position` is unknown. Every reader checks such streams as it
+    /// decodes them, and core::apply takes back its writes to the tensor's target when they turn out malformed.
+    pub unchecked: bool,
 }
 
 impl TensorDelta {
@@ -61,6 +65,7 @@ impl TensorDelta {
             last_position: changed.checked_sub(1),
             // A whole tensor applies to any base.
             base: None,
+            unchecked: false,
             ..self
         }
     }
@@ -159,8 +164,26 @@ impl TensorDelta {
             .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
     }
 
-    /// Checks the streams end to end and records the last position.
-    pub fn validate(&mut self, source_name: &str) -> Result<()> {
+    /// True when `validate` may leave this tensor's streams to the apply: `rice` positions with `rans` or `diffbits`
+    /// values, that is differences, which core::apply can take back exactly, and a known shape, which bounds every
+    /// position a reader decodes.
+    pub fn check_can_wait(&self) -> bool {
+        self.changed > 0
+            && self.positions_codec == PositionCodec::Rice
+            && matches!(self.values_codec, ValueCodec::Rans | ValueCodec::DiffBits)
+            && self.numel().is_some()
+    }
+
+    /// Checks the streams end to end and records the last position; with `defer`, a tensor whose check can wait
+    /// for the apply (`check_can_wait`) has only its streams' headers checked and is marked `unchecked`.
+    pub fn validate(&mut self, source_name: &str, defer: bool) -> Result<()> {
+        if defer && self.check_can_wait() {
+            self.encoded()
+                .check_headers()
+                .map_err(|message| Error::format(source_name, format!("tensor {:?}: {message}", self.name)))?;
+            (self.last_position, self.unchecked) = (None, true);
+            return Ok(());
+        }
         if self.positions_codec == PositionCodec::Context && self.changed > 0 {
             // Decoding depends on the base: without its identity a wrong base would decode to wrong positions.
             let why = if self.base.is_none() {
@@ -182,6 +205,7 @@ impl TensorDelta {
         let checked = self.encoded().check();
         self.last_position =
             checked.map_err(|message| Error::format(source_name, format!("tensor {:?}: {message}", self.name)))?;
+        self.unchecked = false;
         Ok(())
     }
 }
@@ -220,15 +244,18 @@ impl Delta {
         self.tensors.iter().map(TensorDelta::nbytes).fold(0, u64::saturating_add)
     }
 
-    /// Checks every tensor's streams, in parallel, and rejects duplicate names.
-    pub fn validate(&mut self, source_name: &str) -> Result<()> {
+    /// Checks every tensor's streams, in parallel (with `defer`, those whose check can wait for the apply only as
+    /// far as their headers: `TensorDelta::validate`), and rejects duplicate names.
+    pub fn validate(&mut self, source_name: &str, defer: bool) -> Result<()> {
         let mut seen = std::collections::HashSet::new();
         for tensor in &self.tensors {
             if !seen.insert(tensor.name.as_str()) {
                 return Err(Error::format(source_name, format!("tensor {:?} appears twice", tensor.name)));
             }
         }
-        crate::core::pool::install(|| self.tensors.par_iter_mut().try_for_each(|tensor| tensor.validate(source_name)))
+        crate::core::pool::install(|| {
+            self.tensors.par_iter_mut().try_for_each(|tensor| tensor.validate(source_name, defer))
+        })
     }
 
     pub fn position_of(&self, name: &str) -> Option<usize> {

@@ -234,6 +234,7 @@ fn tensor_shell(
         last_position,
         base: Some(base),
         differing: None,
+        unchecked: false,
     }
 }
 
@@ -274,6 +275,7 @@ pub fn whole(input: &FullInput<'_>, values: Stream) -> Result<TensorDelta> {
         last_position: numel.checked_sub(1),
         base: None,
         differing: None,
+        unchecked: false,
     })
 }
 

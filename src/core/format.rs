@@ -346,9 +346,15 @@ fn parse_step(metadata: &HashMap<String, String>, key: &str, source_name: &str) 
 
 /// Reads a delta from a whole file's bytes: a deltasync file, or a TRL weight patch.
 pub fn read(backing: Arc<Backing>, source_name: &str) -> Result<Delta> {
+    read_checked(backing, source_name, false)
+}
+
+/// `read`, with `defer`: the streams of tensors whose check can wait for the apply (`TensorDelta::check_can_wait`)
+/// are checked only as far as their headers, and the rest when a reader decodes them.
+pub fn read_checked(backing: Arc<Backing>, source_name: &str, defer: bool) -> Result<Delta> {
     let header = read_header(&backing, source_name)?;
     match header.metadata.get("format").map(String::as_str) {
-        Some(FORMAT_NAME) => read_deltasync(backing, header, source_name),
+        Some(FORMAT_NAME) => read_deltasync(backing, header, source_name, defer),
         Some(crate::core::trl::FORMAT_NAME) => crate::core::trl::read(&backing, &header, source_name),
         Some(other) => Err(Error::format(source_name, format!("unknown format {other:?} in the header metadata"))),
         None => Err(Error::format(
@@ -375,7 +381,7 @@ enum Streams {
     Packed { next: usize, end: usize },
 }
 
-fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) -> Result<Delta> {
+fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str, defer: bool) -> Result<Delta> {
     let bad = |message: String| Error::format(source_name, message);
     let (records, mut streams) = match header.metadata.get("format_version").map(String::as_str) {
         Some(FORMAT_VERSION) => {
@@ -441,6 +447,7 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
             last_position: None,
             base: record.base,
             differing: record.differing,
+            unchecked: false,
         };
         let shared = |range: Range<usize>| Stream::Shared { backing: Arc::clone(&backing), range };
         if tensor.is_dense() {
@@ -506,7 +513,7 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str) 
             .collect(),
         packed,
     };
-    delta.validate(source_name)?;
+    delta.validate(source_name, defer)?;
     let kind = metadata.get("kind").map_or("(missing)", String::as_str);
     let expected = if delta.is_anchor() { "anchor" } else { "delta" };
     if kind != expected {
@@ -522,8 +529,13 @@ pub fn from_bytes(bytes: Vec<u8>, source_name: &str) -> Result<Delta> {
 
 /// Reads a delta file fully into memory, so later changes to the file cannot affect it.
 pub fn load(path: &Path) -> Result<Delta> {
+    load_checked(path, false)
+}
+
+/// `load`, with `defer` as for `read_checked`.
+pub fn load_checked(path: &Path, defer: bool) -> Result<Delta> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    from_bytes(bytes, &path.display().to_string())
+    read_checked(Arc::new(Backing::Owned(bytes)), &path.display().to_string(), defer)
 }
 
 #[cfg(test)]

@@ -212,6 +212,7 @@ impl MirrorTensor {
             last_position: self.joined.last_position,
             base: None,
             differing: None,
+            unchecked: false,
         };
         if let Some(whole) = whole_mirror {
             let dense_len = self.numel as usize * self.width;

@@ -108,6 +108,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                 last_position: numel.checked_sub(1),
                 base: None,
                 differing: None,
+                unchecked: false,
             });
         }
     } else {
@@ -168,6 +169,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
                         last_position: last,
                         base: None,
                         differing: None,
+                        unchecked: false,
                     })
                 })
                 .collect::<Result<Vec<_>>>()
@@ -175,7 +177,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
     }
     let step = metadata.get("model_version").and_then(|v| v.parse::<u64>().ok());
     let mut delta = Delta { tensors, step, base_step: None, metadata: BTreeMap::new(), packed: false };
-    delta.validate(source)?;
+    delta.validate(source, false)?;
     Ok(delta)
 }
 

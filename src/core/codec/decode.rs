@@ -345,6 +345,21 @@ impl<'a> EncodedTensor<'a> {
         Ok(())
     }
 
+    /// Checks what a reader of the `rice` position stream and the `rans` or `diffbits` value stream of a tensor with
+    /// changes needs before its first change: the change count against the element count, the Rice parameter, the
+    /// `rans` table and initial states. The rest is checked as the streams are decoded (TensorDelta::unchecked).
+    pub fn check_headers(&self) -> Result<(), String> {
+        let numel = self.check_changed()?;
+        if self.positions.is_empty() || self.values.is_empty() {
+            return Err(format!("{} changes but an empty stream", self.changed));
+        }
+        RiceReader::new(self.positions, numel)?;
+        if self.values_codec == ValueCodec::Rans {
+            RansReader::new(self.values, self.width)?;
+        }
+        Ok(())
+    }
+
     /// Checks the streams end to end, with the same rules as the walk, and returns the last position.
     pub fn check(&self) -> Result<Option<u64>, String> {
         if self.positions_codec == PositionCodec::All && self.values_codec == ValueCodec::Abs {
