@@ -251,6 +251,44 @@ def check_compact_matches_dense_reload(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
+def _malformed_for_the_apply(blob: bytes) -> bytes:
+    """``blob`` with one of its last bytes changed so that it loads with check="apply" (the streams' headers are
+    sound) but a full check refuses it: a stream only the apply finds malformed."""
+    import deltasync_rs as ds
+
+    for back in range(1, 256):
+        bad = bytearray(blob)
+        bad[-back] ^= 0xFF
+        try:
+            ds.load(bytes(bad))
+        except ds.DeltaFormatError:
+            try:
+                ds.load(bytes(bad), check="apply")
+            except ds.DeltaFormatError:
+                continue
+            return bytes(bad)
+    raise AssertionError("no change of the last bytes that only the apply finds")
+
+
+def check_compact_checked_by_the_apply(model, item: Prepared) -> None:
+    """A compact delta loaded with its streams checked as they are applied (check="apply", what a Subscriber's pull
+    reads): refused naming the tensor, every parameter as it was, when a stream is malformed; else bit-exact on every
+    shard layout."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    blob = Path(item.path("delta_1_diff_compact.safetensors")).read_bytes()
+    bad = ds.load(_malformed_for_the_apply(blob), check="apply")
+    # A DeltaFormatError from the decode; where the changed stream is one of a tied pair (one parameter in vLLM), the
+    # refusal of two tensors that now differ comes first. Either way before any write.
+    _expect_untouched(
+        model, snapshot(model), ds.DeltaSyncError, lambda: apply_delta(model, bad, current_step=0), "tensor"
+    )
+    apply_delta(model, ds.load(blob, check="apply"), current_step=0)
+    apply_delta(model, _delta(item, 2, "abs", "compact"), current_step=1)
+    _assert_equal_to_reload(model, item, 2)
+
+
 def check_context_applies_at_tp1_or_is_refused_at_tp2(model, item: Prepared) -> None:
     """`context` positions decode against the whole base tensor: applied bit-exactly where the rank holds whole
     tensors; refused before any write, naming the codec, where it holds a slice of one."""
@@ -514,6 +552,7 @@ CHECKS = [
     check_tampered_anchor_pieces_refused,
     check_diff_then_abs_match_dense_reload,
     check_compact_matches_dense_reload,
+    check_compact_checked_by_the_apply,
     check_context_applies_at_tp1_or_is_refused_at_tp2,
     check_base_identity_at_tp1_or_refused_at_tp2,
     check_unknown_name_rejected,
