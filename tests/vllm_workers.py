@@ -105,6 +105,10 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
     # read its shard alone (check_anchor_pull_reads_only_this_ranks_shard).
     with ds.Publisher(data / "store-ranged", piece_bytes=RANGED_PIECE_BYTES, background=False) as publisher:
         publisher.publish(steps, states[-1])
+    # A store of every step: an anchor of step 0, then compact deltas (check_pull_checks_streams_as_it_applies).
+    with ds.Publisher(data / "store-deltas", background=False) as publisher:
+        for step, state in enumerate(states):
+            publisher.publish(step, state)
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
             for codec in ("varint", "compact", "context"):
@@ -286,6 +290,39 @@ def check_compact_checked_by_the_apply(model, item: Prepared) -> None:
     )
     apply_delta(model, ds.load(blob, check="apply"), current_step=0)
     apply_delta(model, _delta(item, 2, "abs", "compact"), current_step=1)
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_pull_checks_streams_as_it_applies(model, item: Prepared) -> None:
+    """A worker's pull checks the deltas' streams as it applies them: bit-exact. A delta whose stream only the apply
+    finds malformed (a file that matches its entry) is refused with every parameter as it was, the worker still at
+    the step before it (here no anchor leads around it); the pull then goes on once the file reads well."""
+    import hashlib
+
+    import deltasync_rs as ds
+    import deltasync_rs.subscriber as subscriber_module
+    from deltasync_rs.sync import delta_key
+
+    store = item.path("store-deltas")
+    worker = _fresh_worker(model)
+    assert worker.deltasync_pull(store, 1) == 1
+    bad = hashlib.sha256(Path(store, delta_key(2)).read_bytes()).hexdigest()
+    real_load = subscriber_module.load
+
+    def load(blob, *, check="load", **options):
+        if isinstance(blob, (bytes, bytearray, memoryview)) and hashlib.sha256(blob).hexdigest() == bad:
+            blob = _malformed_for_the_apply(bytes(blob))
+        return real_load(blob, check=check, **options)
+
+    subscriber_module.load = load
+    try:
+        # A ChainError after the way was read again with every file checked first (DeltaSyncError: where the changed
+        # stream is one of a tied pair, vLLM's refusal of two tensors that now differ comes first).
+        _expect_untouched(model, snapshot(model), ds.DeltaSyncError, lambda: worker.deltasync_pull(store), "")
+        assert worker.deltasync_step() == 1
+    finally:
+        subscriber_module.load = real_load
+    assert worker.deltasync_pull(store) == 2
     _assert_equal_to_reload(model, item, 2)
 
 
@@ -553,6 +590,7 @@ CHECKS = [
     check_diff_then_abs_match_dense_reload,
     check_compact_matches_dense_reload,
     check_compact_checked_by_the_apply,
+    check_pull_checks_streams_as_it_applies,
     check_context_applies_at_tp1_or_is_refused_at_tp2,
     check_base_identity_at_tp1_or_refused_at_tp2,
     check_unknown_name_rejected,

@@ -465,6 +465,11 @@ class Subscriber:
         when needed, then deltas in order; [] when already there or past it (a subscriber never moves back)."""
         return self._fetch(current_step, until, self._download) or []
 
+    def _fetch_checked_by_the_apply(self, current_step: int | None, until: int | None) -> list[Delta]:
+        """``fetch``, for deltas that are applied at once: their bit-packed streams are checked as they are applied
+        (``load(check="apply")``), not decoded once more here."""
+        return self._fetch(current_step, until, functools.partial(self._download, defer=True)) or []
+
     def _fetch(self, current_step: int | None, until: int | None, download: Download[T]) -> T | None:
         """``fetch``'s choice of target and way, each way read with ``download``; None when already there."""
         latest = self.latest_step()

@@ -8,6 +8,7 @@ weight-transfer engine (``vllm.general_plugins`` entry point ``register``) run i
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -30,9 +31,11 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from . import _arrays, _vllm_cpu, _write
-from ._core import BaseMismatchError, DeltaSyncError
+from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 from ._ranged import AnchorTensor, PartialAnchor
 from .delta import Delta, load
+
+log = logging.getLogger(__name__)
 
 #: Architectures whose HF → vLLM layout ``apply_delta`` maps itself; any other model uses vLLM's loader.
 MAPPED_ARCHITECTURES = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"})
@@ -500,8 +503,18 @@ class _StepTracker:
         # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
         subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
-        deltas = subscriber.fetch(self.current_step, until=until)
-        return self.apply(model, deltas, path=path, check_base=check_base)
+        # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
+        deltas = subscriber._fetch_checked_by_the_apply(self.current_step, until)
+        try:
+            return self.apply(model, deltas, path=path, check_base=check_base)
+        except DeltaFormatError as error:
+            # As in Subscriber.pull: nothing of the delta with the malformed stream was written (the step is the one
+            # before it). Read the way on again with every file checked first, which takes a way around the file.
+            log.warning(
+                "%s; reading the way from step %s again with every stream checked first", error, self.current_step
+            )
+            deltas = subscriber.fetch(self.current_step, until=until)
+            return self.apply(model, deltas, path=path, check_base=check_base)
 
 
 def _tensor_parallel() -> int:
