@@ -294,6 +294,39 @@ def test_a_compact_delta_has_tensors_whose_check_waits_for_the_apply():
             assert_bits_equal(target[name], curr[name], name)
     with pytest.raises(ds.DeltaSyncError, match='check must be "load" or "apply"'):
         ds.load(blob, check="later")
+    assert delta.to_bytes() == blob
+
+
+def test_streams_left_to_the_apply_are_checked_before_they_are_written_again(tmp_path):
+    """A delta loaded with check="apply" whose stream only a full check refuses: every reader of that stream
+    refuses it (apply_, decoded, to_bytes, save), none writes a file that holds it."""
+    blob, prev, _ = _several_compact_tensors()
+    for back in range(1, 256):
+        bad = bytearray(blob)
+        bad[-back] ^= 0xFF
+        try:
+            ds.load(bytes(bad))
+        except ds.DeltaFormatError:
+            try:
+                delta = ds.load(bytes(bad), check="apply")
+                break
+            except ds.DeltaFormatError:
+                continue
+    else:
+        raise AssertionError("no change of the last bytes that only the apply finds")
+    target = {k: v.clone() for k, v in prev.items()}
+    with pytest.raises(ds.DeltaFormatError, match="tensor"):
+        delta.apply_(target)
+    for name in prev:
+        assert_bits_equal(target[name], prev[name], name)
+    with pytest.raises(ds.DeltaFormatError, match="tensor"):
+        for index in range(len(delta.tensors)):
+            delta.decoded(index)
+    with pytest.raises(ds.DeltaFormatError, match="tensor"):
+        delta.to_bytes()
+    with pytest.raises(ds.DeltaFormatError, match="tensor"):
+        delta.save(tmp_path / "again.safetensors")
+    assert not (tmp_path / "again.safetensors").exists()
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,6 +14,8 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use crate::core::codec::PositionCodec;
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype::{self, Dtype};
@@ -203,10 +205,21 @@ pub fn version_of(delta: &Delta) -> &'static str {
 }
 
 /// Builds the header for `delta` and lists the pieces that follow it, in the layout of `version_of(delta)`.
+/// Streams loaded with their check left to the apply (`TensorDelta::unchecked`) are checked first: a file is only
+/// ever written with streams known to be sound.
 pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
     for tensor in &delta.tensors {
         check_tensor_name(&tensor.name)?;
     }
+    crate::core::pool::install(|| {
+        delta.tensors.par_iter().filter(|t| t.unchecked).try_for_each(|tensor| {
+            tensor
+                .encoded()
+                .check()
+                .map(|_| ())
+                .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+        })
+    })?;
     let version = version_of(delta);
     let packed = version == PACKED_FORMAT_VERSION;
     let records: Vec<Record> = delta
