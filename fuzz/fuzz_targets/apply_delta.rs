@@ -1,10 +1,14 @@
 //! Loads arbitrary bytes as a delta and applies it to targets of the size it asks for, or of a wrong size:
-//! apply must never panic or write out of bounds, and a refused apply must leave every target untouched.
+//! apply must never panic or write out of bounds, and a refused apply must leave every target untouched. The same
+//! bytes loaded with the streams' check left to the apply must end as the fully checked load does.
 #![no_main]
+
+use std::sync::Arc;
 
 use deltasync_rs::core::codec::decode::EncodedTensor;
 use deltasync_rs::core::error::Error;
-use deltasync_rs::core::{apply, format};
+use deltasync_rs::core::stream::Backing;
+use deltasync_rs::core::{apply, format, Delta};
 use libfuzzer_sys::fuzz_target;
 
 /// Targets larger than this are skipped, to keep each run fast.
@@ -13,7 +17,9 @@ const MAX_TARGET_BYTES: u64 = 1 << 20;
 fuzz_target!(|data: &[u8]| {
     // The last byte picks a size error to inject (0: none), the rest is the file.
     let Some((&skew, file)) = data.split_last() else { return };
-    let Ok(delta) = format::from_bytes(file.to_vec(), "fuzz") else { return };
+    let eager = format::from_bytes(file.to_vec(), "fuzz");
+    deferred_ends_as_eager(file, skew, eager.as_ref().ok());
+    let Ok(delta) = eager else { return };
     let mut buffers = Vec::new();
     for (index, tensor) in delta.tensors.iter().enumerate() {
         let elements = match tensor.numel() {
@@ -72,3 +78,43 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// Targets of the sizes `delta`'s tensors ask for, filled with a pattern; None when one is too large or unknown.
+fn own_size_targets(delta: &Delta, skew: u8) -> Option<Vec<(usize, Vec<u8>)>> {
+    let mut buffers = Vec::new();
+    for (index, tensor) in delta.tensors.iter().enumerate() {
+        let elements = tensor.numel().or(tensor.last_position.map(|last| last + 1)).unwrap_or(0);
+        let bytes = elements.checked_mul(tensor.width() as u64).filter(|&n| n <= MAX_TARGET_BYTES)?;
+        buffers.push((index, (0..bytes as usize).map(|i| (i as u8).wrapping_mul(31) ^ skew).collect()));
+    }
+    Some(buffers)
+}
+
+/// The bytes loaded with the check of `rice` + `rans` / `diffbits` streams left to the apply: refused (at load, or
+/// by an apply that leaves every target as it was) whenever the fully checked load (`eager`) refuses them; else
+/// writing what the fully checked delta writes.
+fn deferred_ends_as_eager(file: &[u8], skew: u8, eager: Option<&Delta>) {
+    let Ok(deferred) = format::read_checked(Arc::new(Backing::Owned(file.to_vec())), "fuzz", true) else {
+        assert!(eager.is_none(), "a file the full check accepts was refused with the check left to the apply");
+        return;
+    };
+    let Some(mut buffers) = own_size_targets(&deferred, skew) else { return };
+    let before: Vec<Vec<u8>> = buffers.iter().map(|(_, b)| b.clone()).collect();
+    let targets = buffers.iter_mut().map(|(index, b)| (*index, &mut b[..])).collect();
+    let applied = apply::apply(&deferred, targets);
+    let mut expected: Vec<(usize, Vec<u8>)> = before.iter().cloned().enumerate().collect();
+    let eager_applied = eager.map(|eager| {
+        let targets = expected.iter_mut().map(|(index, b)| (*index, &mut b[..])).collect();
+        apply::apply(eager, targets).is_ok()
+    });
+    match applied {
+        Ok(()) => {
+            assert_eq!(eager_applied, Some(true), "applied a file the full check refuses");
+            assert!(buffers.iter().zip(&expected).all(|((_, a), (_, b))| a == b), "wrote other bytes");
+        }
+        Err(_) => {
+            assert!(eager_applied != Some(true), "refused a file the full check applies");
+            assert!(buffers.iter().zip(&before).all(|((_, a), b)| a == b), "a refused apply wrote into a target");
+        }
+    }
+}
