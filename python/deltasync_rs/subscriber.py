@@ -555,6 +555,8 @@ class Subscriber:
                 # on again with every file checked first, so that a way around the bad file is taken, as when a
                 # file is refused at download.
                 log.warning("%s; reading the way from step %s again with every stream checked first", error, self.step)
+                if self.step is not None:  # the entry the way on must continue from
+                    self._at = self.entry(self.step)
                 known = self._apply_all(state, self._fetch_to_apply(self.step, until, defer=False))
         except BaseMismatchError as error:
             if not self.check_base or deltas[0].is_anchor:
