@@ -4,7 +4,7 @@ page cache, against the pass itself (``write_anchor_pieces``) and ``cp`` of the 
 
     python benches/hashes.py [GiB] [rounds] [FOLDER]
 
-GiB of random bytes (default 1) are hashed in memory, 256 KiB pieces one after another on one thread (``per core``
+GiB of random bytes (default 1; rounded to a multiple of 8 MiB, at least 8 MiB) are hashed in memory, 256 KiB pieces one after another on one thread (``per core``
 rows), then as a file in the page cache on every thread of the deltasync pool (``file_piece_hashes``, what a reader
 checks an anchor with). The same bytes, as a bf16 state of 32 tensors, are written as an anchor into FOLDER (default:
 a new temporary folder; give one on the disk you care about), which is then copied with ``cp``. Medians of ``rounds``
@@ -57,7 +57,10 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     folder = Path(sys.argv[3]) if len(sys.argv) > 3 else Path(tempfile.mkdtemp(prefix="deltasync-hashes-"))
     folder.mkdir(parents=True, exist_ok=True)
-    size = int(gib * (1 << 30)) // (64 << 20) * (64 << 20)
+    # 32 tensors of whole pieces: a multiple of 32 pieces (8 MiB), at least one (it was 64 MiB, rounded down, so that
+    # below 64 MiB nothing was left and the cross-check failed with an IndexError).
+    unit = 32 * PIECE
+    size = max(1, round(gib * (1 << 30) / unit)) * unit
     data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     view = memoryview(data)
     pieces = [view[i : i + PIECE] for i in range(0, size, PIECE)]
