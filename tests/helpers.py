@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +106,45 @@ def counting_store(root):
     store = Counting(root, create=False)
     store.read = Counter()
     return store
+
+
+def malformed_for_the_apply(blob: bytes) -> bytes:
+    """``blob`` with one of its last bytes changed so that it loads with check="apply" (the streams' headers are
+    sound) but a full check refuses it: a stream only the apply finds malformed."""
+    import deltasync_rs as ds
+
+    for back in range(1, 256):
+        bad = bytearray(blob)
+        bad[-back] ^= 0xFF
+        try:
+            ds.load(bytes(bad))
+        except ds.DeltaFormatError:
+            try:
+                ds.load(bytes(bad), check="apply")
+            except ds.DeltaFormatError:
+                continue
+            return bytes(bad)
+    raise AssertionError("no change of the last bytes that only the apply finds")
+
+
+@contextlib.contextmanager
+def subscriber_reads_malformed(sha256: str) -> Iterator[dict[str, int]]:
+    """While open, the subscriber reads the file whose SHA-256 is ``sha256`` as ``malformed_for_the_apply`` of it:
+    a file that matches its manifest entry although the publisher wrote a malformed stream (the change is made after
+    the digest check). Yields how many times it was read with the check left to the apply ("deferred") and with
+    every check at load ("checked")."""
+    import deltasync_rs.subscriber as subscriber_module
+
+    real_load, seen = subscriber_module.load, {"deferred": 0, "checked": 0}
+
+    def load(source, *, check="load", **options):
+        if isinstance(source, (bytes, bytearray, memoryview)) and hashlib.sha256(source).hexdigest() == sha256:
+            seen["deferred" if check == "apply" else "checked"] += 1
+            source = malformed_for_the_apply(bytes(source))
+        return real_load(source, check=check, **options)
+
+    subscriber_module.load = load
+    try:
+        yield seen
+    finally:
+        subscriber_module.load = real_load

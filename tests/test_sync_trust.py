@@ -19,7 +19,7 @@ import deltasync_rs as ds
 from deltasync_rs.cli import main
 from deltasync_rs.manifest import MAX_DOCUMENT_BYTES, latest_document, parse_document
 from deltasync_rs.sync import LATEST_KEY, RUN_KEY, delta_key, entry_key
-from tests.helpers import assert_states_equal
+from tests.helpers import assert_states_equal, subscriber_reads_malformed
 from tests.test_sync import _fresh, _publish_run, _state, _train_step
 
 KEY = "s3cret"
@@ -426,37 +426,8 @@ def test_one_corrupted_read_of_an_unsigned_run_id_does_not_stick(tmp_path):
     assert_states_equal(replica, history[1])
 
 
-def _malformed_once_loaded(monkeypatch, key: str) -> dict:
-    """Makes the subscriber read the delta at ``key`` as a file whose streams are malformed although it matches its
-    manifest entry (a publisher that wrote it so): its last rans bytes changed after the digest check, so that it
-    loads with its checks left to the apply and is refused by the apply (and by a load that checks everything)."""
-    import deltasync_rs.subscriber as subscriber_module
-
-    real_load, seen = subscriber_module.load, {"deferred": 0, "checked": 0}
-
-    def load(blob, *, check="load", **options):
-        if hashlib.sha256(blob).hexdigest() != seen.setdefault("sha256", ""):
-            return real_load(blob, check=check, **options)
-        seen["deferred" if check == "apply" else "checked"] += 1
-        for back in range(1, 64):
-            bad = bytearray(blob)
-            bad[-back] ^= 0xFF
-            try:
-                real_load(bytes(bad))
-            except ds.DeltaFormatError:
-                try:
-                    real_load(bytes(bad), check="apply")
-                except ds.DeltaFormatError:
-                    continue
-                return real_load(bytes(bad), check=check, **options)
-        raise AssertionError("no change of the last bytes that only the apply finds")
-
-    monkeypatch.setattr(subscriber_module, "load", load)
-    return seen
-
-
 @pytest.mark.parametrize("later_anchor", [True, False])
-def test_a_stream_the_apply_finds_malformed_sends_the_pull_around_it(tmp_path, monkeypatch, caplog, later_anchor):
+def test_a_stream_the_apply_finds_malformed_sends_the_pull_around_it(tmp_path, caplog, later_anchor):
     """A pull leaves the check of the deltas' bit-packed streams to the apply: a malformed one is found there, with
     nothing of its delta written; the pull then reads the way on again with every file checked first, and takes a
     way around the bad file (a later anchor) as a refused download does, or fails loudly at the step before it."""
@@ -465,9 +436,8 @@ def test_a_stream_the_apply_finds_malformed_sends_the_pull_around_it(tmp_path, m
     subscriber = ds.Subscriber(store)
     replica = _fresh(history[0])
     assert subscriber.pull(replica, until=1) == 1
-    seen = _malformed_once_loaded(monkeypatch, delta_key(2))
-    seen["sha256"] = hashlib.sha256(store.get(delta_key(2))).hexdigest()
-    with caplog.at_level(logging.WARNING, logger="deltasync_rs"):
+    malformed = subscriber_reads_malformed(hashlib.sha256(store.get(delta_key(2))).hexdigest())
+    with malformed as seen, caplog.at_level(logging.WARNING, logger="deltasync_rs"):
         if later_anchor:  # anchors at 0 and 3: from 3 the way to 4 does not need step 2's delta
             assert subscriber.pull(replica) == 4
             assert_states_equal(replica, history[4])

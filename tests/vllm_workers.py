@@ -255,34 +255,16 @@ def check_compact_matches_dense_reload(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
-def _malformed_for_the_apply(blob: bytes) -> bytes:
-    """``blob`` with one of its last bytes changed so that it loads with check="apply" (the streams' headers are
-    sound) but a full check refuses it: a stream only the apply finds malformed."""
-    import deltasync_rs as ds
-
-    for back in range(1, 256):
-        bad = bytearray(blob)
-        bad[-back] ^= 0xFF
-        try:
-            ds.load(bytes(bad))
-        except ds.DeltaFormatError:
-            try:
-                ds.load(bytes(bad), check="apply")
-            except ds.DeltaFormatError:
-                continue
-            return bytes(bad)
-    raise AssertionError("no change of the last bytes that only the apply finds")
-
-
 def check_compact_checked_by_the_apply(model, item: Prepared) -> None:
     """A compact delta loaded with its streams checked as they are applied (check="apply", what a Subscriber's pull
     reads): refused naming the tensor, every parameter as it was, when a stream is malformed; else bit-exact on every
     shard layout."""
     import deltasync_rs as ds
     from deltasync_rs.vllm import apply_delta
+    from tests.helpers import malformed_for_the_apply
 
     blob = Path(item.path("delta_1_diff_compact.safetensors")).read_bytes()
-    bad = ds.load(_malformed_for_the_apply(blob), check="apply")
+    bad = ds.load(malformed_for_the_apply(blob), check="apply")
     # A DeltaFormatError from the decode; where the changed stream is one of a tied pair (one parameter in vLLM), the
     # refusal of two tensors that now differ comes first. Either way before any write.
     _expect_untouched(
@@ -300,28 +282,19 @@ def check_pull_checks_streams_as_it_applies(model, item: Prepared) -> None:
     import hashlib
 
     import deltasync_rs as ds
-    import deltasync_rs.subscriber as subscriber_module
     from deltasync_rs.sync import delta_key
+    from tests.helpers import subscriber_reads_malformed
 
     store = item.path("store-deltas")
     worker = _fresh_worker(model)
     assert worker.deltasync_pull(store, 1) == 1
     bad = hashlib.sha256(Path(store, delta_key(2)).read_bytes()).hexdigest()
-    real_load = subscriber_module.load
-
-    def load(blob, *, check="load", **options):
-        if isinstance(blob, (bytes, bytearray, memoryview)) and hashlib.sha256(blob).hexdigest() == bad:
-            blob = _malformed_for_the_apply(bytes(blob))
-        return real_load(blob, check=check, **options)
-
-    subscriber_module.load = load
-    try:
+    with subscriber_reads_malformed(bad) as seen:
         # A ChainError after the way was read again with every file checked first (DeltaSyncError: where the changed
         # stream is one of a tied pair, vLLM's refusal of two tensors that now differ comes first).
         _expect_untouched(model, snapshot(model), ds.DeltaSyncError, lambda: worker.deltasync_pull(store), "")
         assert worker.deltasync_step() == 1
-    finally:
-        subscriber_module.load = real_load
+    assert seen["deferred"] == 1, seen
     assert worker.deltasync_pull(store) == 2
     _assert_equal_to_reload(model, item, 2)
 
