@@ -477,17 +477,28 @@ mod tests {
                 true,
             )
         };
+        // `delta` applied to fresh copies of `olds` with and without base identities, by `apply` and by
+        // `apply_checked`: (bases, checked, result, targets after) for each.
+        let outcomes = |delta: &Delta| {
+            let mut out = Vec::new();
+            for bases in [true, false] {
+                let mut delta = delta.clone();
+                delta.tensors.iter_mut().filter(|_| !bases).for_each(|t| t.base = None);
+                for checked in [false, true] {
+                    let mut targets = olds.clone();
+                    let slices = targets.iter_mut().enumerate().map(|(i, t)| (i, &mut t[..])).collect();
+                    let result =
+                        if checked { apply_checked(&delta, slices, false).map(|_| ()) } else { apply(&delta, slices) };
+                    out.push((bases, checked, result, targets));
+                }
+            }
+            out
+        };
         let whole = read(bytes.clone()).unwrap();
         assert!(whole.tensors.iter().all(|t| t.unchecked && t.last_position.is_none()));
-        for bases in [true, false] {
-            let mut whole = whole.clone();
-            whole.tensors.iter_mut().filter(|_| !bases).for_each(|t| t.base = None);
-            for checked in [false, true] {
-                let mut targets = olds.clone();
-                let slices = targets.iter_mut().enumerate().map(|(i, t)| (i, &mut t[..])).collect();
-                if checked { apply_checked(&whole, slices, false).map(|_| ()) } else { apply(&whole, slices) }.unwrap();
-                assert_eq!(targets, news);
-            }
+        for (bases, checked, result, targets) in outcomes(&whole) {
+            result.unwrap();
+            assert_eq!(targets, news, "bases {bases} checked {checked}");
         }
         // The last tensor's value stream ends the packed streams: drop its last byte and the header still reads.
         let mut broken = read(bytes).unwrap();
@@ -499,22 +510,14 @@ mod tests {
         flipped.tensors[0].positions =
             positions.iter().enumerate().map(|(i, b)| if i == 40 { !b } else { *b }).collect::<Vec<u8>>().into();
         for (delta, name) in [(&broken, "t2"), (&flipped, "t0")] {
-            for bases in [true, false] {
-                let mut delta = delta.clone();
-                delta.tensors.iter_mut().filter(|_| !bases).for_each(|t| t.base = None);
-                for checked in [false, true] {
-                    let mut targets = olds.clone();
-                    let slices = targets.iter_mut().enumerate().map(|(i, t)| (i, &mut t[..])).collect();
-                    let result =
-                        if checked { apply_checked(&delta, slices, false).map(|_| ()) } else { apply(&delta, slices) };
-                    match result {
-                        Err(Error::Format { message, .. }) => {
-                            assert!(message.contains(&format!("\"{name}\"")), "{message}")
-                        }
-                        other => panic!("{name} bases {bases} checked {checked}: {other:?}"),
+            for (bases, checked, result, targets) in outcomes(delta) {
+                match result {
+                    Err(Error::Format { message, .. }) => {
+                        assert!(message.contains(&format!("\"{name}\"")), "{message}")
                     }
-                    assert_eq!(targets, olds, "{name} bases {bases} checked {checked}: left changed");
+                    other => panic!("{name} bases {bases} checked {checked}: {other:?}"),
                 }
+                assert_eq!(targets, olds, "{name} bases {bases} checked {checked}: left changed");
             }
         }
     }

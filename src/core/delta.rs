@@ -202,11 +202,17 @@ impl TensorDelta {
                 ));
             }
         }
-        let checked = self.encoded().check();
-        self.last_position =
-            checked.map_err(|message| Error::format(source_name, format!("tensor {:?}: {message}", self.name)))?;
+        self.last_position = self.check_streams(source_name)?;
         self.unchecked = false;
         Ok(())
+    }
+
+    /// Checks the streams end to end (codec::decode::EncodedTensor::check): the last position, or a format error of
+    /// `source_name` naming the tensor.
+    pub fn check_streams(&self, source_name: &str) -> Result<Option<u64>> {
+        self.encoded()
+            .check()
+            .map_err(|message| Error::format(source_name, format!("tensor {:?}: {message}", self.name)))
     }
 }
 

@@ -212,13 +212,11 @@ pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
         check_tensor_name(&tensor.name)?;
     }
     crate::core::pool::install(|| {
-        delta.tensors.par_iter().filter(|t| t.unchecked).try_for_each(|tensor| {
-            tensor
-                .encoded()
-                .check()
-                .map(|_| ())
-                .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
-        })
+        delta
+            .tensors
+            .par_iter()
+            .filter(|t| t.unchecked)
+            .try_for_each(|tensor| tensor.check_streams("delta").map(|_| ()))
     })?;
     let version = version_of(delta);
     let packed = version == PACKED_FORMAT_VERSION;
