@@ -614,6 +614,52 @@ impl RawDelta {
         Ok(out)
     }
 
+    /// Tensor `index`'s `context` streams read without its base, for a reader that holds only part of the base
+    /// (a tensor-parallel shard) and finds the classes of its own elements itself (docs/format.md §5.2). Returns
+    /// `(reference, complement, ranks, group_of, values)`: the reference exponent field; per class, whether its
+    /// listed ranks are those of unchanged elements, and the listed ranks (ascending little-endian uint64 bytes);
+    /// the group of every class (one byte each); per group, its values in change order (little-endian, the element width). The
+    /// base identity is not checked here: only a reader of the whole tensor can compute it.
+    #[allow(clippy::type_complexity)]
+    fn context_parts<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+    ) -> PyResult<(u8, Vec<bool>, Vec<Bound<'py, PyBytes>>, Vec<u8>, Vec<Bound<'py, PyBytes>>)> {
+        let tensor = self.tensor(index)?;
+        let width = tensor.width();
+        let (parts, ranks, values) = py
+            .detach(|| -> crate::core::error::Result<_> {
+                let parts = tensor.context_parts()?;
+                let ranks: Vec<Vec<u8>> = parts
+                    .listed
+                    .ranks
+                    .iter()
+                    .map(|list| list.iter().flat_map(|rank| rank.to_le_bytes()).collect())
+                    .collect();
+                let values: Vec<Vec<u8>> = parts
+                    .values
+                    .iter()
+                    .map(|group| {
+                        let mut bytes = Vec::with_capacity(group.len() * width);
+                        for value in group {
+                            bytes.extend_from_slice(&value.to_le_bytes()[..width]);
+                        }
+                        bytes
+                    })
+                    .collect();
+                Ok((parts, ranks, values))
+            })
+            .map_err(to_py)?;
+        Ok((
+            parts.listed.reference,
+            parts.listed.complement.to_vec(),
+            ranks.iter().map(|bytes| PyBytes::new(py, bytes)).collect(),
+            parts.group_of.to_vec(),
+            values.iter().map(|bytes| PyBytes::new(py, bytes)).collect(),
+        ))
+    }
+
     /// True when tensor `index`'s decoded values are wrapping bit-pattern differences to add to the base
     /// (`diff`, `diffbits`, `rans`), false when they are the new bits (`abs`).
     fn holds_differences(&self, index: usize) -> PyResult<bool> {

@@ -299,30 +299,110 @@ def check_pull_checks_streams_as_it_applies(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
-def check_context_applies_at_tp1_or_is_refused_at_tp2(model, item: Prepared) -> None:
-    """`context` positions decode against the whole base tensor: applied bit-exactly where the rank holds whole
-    tensors; refused before any write, naming the codec, where it holds a slice of one."""
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+def check_ranks_pull_to_the_same_step(model, item: Prepared) -> None:
+    """TP ranks pull together but each reads the store: when one finds a newer step than another (a publish between
+    their reads), all end at the step every rank reached; when one rank's fetch fails, every rank raises before
+    anything is applied. At TP=1 a pull is the rank's own."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     import deltasync_rs as ds
+    from deltasync_rs.sync import Subscriber
+
+    store = item.path("store-deltas")
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    fetch = Subscriber._fetch_checked_by_the_apply
+
+    def rank_0_sees_step_1_only(self, current, until):
+        return fetch(self, current, 1 if rank == 0 and until is None else until)
+
+    def rank_1_fails(self, current, until):
+        if rank == 1:
+            raise ds.DeltaSyncError("the store is down for rank 1")
+        return fetch(self, current, until)
+
+    worker = _fresh_worker(model)
+    Subscriber._fetch_checked_by_the_apply = rank_1_fails
+    try:
+        if tp > 1:
+            _expect_untouched(
+                model,
+                snapshot(model),
+                ds.DeltaSyncError,
+                lambda: worker.deltasync_pull(store),
+                "the store is down" if rank == 1 else "rank 1 could not fetch",
+            )
+            assert worker.deltasync_step() is None
+        Subscriber._fetch_checked_by_the_apply = rank_0_sees_step_1_only
+        assert worker.deltasync_pull(store) == 1  # rank 1 alone would reach step 2
+    finally:
+        Subscriber._fetch_checked_by_the_apply = fetch
+    assert worker.deltasync_pull(store) == 2
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_context_applies_bit_exactly(model, item: Prepared) -> None:
+    """`context` positions decode against the base. Where the rank holds whole tensors, the core decodes them after
+    checking the base identity (applied twice: refused). Where it holds a slice (TP=2), the ranks exchange how many
+    elements of each class each run of their slices holds and each places its own changes (deltasync_rs._context):
+    bit-exact against vLLM's dense reload. A failure on one rank before the exchange makes every rank refuse the
+    delta, naming that rank, with nothing written anywhere."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    import deltasync_rs as ds
+    from deltasync_rs import _write
     from deltasync_rs.vllm import apply_delta
 
     first = _delta(item, 1, "diff", "context")
     assert "context" in {t.positions for t in first.tensors}, "no tensor took context positions"
-    if get_tensor_model_parallel_world_size() > 1:
-        _expect_untouched(
-            model, snapshot(model), ds.DeltaSyncError, lambda: apply_delta(model, first, current_step=0), "context"
-        )
-        return
-    apply_delta(model, first, current_step=0)
-    _expect_untouched(
-        model,
-        snapshot(model),
-        ds.BaseMismatchError,  # applied twice: context positions always check the base
-        lambda: apply_delta(model, first),
-        "base",
-    )
-    apply_delta(model, _delta(item, 2, "diff", "context"), current_step=1)
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    held, placed = _write.Writes.context_held, _write.Writes._add_context_part
+    counts = {"placed": 0}
+
+    def fail_on_rank_1(self, index, region):
+        if rank == 1:
+            raise ds.DeltaSyncError("a failure of rank 1 alone")
+        return held(self, index, region)
+
+    def counting(self, *args):
+        counts["placed"] += 1
+        return placed(self, *args)
+
+    if tp > 1:
+        _write.Writes.context_held = fail_on_rank_1
+        try:
+            _expect_untouched(
+                model,
+                snapshot(model),
+                ds.DeltaSyncError,
+                lambda: apply_delta(model, first, current_step=0),
+                "a failure of rank 1 alone" if rank == 1 else "tensor-parallel rank 1 could not apply",
+            )
+        finally:
+            _write.Writes.context_held = held
+    _write.Writes._add_context_part = counting
+    try:
+        apply_delta(model, first, current_step=0)
+        if tp == 1:
+            _expect_untouched(
+                model,
+                snapshot(model),
+                ds.BaseMismatchError,  # applied twice: the core checks a whole tensor's base identity first
+                lambda: apply_delta(model, first),
+                "base",
+            )
+        apply_delta(model, _delta(item, 2, "diff", "context"), current_step=1)
+    finally:
+        _write.Writes._add_context_part = placed
+    assert (counts["placed"] > 0) == (tp > 1), counts
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_context_abs_values_at_any_tp(model, item: Prepared) -> None:
+    """`context` positions with new values (values="abs"), steps 1 then 2: bit-exact against the dense reload."""
+    from deltasync_rs.vllm import apply_delta
+
+    apply_delta(model, _delta(item, 1, "abs", "context"), current_step=0)
+    apply_delta(model, _delta(item, 2, "abs", "context"), current_step=1)
     _assert_equal_to_reload(model, item, 2)
 
 
@@ -564,7 +644,9 @@ CHECKS = [
     check_compact_matches_dense_reload,
     check_compact_checked_by_the_apply,
     check_pull_checks_streams_as_it_applies,
-    check_context_applies_at_tp1_or_is_refused_at_tp2,
+    check_ranks_pull_to_the_same_step,
+    check_context_applies_bit_exactly,
+    check_context_abs_values_at_any_tp,
     check_base_identity_at_tp1_or_refused_at_tp2,
     check_unknown_name_rejected,
     check_wrong_base_rejected,

@@ -85,6 +85,25 @@ def decode(raw: RawDelta, index: int, *, device: Any = None, base: Any = None) -
     return staged[: changed * 8].view(torch.int64), staged[changed * 8 :].view(int_dtype(width))
 
 
+def _hf_rows_cols(region: Region) -> tuple[int, int]:
+    """The region's tensor viewed as ``[rows, cols]`` (a vector as one column)."""
+    rows = region.hf_shape[0] if region.hf_shape else 1
+    return rows, region.hf_shape[1] if len(region.hf_shape) == 2 else 1
+
+
+def _covers_all(region: Region) -> bool:
+    rows, cols = _hf_rows_cols(region)
+    return region.row_start == 0 and region.row_count == rows and region.col_start == 0 and region.col_count == cols
+
+
+def _region_block(region: Region, width: int) -> Any:
+    """The region's elements in its (contiguous) parameter as a ``[row_count, col_count]`` view of bit patterns."""
+    param = region.param.data
+    param_cols = param.shape[1] if param.dim() == 2 else 1
+    grid = param.view(int_dtype(width)).view(-1, param_cols)
+    return grid[region.param_row_offset : region.param_row_offset + region.row_count, : region.col_count]
+
+
 def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, bool]:
     """(elements spanned from the lowest element, whether no two elements can share memory). The second is proven
     by sorting dimensions by stride: each stride must pass the span of all smaller ones."""
@@ -146,6 +165,7 @@ class Writes:
         self._core_tensors: list[Any] = []  # torch tensors the core writes, for their version counters
         self._staged: list[Callable[[], object]] = []
         self._check_in_core = False  # the core checks the base of the targets it writes (add_all's check_base)
+        self._context: dict[int, tuple[Any, Any]] = {}  # context tensors held in part: (their parts, classes)
         self.elements = 0  # elements staged for writing
 
     def _name(self, index: int) -> str:
@@ -310,26 +330,43 @@ class Writes:
         return write
 
     # -- regions of larger parameters (vLLM) ----------------------------------------------------------------------
-    def add_region(self, index: int, region: Region) -> None:
+    def context_sharded(self, index: int, region: Region) -> bool:
+        """True when tensor ``index`` has ``context`` positions and ``region`` is only part of it: its changes are
+        placed with what every rank holds (:meth:`context_held`, exchanged by the caller; deltasync_rs._context)."""
+        return needs_base(self._raw, index) and self._changed(index) > 0 and not _covers_all(region)
+
+    def context_held(self, index: int, region: Region) -> Any:
+        """What this rank holds of ``context`` tensor ``index`` (a ``_context.Held``), for the other ranks: the
+        classes of its slice's elements, computed on the parameter's device and kept for :meth:`add_region`."""
+        from . import _context
+
+        if index not in self._context:
+            parts = _context.read_parts(self._raw, index)
+            block = _region_block(region, self._width(index))
+            cls = _context.classes(block, self.infos[index][1], parts.reference).to(_torch().uint8)
+            self._context[index] = (parts, cls)
+        cls = self._context[index][1]
+        return _context.held(cls, region.row_start, region.col_start, _hf_rows_cols(region)[1])
+
+    def add_region(self, index: int, region: Region, everyone: list[Any] | None = None) -> None:
         """Stages tensor ``index`` (in its own coordinates, viewed as ``[rows, cols]``) into this rank's slice of a
         larger parameter: rows ``row_start ..+ row_count`` and columns ``col_start ..+ col_count`` land at
-        parameter row ``param_row_offset + i``, column ``j``. The caller checks that regions do not collide."""
+        parameter row ``param_row_offset + i``, column ``j``. The caller checks that regions do not collide.
+        A ``context`` tensor held in part (:meth:`context_sharded`) needs ``everyone``: every rank's
+        :meth:`context_held`, this rank's included, in any order."""
         torch = _torch()
         width = self._width(index)
         param = region.param.data
         if not param.is_contiguous():
             raise DeltaSyncError(f"tensor {self._name(index)!r}: the target parameter is not contiguous")
-        hf_rows = region.hf_shape[0] if region.hf_shape else 1
-        hf_cols = region.hf_shape[1] if len(region.hf_shape) == 2 else 1
+        hf_rows, hf_cols = _hf_rows_cols(region)
         param_cols = param.shape[1] if param.dim() == 2 else 1
-        covers_all = (
-            region.row_start == 0
-            and region.row_count == hf_rows
-            and region.col_start == 0
-            and region.col_count == hf_cols
-        )
+        covers_all = _covers_all(region)
         changed = self._changed(index)
         if changed == 0:
+            return
+        if self.context_sharded(index, region):
+            self._add_context_part(index, region, everyone)
             return
         if covers_all and param.device.type == "cpu":
             # The whole tensor is one contiguous run of this CPU parameter: the core writes into it directly.
@@ -341,14 +378,6 @@ class Writes:
         flat = param.view(int_dtype(width)).view(-1)
         base = None
         if needs_base(self._raw, index):
-            if not covers_all:
-                raise DeltaSyncError(
-                    f"tensor {self._name(index)!r} has 'context' positions (codec=\"context\"), which decode only "
-                    "against the whole base tensor, but this worker holds rows "
-                    f"{region.row_start}..{region.row_start + region.row_count} and columns "
-                    f"{region.col_start}..{region.col_start + region.col_count} of its {tuple(region.hf_shape)}: "
-                    'publish with codec="compact" for tensor-parallel workers'
-                )
             start = region.param_row_offset * param_cols
             base = param.view(-1)[start : start + hf_rows * hf_cols]
         positions, values = decode(self._raw, index, device=param.device, base=base)
@@ -372,6 +401,26 @@ class Writes:
         new = new_bits(self._raw, index, flat.index_select(0, positions), values, width)
         self.elements += int(positions.numel())
         self._staged.append(lambda: flat.index_copy_(0, positions, new))
+
+    def _add_context_part(self, index: int, region: Region, everyone: list[Any] | None) -> None:
+        from . import _context
+
+        if everyone is None:
+            raise DeltaSyncError(
+                f"tensor {self._name(index)!r} has 'context' positions (codec=\"context\") and this worker holds "
+                f"rows {region.row_start}..{region.row_start + region.row_count} and columns "
+                f"{region.col_start}..{region.col_start + region.col_count} of its {tuple(region.hf_shape)}: "
+                "placing its changes needs what every worker holds, which was not exchanged"
+            )
+        self.context_held(index, region)
+        parts, cls = self._context[index]
+        positions, values = _context.place(self._raw, index, parts, cls, region.row_start, region.col_start, everyone)
+        block = _region_block(region, self._width(index))
+        rows = _torch().div(positions, block.shape[1], rounding_mode="floor")
+        cols = positions - rows * block.shape[1]
+        new = new_bits(self._raw, index, block[rows, cols], values, self._width(index))
+        self.elements += int(positions.numel())
+        self._staged.append(lambda: block.index_put_((rows, cols), new))
 
     # -- writing ----------------------------------------------------------------------------------------------------
     def commit(self, *, digest: bool = False) -> dict[int, bytes]:

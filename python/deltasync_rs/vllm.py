@@ -305,6 +305,31 @@ def apply_delta(
             f"{sorted(MAPPED_ARCHITECTURES)}; use path='loader'"
         )
 
+    # A `context` tensor split across ranks is placed with what every rank holds of it (deltasync_rs._context): the
+    # ranks exchange that once per delta, and a failure on any rank before it is shared, so that all ranks raise
+    # together, none waits on another, and none writes.
+    exchange = _tensor_parallel() > 1 and any(info.positions == "context" for info in delta.tensors)
+    writes = _write.Writes(delta._raw)
+    try:
+        plan, held = _stage(model, delta, writes, partial, check_base)
+    except Exception as error:
+        if exchange:
+            _exchange(None, error)
+        raise
+    everyone = _exchange(held, None) if exchange else {}
+    for index, shard in plan:
+        if writes.context_sharded(index, shard):
+            writes.add_region(index, shard, everyone[index])
+    writes.commit()
+    _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
+    return writes.elements
+
+
+def _stage(
+    model: torch.nn.Module, delta: Delta, writes: _write.Writes, partial: PartialAnchor | None, check_base: bool
+) -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
+    """Checks every tensor against this rank's parameters and stages its writes, but those of `context` tensors
+    this rank holds in part: for them, returns what this rank holds (``Writes.context_held``), by tensor index."""
     params = _params(model)
     infos = delta.tensors
     plan: list[tuple[int, ShardMap]] = []
@@ -337,13 +362,34 @@ def apply_delta(
     _reject_lone_tied_head(params, {info.name for info in infos})
     if check_base:
         _check_base(delta, plan)
-
-    writes = _write.Writes(delta._raw)
+    held = {}
     for index, shard in plan:
-        writes.add_region(index, shard)
-    writes.commit()
-    _vllm_cpu.repack(model, [shard.param for index, shard in plan if infos[index].changed])
-    return writes.elements
+        if writes.context_sharded(index, shard):
+            held[index] = writes.context_held(index, shard)
+        else:
+            writes.add_region(index, shard)
+    return plan, held
+
+
+def _exchange(held: dict[int, Any] | None, error: BaseException | None) -> dict[int, list[Any]]:
+    """All-gathers, over vLLM's tensor-parallel CPU group, what each rank holds of the `context` tensors it holds in
+    part (or the error that stopped it); raises on every rank if any rank failed. Returns every rank's holdings by
+    tensor index."""
+    mine = ("failed", f"{type(error).__name__}: {error}", type(error).__name__) if error is not None else ("ok", held)
+    everyone = _all_gather(mine)
+    for rank, (status, *rest) in enumerate(everyone):
+        if status == "failed" and error is None:
+            kind = {"DeltaFormatError": DeltaFormatError, "BaseMismatchError": BaseMismatchError}.get(
+                rest[1], DeltaSyncError
+            )
+            raise kind(f"tensor-parallel rank {rank} could not apply the delta ({rest[0]}); nothing was written")
+    if error is not None:
+        return {}
+    by_tensor: dict[int, list[Any]] = {}
+    for _, holdings in everyone:
+        for index, part in holdings.items():
+            by_tensor.setdefault(index, []).append(part)
+    return by_tensor
 
 
 def _check_base(delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
@@ -504,7 +550,7 @@ class _StepTracker:
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
         subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
-        deltas = subscriber._fetch_checked_by_the_apply(self.current_step, until)
+        deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, self.current_step, until)
         try:
             return self.apply(model, deltas, path=path, check_base=check_base)
         except DeltaFormatError as error:
@@ -513,8 +559,56 @@ class _StepTracker:
             log.warning(
                 "%s; reading the way from step %s again with every stream checked first", error, self.current_step
             )
-            deltas = subscriber.fetch(self.current_step, until=until)
+            deltas, _ = _agreed(lambda at, to: subscriber.fetch(at, until=to), self.current_step, until)
             return self.apply(model, deltas, path=path, check_base=check_base)
+
+
+def _agreed(
+    fetch: Callable[[int | None, int | None], list[Delta]], current_step: int | None, until: int | None
+) -> tuple[list[Delta], int | None]:
+    """``fetch(current_step, until)``, agreed on by every tensor-parallel rank: they pull together (collective_rpc),
+    and must end at the same step, or their shards would hold different steps (``until=None`` is the newest step
+    each rank finds, which a publish between two ranks' reads makes differ). The ranks all-gather where they start
+    and the step they reached; the ranks ahead fetch again up to the step all reached. A failed fetch on any rank
+    makes every rank raise before anything is applied. Returns the deltas and the agreed step (``until`` at TP 1)."""
+    if _tensor_parallel() <= 1:
+        return fetch(current_step, until), until
+    for _ in range(3):
+        try:
+            deltas: list[Delta] | None = fetch(current_step, until)
+            reached = next((d.step for d in reversed(deltas or []) if d.step is not None), current_step)
+            mine: tuple[Any, ...] = ("ok", current_step, reached)
+        except Exception as error:
+            deltas, mine = None, ("failed", f"{type(error).__name__}: {error}")
+            _all_gather(mine)
+            raise
+        everyone = _all_gather(mine)
+        for rank, (status, *rest) in enumerate(everyone):
+            if status == "failed":
+                raise DeltaSyncError(
+                    f"tensor-parallel rank {rank} could not fetch the deltas ({rest[0]}); none applied"
+                )
+        if len({start for _, start, _ in everyone}) > 1:
+            raise BaseMismatchError(
+                "the tensor-parallel ranks are at different steps "
+                f"({', '.join(f'rank {r}: {start}' for r, (_, start, _) in enumerate(everyone))}); set the step "
+                "(deltasync_set_step) or pull from an anchor; none applied"
+            )
+        steps = {reached for _, _, reached in everyone}
+        if len(steps) == 1:
+            return deltas or [], until
+        until = min(steps, key=lambda step: -1 if step is None else step)
+    raise DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
+
+
+def _all_gather(mine: Any) -> list[Any]:
+    """Every tensor-parallel rank's ``mine``, in rank order, over vLLM's tensor-parallel CPU (gloo) group."""
+    from vllm.distributed import parallel_state
+
+    group = parallel_state.get_tp_group()
+    everyone: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(everyone, mine, group=group.cpu_group)
+    return everyone
 
 
 def _tensor_parallel() -> int:

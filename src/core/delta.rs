@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use rayon::prelude::*;
 
-use crate::core::codec::decode::{ContextChanges, EncodedTensor};
+use crate::core::codec::decode::{ContextChanges, ContextParts, EncodedTensor};
 use crate::core::codec::plan::TensorStreams;
 use crate::core::codec::{PositionCodec, ValueCodec};
 use crate::core::dtype::{self, Dtype};
@@ -161,6 +161,14 @@ impl TensorDelta {
         EncodedTensor { base: Some(base), ..self.encoded() }
             .context_changes()
             .map(|changes| Some(changes.into_owned()))
+            .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
+    }
+
+    /// A `context` tensor's streams read without its base, for a reader holding only part of it (`ContextParts`):
+    /// nothing here is checked against the base identity, which only a reader of the whole tensor can compute.
+    pub fn context_parts(&self) -> Result<ContextParts> {
+        self.encoded()
+            .context_parts()
             .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
     }
 

@@ -86,6 +86,26 @@ pub fn check<const W: usize>(bytes: &[u8], changed: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// Every group's values, each group's in change order, decoded without the classes (for a reader that finds the
+/// class of each change itself): the group of every class, and the values of each group. Checks every stream.
+pub fn by_group<const W: usize>(bytes: &[u8], changed: u64) -> Result<([u8; CLASSES], Vec<Vec<u64>>), String> {
+    let groups = read_groups(bytes, changed)?;
+    let mut out = Vec::with_capacity(groups.streams.len());
+    for (group, (&count, stream)) in groups.counts.iter().zip(&groups.streams).enumerate() {
+        let mut values = vec![0u64; usize::try_from(count).map_err(|_| "too many values".to_owned())?];
+        if count > 0 {
+            let fail = |e: String| format!("rans_classes group {group}: {e}");
+            let mut reader = RansReader::new(stream, W).map_err(fail)?;
+            reader.read_values::<W>(&mut values).map_err(fail)?;
+            if !reader.is_exhausted() {
+                return Err(fail("its stream has bytes after its last value".to_owned()));
+            }
+        }
+        out.push(values);
+    }
+    Ok((groups.group_of, out))
+}
+
 /// The values in change order, `classes[i]` being change `i`'s class: each from its group's stream, in turn.
 /// Fails where a group's count differs from its classes' changes or a stream is bad.
 pub fn decode<const W: usize>(bytes: &[u8], classes: &[u8]) -> Result<Vec<u64>, String> {

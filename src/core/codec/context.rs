@@ -133,18 +133,36 @@ fn read_ranks(bytes: &[u8], header: &Header, numel: u64) -> Result<Vec<Vec<u64>>
     Ok(ranks)
 }
 
-/// Checks what can be checked of a `context` stream without the base: its header, that it holds exactly the
-/// ranks it declares (each below `numel`), and, where no class lists unchanged elements, that they are `changed`.
-pub fn check(bytes: &[u8], field: Exponent, changed: u64, numel: u64) -> Result<(), String> {
+/// A `context` stream read without the base (docs/format.md §5.2): what a reader that holds only part of the base,
+/// and finds the classes of its own elements itself, needs to place its changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// The reference exponent field: class `c` holds the fields `reference + c - 8` (clamped to 0 and 15).
+    pub reference: u8,
+    /// Per class: true where the listed ranks are those of the unchanged elements.
+    pub complement: [bool; CLASSES],
+    /// Per class: the listed ranks, ascending, within the class in row-major order.
+    pub ranks: Vec<Vec<u64>>,
+}
+
+/// Reads a `context` stream without the base and checks what can be checked so: its header, that it holds exactly
+/// the ranks it declares (each below `numel`), and, where no class lists unchanged elements, that they are
+/// `changed`.
+pub fn listed(bytes: &[u8], field: Exponent, changed: u64, numel: u64) -> Result<Listed, String> {
     let header = read_header(bytes, field)?;
-    read_ranks(bytes, &header, numel)?;
+    let ranks = read_ranks(bytes, &header, numel)?;
     // No overflow: read_ranks bounds the sum by the stream's bits.
     let listed_changes: u64 = (0..CLASSES).filter(|&c| !header.complement[c]).map(|c| header.listed[c]).sum();
     let exact = !header.complement.iter().any(|&c| c);
     if listed_changes > changed || (exact && listed_changes != changed) {
         return Err(format!("context stream lists {listed_changes} changes but the record says changed={changed}"));
     }
-    Ok(())
+    Ok(Listed { reference: header.reference, complement: header.complement, ranks })
+}
+
+/// Checks what can be checked of a `context` stream without the base (`listed`).
+pub fn check(bytes: &[u8], field: Exponent, changed: u64, numel: u64) -> Result<(), String> {
+    listed(bytes, field, changed, numel).map(|_| ())
 }
 
 /// The classes of up to 64 consecutive elements of the base, as one mask per class: bit `i` of `masks[c]` is set
@@ -1027,6 +1045,33 @@ mod tests {
                 assert!(stream.len() * 10 < rice.len() * 8, "context {} bytes, rice {}", stream.len(), rice.len());
             }
         }
+    }
+
+    #[test]
+    fn listed_ranks_place_the_changes_with_the_classes_alone() {
+        // What a reader holding part of the base does (docs/format.md §5.2): the listed ranks, read without the base,
+        // and every element's class give back exactly the decoded positions.
+        let field = Exponent::of(Dtype::BF16).unwrap();
+        for (n, seed) in [(1usize, 2u64), (1000, 4), (100_000, 5)] {
+            let (base, positions) = sample(n, seed);
+            let stream = encode(&base, field, &positions);
+            let listed = listed(&stream, field, positions.len() as u64, n as u64).unwrap();
+            assert!(listed.complement.iter().any(|&c| c) || n < 1000, "no complemented class at n={n}");
+            let table = class_table(listed.reference);
+            let (mut seen, mut placed) = ([0u64; CLASSES], Vec::new());
+            let mut at = 0usize;
+            field.for_each(&base, |exponent| {
+                let class = usize::from(table[exponent]);
+                let is_listed = listed.ranks[class].binary_search(&seen[class]).is_ok();
+                if is_listed != listed.complement[class] {
+                    placed.push(at as u64);
+                }
+                seen[class] += 1;
+                at += 1;
+            });
+            assert_eq!(placed, positions, "n={n}");
+        }
+        assert!(listed(&[], field, 0, 0).is_err());
     }
 
     #[test]

@@ -21,6 +21,18 @@ pub struct ContextChanges {
     pub values: Option<Vec<u64>>,
 }
 
+/// A `context` tensor read without its base, for a reader that holds only part of the base and finds the classes
+/// of its own elements itself (docs/format.md §5.2, "A reader holding part of the base"): every class's listed
+/// ranks, and the values by group of classes (`rans_classes`; otherwise one group, every class in it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContextParts {
+    pub listed: context::Listed,
+    /// The group of every class.
+    pub group_of: [u8; context::CLASSES],
+    /// Per group, its values in change order: the new bits (`abs`) or wrapping differences (the others).
+    pub values: Vec<Vec<u64>>,
+}
+
 /// A tensor's streams as stored, with what it takes to read them.
 #[derive(Clone, Copy)]
 pub struct EncodedTensor<'a> {
@@ -166,6 +178,42 @@ impl<'a> EncodedTensor<'a> {
             _ => None,
         };
         Ok(std::borrow::Cow::Owned(ContextChanges { positions, values }))
+    }
+
+    /// A `context` tensor's streams read without the base (`ContextParts`), both checked to their ends.
+    pub fn context_parts(&self) -> Result<ContextParts, String> {
+        if self.positions_codec != PositionCodec::Context {
+            return Err(format!("positions are '{}', not 'context'", self.positions_codec.name()));
+        }
+        let field = self.context_field()?;
+        let numel = self.numel.ok_or("positions 'context' need the tensor's shape")?;
+        self.check_changed()?;
+        let listed = context::listed(self.positions, field, self.changed, numel)?;
+        let (group_of, values) = match self.values_codec {
+            ValueCodec::RansClasses => {
+                with_width!(self.width, W => classvalues::by_group::<W>(self.values, self.changed))?
+            }
+            _ => ([0; context::CLASSES], vec![with_width!(self.width, W => self.values_in_order::<W>())?]),
+        };
+        Ok(ContextParts { listed, group_of, values })
+    }
+
+    /// All `changed` values of a value stream other than `rans_classes`, in change order, checked to its end.
+    fn values_in_order<const W: usize>(&self) -> Result<Vec<u64>, String> {
+        let mut reader = ValueReader::<W>::new(self.values, self.values_codec)?;
+        let mut out = vec![0u64; usize::try_from(self.changed).map_err(|_| "too many changes".to_owned())?];
+        match reader.rans.as_mut() {
+            Some(rans) => rans.read_values::<W>(&mut out)?,
+            None => {
+                for value in &mut out {
+                    *value = reader.next_value()?;
+                }
+            }
+        }
+        if !reader.is_exhausted() {
+            return Err("value stream has bytes after the last change".to_owned());
+        }
+        Ok(out)
     }
 
     /// Refuses `rans_classes` values beside positions other than `context`, which give them their classes.
