@@ -660,6 +660,35 @@ impl RawDelta {
         ))
     }
 
+    /// The changed elements of a reader holding part of `context` tensor `index`'s base (docs/format.md §5.2):
+    /// `block` (a buffer or CPU contiguous tensor) holds its runs back to back, `run_len` elements each, and
+    /// `first_ranks` (little-endian uint64, 16 per run) each run's first class rank in every class over the whole
+    /// tensor. Returns the changed elements' indices in `block`, ascending, as little-endian int64 bytes.
+    fn context_runs<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+        block: Bound<'py, PyAny>,
+        run_len: usize,
+        first_ranks: &[u8],
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let tensor = self.tensor(index)?;
+        if !first_ranks.len().is_multiple_of(128) {
+            return Err(DeltaSyncError::new_err("first_ranks must hold 16 uint64 per run"));
+        }
+        let firsts: Vec<[u64; 16]> = first_ranks
+            .chunks_exact(128)
+            .map(|run| std::array::from_fn(|c| u64::from_le_bytes(run[8 * c..8 * c + 8].try_into().expect("8 bytes"))))
+            .collect();
+        let exported = export(&block, &|| format!("block of tensor {:?}", tensor.name), false)?;
+        // SAFETY: `exported` keeps the buffer alive until after this call.
+        let slice = exported.1;
+        let positions = py.detach(|| tensor.context_runs(unsafe { slice.get() }, run_len, &firsts)).map_err(to_py)?;
+        drop(exported);
+        let bytes: Vec<u8> = positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+        Ok(PyBytes::new(py, &bytes))
+    }
+
     /// True when tensor `index`'s decoded values are wrapping bit-pattern differences to add to the base
     /// (`diff`, `diffbits`, `rans`), false when they are the new bits (`abs`).
     fn holds_differences(&self, index: usize) -> PyResult<bool> {

@@ -5,7 +5,8 @@ Run by tests/test_engine.py in the engine's own virtualenv (``make setup-engine`
     python tests/engine_scenario.py MODEL WORKDIR [--multiprocess]
 
 The trainer takes real AdamW steps on a tiny HF model (fp32 master, bf16 export) and publishes every step to a
-local store with ``ds.Publisher``: varint and compact codecs, difference and absolute values. One engine starts on
+local store with ``ds.Publisher``: varint and compact codecs, difference and absolute values (and at TP=2 a
+context delta, placed by ranks that each hold slices). One engine starts on
 the step-0 checkpoint and follows the trainer through every way in: the worker extension's ``deltasync_pull``, the
 native weight-transfer API (``update_weights``), vLLM's own loader path, and explicit files. After each update it
 generates greedily with logprobs; a fresh engine started on that step's checkpoint must generate exactly the same
@@ -132,7 +133,7 @@ def fresh_generation(folder: Path, multiprocess: bool) -> list:
 
 
 def run(name: str, work: Path, multiprocess: bool) -> dict:
-    steps = 2 if multiprocess else 5
+    steps = 3 if multiprocess else 5
     folders, states = train(name, work, steps)
     store = str(work / "store")
     with ds.Publisher(store, anchor_every=100) as publisher:
@@ -145,6 +146,11 @@ def run(name: str, work: Path, multiprocess: bool) -> dict:
                 publisher.publish_delta(step, delta)
         else:
             publisher.publish_delta(2, ds.diff(states[1], states[2], codec="compact"))
+            # At TP=2 each rank holds slices of the split tensors: context positions are placed with the class
+            # counts the ranks exchange (docs/vllm.md §7).
+            delta = ds.diff(states[2], states[3], codec="context")
+            assert "context" in {t.positions for t in delta.tensors}, "no tensor took context positions"
+            publisher.publish_delta(3, delta)
     loose = work / "step5.safetensors"  # a file handed over directly, outside the store
     if not multiprocess:
         ds.diff(states[4], states[5], codec="compact", step=5, base_step=4).save(loose)
@@ -183,7 +189,11 @@ def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[d
     llm.reset_prefix_cache()
     followed[2] = generate(llm)
     refused = None
-    if not multiprocess:
+    if multiprocess:
+        assert llm.collective_rpc("deltasync_pull", args=(store,)) == [3] * TP  # the newest step, agreed by the ranks
+        llm.reset_prefix_cache()
+        followed[3] = generate(llm)
+    else:
         assert llm.collective_rpc("deltasync_pull", kwargs={"store": store, "step": 3, "path": "loader"}) == [3] * TP
         llm.reset_prefix_cache()
         followed[3] = generate(llm)

@@ -61,9 +61,17 @@ def _regions(base: torch.Tensor, blocks, pad_rows: int = 0) -> list[Region]:
 
 
 def _apply(delta: ds.Delta, regions: list[Region]) -> None:
-    """Every rank stages and commits its region, with every rank's holdings exchanged first."""
+    """Every rank stages and commits its region, with every rank's holdings exchanged first. The core walks CPU
+    blocks; each rank also places its changes with the torch ops used on other devices, which must agree."""
     writes = [_write.Writes(delta._raw) for _ in regions]
     held = [w.context_held(0, r) for w, r in zip(writes, regions)]
+    parts = _context.read_parts(delta._raw, 0)
+    for region in regions:
+        block = region.param[region.param_row_offset :, : region.col_count].view(_bits(region.param).dtype)
+        cls = _context.classes(block, delta.tensors[0].dtype, parts.reference)
+        by_core = _context.place(delta._raw, 0, parts, cls, region.row_start, region.col_start, held, bits=block)
+        by_torch = _context.place(delta._raw, 0, parts, cls, region.row_start, region.col_start, held)
+        assert all(torch.equal(a, b) for a, b in zip(by_core, by_torch))
     for w, r in zip(writes, regions):
         assert w.context_sharded(0, r)
         w.add_region(0, r, held)

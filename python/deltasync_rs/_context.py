@@ -32,12 +32,26 @@ _FIELDS = {"BF16": (7, 0xFF), "F16": (10, 0x1F), "F32": (23, 0xFF)}
 
 @dataclass(frozen=True)
 class Held:
-    """What one reader holds of a tensor, as runs of its row-major elements: each run's first element and length,
-    and how many of its elements fall in each class (int64, ``[runs, 16]``). Plain numpy, to be exchanged."""
+    """What one reader holds of a tensor of ``cols`` columns: rows ``row_start ..+ row_count``, columns
+    ``col_start ..+ col_count``, and how many of the elements of each of its runs (its rows, as one run when they are
+    whole; else each row's slice) fall in each class: ``counts``, ``[runs, 16]``, in the smallest unsigned type that
+    holds a run's length. Plain numbers and numpy, small, to be exchanged."""
 
-    starts: np.ndarray
-    lengths: np.ndarray
+    row_start: int
+    row_count: int
+    col_start: int
+    col_count: int
+    cols: int
     counts: np.ndarray
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each run's first element (row-major, in the whole tensor) and length."""
+        if self.row_count == 0 or self.col_count == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        if self.col_count == self.cols:
+            return np.array([self.row_start * self.cols], np.int64), np.array([self.row_count * self.cols], np.int64)
+        starts = (self.row_start + np.arange(self.row_count, dtype=np.int64)) * self.cols + self.col_start
+        return starts, np.full(self.row_count, self.col_count, np.int64)
 
 
 @dataclass(frozen=True)
@@ -66,24 +80,20 @@ def read_parts(raw: RawDelta, index: int) -> Parts:
 
 
 def classes(bits: Any, dtype: str, reference: int) -> Any:
-    """The class of every element (int64, same shape) from its bit pattern ``bits`` (a torch integer tensor of the
-    element width): the exponent field minus ``reference`` plus 8, clamped to 0..15 (docs/format.md §5.2)."""
+    """The class of every element (uint8, same shape) from its bit pattern ``bits`` (a torch integer tensor of the
+    element width): the exponent field minus ``reference`` plus 8, clamped to 0..15 (docs/format.md §5.2). Computed
+    in the bits' own integer type (the field's sign extension lies above the mask)."""
     import torch
 
     shift, mask = _FIELDS[dtype]
-    field = (bits.to(torch.int64) >> shift) & mask  # the sign extension lies above the mask
-    return (field - reference + 8).clamp_(0, CLASSES - 1)
+    return ((bits >> shift) & mask).sub_(reference - 8).clamp_(0, CLASSES - 1).to(torch.uint8)
 
 
-def _runs(cls: Any, row_start: int, col_start: int, cols: int) -> tuple[Any, np.ndarray, np.ndarray]:
-    """``cls`` (``[rows, width]``, rows ``row_start..`` and columns ``col_start..`` of a tensor of ``cols``
-    columns) as runs: one run when its rows are whole, else one per row. Returns ``(cls as [runs, run length],
-    starts, lengths)``."""
+def _runs(cls: Any, cols: int) -> Any:
+    """``cls`` (``[rows, width]``, a block of a tensor of ``cols`` columns) as ``[runs, run length]``: one run when
+    its rows are whole, else one per row (as :meth:`Held.runs`)."""
     rows, width = cls.shape
-    if width == cols:
-        return cls.reshape(1, rows * width), np.array([row_start * cols], np.int64), np.array([rows * width], np.int64)
-    starts = (row_start + np.arange(rows, dtype=np.int64)) * cols + col_start
-    return cls, starts, np.full(rows, width, np.int64)
+    return cls.reshape(1, rows * width) if width == cols else cls
 
 
 def held(cls: Any, row_start: int, col_start: int, cols: int) -> Held:
@@ -91,13 +101,15 @@ def held(cls: Any, row_start: int, col_start: int, cols: int) -> Held:
     of ``cols`` columns, as :func:`classes` gives them) tells the others."""
     import torch
 
+    rows, width = cls.shape
     if cls.numel() == 0:
-        empty = np.zeros(0, np.int64)
-        return Held(empty, empty, np.zeros((0, CLASSES), np.int64))
-    runs, starts, lengths = _runs(cls, row_start, col_start, cols)
-    keys = torch.arange(runs.shape[0], device=runs.device).unsqueeze(1) * CLASSES + runs
+        return Held(row_start, rows, col_start, width, cols, np.zeros((0, CLASSES), np.uint8))
+    runs = _runs(cls, cols)
+    wide = torch.int32 if runs.shape[0] * CLASSES < 2**31 else torch.int64
+    keys = torch.arange(runs.shape[0], dtype=wide, device=runs.device).unsqueeze(1) * CLASSES + runs
     counts = torch.bincount(keys.reshape(-1), minlength=runs.shape[0] * CLASSES).reshape(-1, CLASSES)
-    return Held(starts, lengths, counts.cpu().numpy().astype(np.int64))
+    smallest = np.min_scalar_type(runs.shape[1])
+    return Held(row_start, rows, col_start, width, cols, counts.cpu().numpy().astype(smallest))
 
 
 @dataclass(frozen=True)
@@ -109,9 +121,12 @@ class _Layout:
 
 
 def _layout(name: str, everyone: list[Held], numel: int) -> _Layout:
-    starts = np.concatenate([h.starts for h in everyone])
-    lengths = np.concatenate([h.lengths for h in everyone])
-    counts = np.concatenate([h.counts for h in everyone])
+    runs = [h.runs() for h in everyone]
+    starts = np.concatenate([r[0] for r in runs])
+    lengths = np.concatenate([r[1] for r in runs])
+    counts = np.concatenate([h.counts.astype(np.int64) for h in everyone])
+    if counts.shape != (len(starts), CLASSES) or (counts.sum(axis=1) != lengths).any():
+        raise DeltaSyncError(f"tensor {name!r}: a worker's class counts do not fit the elements it holds")
     order = np.lexsort((lengths, starts))
     starts, lengths, counts = starts[order], lengths[order], counts[order]
     same = (starts[1:] == starts[:-1]) & (lengths[1:] == lengths[:-1])
@@ -133,12 +148,21 @@ def _layout(name: str, everyone: list[Held], numel: int) -> _Layout:
 
 
 def place(
-    raw: RawDelta, index: int, parts: Parts, cls: Any, row_start: int, col_start: int, everyone: list[Held]
+    raw: RawDelta,
+    index: int,
+    parts: Parts,
+    cls: Any,
+    row_start: int,
+    col_start: int,
+    everyone: list[Held],
+    bits: Any = None,
 ) -> tuple[Any, Any]:
     """This reader's changes of tensor ``index``: ``cls`` (``[rows, width]``) are the classes of the elements it
     holds (rows ``row_start..``, columns ``col_start..``), ``everyone`` what every reader holds (this one too).
-    Returns ``(positions, values)`` on ``cls``'s device: int64 row-major positions within the held block,
-    ascending, and the values (the width's torch integer type) as ``_write.new_bits`` applies them."""
+    With ``bits`` (the same elements' bit patterns) on the CPU the core walks them; otherwise torch ops place the
+    changes on ``cls``'s device. Returns ``(positions, values)`` on that device: int64 row-major positions within
+    the held block, ascending, and the values (the width's torch integer type) as ``_write.new_bits`` applies
+    them."""
     import torch
 
     from ._write import int_dtype
@@ -185,26 +209,19 @@ def place(
             )
     before = np.cumsum(by_group, axis=0) - by_group  # [runs, group]: values of the group before each run
 
-    runs, starts, _ = _runs(cls, row_start, col_start, cols)
+    runs = _runs(cls, cols)
+    starts = Held(row_start, cls.shape[0], col_start, cls.shape[1], cols, counts[:0]).runs()[0]
     mine = np.searchsorted(layout.starts, starts)  # exact: this reader's runs are in the layout
     run_length = runs.shape[1]
-    found = []
-    for c in range(CLASSES):
-        here = counts[mine, c]
-        if not here.any() or (not parts.complement[c] and not listed_in[mine, c].any()):
-            continue  # no element of the class here, or none of its listed ranks
-        mask = runs == c
-        rank = mask.cumsum(dim=1) - 1 + torch.from_numpy(first_rank[mine, c]).to(device).unsqueeze(1)
-        at = mask.reshape(-1).nonzero().squeeze(1)
-        rank = rank.reshape(-1)[at]
-        listed = torch.from_numpy(parts.ranks[c]).to(device)
-        if len(listed):
-            where = torch.searchsorted(listed, rank).clamp_(max=len(listed) - 1)
-            hit = listed[where] == rank
-        else:
-            hit = torch.zeros_like(rank, dtype=torch.bool)
-        found.append(at[hit != bool(parts.complement[c])])
-    positions = torch.sort(torch.cat(found)).values if found else torch.zeros(0, dtype=torch.int64, device=device)
+    if bits is not None and bits.device.type == "cpu":
+        # The core's walk (the whole reader's, run by run from each run's first ranks): the bits, not the classes.
+        firsts = np.ascontiguousarray(first_rank[mine], dtype="<u8").tobytes()
+        found = raw.context_runs(index, _runs(bits, cols).contiguous(), run_length, firsts)
+        positions = (
+            torch.frombuffer(bytearray(found), dtype=torch.int64) if found else torch.zeros(0, dtype=torch.int64)
+        )
+    else:
+        positions = _positions_by_class(runs, parts, counts[mine], first_rank[mine], listed_in[mine])
     if positions.numel() == 0:
         return positions, torch.zeros(0, dtype=int_dtype(width), device=device)
 
@@ -224,3 +241,36 @@ def place(
     signed = {2: np.int16, 4: np.int32}[width]
     values = torch.from_numpy(np.concatenate([v.view(signed) for v in parts.values])).to(device)
     return positions, values[index_in_values]
+
+
+def _positions_by_class(
+    runs: Any, parts: Parts, counts: np.ndarray, first_rank: np.ndarray, listed_in: np.ndarray
+) -> Any:
+    """The changed elements among ``runs`` (``[runs, run length]`` classes) by torch ops on their device: indices
+    into the runs, ascending. ``counts``, ``first_rank`` and ``listed_in`` are the runs' rows of the layout's."""
+    import torch
+
+    device = runs.device
+    # This reader's elements grouped by class, each class's in row-major order: the i-th of class c in a run is the
+    # element of class rank first_rank[run, c] + i.
+    by_class = torch.sort(runs.reshape(-1), stable=True).indices
+    class_end = np.cumsum(counts.sum(axis=0))
+    found = []
+    for c in range(CLASSES):
+        run_first, run_count = first_rank[:, c], counts[:, c]
+        if not run_count.any() or (not parts.complement[c] and not listed_in[:, c].any()):
+            continue  # no element of the class here, or none of its listed ranks
+        at = by_class[class_end[c] - run_count.sum() : class_end[c]]
+        # The listed ranks inside these runs, as indices into `at`.
+        ranks = parts.ranks[c]
+        run = np.searchsorted(run_first, ranks, side="right") - 1
+        inside = (run >= 0) & (ranks < run_first[np.maximum(run, 0)] + run_count[np.maximum(run, 0)])
+        local_first = np.cumsum(run_count) - run_count  # within `at`, where each run's elements of c start
+        picked = torch.from_numpy(ranks[inside] - run_first[run[inside]] + local_first[run[inside]]).to(device)
+        if parts.complement[c]:
+            keep = torch.ones(len(at), dtype=torch.bool, device=device)
+            keep[picked] = False
+            found.append(at[keep])
+        else:
+            found.append(at[picked])
+    return torch.sort(torch.cat(found)).values if found else torch.zeros(0, dtype=torch.int64, device=device)

@@ -414,8 +414,10 @@ class Writes:
             )
         self.context_held(index, region)
         parts, cls = self._context[index]
-        positions, values = _context.place(self._raw, index, parts, cls, region.row_start, region.col_start, everyone)
         block = _region_block(region, self._width(index))
+        positions, values = _context.place(
+            self._raw, index, parts, cls, region.row_start, region.col_start, everyone, bits=block
+        )
         rows = _torch().div(positions, block.shape[1], rounding_mode="floor")
         cols = positions - rows * block.shape[1]
         new = new_bits(self._raw, index, block[rows, cols], values, self._width(index))

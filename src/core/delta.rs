@@ -172,6 +172,17 @@ impl TensorDelta {
             .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
     }
 
+    /// The changed elements of a reader holding part of this `context` tensor's base, found by walking its runs
+    /// (`codec::context::decode_runs`): indices into `block`, ascending.
+    pub fn context_runs(&self, block: &[u8], run_len: usize, first_ranks: &[[u64; 16]]) -> Result<Vec<u64>> {
+        let fail = |message: String| Error::format("delta", format!("tensor {:?}: {message}", self.name));
+        let field = crate::core::codec::context::Exponent::of(self.dtype)
+            .ok_or_else(|| fail("positions 'context' need a BF16, F16 or F32 tensor".to_owned()))?;
+        let numel = self.numel().ok_or_else(|| fail("positions 'context' need the tensor's shape".to_owned()))?;
+        crate::core::codec::context::decode_runs(&self.positions, field, numel, block, run_len, first_ranks)
+            .map_err(fail)
+    }
+
     /// True when `validate` may leave this tensor's streams to the apply: `rice` positions with `rans` or `diffbits`
     /// values, that is differences, which core::apply can take back exactly, and a known shape, which bounds every
     /// position a reader decodes.

@@ -541,6 +541,8 @@ struct Walk<'a, B> {
     overflow: bool,
     /// The population of every class so far.
     seen: [u64; CLASSES],
+    /// Added to every position found: where the walked bytes start among the reader's elements.
+    origin: u64,
     bits: std::marker::PhantomData<B>,
 }
 
@@ -570,7 +572,19 @@ impl<'a, B: Bits> Walk<'a, B> {
             positions: Vec::with_capacity(capacity),
             overflow: false,
             seen: [0; CLASSES],
+            origin: 0,
             bits: std::marker::PhantomData,
+        }
+    }
+
+    /// Goes on with a run of elements whose first has the class ranks `first` and lies at `origin`.
+    fn start_run(&mut self, first: &[u64; CLASSES], origin: u64) {
+        self.origin = origin;
+        self.seen = *first;
+        for (class, &first) in first.iter().enumerate() {
+            let list = &self.ranks[class];
+            self.next_index[class] = list.partition_point(|&rank| rank < first);
+            self.next[class] = list.get(self.next_index[class]).copied().unwrap_or(u64::MAX);
         }
     }
 
@@ -615,7 +629,7 @@ impl<B: Bits> BlockVisitor for Walk<'_, B> {
             return;
         }
         while block != 0 {
-            self.positions.push(start + u64::from(block.trailing_zeros()));
+            self.positions.push(self.origin + start + u64::from(block.trailing_zeros()));
             block &= block - 1;
         }
     }
@@ -645,6 +659,67 @@ fn decode_walk_bmi2<const W: usize>(
     changed: u64,
 ) -> (Vec<u64>, bool, [u64; CLASSES]) {
     decode_walk::<W, Bmi2>(base, field, header, ranks, changed)
+}
+
+#[inline(always)]
+fn runs_walk<const W: usize, B: Bits>(
+    block: &[u8],
+    field: Exponent,
+    header: &Header,
+    ranks: &[Vec<u64>],
+    run_len: usize,
+    first_ranks: &[[u64; CLASSES]],
+) -> (Vec<u64>, bool, [u64; CLASSES]) {
+    let elements = (block.len() / field.width) as u64;
+    let mut walk = Walk::<B>::new(ranks, header.complement, elements, 0);
+    for (run, (bytes, first)) in block.chunks(run_len * field.width).zip(first_ranks).enumerate() {
+        walk.start_run(first, (run * run_len) as u64);
+        for_each_block::<W, B>(bytes, None, field, header.reference, &mut walk);
+    }
+    (walk.positions, walk.overflow, walk.seen)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "popcnt,bmi2,avx2")]
+fn runs_walk_bmi2<const W: usize>(
+    block: &[u8],
+    field: Exponent,
+    header: &Header,
+    ranks: &[Vec<u64>],
+    run_len: usize,
+    first_ranks: &[[u64; CLASSES]],
+) -> (Vec<u64>, bool, [u64; CLASSES]) {
+    runs_walk::<W, Bmi2>(block, field, header, ranks, run_len, first_ranks)
+}
+
+/// The changed elements of a reader holding part of the base (docs/format.md §5.2, "A reader holding part of the
+/// base"), found with the same walk as `decode`: `block` holds its runs back to back, each `run_len` elements, and
+/// `first_ranks[r]` is run `r`'s first class rank in each class, over the whole tensor (from the readers' exchanged
+/// counts). Listed ranks outside the runs are other readers'. Returns the changed elements' indices in `block`,
+/// ascending. The caller checks the ranks against the class totals and the change count (which need every reader's
+/// counts).
+pub fn decode_runs(
+    bytes: &[u8],
+    field: Exponent,
+    numel: u64,
+    block: &[u8],
+    run_len: usize,
+    first_ranks: &[[u64; CLASSES]],
+) -> Result<Vec<u64>, String> {
+    let elements = block.len() / field.width;
+    if !block.len().is_multiple_of(field.width) || run_len == 0 || elements != run_len * first_ranks.len() {
+        return Err(format!(
+            "{} bytes do not hold {} runs of {run_len} elements of {} bytes",
+            block.len(),
+            first_ranks.len(),
+            field.width
+        ));
+    }
+    let header = read_header(bytes, field)?;
+    let ranks = read_ranks(bytes, &header, numel)?;
+    let (positions, _, _) =
+        dispatch!(field, runs_walk, runs_walk_bmi2, (block, field, &header, &ranks, run_len, first_ranks));
+    Ok(positions)
 }
 
 /// The changed positions, ascending, of a `context` stream decoded against `base` (the tensor's bytes before the
@@ -1072,6 +1147,40 @@ mod tests {
             assert_eq!(placed, positions, "n={n}");
         }
         assert!(listed(&[], field, 0, 0).is_err());
+    }
+
+    #[test]
+    fn runs_of_a_part_decode_as_the_whole() {
+        // Two readers of a [100, 1000] tensor, split by columns at 333: each walks its rows' slices with the class
+        // ranks their first elements have in the whole tensor, and finds the whole decode's positions there.
+        let field = Exponent::of(Dtype::BF16).unwrap();
+        let (rows, cols, cut) = (100usize, 1000usize, 333usize);
+        let (base, positions) = sample(rows * cols, 9);
+        let stream = encode(&base, field, &positions);
+        let table = class_table(read_header(&stream, field).unwrap().reference);
+        let class_of =
+            |i: usize| usize::from(table[((u16::from_le_bytes([base[2 * i], base[2 * i + 1]]) >> 7) & 0xff) as usize]);
+        for (from, to) in [(0, cut), (cut, cols)] {
+            let (mut block, mut firsts, mut seen) = (Vec::new(), Vec::new(), [0u64; CLASSES]);
+            let mut counted = 0usize; // elements of the whole tensor counted into `seen`
+            for row in 0..rows {
+                while counted < row * cols + from {
+                    seen[class_of(counted)] += 1;
+                    counted += 1;
+                }
+                firsts.push(seen);
+                block.extend_from_slice(&base[2 * (row * cols + from)..2 * (row * cols + to)]);
+            }
+            let found = decode_runs(&stream, field, (rows * cols) as u64, &block, to - from, &firsts).unwrap();
+            let width = (to - from) as u64;
+            let expected: Vec<u64> = positions
+                .iter()
+                .filter(|&&p| (from as u64..to as u64).contains(&(p % cols as u64)))
+                .map(|&p| p / cols as u64 * width + p % cols as u64 - from as u64)
+                .collect();
+            assert_eq!(found, expected, "columns {from}..{to}");
+        }
+        assert!(decode_runs(&stream, field, (rows * cols) as u64, &base[..10], 3, &[[0; CLASSES]]).is_err());
     }
 
     #[test]
