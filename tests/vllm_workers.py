@@ -338,6 +338,13 @@ def check_ranks_pull_to_the_same_step(model, item: Prepared) -> None:
         Subscriber._fetch_checked_by_the_apply = fetch
     assert worker.deltasync_pull(store) == 2
     _assert_equal_to_reload(model, item, 2)
+    if tp > 1:  # ranks that are at different steps are refused, every one of them, before anything is applied
+        worker.deltasync_set_step(1 + rank)
+        for call in (
+            lambda: worker.deltasync_pull(store),
+            lambda: worker.deltasync_apply([item.path("delta_2_diff.safetensors")]),
+        ):
+            _expect_untouched(model, snapshot(model), ds.BaseMismatchError, call, "ranks are at different steps")
 
 
 def check_context_applies_bit_exactly(model, item: Prepared) -> None:

@@ -284,52 +284,52 @@ def apply_delta(
     """
     if not isinstance(delta, Delta):
         raise DeltaSyncError(f"apply_delta takes a deltasync_rs.Delta, not {type(delta).__name__}")
-    _check_chain(delta, current_step)
-    partial = delta if isinstance(delta, PartialAnchor) else None
     if path == "auto":
         path = "mapped" if is_mapped(model) else "loader"
-    if partial is not None and path != "mapped":
+    # A `context` tensor split across ranks is placed with what every rank holds of it (deltasync_rs._context): the
+    # ranks exchange that once per delta, and a failure on any rank before it (its step included) is shared, so that
+    # all ranks raise together, none waits on another, and none writes.
+    exchange = path == "mapped" and _tensor_parallel() > 1 and any(i.positions == "context" for i in delta.tensors)
+    writes = _write.Writes(delta._raw)
+    try:
+        _check_chain(delta, current_step)
+        if path == "mapped":
+            plan, held = _stage(model, delta, writes, check_base)
+    except Exception as error:
+        if exchange:
+            _exchange(None, error)
+        raise
+    if path == "mapped":
+        everyone = _exchange(held, None) if exchange else {}
+        for index, shard in plan:
+            if writes.context_sharded(index, shard):
+                writes.add_region(index, shard, everyone[index])
+        writes.commit()
+        _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
+        return writes.elements
+    if isinstance(delta, PartialAnchor):
         raise DeltaSyncError(
-            f"{partial.key}: only this rank's part of the anchor was read, which only the mapped path can apply; "
+            f"{delta.key}: only this rank's part of the anchor was read, which only the mapped path can apply; "
             "nothing was written"
         )
     if path == "loader":
         if check_base:
             raise DeltaSyncError("check_base needs path='mapped': vLLM's loader writes whole parameters itself")
         return _apply_through_loader(model, delta)
-    if path != "mapped":
-        raise DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}')
+    raise DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}')
+
+
+def _stage(
+    model: torch.nn.Module, delta: Delta, writes: _write.Writes, check_base: bool
+) -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
+    """Checks every tensor against this rank's parameters and stages its writes, but those of `context` tensors
+    this rank holds in part: for them, returns what this rank holds (``Writes.context_held``), by tensor index."""
     if type(model).__name__ not in MAPPED_ARCHITECTURES:
         raise DeltaSyncError(
             f"{type(model).__name__} is not one of the mapped architectures "
             f"{sorted(MAPPED_ARCHITECTURES)}; use path='loader'"
         )
-
-    # A `context` tensor split across ranks is placed with what every rank holds of it (deltasync_rs._context): the
-    # ranks exchange that once per delta, and a failure on any rank before it is shared, so that all ranks raise
-    # together, none waits on another, and none writes.
-    exchange = _tensor_parallel() > 1 and any(info.positions == "context" for info in delta.tensors)
-    writes = _write.Writes(delta._raw)
-    try:
-        plan, held = _stage(model, delta, writes, partial, check_base)
-    except Exception as error:
-        if exchange:
-            _exchange(None, error)
-        raise
-    everyone = _exchange(held, None) if exchange else {}
-    for index, shard in plan:
-        if writes.context_sharded(index, shard):
-            writes.add_region(index, shard, everyone[index])
-    writes.commit()
-    _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
-    return writes.elements
-
-
-def _stage(
-    model: torch.nn.Module, delta: Delta, writes: _write.Writes, partial: PartialAnchor | None, check_base: bool
-) -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
-    """Checks every tensor against this rank's parameters and stages its writes, but those of `context` tensors
-    this rank holds in part: for them, returns what this rank holds (``Writes.context_held``), by tensor index."""
+    partial = delta if isinstance(delta, PartialAnchor) else None
     params = _params(model)
     infos = delta.tensors
     plan: list[tuple[int, ShardMap]] = []
@@ -519,6 +519,8 @@ class _StepTracker:
     def apply(
         self, model: torch.nn.Module, deltas: Sequence[Delta], *, path: str = "auto", check_base: bool = False
     ) -> int | None:
+        if _tensor_parallel() > 1:
+            _same_start(self.current_step)
         if deltas:
             _check_chain(deltas[0], self.current_step)
         for delta in deltas:
@@ -588,17 +590,24 @@ def _agreed(
                 raise DeltaSyncError(
                     f"tensor-parallel rank {rank} could not fetch the deltas ({rest[0]}); none applied"
                 )
-        if len({start for _, start, _ in everyone}) > 1:
-            raise BaseMismatchError(
-                "the tensor-parallel ranks are at different steps "
-                f"({', '.join(f'rank {r}: {start}' for r, (_, start, _) in enumerate(everyone))}); set the step "
-                "(deltasync_set_step) or pull from an anchor; none applied"
-            )
+        _same_start(current_step)
         steps = {reached for _, _, reached in everyone}
         if len(steps) == 1:
             return deltas or [], until
         until = min(steps, key=lambda step: -1 if step is None else step)
     raise DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
+
+
+def _same_start(current_step: int | None) -> None:
+    """Raises on every tensor-parallel rank unless all are at ``current_step``: ranks at different steps would apply
+    different deltas (and a `context` delta's exchange would wait for a rank that never joins it)."""
+    everyone = _all_gather(current_step)
+    if len(set(everyone)) > 1:
+        raise BaseMismatchError(
+            "the tensor-parallel ranks are at different steps "
+            f"({', '.join(f'rank {r}: {start}' for r, start in enumerate(everyone))}); set the step "
+            "(deltasync_set_step) or pull from an anchor; none applied"
+        )
 
 
 def _all_gather(mine: Any) -> list[Any]:
