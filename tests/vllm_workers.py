@@ -338,6 +338,11 @@ def check_ranks_pull_to_the_same_step(model, item: Prepared) -> None:
         Subscriber._fetch_checked_by_the_apply = fetch
     assert worker.deltasync_pull(store) == 2
     _assert_equal_to_reload(model, item, 2)
+    if tp > 1:  # a file one rank cannot load: every rank raises, none applies
+        worker.deltasync_set_step(0)
+        files = [item.path("delta_1_diff.safetensors" if rank == 0 else "missing.safetensors")]
+        why = "rank 1 could not load the delta files" if rank == 0 else "missing.safetensors"
+        _expect_untouched(model, snapshot(model), ds.DeltaSyncError, lambda: worker.deltasync_apply(files), why)
     if tp > 1:  # ranks that are at different steps are refused, every one of them, before anything is applied
         worker.deltasync_set_step(1 + rank)
         for call in (

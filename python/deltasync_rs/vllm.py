@@ -519,8 +519,6 @@ class _StepTracker:
     def apply(
         self, model: torch.nn.Module, deltas: Sequence[Delta], *, path: str = "auto", check_base: bool = False
     ) -> int | None:
-        if _tensor_parallel() > 1:
-            _same_start(self.current_step)
         if deltas:
             _check_chain(deltas[0], self.current_step)
         for delta in deltas:
@@ -573,41 +571,50 @@ def _agreed(
     each rank finds, which a publish between two ranks' reads makes differ). The ranks all-gather where they start
     and the step they reached; the ranks ahead fetch again up to the step all reached. A failed fetch on any rank
     makes every rank raise before anything is applied. Returns the deltas and the agreed step (``until`` at TP 1)."""
-    if _tensor_parallel() <= 1:
-        return fetch(current_step, until), until
     for _ in range(3):
-        try:
-            deltas: list[Delta] | None = fetch(current_step, until)
-            reached = next((d.step for d in reversed(deltas or []) if d.step is not None), current_step)
-            mine: tuple[Any, ...] = ("ok", current_step, reached)
-        except Exception as error:
-            deltas, mine = None, ("failed", f"{type(error).__name__}: {error}")
-            _all_gather(mine)
-            raise
-        everyone = _all_gather(mine)
-        for rank, (status, *rest) in enumerate(everyone):
-            if status == "failed":
-                raise DeltaSyncError(
-                    f"tensor-parallel rank {rank} could not fetch the deltas ({rest[0]}); none applied"
-                )
-        _same_start(current_step)
-        steps = {reached for _, _, reached in everyone}
-        if len(steps) == 1:
-            return deltas or [], until
-        until = min(steps, key=lambda step: -1 if step is None else step)
+
+        def fetch_to(to: int | None = until) -> list[Delta]:
+            return fetch(current_step, to)
+
+        deltas, reached = _together(
+            fetch_to,
+            current_step,
+            "fetch the deltas",
+            lambda fetched: next((d.step for d in reversed(fetched) if d.step is not None), current_step),
+        )
+        if len(set(reached)) == 1:
+            return deltas, until
+        until = min(reached, key=lambda step: -1 if step is None else step)
     raise DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
 
 
-def _same_start(current_step: int | None) -> None:
-    """Raises on every tensor-parallel rank unless all are at ``current_step``: ranks at different steps would apply
-    different deltas (and a `context` delta's exchange would wait for a rank that never joins it)."""
-    everyone = _all_gather(current_step)
-    if len(set(everyone)) > 1:
+def _together(
+    work: Callable[[], Any], current_step: int | None, what: str, summary: Callable[[Any], Any] = lambda _: None
+) -> tuple[Any, list[Any]]:
+    """Runs ``work()`` on this rank. At TP > 1 the ranks then all-gather whether it worked, the step each is at and
+    ``summary`` of what it returned; every rank raises if any failed, or if they are at different steps (they would
+    apply different deltas, and a `context` delta's exchange would wait for a rank that never joins it). Returns
+    the result and every rank's summary, in rank order (only this rank's at TP 1)."""
+    if _tensor_parallel() <= 1:
+        result = work()
+        return result, [summary(result)]
+    try:
+        result = work()
+        mine: tuple[Any, ...] = ("ok", current_step, summary(result))
+    except Exception as error:
+        _all_gather(("failed", current_step, f"{type(error).__name__}: {error}"))
+        raise
+    everyone = _all_gather(mine)
+    for rank, (status, _, detail) in enumerate(everyone):
+        if status == "failed":
+            raise DeltaSyncError(f"tensor-parallel rank {rank} could not {what} ({detail}); none applied")
+    if len({start for _, start, _ in everyone}) > 1:
         raise BaseMismatchError(
             "the tensor-parallel ranks are at different steps "
-            f"({', '.join(f'rank {r}: {start}' for r, start in enumerate(everyone))}); set the step "
+            f"({', '.join(f'rank {r}: {start}' for r, (_, start, _) in enumerate(everyone))}); set the step "
             "(deltasync_set_step) or pull from an anchor; none applied"
         )
+    return result, [detail for _, _, detail in everyone]
 
 
 def _all_gather(mine: Any) -> list[Any]:
@@ -669,10 +676,11 @@ class DeltaSyncWorkerExtension:
         ``path`` and ``check_base`` are as for :func:`apply_delta`."""
         if isinstance(sources, (str, bytes, bytearray, memoryview, os.PathLike, Delta)):
             sources = [sources]
+        tracker = self._deltasync_tracker()
+        # At TP > 1 every rank loads the same files and must be at the same step: checked together, before any apply.
+        deltas, _ = _together(lambda: _load_all(sources), tracker.current_step, "load the delta files")
         with torch.no_grad():
-            return self._deltasync_tracker().apply(
-                self._deltasync_model(), _load_all(sources), path=path, check_base=_flag(check_base)
-            )
+            return tracker.apply(self._deltasync_model(), deltas, path=path, check_base=_flag(check_base))
 
     def deltasync_pull(
         self,
@@ -764,7 +772,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         with torch.no_grad():
             path, check_base = update_info.path, _flag(update_info.check_base)
             if update_info.paths is not None:
-                self.tracker.apply(self.model, _load_all(update_info.paths), path=path, check_base=check_base)
+                paths = update_info.paths
+                deltas, _ = _together(lambda: _load_all(paths), self.tracker.current_step, "load the delta files")
+                self.tracker.apply(self.model, deltas, path=path, check_base=check_base)
                 return
             store = update_info.store or self.store
             if store is None:
