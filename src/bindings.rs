@@ -689,6 +689,26 @@ impl RawDelta {
         Ok(PyBytes::new(py, &bytes))
     }
 
+    /// How many elements of each class every run of `block` (runs of `run_len` elements back to back, a buffer or
+    /// CPU contiguous tensor) holds, for `context` tensor `index`'s reference exponent: little-endian uint64 bytes,
+    /// 16 per run.
+    fn context_counts<'py>(
+        &self,
+        py: Python<'py>,
+        index: usize,
+        block: Bound<'py, PyAny>,
+        run_len: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let tensor = self.tensor(index)?;
+        let exported = export(&block, &|| format!("block of tensor {:?}", tensor.name), false)?;
+        let slice = exported.1;
+        // SAFETY: `exported` keeps the buffer alive until after this call.
+        let counts = py.detach(|| tensor.context_counts(unsafe { slice.get() }, run_len)).map_err(to_py)?;
+        drop(exported);
+        let bytes: Vec<u8> = counts.iter().flatten().flat_map(|c| c.to_le_bytes()).collect();
+        Ok(PyBytes::new(py, &bytes))
+    }
+
     /// True when tensor `index`'s decoded values are wrapping bit-pattern differences to add to the base
     /// (`diff`, `diffbits`, `rans`), false when they are the new bits (`abs`).
     fn holds_differences(&self, index: usize) -> PyResult<bool> {

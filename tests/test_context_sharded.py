@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -65,12 +66,15 @@ def _apply(delta: ds.Delta, regions: list[Region]) -> None:
     blocks; each rank also places its changes with the torch ops used on other devices, which must agree."""
     writes = [_write.Writes(delta._raw) for _ in regions]
     held = [w.context_held(0, r) for w, r in zip(writes, regions)]
-    parts = _context.read_parts(delta._raw, 0)
     for region in regions:
         block = region.param[region.param_row_offset :, : region.col_count].view(_bits(region.param).dtype)
-        cls = _context.classes(block, delta.tensors[0].dtype, parts.reference)
-        by_core = _context.place(delta._raw, 0, parts, cls, region.row_start, region.col_start, held, bits=block)
-        by_torch = _context.place(delta._raw, 0, parts, cls, region.row_start, region.col_start, held)
+        cols = region.hf_shape[1] if len(region.hf_shape) == 2 else 1
+        slices = [
+            _context.Slice(delta._raw, 0, block, region.row_start, region.col_start, cols, walk=walk)
+            for walk in ("core", "torch")
+        ]
+        assert np.array_equal(slices[0].held.counts, slices[1].held.counts)
+        by_core, by_torch = (s.place(held) for s in slices)
         assert all(torch.equal(a, b) for a, b in zip(by_core, by_torch))
     for w, r in zip(writes, regions):
         assert w.context_sharded(0, r)

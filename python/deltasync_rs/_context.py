@@ -96,20 +96,43 @@ def _runs(cls: Any, cols: int) -> Any:
     return cls.reshape(1, rows * width) if width == cols else cls
 
 
-def held(cls: Any, row_start: int, col_start: int, cols: int) -> Held:
-    """What a reader holding ``cls`` (the classes of rows ``row_start..`` and columns ``col_start..`` of a tensor
-    of ``cols`` columns, as :func:`classes` gives them) tells the others."""
-    import torch
+class Slice:
+    """What one reader holds of ``context`` tensor ``index``: rows ``row_start..`` and columns ``col_start..`` of a
+    tensor of ``cols`` columns, whose bit patterns are ``bits`` (``[rows, width]``, the element width's torch
+    integer type, on any device). On the CPU the core counts and walks the bits (``walk="core"``); elsewhere torch
+    ops do, on the bits' device (``walk="torch"``, which the CPU can also be asked for)."""
 
-    rows, width = cls.shape
-    if cls.numel() == 0:
-        return Held(row_start, rows, col_start, width, cols, np.zeros((0, CLASSES), np.uint8))
-    runs = _runs(cls, cols)
-    wide = torch.int32 if runs.shape[0] * CLASSES < 2**31 else torch.int64
-    keys = torch.arange(runs.shape[0], dtype=wide, device=runs.device).unsqueeze(1) * CLASSES + runs
-    counts = torch.bincount(keys.reshape(-1), minlength=runs.shape[0] * CLASSES).reshape(-1, CLASSES)
-    smallest = np.min_scalar_type(runs.shape[1])
-    return Held(row_start, rows, col_start, width, cols, counts.cpu().numpy().astype(smallest))
+    def __init__(
+        self, raw: RawDelta, index: int, bits: Any, row_start: int, col_start: int, cols: int, walk: str = "auto"
+    ) -> None:
+        import torch
+
+        self.raw, self.index, self.bits = raw, index, bits
+        self.row_start, self.col_start, self.cols = row_start, col_start, cols
+        self.parts = read_parts(raw, index)
+        self.by_core = walk == "core" or (walk == "auto" and bits.device.type == "cpu")
+        rows, width = bits.shape
+        if bits.numel() == 0:
+            self.held = Held(row_start, rows, col_start, width, cols, np.zeros((0, CLASSES), np.uint8))
+            return
+        smallest = np.min_scalar_type(rows * width)
+        if self.by_core:
+            self.runs = _runs(bits, cols).contiguous()
+            counted = raw.context_counts(index, self.runs, self.runs.shape[1])
+            counts = np.frombuffer(counted, dtype="<u8").reshape(-1, CLASSES)
+        else:
+            self.runs = _runs(classes(bits, raw.tensors()[index][1], self.parts.reference), cols)
+            wide = torch.int32 if self.runs.shape[0] * CLASSES < 2**31 else torch.int64
+            keys = torch.arange(self.runs.shape[0], dtype=wide, device=bits.device).unsqueeze(1) * CLASSES + self.runs
+            found = torch.bincount(keys.reshape(-1), minlength=self.runs.shape[0] * CLASSES)
+            counts = found.reshape(-1, CLASSES).cpu().numpy()
+        self.held = Held(row_start, rows, col_start, width, cols, counts.astype(smallest))
+
+    def place(self, everyone: list[Held]) -> tuple[Any, Any]:
+        """This reader's changes, given what every reader holds (``everyone``, this one's ``held`` among them, in
+        any order): ``(positions, values)`` on the bits' device, int64 row-major positions within the slice,
+        ascending, and the values (the width's torch integer type) as ``_write.new_bits`` applies them."""
+        return _place(self, everyone)
 
 
 @dataclass(frozen=True)
@@ -147,32 +170,19 @@ def _layout(name: str, everyone: list[Held], numel: int) -> _Layout:
     return _Layout(starts, counts)
 
 
-def place(
-    raw: RawDelta,
-    index: int,
-    parts: Parts,
-    cls: Any,
-    row_start: int,
-    col_start: int,
-    everyone: list[Held],
-    bits: Any = None,
-) -> tuple[Any, Any]:
-    """This reader's changes of tensor ``index``: ``cls`` (``[rows, width]``) are the classes of the elements it
-    holds (rows ``row_start..``, columns ``col_start..``), ``everyone`` what every reader holds (this one too).
-    With ``bits`` (the same elements' bit patterns) on the CPU the core walks them; otherwise torch ops place the
-    changes on ``cls``'s device. Returns ``(positions, values)`` on that device: int64 row-major positions within
-    the held block, ascending, and the values (the width's torch integer type) as ``_write.new_bits`` applies
-    them."""
+def _place(part: Slice, everyone: list[Held]) -> tuple[Any, Any]:
     import torch
 
     from ._write import int_dtype
 
+    raw, index, parts = part.raw, part.index, part.parts
+    device = part.bits.device
     info = raw.tensors()[index]
     name, changed, shape = info[0], int(info[3]), info[2]
     numel = int(np.prod(shape)) if shape else 1
-    cols = int(shape[1]) if shape is not None and len(shape) == 2 else 1
     width = _arrays.WIDTHS[info[1]]
-    device = cls.device
+    if part.bits.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=int_dtype(width), device=device)
     layout = _layout(name, everyone, numel)
     counts = layout.counts
     first_rank = np.cumsum(counts, axis=0) - counts  # [runs, class]: the class rank of each run's first element
@@ -209,24 +219,24 @@ def place(
             )
     before = np.cumsum(by_group, axis=0) - by_group  # [runs, group]: values of the group before each run
 
-    runs = _runs(cls, cols)
-    starts = Held(row_start, cls.shape[0], col_start, cls.shape[1], cols, counts[:0]).runs()[0]
-    mine = np.searchsorted(layout.starts, starts)  # exact: this reader's runs are in the layout
+    runs = part.runs
+    mine = np.searchsorted(layout.starts, part.held.runs()[0])  # exact: this reader's runs are in the layout
     run_length = runs.shape[1]
-    if bits is not None and bits.device.type == "cpu":
-        # The core's walk (the whole reader's, run by run from each run's first ranks): the bits, not the classes.
+    if part.by_core:  # the whole reader's walk, restarted at each run's first class ranks
         firsts = np.ascontiguousarray(first_rank[mine], dtype="<u8").tobytes()
-        found = raw.context_runs(index, _runs(bits, cols).contiguous(), run_length, firsts)
-        positions = (
-            torch.frombuffer(bytearray(found), dtype=torch.int64) if found else torch.zeros(0, dtype=torch.int64)
-        )
+        found = np.frombuffer(raw.context_runs(index, runs, run_length, firsts), dtype="<i8")
+        positions = torch.from_numpy(found.copy())
     else:
         positions = _positions_by_class(runs, parts, counts[mine], first_rank[mine], listed_in[mine])
     if positions.numel() == 0:
         return positions, torch.zeros(0, dtype=int_dtype(width), device=device)
 
     # Each change's value: the group's values before its run, then its order among the run's changes of the group.
-    group = torch.from_numpy(parts.group_of).to(device)[runs.reshape(-1)[positions].long()]
+    if part.by_core:
+        changed_classes = classes(runs.reshape(-1)[positions], info[1], parts.reference)
+    else:
+        changed_classes = runs.reshape(-1)[positions]
+    group = torch.from_numpy(parts.group_of).to(device)[changed_classes.long()]
     run = torch.div(positions, run_length, rounding_mode="floor")
     key = run * groups + group
     order = torch.sort(key, stable=True).indices

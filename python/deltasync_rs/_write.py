@@ -165,7 +165,7 @@ class Writes:
         self._core_tensors: list[Any] = []  # torch tensors the core writes, for their version counters
         self._staged: list[Callable[[], object]] = []
         self._check_in_core = False  # the core checks the base of the targets it writes (add_all's check_base)
-        self._context: dict[int, tuple[Any, Any]] = {}  # context tensors held in part: (their parts, classes)
+        self._context: dict[int, Any] = {}  # context tensors held in part: their _context.Slice
         self.elements = 0  # elements staged for writing
 
     def _name(self, index: int) -> str:
@@ -336,17 +336,19 @@ class Writes:
         return needs_base(self._raw, index) and self._changed(index) > 0 and not _covers_all(region)
 
     def context_held(self, index: int, region: Region) -> Any:
-        """What this rank holds of ``context`` tensor ``index`` (a ``_context.Held``), for the other ranks: the
-        classes of its slice's elements, computed on the parameter's device and kept for :meth:`add_region`."""
+        """What this rank holds of ``context`` tensor ``index`` (a ``_context.Held``), for the other ranks: how many
+        elements of each class its slice's runs hold, counted where the parameter is (the slice is kept for
+        :meth:`add_region`)."""
+        return self._context_slice(index, region).held
+
+    def _context_slice(self, index: int, region: Region) -> Any:
         from . import _context
 
         if index not in self._context:
-            parts = _context.read_parts(self._raw, index)
             block = _region_block(region, self._width(index))
-            cls = _context.classes(block, self.infos[index][1], parts.reference).to(_torch().uint8)
-            self._context[index] = (parts, cls)
-        cls = self._context[index][1]
-        return _context.held(cls, region.row_start, region.col_start, _hf_rows_cols(region)[1])
+            cols = _hf_rows_cols(region)[1]
+            self._context[index] = _context.Slice(self._raw, index, block, region.row_start, region.col_start, cols)
+        return self._context[index]
 
     def add_region(self, index: int, region: Region, everyone: list[Any] | None = None) -> None:
         """Stages tensor ``index`` (in its own coordinates, viewed as ``[rows, cols]``) into this rank's slice of a
@@ -403,8 +405,6 @@ class Writes:
         self._staged.append(lambda: flat.index_copy_(0, positions, new))
 
     def _add_context_part(self, index: int, region: Region, everyone: list[Any] | None) -> None:
-        from . import _context
-
         if everyone is None:
             raise DeltaSyncError(
                 f"tensor {self._name(index)!r} has 'context' positions (codec=\"context\") and this worker holds "
@@ -412,12 +412,8 @@ class Writes:
                 f"{region.col_start}..{region.col_start + region.col_count} of its {tuple(region.hf_shape)}: "
                 "placing its changes needs what every worker holds, which was not exchanged"
             )
-        self.context_held(index, region)
-        parts, cls = self._context[index]
+        positions, values = self._context_slice(index, region).place(everyone)
         block = _region_block(region, self._width(index))
-        positions, values = _context.place(
-            self._raw, index, parts, cls, region.row_start, region.col_start, everyone, bits=block
-        )
         rows = _torch().div(positions, block.shape[1], rounding_mode="floor")
         cols = positions - rows * block.shape[1]
         new = new_bits(self._raw, index, block[rows, cols], values, self._width(index))

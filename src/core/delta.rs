@@ -183,6 +183,14 @@ impl TensorDelta {
             .map_err(fail)
     }
 
+    /// How many elements of each class every run of `block` holds (`codec::context::count_runs`).
+    pub fn context_counts(&self, block: &[u8], run_len: usize) -> Result<Vec<[u64; 16]>> {
+        let fail = |message: String| Error::format("delta", format!("tensor {:?}: {message}", self.name));
+        let field = crate::core::codec::context::Exponent::of(self.dtype)
+            .ok_or_else(|| fail("positions 'context' need a BF16, F16 or F32 tensor".to_owned()))?;
+        crate::core::codec::context::count_runs(&self.positions, field, block, run_len).map_err(fail)
+    }
+
     /// True when `validate` may leave this tensor's streams to the apply: `rice` positions with `rans` or `diffbits`
     /// values, that is differences, which core::apply can take back exactly, and a known shape, which bounds every
     /// position a reader decodes.

@@ -692,6 +692,59 @@ fn runs_walk_bmi2<const W: usize>(
     runs_walk::<W, Bmi2>(block, field, header, ranks, run_len, first_ranks)
 }
 
+/// Counts every class's elements.
+struct Counts {
+    seen: [u64; CLASSES],
+}
+
+impl BlockVisitor for Counts {
+    #[inline(always)]
+    fn block(&mut self, _: u64, masks: &ClassMasks) {
+        for (seen, mask) in self.seen.iter_mut().zip(masks) {
+            *seen += u64::from(mask.count_ones());
+        }
+    }
+}
+
+#[inline(always)]
+fn counts_walk<const W: usize, B: Bits>(
+    block: &[u8],
+    field: Exponent,
+    reference: u8,
+    run_len: usize,
+) -> Vec<[u64; CLASSES]> {
+    block
+        .chunks(run_len * field.width)
+        .map(|run| {
+            let mut counts = Counts { seen: [0; CLASSES] };
+            for_each_block::<W, B>(run, None, field, reference, &mut counts);
+            counts.seen
+        })
+        .collect()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "popcnt,bmi2,avx2")]
+fn counts_walk_bmi2<const W: usize>(
+    block: &[u8],
+    field: Exponent,
+    reference: u8,
+    run_len: usize,
+) -> Vec<[u64; CLASSES]> {
+    counts_walk::<W, Bmi2>(block, field, reference, run_len)
+}
+
+/// How many elements of each class every run of `block` (runs of `run_len` elements, back to back) holds, for the
+/// reference exponent the `context` stream `bytes` names: what a reader holding part of the base tells the others.
+pub fn count_runs(bytes: &[u8], field: Exponent, block: &[u8], run_len: usize) -> Result<Vec<[u64; CLASSES]>, String> {
+    if !block.len().is_multiple_of(field.width) || run_len == 0 || !(block.len() / field.width).is_multiple_of(run_len)
+    {
+        return Err(format!("{} bytes do not hold runs of {run_len} elements of {} bytes", block.len(), field.width));
+    }
+    let reference = read_header(bytes, field)?.reference;
+    Ok(dispatch!(field, counts_walk, counts_walk_bmi2, (block, field, reference, run_len)))
+}
+
 /// The changed elements of a reader holding part of the base (docs/format.md §5.2, "A reader holding part of the
 /// base"), found with the same walk as `decode`: `block` holds its runs back to back, each `run_len` elements, and
 /// `first_ranks[r]` is run `r`'s first class rank in each class, over the whole tensor (from the readers' exchanged
@@ -1172,6 +1225,14 @@ mod tests {
                 block.extend_from_slice(&base[2 * (row * cols + from)..2 * (row * cols + to)]);
             }
             let found = decode_runs(&stream, field, (rows * cols) as u64, &block, to - from, &firsts).unwrap();
+            let counts = count_runs(&stream, field, &block, to - from).unwrap();
+            for (row, run) in counts.iter().enumerate() {
+                let mut expected = [0u64; CLASSES];
+                for i in row * cols + from..row * cols + to {
+                    expected[class_of(i)] += 1;
+                }
+                assert_eq!(*run, expected, "row {row}, columns {from}..{to}");
+            }
             let width = (to - from) as u64;
             let expected: Vec<u64> = positions
                 .iter()
