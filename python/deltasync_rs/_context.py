@@ -1,13 +1,15 @@
 """``context`` positions (docs/format.md §5.2) decoded by a reader that holds only part of the base: a
-tensor-parallel worker's shard, with the classes of its elements computed by torch ops on the shard's own device.
+tensor-parallel worker's shard.
 
 A class rank counts the elements of one class before an element in the whole tensor, row-major, so a reader that
 holds rows ``r0..r1`` (or columns ``c0..c1`` of every row) needs, besides its own elements' classes, how many
 elements of each class lie before each of its runs. The readers that together hold the tensor tell each other
-(:func:`held`, one small exchange per delta: 16 counts per run a reader holds, a run being its rows when they are
+(``Slice.held``, one small exchange per delta: 16 counts per run a reader holds, a run being its rows when they are
 whole, else each row's slice), then each places its own changes and finds each one's value in the value stream
-(:func:`place`): every class's listed ranks and every group's values are read from the file without the base
-(``RawDelta.context_parts``). Nothing extra is in the file.
+(``Slice.place``): every class's listed ranks and every group's values are read from the file without the base
+(``RawDelta.context_parts``). Nothing extra is in the file. On the CPU the core counts and walks the slice's bits
+(``RawDelta.context_counts`` / ``context_runs``: the whole reader's walk, restarted at each run's first class ranks);
+on other devices torch ops compute the classes and place the changes there, without copying the weights to the host.
 
 What such a reader cannot check is the base identity: it is over the whole tensor, which no reader holds. It
 checks instead that readers holding the same elements (replicas) count the same classes, that the readers together
