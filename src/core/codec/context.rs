@@ -635,44 +635,21 @@ impl<B: Bits> BlockVisitor for Walk<'_, B> {
     }
 }
 
+/// Walks `block`'s runs of `run_len` elements, each from its first class ranks `first_ranks[r]`, finding the
+/// changed elements (indices into `block`; `overflow` past `changed` of them). A whole tensor is one run from 0.
 #[inline(always)]
 fn decode_walk<const W: usize, B: Bits>(
-    base: &[u8],
-    field: Exponent,
-    header: &Header,
-    ranks: &[Vec<u64>],
-    changed: u64,
-) -> (Vec<u64>, bool, [u64; CLASSES]) {
-    let capacity = changed.min((base.len() / field.width) as u64) as usize;
-    let mut walk = Walk::<B>::new(ranks, header.complement, changed, capacity);
-    for_each_block::<W, B>(base, None, field, header.reference, &mut walk);
-    (walk.positions, walk.overflow, walk.seen)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "popcnt,bmi2,avx2")]
-fn decode_walk_bmi2<const W: usize>(
-    base: &[u8],
-    field: Exponent,
-    header: &Header,
-    ranks: &[Vec<u64>],
-    changed: u64,
-) -> (Vec<u64>, bool, [u64; CLASSES]) {
-    decode_walk::<W, Bmi2>(base, field, header, ranks, changed)
-}
-
-#[inline(always)]
-fn runs_walk<const W: usize, B: Bits>(
     block: &[u8],
     field: Exponent,
     header: &Header,
     ranks: &[Vec<u64>],
     run_len: usize,
     first_ranks: &[[u64; CLASSES]],
+    changed: u64,
 ) -> (Vec<u64>, bool, [u64; CLASSES]) {
-    let elements = (block.len() / field.width) as u64;
-    let mut walk = Walk::<B>::new(ranks, header.complement, elements, 0);
-    for (run, (bytes, first)) in block.chunks(run_len * field.width).zip(first_ranks).enumerate() {
+    let capacity = changed.min((block.len() / field.width) as u64) as usize;
+    let mut walk = Walk::<B>::new(ranks, header.complement, changed, capacity);
+    for (run, (bytes, first)) in block.chunks(run_len.max(1) * field.width).zip(first_ranks).enumerate() {
         walk.start_run(first, (run * run_len) as u64);
         for_each_block::<W, B>(bytes, None, field, header.reference, &mut walk);
     }
@@ -681,15 +658,16 @@ fn runs_walk<const W: usize, B: Bits>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "popcnt,bmi2,avx2")]
-fn runs_walk_bmi2<const W: usize>(
+fn decode_walk_bmi2<const W: usize>(
     block: &[u8],
     field: Exponent,
     header: &Header,
     ranks: &[Vec<u64>],
     run_len: usize,
     first_ranks: &[[u64; CLASSES]],
+    changed: u64,
 ) -> (Vec<u64>, bool, [u64; CLASSES]) {
-    runs_walk::<W, Bmi2>(block, field, header, ranks, run_len, first_ranks)
+    decode_walk::<W, Bmi2>(block, field, header, ranks, run_len, first_ranks, changed)
 }
 
 /// Counts every class's elements.
@@ -770,8 +748,13 @@ pub fn decode_runs(
     }
     let header = read_header(bytes, field)?;
     let ranks = read_ranks(bytes, &header, numel)?;
-    let (positions, _, _) =
-        dispatch!(field, runs_walk, runs_walk_bmi2, (block, field, &header, &ranks, run_len, first_ranks));
+    let elements = elements as u64;
+    let (positions, _, _) = dispatch!(
+        field,
+        decode_walk,
+        decode_walk_bmi2,
+        (block, field, &header, &ranks, run_len, first_ranks, elements)
+    );
     Ok(positions)
 }
 
@@ -782,8 +765,12 @@ pub fn decode(bytes: &[u8], field: Exponent, base: &[u8], changed: u64) -> Resul
     let numel = (base.len() / field.width) as u64;
     let header = read_header(bytes, field)?;
     let ranks = read_ranks(bytes, &header, numel)?;
-    let (positions, overflow, seen) =
-        dispatch!(field, decode_walk, decode_walk_bmi2, (base, field, &header, &ranks, changed));
+    let (positions, overflow, seen) = dispatch!(
+        field,
+        decode_walk,
+        decode_walk_bmi2,
+        (base, field, &header, &ranks, numel as usize, &[[0; CLASSES]], changed)
+    );
     for class in 0..CLASSES {
         let list = &ranks[class];
         if list.last().is_some_and(|&last| last >= seen[class]) {
@@ -1464,9 +1451,9 @@ mod tests {
             let ranks = read_ranks(&stream, &header, 10_000).unwrap();
             let count = positions.len() as u64;
             let portable = if field.width == 2 {
-                decode_walk::<2, Portable>(&base, field, &header, &ranks, count)
+                decode_walk::<2, Portable>(&base, field, &header, &ranks, 10_000, &[[0; CLASSES]], count)
             } else {
-                decode_walk::<4, Portable>(&base, field, &header, &ranks, count)
+                decode_walk::<4, Portable>(&base, field, &header, &ranks, 10_000, &[[0; CLASSES]], count)
             };
             assert_eq!(portable.0, positions, "{dtype:?}");
             assert_eq!(decode(&stream, field, &base, count).unwrap(), positions, "{dtype:?}");
