@@ -291,19 +291,23 @@ def apply_delta(
     # all ranks raise together, none waits on another, and none writes.
     exchange = path == "mapped" and _tensor_parallel() > 1 and any(i.positions == "context" for i in delta.tensors)
     writes = _write.Writes(delta._raw)
-    try:
+
+    def stage() -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
         _check_chain(delta, current_step)
-        if path == "mapped":
-            plan, held = _stage(model, delta, writes, check_base)
-    except Exception as error:
-        if exchange:
-            _exchange(None, error)
-        raise
+        return _stage(model, delta, writes, check_base) if path == "mapped" else ([], {})
+
+    if exchange:
+        (plan, _), holdings = _together(stage, None, "apply the delta", lambda staged: staged[1])
+    else:
+        (plan, _), holdings = stage(), []
     if path == "mapped":
-        everyone = _exchange(held, None) if exchange else {}
+        everyone: dict[int, list[Any]] = {}
+        for held in holdings:
+            for index, part in held.items():
+                everyone.setdefault(index, []).append(part)
         for index, shard in plan:
             if writes.context_sharded(index, shard):
-                writes.add_region(index, shard, everyone[index])
+                writes.add_region(index, shard, everyone.get(index))
         writes.commit()
         _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
         return writes.elements
@@ -369,27 +373,6 @@ def _stage(
         else:
             writes.add_region(index, shard)
     return plan, held
-
-
-def _exchange(held: dict[int, Any] | None, error: BaseException | None) -> dict[int, list[Any]]:
-    """All-gathers, over vLLM's tensor-parallel CPU group, what each rank holds of the `context` tensors it holds in
-    part (or the error that stopped it); raises on every rank if any rank failed. Returns every rank's holdings by
-    tensor index."""
-    mine = ("failed", f"{type(error).__name__}: {error}", type(error).__name__) if error is not None else ("ok", held)
-    everyone = _all_gather(mine)
-    for rank, (status, *rest) in enumerate(everyone):
-        if status == "failed" and error is None:
-            kind = {"DeltaFormatError": DeltaFormatError, "BaseMismatchError": BaseMismatchError}.get(
-                rest[1], DeltaSyncError
-            )
-            raise kind(f"tensor-parallel rank {rank} could not apply the delta ({rest[0]}); nothing was written")
-    if error is not None:
-        return {}
-    by_tensor: dict[int, list[Any]] = {}
-    for _, holdings in everyone:
-        for index, part in holdings.items():
-            by_tensor.setdefault(index, []).append(part)
-    return by_tensor
 
 
 def _check_base(delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
@@ -602,12 +585,17 @@ def _together(
         result = work()
         mine: tuple[Any, ...] = ("ok", current_step, summary(result))
     except Exception as error:
-        _all_gather(("failed", current_step, f"{type(error).__name__}: {error}"))
+        _all_gather(("failed", current_step, (type(error).__name__, f"{type(error).__name__}: {error}")))
         raise
     everyone = _all_gather(mine)
     for rank, (status, _, detail) in enumerate(everyone):
         if status == "failed":
-            raise DeltaSyncError(f"tensor-parallel rank {rank} could not {what} ({detail}); none applied")
+            # The failed rank's kind of error, so that every rank takes the same way on (a pull reads a delta with a
+            # malformed stream again, checked first, on DeltaFormatError).
+            kind = {"DeltaFormatError": DeltaFormatError, "BaseMismatchError": BaseMismatchError}.get(
+                detail[0], DeltaSyncError
+            )
+            raise kind(f"tensor-parallel rank {rank} could not {what} ({detail[1]}); nothing was applied")
     if len({start for _, start, _ in everyone}) > 1:
         raise BaseMismatchError(
             "the tensor-parallel ranks are at different steps "
