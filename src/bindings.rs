@@ -239,6 +239,20 @@ impl RawDelta {
     }
 }
 
+/// `read(bytes)` of `block` (a buffer or CPU contiguous tensor: part of tensor `tensor`'s base), without the GIL.
+fn on_block<T: Send>(
+    py: Python<'_>,
+    tensor: &crate::core::TensorDelta,
+    block: &Bound<'_, PyAny>,
+    read: impl FnOnce(&[u8]) -> crate::core::error::Result<T> + Send,
+) -> PyResult<T> {
+    let (held, slice) = export(block, &|| format!("block of tensor {:?}", tensor.name), false)?;
+    // SAFETY: `held` keeps the exported buffer alive until after the read.
+    let result = py.detach(|| read(unsafe { slice.get() })).map_err(to_py);
+    drop(held);
+    result
+}
+
 /// Exports each (name, dtype, shape, buffer) entry's buffer; the buffers must be held while the slices are used.
 #[allow(clippy::type_complexity)]
 fn export_tensors<'a>(
@@ -680,11 +694,7 @@ impl RawDelta {
             .chunks_exact(128)
             .map(|run| std::array::from_fn(|c| u64::from_le_bytes(run[8 * c..8 * c + 8].try_into().expect("8 bytes"))))
             .collect();
-        let exported = export(&block, &|| format!("block of tensor {:?}", tensor.name), false)?;
-        // SAFETY: `exported` keeps the buffer alive until after this call.
-        let slice = exported.1;
-        let positions = py.detach(|| tensor.context_runs(unsafe { slice.get() }, run_len, &firsts)).map_err(to_py)?;
-        drop(exported);
+        let positions = on_block(py, tensor, &block, |block| tensor.context_runs(block, run_len, &firsts))?;
         let bytes: Vec<u8> = positions.iter().flat_map(|p| p.to_le_bytes()).collect();
         Ok(PyBytes::new(py, &bytes))
     }
@@ -700,11 +710,7 @@ impl RawDelta {
         run_len: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let tensor = self.tensor(index)?;
-        let exported = export(&block, &|| format!("block of tensor {:?}", tensor.name), false)?;
-        let slice = exported.1;
-        // SAFETY: `exported` keeps the buffer alive until after this call.
-        let counts = py.detach(|| tensor.context_counts(unsafe { slice.get() }, run_len)).map_err(to_py)?;
-        drop(exported);
+        let counts = on_block(py, tensor, &block, |block| tensor.context_counts(block, run_len))?;
         let bytes: Vec<u8> = counts.iter().flatten().flat_map(|c| c.to_le_bytes()).collect();
         Ok(PyBytes::new(py, &bytes))
     }

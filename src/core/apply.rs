@@ -93,7 +93,7 @@ pub fn apply_tensor(tensor: &TensorDelta, target: &mut [u8], decoded: Option<&Co
         return Ok(());
     }
     with_width!(tensor.width(), W => scatter::<W>(tensor, target, decoded))
-        .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+        .map_err(|message| tensor.format_error(message))
 }
 
 #[inline(always)]
@@ -202,7 +202,7 @@ fn write_or_take_back(delta: &Delta, targets: &mut [(usize, &mut [u8])]) -> Resu
     });
     let failure = targets.iter().zip(&outcomes).find_map(|((index, _), (_, result))| {
         let message = result.as_ref().err()?;
-        Some(Error::format("delta", format!("tensor {:?}: {message}", delta.tensors[*index].name)))
+        Some(delta.tensors[*index].format_error(message))
     });
     if let Some(error) = failure {
         take_back(delta, targets, outcomes.iter().map(|(written, _)| *written).collect());
@@ -274,7 +274,7 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bo
     let failure = hashed.iter().zip(&outcomes).find_map(|((index, _), outcome)| {
         let tensor = &delta.tensors[*index];
         match &outcome.result {
-            Err(message) => Some(Error::format("delta", format!("tensor {:?}: {message}", tensor.name))),
+            Err(message) => Some(tensor.format_error(message)),
             Ok(found) => {
                 tensor.base.and_then(|expected| (*found != expected).then(|| base::mismatch(tensor, expected, *found)))
             }
@@ -409,7 +409,7 @@ pub fn decode_into(
             elements::store(&mut values_out[k * width..], value, width);
             k += 1;
         })
-        .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", tensor.name)))
+        .map_err(|message| tensor.format_error(message))
 }
 
 #[cfg(test)]

@@ -161,34 +161,29 @@ impl TensorDelta {
         EncodedTensor { base: Some(base), ..self.encoded() }
             .context_changes()
             .map(|changes| Some(changes.into_owned()))
-            .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
+            .map_err(|message| self.format_error(message))
+    }
+
+    /// A stream of this tensor read badly, named by the tensor.
+    pub fn format_error(&self, message: impl std::fmt::Display) -> Error {
+        Error::format("delta", format!("tensor {:?}: {message}", self.name))
     }
 
     /// A `context` tensor's streams read without its base, for a reader holding only part of it (`ContextParts`):
     /// nothing here is checked against the base identity, which only a reader of the whole tensor can compute.
     pub fn context_parts(&self) -> Result<ContextParts> {
-        self.encoded()
-            .context_parts()
-            .map_err(|message| Error::format("delta", format!("tensor {:?}: {message}", self.name)))
+        self.encoded().context_parts().map_err(|message| self.format_error(message))
     }
 
     /// The changed elements of a reader holding part of this `context` tensor's base, found by walking its runs
     /// (`codec::context::decode_runs`): indices into `block`, ascending.
     pub fn context_runs(&self, block: &[u8], run_len: usize, first_ranks: &[[u64; 16]]) -> Result<Vec<u64>> {
-        let fail = |message: String| Error::format("delta", format!("tensor {:?}: {message}", self.name));
-        let field = crate::core::codec::context::Exponent::of(self.dtype)
-            .ok_or_else(|| fail("positions 'context' need a BF16, F16 or F32 tensor".to_owned()))?;
-        let numel = self.numel().ok_or_else(|| fail("positions 'context' need the tensor's shape".to_owned()))?;
-        crate::core::codec::context::decode_runs(&self.positions, field, numel, block, run_len, first_ranks)
-            .map_err(fail)
+        self.encoded().context_runs(block, run_len, first_ranks).map_err(|message| self.format_error(message))
     }
 
     /// How many elements of each class every run of `block` holds (`codec::context::count_runs`).
     pub fn context_counts(&self, block: &[u8], run_len: usize) -> Result<Vec<[u64; 16]>> {
-        let fail = |message: String| Error::format("delta", format!("tensor {:?}: {message}", self.name));
-        let field = crate::core::codec::context::Exponent::of(self.dtype)
-            .ok_or_else(|| fail("positions 'context' need a BF16, F16 or F32 tensor".to_owned()))?;
-        crate::core::codec::context::count_runs(&self.positions, field, block, run_len).map_err(fail)
+        self.encoded().context_counts(block, run_len).map_err(|message| self.format_error(message))
     }
 
     /// True when `validate` may leave this tensor's streams to the apply: `rice` positions with `rans` or `diffbits`

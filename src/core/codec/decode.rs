@@ -180,13 +180,17 @@ impl<'a> EncodedTensor<'a> {
         Ok(std::borrow::Cow::Owned(ContextChanges { positions, values }))
     }
 
-    /// A `context` tensor's streams read without the base (`ContextParts`), both checked to their ends.
-    pub fn context_parts(&self) -> Result<ContextParts, String> {
+    /// A `context` tensor's exponent field and element count, for the readers that hold part of its base.
+    fn context_part_reader(&self) -> Result<(Exponent, u64), String> {
         if self.positions_codec != PositionCodec::Context {
             return Err(format!("positions are '{}', not 'context'", self.positions_codec.name()));
         }
-        let field = self.context_field()?;
-        let numel = self.numel.ok_or("positions 'context' need the tensor's shape")?;
+        Ok((self.context_field()?, self.numel.ok_or("positions 'context' need the tensor's shape")?))
+    }
+
+    /// A `context` tensor's streams read without the base (`ContextParts`), both checked to their ends.
+    pub fn context_parts(&self) -> Result<ContextParts, String> {
+        let (field, numel) = self.context_part_reader()?;
         self.check_changed()?;
         let listed = context::listed(self.positions, field, self.changed, numel)?;
         let (group_of, values) = match self.values_codec {
@@ -196,6 +200,18 @@ impl<'a> EncodedTensor<'a> {
             _ => ([0; context::CLASSES], vec![with_width!(self.width, W => self.values_in_order::<W>())?]),
         };
         Ok(ContextParts { listed, group_of, values })
+    }
+
+    /// The changed elements of a reader holding runs of the base (`context::decode_runs`): indices into `block`.
+    pub fn context_runs(&self, block: &[u8], run_len: usize, first_ranks: &[[u64; 16]]) -> Result<Vec<u64>, String> {
+        let (field, numel) = self.context_part_reader()?;
+        context::decode_runs(self.positions, field, numel, block, run_len, first_ranks)
+    }
+
+    /// How many elements of each class every run of `block` holds (`context::count_runs`).
+    pub fn context_counts(&self, block: &[u8], run_len: usize) -> Result<Vec<[u64; 16]>, String> {
+        let (field, _) = self.context_part_reader()?;
+        context::count_runs(self.positions, field, block, run_len)
     }
 
     /// All `changed` values of a value stream other than `rans_classes`, in change order, checked to its end.
