@@ -216,3 +216,13 @@ def test_flipped_bytes_are_refused_or_placed_like_the_whole_reader(flips):
         raise AssertionError("a delta the whole reader applied was refused by the sharded readers") from None
     for region in regions:
         assert torch.equal(_bits(region.param[:, : region.col_count]), _bits(_expected(whole["w"], region)))
+
+
+def test_counts_travel_in_the_smallest_type_that_holds_a_run():
+    """What a rank sends: per run 16 counts, 2 bytes each for a column split of rows under 65,536 elements."""
+    prev, curr, delta = _sparse(6)
+    by_columns, by_rows = _regions(prev, [(0, 32, 0, 20)]), _regions(prev, [(0, 16, 0, 48)])
+    held = _write.Writes(delta._raw).context_held(0, by_columns[0])
+    assert held.counts.shape == (32, 16) and held.counts.dtype == np.uint8  # runs of 20 elements
+    held = _write.Writes(delta._raw).context_held(0, by_rows[0])
+    assert held.counts.shape == (1, 16) and held.counts.dtype == np.uint16  # one run of 768 elements

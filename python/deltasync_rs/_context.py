@@ -117,7 +117,6 @@ class Slice:
         if bits.numel() == 0:
             self.held = Held(row_start, rows, col_start, width, cols, np.zeros((0, CLASSES), np.uint8))
             return
-        smallest = np.min_scalar_type(rows * width)
         if self.by_core:
             self.runs = _runs(bits, cols).contiguous()
             counted = raw.context_counts(index, self.runs, self.runs.shape[1])
@@ -128,7 +127,8 @@ class Slice:
             keys = torch.arange(self.runs.shape[0], dtype=wide, device=bits.device).unsqueeze(1) * CLASSES + self.runs
             found = torch.bincount(keys.reshape(-1), minlength=self.runs.shape[0] * CLASSES)
             counts = found.reshape(-1, CLASSES).cpu().numpy()
-        self.held = Held(row_start, rows, col_start, width, cols, counts.astype(smallest))
+        # Counts travel in the smallest unsigned type that holds a run's length.
+        self.held = Held(row_start, rows, col_start, width, cols, counts.astype(np.min_scalar_type(self.runs.shape[1])))
 
     def place(self, everyone: list[Held]) -> tuple[Any, Any]:
         """This reader's changes, given what every reader holds (``everyone``, this one's ``held`` among them, in
