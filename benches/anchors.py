@@ -91,6 +91,10 @@ with ds.Publisher(store, anchor_every=1, keep_anchors=2) as publisher:
         publisher.publish(1, state)
         publisher.flush()
     elif mode.startswith("anchor only"):
+        if mode.endswith("late writeback"):  # the pass as it was before it started the writeback itself
+            import deltasync_rs.publisher as module
+            real = module.write_anchor_pieces
+            module.write_anchor_pieces = lambda *args, **options: real(*args, **{**options, "early_writeback": False})
         publisher.piece_bytes = None if mode.endswith("no pieces") else publisher.piece_bytes
         publisher.whole_sha256 = mode.endswith("whole SHA-256")
         path, ref, _, sidecar = publisher._anchor_file(publisher._mirror.tensors, 1)

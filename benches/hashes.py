@@ -1,6 +1,8 @@
 """What an anchor's write pass is made of, each part timed alone on this machine: the piece hashes (BLAKE3, the
 default, and SHA-256), the whole-file SHA-256, the state digest's XXH3 and the kernel's copy of the bytes into the
-page cache, against the pass itself (``write_anchor_pieces``) and ``cp`` of the file it writes.
+page cache, against the pass itself (``write_anchor_pieces``) and ``cp`` of the file it writes; then the pass
+followed by an fsync (what a local store's ``put_file`` does), with the kernel's writeback started during the pass
+(``early_writeback=True``, the publisher's) and without, alternated round by round, against ``cp`` + ``sync``.
 
     python benches/hashes.py [GiB] [rounds] [FOLDER]
 
@@ -52,6 +54,21 @@ def timed(run, rounds: int, *, writes: Path | None = None, nbytes: int = 0) -> f
     return statistics.median(samples)
 
 
+def alternated(first, second, rounds: int, *, writes: Path, nbytes: int) -> tuple[float, float]:
+    """Medians of ``first`` and ``second`` run in alternation (which goes first flips every round), each started
+    as :func:`timed` starts a write, so that a drift in the host's load lands on both."""
+    first(), second()
+    samples: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(rounds):
+        for which in (0, 1) if round_ % 2 == 0 else (1, 0):
+            writes.unlink(missing_ok=True)
+            ready_to_write(writes.parent, nbytes)
+            started = time.perf_counter()
+            (first, second)[which]()
+            samples[which].append(time.perf_counter() - started)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
 def main() -> None:
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
@@ -79,11 +96,23 @@ def main() -> None:
     source, written = folder / "bytes.bin", folder / "written.bin"
     data.tofile(source)
 
-    def write_anchor(whole_sha256: bool) -> None:
+    def write_anchor(whole_sha256: bool, *, early_writeback: bool = False, fsync: bool = False) -> None:
         anchor.touch()
         write_anchor_pieces(
-            state, str(anchor), step=1, piece_bytes=PIECE, piece_hash="blake3", whole_sha256=whole_sha256
+            state,
+            str(anchor),
+            step=1,
+            piece_bytes=PIECE,
+            piece_hash="blake3",
+            whole_sha256=whole_sha256,
+            early_writeback=early_writeback,
         )
+        if fsync:  # what a local store's put_file does next
+            fd = os.open(anchor, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def write_in(buffers: list[memoryview], chunk: int) -> Callable[[], None]:
         """Plain writes of ``buffers`` into a new file, ``chunk`` bytes per write, nothing hashed."""
@@ -102,6 +131,10 @@ def main() -> None:
 
     def cp() -> None:
         subprocess.run(["cp", str(anchor), str(copy)], check=True)
+
+    def cp_sync() -> None:
+        cp()
+        os.sync()
 
     rows = [
         ("BLAKE3 of each 256 KiB piece, one core", timed(lambda: [piece_hash(p, "blake3") for p in pieces], rounds)),
@@ -133,6 +166,18 @@ def main() -> None:
             timed(lambda: write_anchor(True), rounds, writes=anchor, nbytes=size),
         ),
         ("`cp` of the anchor file", timed(cp, rounds, writes=copy, nbytes=size)),
+    ]
+    durable = alternated(
+        lambda: write_anchor(False, early_writeback=True, fsync=True),
+        lambda: write_anchor(False, fsync=True),
+        rounds,
+        writes=anchor,
+        nbytes=size,
+    )
+    rows += [
+        ("anchor write pass + fsync, writeback started during the pass (the publisher's)", durable[0]),
+        ("anchor write pass + fsync, writeback left to the fsync (alternated with the row above)", durable[1]),
+        ("`cp` + `sync` of the anchor file", timed(cp_sync, rounds, writes=copy, nbytes=size)),
     ]
     threads = ds.get_num_threads() if hasattr(ds, "get_num_threads") else os.cpu_count()
     print(f"{size / (1 << 30):.2f} GiB, medians of {rounds}, deltasync pool of {threads} threads, folder {folder}")

@@ -779,10 +779,12 @@ fn apply_file(
 /// from their memory (core::anchors::write_anchor); returns the file's size, SHA-256 (hex; None without
 /// `whole_sha256`), the tensors' state digest (as `state_digest` gives it) and, with `piece_bytes`, the hash
 /// (`piece_hash`: "blake3" or "sha256") of each piece of that size concatenated (32 bytes each; empty without), all
-/// from one pass.
+/// from one pass. With `early_writeback` the kernel starts writing the file to disk as the pass goes, for a caller
+/// that fsyncs it next.
 #[pyfunction]
 #[pyo3(signature = (
-    path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0, piece_hash = "blake3", whole_sha256 = true
+    path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0, piece_hash = "blake3", whole_sha256 = true,
+    early_writeback = false
 ))]
 #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
 fn write_anchor(
@@ -794,14 +796,20 @@ fn write_anchor(
     piece_bytes: usize,
     piece_hash: &str,
     whole_sha256: bool,
+    early_writeback: bool,
 ) -> PyResult<(u64, Option<String>, String, Py<PyBytes>)> {
-    let kind = anchors::PieceHash::parse(piece_hash).map_err(to_py)?;
+    let options = anchors::AnchorOptions {
+        piece_bytes,
+        piece_hash: anchors::PieceHash::parse(piece_hash).map_err(to_py)?,
+        whole_sha256,
+        early_writeback,
+    };
     let (held, specs) = export_tensors(&entries)?;
     let written = py
         .detach(|| {
             // SAFETY: `held` keeps every buffer exported until after this call.
             let inputs = unsafe { full_inputs(&specs) };
-            anchors::write_anchor(&inputs, step, &metadata, &path, piece_bytes, kind, whole_sha256)
+            anchors::write_anchor(&inputs, step, &metadata, &path, options)
         })
         .map_err(to_py)?;
     drop(held);

@@ -65,6 +65,37 @@ def test_streamed_anchor_is_byte_identical_to_to_bytes(tmp_path):
     assert digest == ds.state_digest(state)  # hashed in the same pass
 
 
+def test_early_writeback_changes_no_byte_and_the_publisher_asks_for_it(tmp_path, monkeypatch):
+    """The kernel's writeback started during the pass (every 64 MiB, on a thread of the core's) writes the same
+    file as the pass without it; the publisher asks for it, since its store makes the file durable next."""
+    from deltasync_rs.delta import write_anchor_pieces
+
+    rng = np.random.default_rng(5)
+    state = {
+        f"t{i}": torch.from_numpy(rng.integers(0, 1 << 16, 24 << 20, dtype=np.uint16).view(np.int16)) for i in range(4)
+    }
+    written = {}
+    for early in (True, False):
+        path = tmp_path / f"anchor-{early}.safetensors"
+        path.touch()
+        written[early] = write_anchor_pieces(state, path, step=3, piece_bytes=1 << 20, early_writeback=early)
+    assert written[True] == written[False]
+    assert (tmp_path / "anchor-True.safetensors").read_bytes() == (tmp_path / "anchor-False.safetensors").read_bytes()
+    assert written[True][0] > 192 << 20  # three writeback ranges of 64 MiB at least
+
+    asked = []
+    real = publisher_module.write_anchor_pieces
+
+    def recording(tensors, path, **options):
+        asked.append(options.get("early_writeback"))
+        return real(tensors, path, **options)
+
+    monkeypatch.setattr(publisher_module, "write_anchor_pieces", recording)
+    with ds.Publisher(tmp_path / "store", background=False) as publisher:
+        publisher.publish(0, _state())
+    assert asked == [True]
+
+
 def test_streamed_anchor_refuses_a_bad_state_before_writing(tmp_path):
     path = tmp_path / "anchor.safetensors"
     path.write_bytes(b"kept")

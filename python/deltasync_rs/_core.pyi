@@ -122,6 +122,7 @@ def write_anchor(
     piece_bytes: int = 0,
     piece_hash: str = "blake3",
     whole_sha256: bool = True,
+    early_writeback: bool = False,
 ) -> tuple[int, str | None, str, bytes]: ...
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""

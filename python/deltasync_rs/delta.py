@@ -330,11 +330,14 @@ def write_anchor_pieces(
     step: int | None = None,
     metadata: Mapping[str, str] | None = None,
     whole_sha256: bool = True,
+    early_writeback: bool = False,
 ) -> tuple[int, str | None, str, bytes]:
     """:func:`write_anchor_file`, also returning the hash (``piece_hash``: "blake3" or "sha256") of each
     ``piece_bytes`` piece of the file (a power of two from 1 KiB to 1 GiB; 0: none), concatenated, 32 bytes each,
     hashed in the same pass (docs/format.md §10). With ``whole_sha256=False`` the file's SHA-256 is not computed
-    (None in its place; a pass on one core, the slowest part of the write) and ``piece_bytes`` must not be 0."""
+    (None in its place; a pass on one core, the slowest part of the write) and ``piece_bytes`` must not be 0. With
+    ``early_writeback=True`` (Linux) the kernel starts writing the file to disk every 64 MiB while the pass goes on,
+    so that an fsync right after it finds less left to write; it changes no byte."""
     if not whole_sha256 and not piece_bytes:
         raise DeltaSyncError("an anchor without a whole-file SHA-256 needs pieces (piece_bytes) to be checked by")
     entries = []
@@ -343,7 +346,14 @@ def write_anchor_pieces(
         data, _ = _arrays.host_bytes(tensor)
         entries.append((name, dtype, list(shape), data))
     return _write_anchor(
-        os.fspath(path), entries, _check_step(step, "step"), dict(metadata or {}), piece_bytes, piece_hash, whole_sha256
+        os.fspath(path),
+        entries,
+        _check_step(step, "step"),
+        dict(metadata or {}),
+        piece_bytes,
+        piece_hash,
+        whole_sha256,
+        early_writeback,
     )
 
 

@@ -415,7 +415,13 @@ class Publisher:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
             try:
                 size, sha256, digest, hashes = write_anchor_pieces(
-                    tensors, path, step=step, piece_bytes=piece_bytes, piece_hash=piece_hash, whole_sha256=whole_sha256
+                    tensors,
+                    path,
+                    step=step,
+                    piece_bytes=piece_bytes,
+                    piece_hash=piece_hash,
+                    whole_sha256=whole_sha256,
+                    early_writeback=True,  # the store's put_file fsyncs it (a local store), or reads it to upload
                 )
             except BaseException:
                 os.unlink(path)

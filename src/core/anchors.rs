@@ -428,6 +428,8 @@ impl AsRef<[u8]> for Lent {
 /// state-digest hash when they pass whole (`write_to` hands over each piece as the very slice it was lent, before any
 /// buffering); large writes are hashed and written side by side, chunk by chunk.
 struct Hashing<'a, 'b, W: Write> {
+    /// First, so that it is dropped (its thread joined) before `inner` closes the file it starts writeback of.
+    writeback: Option<Writeback>,
     inner: W,
     sha256: Option<Sha256>,
     pieces: Pieces,
@@ -438,6 +440,71 @@ struct Hashing<'a, 'b, W: Write> {
     tensor_hashes: Vec<Option<u128>>,
 }
 
+/// Starts the kernel's writeback of what the pass has written so far (every `WRITEBACK_BYTES`, with
+/// `sync_file_range(SYNC_FILE_RANGE_WRITE)`) on a thread of its own, so that the disk writes the file while the pass
+/// goes on, the caller's fsync finds less left to write, and fewer dirty pages pile up. The writing thread never
+/// waits for it: submitting writeback can block on a busy disk, which inline in the pass made some anchors slower.
+struct Writeback {
+    kicks: Option<std::sync::mpsc::Sender<u64>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    kicked: u64,
+}
+
+impl Writeback {
+    #[cfg(target_os = "linux")]
+    fn start(file: &std::fs::File) -> Option<Writeback> {
+        use std::os::fd::AsRawFd;
+        let fd = file.as_raw_fd();
+        let (kicks, ends) = std::sync::mpsc::channel::<u64>();
+        let thread = std::thread::Builder::new()
+            .name("deltasync-writeback".into())
+            .spawn(move || {
+                let mut from = 0u64;
+                for end in ends {
+                    // SAFETY: `fd` stays open until this thread is joined (`Writeback::finish`, before the file is
+                    // dropped); SYNC_FILE_RANGE_WRITE only starts writeback of dirty pages in the range.
+                    unsafe {
+                        libc::sync_file_range(fd, from as i64, (end - from) as i64, libc::SYNC_FILE_RANGE_WRITE);
+                    }
+                    from = end;
+                }
+            })
+            .ok()?;
+        Some(Writeback { kicks: Some(kicks), thread: Some(thread), kicked: 0 })
+    }
+
+    /// Elsewhere the caller's fsync writes everything, as before.
+    #[cfg(not(target_os = "linux"))]
+    fn start(_file: &std::fs::File) -> Option<Writeback> {
+        None
+    }
+
+    fn written(&mut self, through: u64) {
+        if through >= self.kicked + WRITEBACK_BYTES {
+            self.kicked = through;
+            if let Some(kicks) = &self.kicks {
+                let _ = kicks.send(through);
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        self.kicks = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Writeback {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+const WRITEBACK_BYTES: u64 = 64 << 20;
+const WRITE_BUFFER: usize = 1 << 20;
+
 impl<W: Write + Send> Write for Hashing<'_, '_, W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let tensor = self.pending.get_mut(&(buf.as_ptr() as usize, buf.len())).and_then(Vec::pop);
@@ -445,6 +512,7 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
             let input = &self.inputs[index];
             digest::tensor_hasher(input.dtype, &input.shape)
         });
+        let mut through = self.size;
         for chunk in buf.chunks(CHUNK_BYTES) {
             let (sha256, pieces, inner, hasher) =
                 (&mut self.sha256, &mut self.pieces, &mut self.inner, &mut tensor_hasher);
@@ -458,6 +526,10 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
             };
             let (_, written) = rayon::join(|| rayon::join(hash, || pieces.update(chunk)), || inner.write_all(chunk));
             written?;
+            through += chunk.len() as u64;
+            if let Some(writeback) = self.writeback.as_mut() {
+                writeback.written(through.saturating_sub(WRITE_BUFFER as u64));
+            }
         }
         if let (Some(index), Some(hasher)) = (tensor, tensor_hasher) {
             self.tensor_hashes[index] = Some(hasher.digest128());
@@ -471,21 +543,35 @@ impl<W: Write + Send> Write for Hashing<'_, '_, W> {
     }
 }
 
+/// How `write_anchor` writes and hashes an anchor.
+#[derive(Clone, Copy, Debug)]
+pub struct AnchorOptions {
+    /// The size of the pieces hashed for ranged reads: a power of two from MIN_PIECE_BYTES to MAX_PIECE_BYTES; 0:
+    /// no pieces.
+    pub piece_bytes: usize,
+    /// The pieces' hash.
+    pub piece_hash: PieceHash,
+    /// Also the whole file's SHA-256: one serial pass over the file, the slowest part of this one.
+    pub whole_sha256: bool,
+    /// Start the kernel's writeback of the file while it is written (`Writeback`; Linux only), for a caller that
+    /// makes it durable next.
+    pub early_writeback: bool,
+}
+
 /// Writes the anchor of `inputs` (the bytes `format::to_bytes` gives for `diff::full(inputs)` with this step and
-/// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 (with `whole_sha256`; it is
-/// one serial pass over the file, the slowest part of this one) and state digest, all hashed in the same pass. Each
-/// tensor is copied once, from its own memory into the file; nothing the size of the state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file durable (fsync)
-/// where it needs to. With `piece_bytes` (a power of two from MIN_PIECE_BYTES to MAX_PIECE_BYTES; 0: none) it also
-/// returns the hash (`kind`) of each piece of that size, hashed in the same pass.
+/// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 (with `whole_sha256`) and state
+/// digest, all hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the
+/// size of the state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file
+/// durable (fsync) where it needs to. With `piece_bytes` it also returns the hash of each piece of that size, hashed
+/// in the same pass.
 pub fn write_anchor(
     inputs: &[FullInput<'_>],
     step: Option<u64>,
     metadata: &BTreeMap<String, String>,
     path: &Path,
-    piece_bytes: usize,
-    kind: PieceHash,
-    whole_sha256: bool,
+    options: AnchorOptions,
 ) -> Result<Written> {
+    let AnchorOptions { piece_bytes, piece_hash: kind, whole_sha256, early_writeback } = options;
     if piece_bytes != 0
         && (!piece_bytes.is_power_of_two() || !(MIN_PIECE_BYTES..=MAX_PIECE_BYTES).contains(&piece_bytes))
     {
@@ -507,17 +593,22 @@ pub fn write_anchor(
     for (index, input) in inputs.iter().enumerate() {
         pending.entry((input.data.as_ptr() as usize, input.data.len())).or_default().push(index);
     }
+    let writeback = if early_writeback { Writeback::start(&file) } else { None };
     let mut writer = Hashing {
-        inner: std::io::BufWriter::with_capacity(1 << 20, file),
+        inner: std::io::BufWriter::with_capacity(WRITE_BUFFER, file),
         sha256: whole_sha256.then(Sha256::new),
         pieces: Pieces::new(piece_bytes, kind),
         size: 0,
         inputs,
         pending,
         tensor_hashes: vec![None; inputs.len()],
+        writeback,
     };
     crate::core::pool::install(|| encoded.write_to(&mut writer).and_then(|()| writer.flush()))
         .map_err(|e| Error::io(path, e))?;
+    if let Some(writeback) = writer.writeback.as_mut() {
+        writeback.finish();
+    }
     // `delta` (and the lent windows in it) ends here, while `inputs` is still borrowed.
     drop(encoded);
     drop(delta);
@@ -557,6 +648,11 @@ mod tests {
     use super::*;
     use crate::core::dtype::Dtype;
 
+    /// Writeback started early in every test: the bytes written must not depend on it.
+    fn options(piece_bytes: usize, piece_hash: PieceHash, whole_sha256: bool) -> AnchorOptions {
+        AnchorOptions { piece_bytes, piece_hash, whole_sha256, early_writeback: true }
+    }
+
     fn inputs(data: &[Vec<u8>]) -> Vec<FullInput<'_>> {
         data.iter()
             .enumerate()
@@ -588,7 +684,7 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"old, longer content that must be truncated away").unwrap();
-        let written = write_anchor(&inputs, Some(7), &metadata, &path, 0, PieceHash::Blake3, true).unwrap();
+        let written = write_anchor(&inputs, Some(7), &metadata, &path, options(0, PieceHash::Blake3, true)).unwrap();
         assert!(written.pieces.is_empty());
         let file = std::fs::read(&path).unwrap();
         assert_eq!(file, expected);
@@ -616,7 +712,7 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"kept").unwrap();
-        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, 0, PieceHash::Sha256, true).is_err());
+        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, options(0, PieceHash::Sha256, true)).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
     }
 
@@ -654,7 +750,8 @@ mod tests {
                 [(PieceHash::Sha256, true), (PieceHash::Blake3, true), (PieceHash::Blake3, false)]
             {
                 let written =
-                    write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, piece_bytes, kind, whole_sha256).unwrap();
+                    write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, options(piece_bytes, kind, whole_sha256))
+                        .unwrap();
                 let file = std::fs::read(&path).unwrap();
                 let expected: Vec<[u8; 32]> = match kind {
                     PieceHash::Sha256 => file.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect(),
@@ -666,7 +763,7 @@ mod tests {
             }
         }
         for bad in [1usize, 512, 3 << 10, 2 << 30] {
-            let written = write_anchor(&inputs, None, &BTreeMap::new(), &path, bad, PieceHash::Blake3, true);
+            let written = write_anchor(&inputs, None, &BTreeMap::new(), &path, options(bad, PieceHash::Blake3, true));
             assert!(written.is_err(), "piece size {bad}");
         }
     }
