@@ -995,6 +995,29 @@ fn base_identity(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<String> {
     Ok(base::to_hex(identity))
 }
 
+/// The base identity (16 hex digits) of bytes whose whole blocks were hashed elsewhere (on a device, by
+/// deltasync_rs._identity): `block_hashes` holds each whole block's hash, little-endian u64s in order, and `tail`
+/// the bytes after the last whole block (shorter than a block; empty when none), hashed here.
+#[pyfunction]
+fn base_identity_from_blocks(py: Python<'_>, block_hashes: &[u8], tail: &Bound<'_, PyAny>) -> PyResult<String> {
+    if !block_hashes.len().is_multiple_of(8) {
+        return Err(DeltaSyncError::new_err("block hashes are 8 bytes each"));
+    }
+    let (held, slice) = export(tail, &|| "the bytes after the whole blocks".to_owned(), false)?;
+    // SAFETY: `held` keeps the buffer exported until after the call.
+    let tail = unsafe { slice.get() };
+    if tail.len() >= base::BLOCK_BYTES {
+        return Err(DeltaSyncError::new_err(format!("the tail has {} bytes, a whole block or more", tail.len())));
+    }
+    let mut hashes: Vec<u64> =
+        block_hashes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
+    if !tail.is_empty() {
+        hashes.push(py.detach(|| base::block_hash(tail)));
+    }
+    drop(held);
+    Ok(base::to_hex(base::combine(&hashes)))
+}
+
 /// Sets the number of threads for later calls (0 restores DELTASYNC_NUM_THREADS or the CPU count).
 #[pyfunction]
 fn set_num_threads(n: usize) {
@@ -1034,6 +1057,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(combine_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(base_identity_from_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(piece_hash, m)?)?;
     m.add_function(wrap_pyfunction!(fill_checked_pieces, m)?)?;

@@ -17,6 +17,7 @@ __all__ = [
     "__version__",
     "apply_file",
     "base_identity",
+    "base_identity_from_blocks",
     "checkpoint_layout",
     "combine_hashes",
     "copy_checked_pieces",
@@ -126,6 +127,10 @@ def write_anchor(
 ) -> tuple[int, str | None, str, bytes]: ...
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""
+
+def base_identity_from_blocks(block_hashes: bytes, tail: Any) -> str:
+    """The base identity of bytes whose whole blocks were hashed elsewhere: each whole block's XXH3-64 as
+    little-endian u64s in ``block_hashes``, and ``tail``, the bytes after the last whole block, hashed here."""
 
 def file_piece_hashes(path: str | PathLike[str], piece_bytes: int, piece_hash: str) -> bytes:
     """The hash (``piece_hash``: "blake3" or "sha256") of each ``piece_bytes`` piece of the file, concatenated (32

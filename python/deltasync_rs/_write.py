@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _arrays
-from ._core import DeltaSyncError, RawDelta
+from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError, RawDelta
 
 _NUMPY_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -60,11 +60,15 @@ def needs_base(raw: RawDelta, index: int) -> bool:
     return raw.tensors()[index][4] == "context"
 
 
-def decode(raw: RawDelta, index: int, *, device: Any = None, base: Any = None) -> tuple[Any, Any]:
+def decode(
+    raw: RawDelta, index: int, *, device: Any = None, base: Any = None, base_checked: bool = False
+) -> tuple[Any, Any]:
     """Tensor ``index``'s changes decoded on the CPU and moved to ``device`` (a torch device) in one transfer.
 
     A tensor with ``context`` positions is decoded against ``base``, the tensor before the change (any tensor or
-    array; copied to the host when it is not there), which the core checks against the recorded base identity.
+    array), checked first against the recorded base identity: on the host by the core, or where ``base`` is a torch
+    tensor on another device, there, by torch ops (its classes too; :func:`_context_on_device`), unless the caller
+    says it has checked it (``base_checked``, :func:`check_bases`).
 
     Returns ``(positions, values)``: int64 flat row-major positions (``None`` for a tensor stored whole as new
     bits, whose values are then every element in order), and the values as the torch integer type of the element
@@ -74,6 +78,9 @@ def decode(raw: RawDelta, index: int, *, device: Any = None, base: Any = None) -
     width, changed = _arrays.WIDTHS[info[1]], int(info[3])
     if changed == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=int_dtype(width), device=device)
+    if base is not None and info[4] == "context" and _on_device(base):
+        positions, values = _context_on_device(raw, index, base, base_checked)
+        return positions.to(device), values.to(device)
     host_base = None
     if base is not None and info[4] == "context":
         host_base = _arrays.host_bytes(base)[0]
@@ -83,6 +90,55 @@ def decode(raw: RawDelta, index: int, *, device: Any = None, base: Any = None) -
     if is_dense(raw, index):
         return None, staged.view(int_dtype(width))
     return staged[: changed * 8].view(torch.int64), staged[changed * 8 :].view(int_dtype(width))
+
+
+def _on_device(x: Any) -> bool:
+    """A torch tensor outside the host's memory (CUDA, ...)."""
+    return _arrays.is_torch(x) and not x.is_cpu
+
+
+def check_bases(raw: RawDelta, targets: list[tuple[int, Any]]) -> None:
+    """BaseMismatchError unless each ``(index, target)`` holds the base recorded for tensor ``index`` (those that
+    record none are skipped). Host targets are hashed by the core; torch tensors on another device there, together
+    (deltasync_rs._identity: only block hashes and the bytes after the last whole 256 KiB block reach the host)."""
+    from . import _identity
+
+    host, device = [], []
+    for index, target in targets:
+        if raw.base_identity(index) is None:
+            continue
+        if _on_device(target):
+            device.append((index, target))
+        else:
+            host.append((index, _arrays.host_bytes(target)[0]))
+    if device:
+        found = _identity.base_identities([target for _, target in device])
+        for (index, _), identity in zip(device, found):
+            expected = raw.base_identity(index)
+            if identity != expected:
+                name = raw.tensors()[index][0]
+                raise BaseMismatchError(
+                    f"tensor {name!r}: the target is not the base this delta was made for (base identity "
+                    f"{expected} expected, {identity} found); was it applied already, or to another step?"
+                )
+    if host:
+        raw.check_base(host)
+
+
+def _context_on_device(raw: RawDelta, index: int, base: Any, checked: bool) -> tuple[Any, Any]:
+    """Tensor ``index``'s ``context`` changes placed against ``base``, a whole tensor on a device, with torch ops
+    there: its identity checked first (unless ``checked``), then its classes counted and the changes placed as a
+    reader holding all of it (deltasync_rs._context, one run); positions and values on ``base``'s device."""
+    from . import _context
+
+    name, dtype = raw.tensors()[index][:2]
+    if raw.base_identity(index) is None:
+        raise DeltaFormatError(f"tensor {name!r}: 'context' positions without a base identity")
+    if not checked:
+        check_bases(raw, [(index, base)])
+    bits = base.detach().reshape(1, -1).view(int_dtype(_arrays.WIDTHS[dtype]))
+    whole = _context.Slice(raw, index, bits, 0, 0, bits.shape[1], walk="torch")
+    return whole.place([whole.held])
 
 
 def _hf_rows_cols(region: Region) -> tuple[int, int]:
@@ -166,6 +222,7 @@ class Writes:
         self._staged: list[Callable[[], object]] = []
         self._check_in_core = False  # the core checks the base of the targets it writes (add_all's check_base)
         self._context: dict[int, Any] = {}  # context tensors held in part: their _context.Slice
+        self._base_checked: set[int] = set()  # tensors whose device target's base identity is checked
         self.elements = 0  # elements staged for writing
 
     def _name(self, index: int) -> str:
@@ -194,6 +251,15 @@ class Writes:
             # The core checks its own targets as it writes them (commit); the others are checked here, first.
             self._check_base([memory for memory, core in zip(kept, in_core) if not core])
             self._check_in_core = True
+        else:
+            # A context tensor's base is always checked: on a device, all of them together, first.
+            self._check_base(
+                [
+                    m
+                    for m, core in zip(kept, in_core)
+                    if not core and _on_device(m.target) and needs_base(self._raw, m.index)
+                ]
+            )
         for memory, core in zip(kept, in_core):
             index, target = memory.index, memory.target
             changed = self._changed(index)
@@ -276,20 +342,22 @@ class Writes:
         return [t for t in targets if id(t) not in aliases]
 
     def _check_base(self, targets: list[_Memory]) -> None:
-        """Every target holds the base its tensor was diffed against (its base identity, computed on the host:
-        free for CPU memory, one copy of the tensor for any other device)."""
-        host = []
-        for memory in targets:
-            if self._raw.base_identity(memory.index) is not None:
-                host.append((memory.index, _arrays.host_bytes(memory.target)[0]))
-        if host:
-            self._raw.check_base(host)
+        """Every target holds the base its tensor was diffed against (its base identity: computed by the core for
+        CPU memory and numpy arrays, by torch ops on the target's device for any other device)."""
+        self.check_bases([(memory.index, memory.target) for memory in targets])
+
+    def check_bases(self, targets: list[tuple[int, Any]]) -> None:
+        """:func:`check_bases`, remembering which device targets it checked (their decode does not check again)."""
+        check_bases(self._raw, targets)
+        self._base_checked.update(index for index, target in targets if _on_device(target))
 
     def _stage_torch(self, index: int, target: Any) -> Callable[[], object]:
         torch = _torch()
         width = self._width(index)
         view = target.detach().view(int_dtype(width))
-        positions, values = decode(self._raw, index, device=view.device, base=target.detach())
+        positions, values = decode(
+            self._raw, index, device=view.device, base=target.detach(), base_checked=index in self._base_checked
+        )
         if positions is None:
             new = values.view(view.shape)
             write: Callable[[], object] = lambda: view.copy_(new)  # noqa: E731
@@ -382,7 +450,9 @@ class Writes:
         if needs_base(self._raw, index):
             start = region.param_row_offset * param_cols
             base = param.view(-1)[start : start + hf_rows * hf_cols]
-        positions, values = decode(self._raw, index, device=param.device, base=base)
+        positions, values = decode(
+            self._raw, index, device=param.device, base=base, base_checked=index in self._base_checked
+        )
         if positions is None:
             positions = torch.arange(hf_rows * hf_cols, device=param.device)
         if covers_all:

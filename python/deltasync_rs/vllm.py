@@ -365,7 +365,15 @@ def _stage(
         plan.append((index, shard))
     _reject_lone_tied_head(params, {info.name for info in infos})
     if check_base:
-        _check_base(delta, plan)
+        _check_base(writes, delta, plan)
+    else:  # a whole context tensor's base is always checked; those on a device all together, first
+        writes.check_bases(
+            [
+                (index, _whole_region(shard))
+                for index, shard in plan
+                if not shard.param.is_cpu and shard.covers_all and _write.needs_base(delta._raw, index)
+            ]
+        )
     held = {}
     for index, shard in plan:
         if writes.context_sharded(index, shard):
@@ -375,10 +383,17 @@ def _stage(
     return plan, held
 
 
-def _check_base(delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
-    """Each planned tensor's bytes in this rank's parameter match the base identity the delta records. Only a
-    tensor held whole by this rank can be checked; its bytes are one contiguous run of the parameter."""
-    host = []
+def _whole_region(shard: ShardMap) -> torch.Tensor:
+    """The bytes of a tensor this rank holds whole: one contiguous run of its parameter."""
+    param = shard.param.data
+    start = shard.param_row_offset * (param.shape[1] if param.dim() == 2 else 1)
+    return param.reshape(-1)[start : start + _numel(shard)]
+
+
+def _check_base(writes: _write.Writes, delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
+    """Each planned tensor's bytes in this rank's parameter match the base identity the delta records (on a GPU,
+    hashed there). Only a tensor held whole by this rank can be checked."""
+    targets = []
     for index, shard in plan:
         if delta.base_identity(index) is None:
             continue
@@ -387,12 +402,8 @@ def _check_base(delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
                 f"tensor {shard.hf_name!r}: check_base needs the whole tensor, but this rank holds "
                 "only its tensor-parallel slice; rely on the step chain (the default) at TP > 1"
             )
-        param = shard.param.data
-        start = shard.param_row_offset * (param.shape[1] if param.dim() == 2 else 1)
-        region = param.reshape(-1)[start : start + _numel(shard)]
-        host.append((index, region if region.is_cpu else region.cpu()))
-    if host:
-        delta._raw.check_base(host)
+        targets.append((index, _whole_region(shard)))
+    writes.check_bases(targets)
 
 
 def _reject_lone_tied_head(params: dict[str, torch.Tensor], names: set[str]) -> None:

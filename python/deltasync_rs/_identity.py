@@ -1,0 +1,159 @@
+"""Base identities (docs/format.md §3) of tensors on any torch device, computed there by torch integer ops, so that
+checking a CUDA target's base copies no weights to the host: only each 256 KiB block's 8-byte hash and the bytes
+after the last whole block (shorter than a block) cross, and the core combines them (``base_identity_from_blocks``).
+
+Each whole block's hash is XXH3-64 (seed 0, the default secret) of its 262,144 bytes, by the algorithm of the
+XXH3 specification for inputs over 240 bytes: eight 64-bit accumulators take 16 stripes of 64 bytes per 1,024-byte
+round, then are scrambled; the round's sums do not depend on the accumulators, so every round of every block is
+summed at once and only the 256 scrambles run one after another, over all blocks together. int64 arithmetic wraps
+as unsigned arithmetic does; right shifts are masked to be logical. The 64 x 64 -> 128-bit multiplies of the final
+merge run on the host in Python integers (four per block)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BLOCK_BYTES = 1 << 18
+_ROUND = 1024  # bytes per round: 16 stripes of 64
+_STRIPES = 16
+_ROUNDS = BLOCK_BYTES // _ROUND
+_GROUP_BLOCKS = 128  # 32 MiB of blocks summed at a time
+_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221"
+    "b8084674f743248ee03590e6813a264c3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb"
+    "170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
+)
+_MASK64 = (1 << 64) - 1
+_P32_1, _P32_2, _P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
+_P64_1, _P64_2, _P64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+_P64_4, _P64_5 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5
+_INIT = (_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1)
+
+
+def _word(offset: int) -> int:
+    return int.from_bytes(_SECRET[offset : offset + 8], "little")
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _lanes(offset: int) -> list[int]:
+    """Eight secret words from ``offset``, as int64 values."""
+    return [_signed(_word(offset + 8 * lane)) for lane in range(8)]
+
+
+def _avalanche(h: int) -> int:
+    h ^= h >> 37
+    h = (h * 0x165667919E3779F9) & _MASK64
+    return h ^ (h >> 32)
+
+
+def _merge(acc: list[int], length: int) -> int:
+    """XXH3's final merge of the accumulators (unsigned), for an input of ``length`` bytes."""
+    result = (length * _P64_1) & _MASK64
+    for i in range(4):
+        product = (acc[2 * i] ^ _word(11 + 16 * i)) * (acc[2 * i + 1] ^ _word(11 + 16 * i + 8))
+        result = (result + ((product & _MASK64) ^ (product >> 64))) & _MASK64
+    return _avalanche(result)
+
+
+#: Tensors smaller than this are copied to the host and hashed by the core instead: the device's 255 scramble
+#: rounds cost a few kernel launches each whatever the size (about a thousand in all, shared by every tensor of one
+#: call), more than copying a few MiB. A guess from launch counts; not timed on a GPU here.
+HOST_BELOW = 16 << 20
+#: CPU tensors are hashed by the core; True sends them down the device path too (the tests' way to run it here).
+TORCH_ON_CPU = False
+
+
+def _round_sums(words: Any, keys: Any, low: Any) -> Any:
+    """``[blocks, rounds, 8]``: what each round adds to each accumulator lane (the rounds' sums do not depend on
+    the accumulators), for blocks of int64 ``words`` ``[blocks, rounds, 16, 8]``, a group of blocks at a time."""
+    import torch
+
+    swap = [1, 0, 3, 2, 5, 4, 7, 6]
+
+    def products(mixed: Any) -> Any:
+        return (mixed & low) * ((mixed >> 32) & low)
+
+    blocks = words.shape[0]
+    # acc[lane] += low32(word ^ key) * high32(word ^ key), and acc[lane ^ 1] += the word.
+    sums = torch.empty(blocks, _ROUNDS, 8, dtype=torch.int64, device=words.device)
+    for start in range(0, blocks, _GROUP_BLOCKS):
+        group = words[start : start + _GROUP_BLOCKS]
+        sums[start : start + _GROUP_BLOCKS] = products(group ^ keys).sum(dim=2) + group.sum(dim=2)[..., swap]
+    # The last round takes stripes 0-14 with their keys, then the block's last 64 bytes (its 16th stripe) with the
+    # secret from byte 121 instead of the 16th stripe's key, and no scramble after it.
+    last = words[:, -1, -1]
+    last_key = torch.tensor(_lanes(192 - 64 - 7), dtype=torch.int64, device=words.device)
+    sums[:, -1] += products(last ^ last_key) - products(last ^ keys[-1])
+    return sums
+
+
+def _hash_rounds(sums: Any) -> list[int]:
+    """XXH3-64 of whole blocks from their round sums ``[blocks, rounds, 8]``: the 255 scrambles in order, all blocks
+    side by side, then the merge on the host."""
+    import torch
+
+    device, blocks = sums.device, sums.shape[0]
+    scramble_key = torch.tensor(_lanes(192 - 64), dtype=torch.int64, device=device)
+    shift_mask = torch.tensor((1 << 17) - 1, dtype=torch.int64, device=device)
+    acc = torch.tensor([_signed(v) for v in _INIT], dtype=torch.int64, device=device).expand(blocks, 8).clone()
+    for round_ in range(_ROUNDS - 1):
+        acc += sums[:, round_]
+        acc ^= (acc >> 47) & shift_mask
+        acc ^= scramble_key
+        acc *= _P32_1
+    acc += sums[:, -1]
+    return [_merge([v & _MASK64 for v in row], BLOCK_BYTES) for row in acc.cpu().tolist()]
+
+
+def _flat_bytes(tensor: Any) -> Any:
+    import torch
+
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def base_identities(tensors: list[Any]) -> list[str]:
+    """The base identity (16 hex digits) of each tensor's row-major bytes (torch tensors on any device). Tensors
+    from HOST_BELOW bytes on have their whole 256 KiB blocks hashed on their device, the blocks of every such
+    tensor on one device in one run of the rounds; the bytes after the last whole block (under 256 KiB), and
+    smaller tensors, are copied to the host and hashed by the core."""
+    import torch
+
+    from ._core import base_identity, base_identity_from_blocks
+
+    found: list[str | None] = [None] * len(tensors)
+    by_device: dict[Any, list[tuple[int, Any]]] = {}
+    for i, tensor in enumerate(tensors):
+        data = _flat_bytes(tensor)
+        if (data.is_cpu and not TORCH_ON_CPU) or data.numel() < max(HOST_BELOW, BLOCK_BYTES):
+            found[i] = base_identity(data.cpu().numpy())
+            continue
+        by_device.setdefault(data.device, []).append((i, data))
+    for device, items in by_device.items():
+        keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)
+        low = torch.tensor(0xFFFFFFFF, dtype=torch.int64, device=device)
+        sums, counts = [], []
+        for _, data in items:
+            whole = data.numel() // BLOCK_BYTES * BLOCK_BYTES
+            body = data[:whole]
+            if body.data_ptr() % 8:
+                body = body.clone()  # aligned for the int64 view, still on the device
+            sums.append(_round_sums(body.view(torch.int64).view(-1, _ROUNDS, _STRIPES, 8), keys, low))
+            counts.append(whole // BLOCK_BYTES)
+        hashes = _hash_rounds(torch.cat(sums))
+        at = 0
+        for (i, data), count in zip(items, counts):
+            blocks = b"".join(h.to_bytes(8, "little") for h in hashes[at : at + count])
+            at += count
+            found[i] = base_identity_from_blocks(blocks, data[count * BLOCK_BYTES :].cpu().numpy())
+    assert all(f is not None for f in found)
+    return [f for f in found if f is not None]
+
+
+def base_identity(tensor: Any) -> str:
+    """The base identity (16 hex digits) of one tensor's bytes: :func:`base_identities`."""
+    return base_identities([tensor])[0]

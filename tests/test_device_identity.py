@@ -1,0 +1,136 @@
+"""Base identities and `context` placement computed by torch ops on a target's own device (deltasync_rs._identity,
+_write._context_on_device), so that a CUDA target's base is never copied to the host. These machines have no GPU:
+the torch ops run on CPU tensors here, and the staged (non-core) apply path is sent down the device branch by
+treating every torch tensor as one on a device. The ops are the same integer ops on any device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import deltasync_rs as ds
+from deltasync_rs import _identity, _write
+from deltasync_rs._core import base_identity
+from tests.test_context import _bits, _equal, _state
+
+BLOCK = _identity.BLOCK_BYTES
+
+
+@pytest.fixture(autouse=True)
+def torch_path_on_cpu(monkeypatch):
+    """The device path for CPU tensors too, whatever their size."""
+    monkeypatch.setattr(_identity, "TORCH_ON_CPU", True)
+    monkeypatch.setattr(_identity, "HOST_BELOW", 0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    blocks=st.integers(0, 3),
+    tail=st.one_of(st.integers(0, 300), st.integers(0, BLOCK - 1), st.sampled_from([240, 241, 1023, 1024, 1025])),
+    offset=st.integers(0, 9),
+    seed=st.integers(0, 2**31),
+)
+def test_identity_on_the_device_equals_the_cores(blocks, tail, offset, seed):
+    """Every length (whole blocks, tails short and long, XXH3's 240-byte boundary) and every start alignment."""
+    n = blocks * BLOCK + tail
+    data = np.random.default_rng(seed).integers(0, 256, n + offset, dtype=np.uint8)
+    tensor = torch.from_numpy(data)[offset:]  # a view starting anywhere in its storage
+    assert _identity.base_identity(tensor) == base_identity(data[offset:])
+
+
+def test_identities_of_many_tensors_in_one_run_of_the_rounds(monkeypatch):
+    """Tensors of several sizes hashed together equal each hashed alone, and the core's; small ones go to the host."""
+    rng = np.random.default_rng(3)
+    sizes = [BLOCK * 2, 100, BLOCK * 3 + 17, BLOCK - 1, BLOCK + 2 * 1024, 0]
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    tensors = [torch.from_numpy(a) for a in arrays]
+    expected = [base_identity(a) for a in arrays]
+    assert _identity.base_identities(tensors) == expected
+    monkeypatch.setattr(_identity, "HOST_BELOW", 2 * BLOCK)
+    rounds = []
+    real = _identity._hash_rounds
+    monkeypatch.setattr(_identity, "_hash_rounds", lambda sums: rounds.append(sums.shape[0]) or real(sums))
+    assert _identity.base_identities(tensors) == expected
+    assert rounds == [5]  # the two tensors from 2 blocks on, 2 + 3 whole blocks, in one run
+
+
+def test_identity_of_a_strided_tensor_is_that_of_its_row_major_bytes():
+    t = torch.randint(-(2**15), 2**15, (700, 600), dtype=torch.int16).view(torch.bfloat16)
+    view = t.T  # not contiguous
+    assert _identity.base_identity(view) == base_identity(view.contiguous().view(torch.uint8).numpy().reshape(-1))
+
+
+def test_identity_detects_one_changed_bit_in_any_block():
+    t = torch.randint(-(2**15), 2**15, (3 * BLOCK // 2 + 77,), dtype=torch.int16)
+    before = _identity.base_identity(t)
+    for element in (0, BLOCK // 2 - 1, BLOCK // 2 + 5, t.numel() - 1):
+        flipped = t.clone()
+        flipped[element] ^= 1 << 7
+        assert _identity.base_identity(flipped) != before
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """Every torch tensor counts as one on a device; the calls of the device identity are recorded."""
+    calls: list[list[int]] = []
+    real = _identity.base_identities
+
+    def recording(tensors):
+        calls.append(sorted(t.numel() for t in tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(_write, "_on_device", lambda x: isinstance(x, torch.Tensor))
+    monkeypatch.setattr(_identity, "base_identities", recording)
+    return calls
+
+
+@pytest.mark.parametrize("check_base", [False, True])
+def test_context_applies_on_the_device_bit_exactly(on_device, check_base):
+    prev, curr = _state(11)
+    delta = ds.load(ds.diff(prev, curr, codec="context").to_bytes())
+    assert {t.positions for t in delta.tensors} == {"context"}
+    target = {k: v.clone().T.contiguous().T if v.dim() == 2 else v.clone() for k, v in prev.items()}
+    target["w2"] = target["w2"].permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    assert not any(t.is_contiguous() for t in (target["w0"], target["w2"]))
+    delta.apply_(target, check_base=check_base)
+    assert _equal(target, curr)
+    # The two staged tensors' identities were taken on the device, together, once (their decode does not again).
+    assert on_device == [sorted([prev["w0"].numel(), prev["w2"].numel()])]
+
+
+def test_a_wrong_base_on_the_device_is_refused_and_nothing_is_written(on_device):
+    prev, curr = _state(12)
+    delta = ds.load(ds.diff(prev, curr, codec="context").to_bytes())
+    target = {k: v.clone().T.contiguous().T if v.dim() == 2 else v.clone() for k, v in prev.items()}
+    target["w0"][3, 4] = 5.0
+    before = {k: v.clone() for k, v in target.items()}
+    with pytest.raises(ds.BaseMismatchError, match="'w0'.*not the base"):
+        delta.apply_(target)
+    assert _equal(target, before)
+
+
+def test_compact_base_check_on_the_device(on_device):
+    """check_base on a device target of any codec hashes it there, without copying it to the host."""
+    prev, curr = _state(13)
+    delta = ds.load(ds.diff(prev, curr).to_bytes())
+    target = {k: v.clone().T.contiguous().T if v.dim() == 2 else v.clone() for k, v in prev.items()}
+    delta.apply_(target, check_base=True)
+    assert _equal(target, curr)
+    assert prev["w0"].numel() in on_device[0]
+    with pytest.raises(ds.BaseMismatchError, match="w0"):
+        delta.apply_(target, check_base=True)  # applied already
+    assert _equal(target, curr)
+
+
+def test_decoded_against_a_device_base_equals_the_hosts(on_device):
+    prev, curr = _state(14)
+    delta = ds.load(ds.diff(prev, curr, codec="context").to_bytes())
+    for index, name in enumerate(prev):
+        host_positions, host_values = _write.decode(delta._raw, index, base=_bits(prev[name]).numpy())
+        positions, values = _write.decode(delta._raw, index, base=prev[name])
+        assert torch.equal(positions, host_positions) and torch.equal(values, host_values)
+    with pytest.raises(ds.BaseMismatchError):
+        _write.decode(delta._raw, 0, base=curr["w0"])
