@@ -225,7 +225,7 @@ def test_records_without_what_context_needs_are_rejected():
 
 def test_writers_refuse_it_where_they_cannot_know_the_base(tmp_path):
     """A mirror recovers the base of a changed element from its difference, so values="abs" is refused; a join of
-    shard deltas never sees a whole tensor; TRL files cannot hold it."""
+    shard deltas sees no whole tensor unless it is given the bases; TRL files cannot hold it."""
     prev, curr = _state(7)
     with pytest.raises(ds.DeltaSyncError, match='values="diff"'):
         ds.Publisher(tmp_path / "store", codec="context", values="abs")
@@ -241,6 +241,34 @@ def test_writers_refuse_it_where_they_cannot_know_the_base(tmp_path):
     assert "context" in {t.positions for t in abs_delta.tensors}
     with pytest.raises(ds.DeltaSyncError, match="TRL"):
         abs_delta.save(tmp_path / "trl.safetensors", format="trl")
+
+
+def test_shard_joins_given_the_bases_write_the_bytes_of_diff(tmp_path):
+    """join_shards(..., "context", bases) codes the joined positions against the whole bases, as ds.diff does, and
+    records their identities; a Publisher joins against the last state it published (publish_shards)."""
+    from deltasync_rs._core import join_shards
+    from deltasync_rs.delta import Delta
+
+    prev, curr = _state(8)
+    shard = ds.diff(prev, curr, codec="varint")._raw  # one shard holding everything: positions in the whole space
+    joined = Delta(join_shards([shard], "context", [(n, t) for n, t in prev.items()]))
+    assert joined.to_bytes() == ds.diff(prev, curr, codec="context").to_bytes()
+    assert {t.positions for t in joined.tensors} == {"context"}
+    with pytest.raises(ds.DeltaSyncError, match="'w1'|\"w1\""):
+        join_shards([shard], "context", [(n, t) for n, t in prev.items() if n != "w1"])
+    with pytest.raises(ds.DeltaSyncError, match="bytes"):
+        join_shards([shard], "context", [(n, t.reshape(-1)[1:]) for n, t in prev.items()])
+    with pytest.raises(ds.DeltaSyncError, match="context"):
+        join_shards([shard], "compact", [(n, t) for n, t in prev.items()])
+
+    with ds.Publisher(tmp_path / "store", codec="context", background=False) as publisher:
+        publisher.publish(0, prev)
+        publisher.publish_shards(1, [ds.load(ds.diff(prev, curr, codec="varint").to_bytes())])
+    stored = ds.load((tmp_path / "store" / "deltas" / "step_000000000001.safetensors").read_bytes())
+    assert {t.positions for t in stored.tensors} == {"context"}
+    replica = {k: torch.zeros_like(v) for k, v in prev.items()}
+    assert ds.Subscriber(tmp_path / "store").pull(replica) == 1
+    assert _equal(replica, curr)
 
 
 def test_mirrors_write_the_bytes_of_diff():

@@ -374,10 +374,11 @@ def test_examples_train_publish_then_pull_and_verify(tmp_path):
     assert wrong.returncode != 0 and "digest mismatch" in wrong.stderr
 
 
-@pytest.mark.parametrize("codec", ["varint", "compact"])
+@pytest.mark.parametrize("codec", ["varint", "compact", "context"])
 def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_path, codec):
     """fully_shard on CPU over gloo: each rank diffs its own (uneven) shards; the subscriber matches full_tensor().
-    With a compact publisher, rank 0 re-encodes the joined (varint) shards."""
+    With a compact publisher, rank 0 re-encodes the joined (varint) shards; with a context one, against the whole
+    last published state its publisher keeps, recording every tensor's base identity."""
     import socket
     import subprocess
     import sys
@@ -398,9 +399,13 @@ def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_
     assert [e.step for e in entries] == [0, 2, 4, 5]
     assert [e.anchor is not None for e in entries] == [True, False, False, False]  # the pull replays every delta
     assert all(e.num_changed > 0 for e in entries)
-    if codec == "compact":
+    if codec != "varint":
         delta = ds.load(LocalStore(store).get("deltas/step_000000000002.safetensors"))
-        assert "rice" in {t.positions for t in delta.tensors}
+        assert {"rice", "context"} & {t.positions for t in delta.tensors}
+    if codec == "context":
+        for step in (2, 4, 5):
+            delta = ds.load(LocalStore(store).get(f"deltas/step_{step:012d}.safetensors"))
+            assert all(delta.base_identity(i) is not None for i in range(len(delta.tensors)))
     whole = torch.load(out)
     state = {name: torch.zeros_like(t) for name, t in whole.items()}
     assert ds.Subscriber(LocalStore(store)).pull(state) == 5

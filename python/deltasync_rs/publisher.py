@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
@@ -101,8 +101,9 @@ class Publisher:
     ``keep_anchors`` anchors are kept, with the deltas after the oldest of them; older files are deleted.
     ``values`` and ``codec`` are as for :func:`deltasync_rs.diff`: ``codec="compact"`` writes ``rice``, ``diffbits``
     or ``rans`` streams where smaller, which every reader of this version reads; ``codec="context"`` (with
-    ``values="diff"``) also codes positions against the base's exponent classes, smaller on training steps, for
-    subscribers that hold whole tensors (not vLLM workers at tensor parallel size 2 or more).
+    ``values="diff"``) also codes positions against the base's exponent classes, smaller on training steps, read by
+    subscribers and vLLM workers of this version (at any tensor parallel size) and joined FSDP2 shards
+    (:meth:`publish_shards`).
 
     Anchors are streamed: the upload thread writes the anchor file straight from the publisher's mirror into a
     temporary file (hashing it on the way) and uploads from that file, so an anchor costs no copy of the state in
@@ -294,6 +295,24 @@ class Publisher:
         self._mirror.step = step
         delta.step = step
         self._enqueue(step, delta)
+
+    def publish_shards(self, step: int, parts: Sequence[Delta]) -> None:
+        """Publishes the deltas of every shard of one step (an FSDP rank's each, in rank order; ``varint``, positions
+        in the whole tensors' index space) joined into one delta in this publisher's codec. With
+        ``codec="context"`` the joined positions are coded against the mirror this publisher keeps, the last
+        published state, whole (which no shard holds), and every tensor records its base identity."""
+        from ._core import join_shards
+
+        self._check_open()
+        self._raise_errors()
+        if self._mirror.is_empty:
+            raise DeltaSyncError("publish a full state first: the publisher has no state to join shard deltas against")
+        bases = None
+        if self.codec == "context":
+            bases = [(name, _arrays.host_bytes(tensor)[0]) for name, tensor in self._mirror.tensors.items()]
+        joined = Delta(join_shards([part._raw for part in parts], self.codec, bases))
+        joined.base_step = None
+        self.publish_delta(step, joined)
 
     def publish_shared(
         self,

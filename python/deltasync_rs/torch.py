@@ -349,13 +349,9 @@ class Attachment:
             base = self.publisher.step if self.publisher.step is not None else start_step
             settings = [(self.publisher.values, base, self.publisher.codec)]
         dist.broadcast_object_list(settings, src=0)
-        values, self._base, codec = settings[0]
-        if codec == "context":  # every rank raises, so none waits on the others
-            raise DeltaSyncError(
-                'codec="context" codes positions against each whole tensor\'s base, which no rank of a sharded '
-                'model holds: publish sharded models with codec="compact"'
-            )
-        # Shards stay varint: rank 0 re-encodes the joined tensors in the publisher's codec (join_shards).
+        values, self._base, _ = settings[0]
+        # Shards stay varint: rank 0 re-encodes the joined tensors in the publisher's codec (publish_shards; for
+        # "context", against the whole last published state its publisher keeps).
         self.mirror = Mirror(model, dtype, chunk_bytes=chunk_bytes, values=values, step=self._base)
         self._group = dist.group.WORLD
         parts: list[Any] | None = [None] * world if rank == 0 else None
@@ -367,15 +363,12 @@ class Attachment:
     def _gather_and_publish(self, step: int, delta: Delta) -> None:
         import torch.distributed as dist
 
-        from ._core import join_shards
         from .delta import load
 
         blobs: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(delta.to_bytes(), blobs, dst=0)
         if blobs is not None:
-            joined = Delta(join_shards([load(bytes(blob))._raw for blob in blobs], self.publisher.codec))
-            joined.base_step = None
-            self.publisher.publish_delta(step, joined)
+            self.publisher.publish_shards(step, [load(bytes(blob)) for blob in blobs])
 
     @property
     def published_step(self) -> int | None:

@@ -162,12 +162,36 @@ impl MirrorDiff {
 
 /// Joins the deltas of all shards of a sharded state, in rank order, into one: each rank's tensor parts cover
 /// disjoint element ranges with positions in the whole tensor's index space. With `codec="compact"` each joined
-/// tensor is re-encoded as `diff` would encode it (never stored whole).
+/// tensor is re-encoded as `diff` would encode it (never stored whole); `codec="context"` needs `bases`, each
+/// tensor's whole bytes before the step (buffers or CPU contiguous tensors, by name), and records their identities.
 #[pyfunction]
-#[pyo3(signature = (parts, codec = "compact"))]
-pub fn join_shards(py: Python<'_>, parts: Vec<PyRef<'_, RawDelta>>, codec: &str) -> PyResult<RawDelta> {
-    let codec = parse_join_codec(codec)?;
+#[pyo3(signature = (parts, codec = "compact", bases = None))]
+pub fn join_shards(
+    py: Python<'_>,
+    parts: Vec<PyRef<'_, RawDelta>>,
+    codec: &str,
+    bases: Option<Vec<(String, Bound<'_, PyAny>)>>,
+) -> PyResult<RawDelta> {
+    let codec = match (bases.is_some(), parse_codec(codec)?) {
+        (true, Codec::Context) => Codec::Context,
+        (true, _) => return Err(DeltaSyncError::new_err("bases are for codec=\"context\" only")),
+        (false, _) => parse_join_codec(codec)?,
+    };
     let deltas: Vec<Delta> = parts.iter().map(|part| part.delta.clone()).collect();
-    let delta = py.detach(|| crate::core::shards::join(deltas, codec)).map_err(to_py)?;
+    let mut held = Vec::new();
+    let mut slices = Vec::new();
+    for (name, base) in bases.iter().flatten() {
+        let (buffer, slice) = export(base, &|| format!("base of tensor {name:?}"), false)?;
+        held.push(buffer);
+        slices.push((name.clone(), slice));
+    }
+    let delta = py
+        .detach(|| {
+            // SAFETY: `held` keeps every buffer exported until after this call.
+            let bases = slices.iter().map(|(name, slice)| (name.clone(), unsafe { slice.get() })).collect();
+            crate::core::shards::join(deltas, codec, &bases)
+        })
+        .map_err(to_py)?;
+    drop(held);
     Ok(RawDelta { delta })
 }

@@ -1,9 +1,11 @@
 //! Joins the partial deltas of sharded tensors (each rank diffs only its own contiguous range of elements, with
 //! positions already in the whole tensor's index space) into one delta per step. Parts are `varint`; the joined
-//! tensors may be re-encoded in the compact codec.
+//! tensors may be re-encoded in the compact codec, or in the context codec by a joiner that holds every tensor's
+//! whole base (FSDP's rank 0, whose publisher keeps the last published state).
 
 use std::collections::BTreeMap;
 
+use crate::core::base;
 use crate::core::codec::ranges::Changes;
 use crate::core::codec::{plan, varint, Codec, PositionCodec};
 use crate::core::delta::{Delta, TensorDelta};
@@ -65,12 +67,29 @@ pub fn join_tensor(parts: Vec<TensorDelta>) -> Result<TensorDelta> {
 }
 
 /// A joined `varint` tensor in the compact codec (codec::plan::smallest_streams, never stored whole: no rank
-/// holds the whole tensor's bytes).
-fn to_compact(tensor: TensorDelta) -> Result<TensorDelta> {
-    if tensor.changed == 0 || tensor.positions_codec != PositionCodec::Varint {
-        return Ok(tensor);
-    }
+/// holds the whole tensor's bytes). Given the whole tensor's `base` bytes, its positions are coded against their
+/// classes where that is smaller (the context codec, codec::plan::with_context), and its base identity recorded.
+fn to_compact(tensor: TensorDelta, base: Option<&[u8]>) -> Result<TensorDelta> {
     let width = dtype::width_of(tensor.dtype).map_err(|e| Error::invalid(format!("tensor {:?}: {e}", tensor.name)))?;
+    let identity = match base {
+        Some(base) => {
+            let numel: u64 = tensor.shape.as_deref().unwrap_or_default().iter().product();
+            if tensor.shape.is_none() || base.len() as u64 != numel * width as u64 {
+                return Err(Error::mismatch(format!(
+                    "tensor {:?}: its base has {} bytes, expected {} for shape {:?}",
+                    tensor.name,
+                    base.len(),
+                    numel * width as u64,
+                    tensor.shape
+                )));
+            }
+            Some(base::identity(base))
+        }
+        None => None,
+    };
+    if tensor.changed == 0 || tensor.positions_codec != PositionCodec::Varint {
+        return Ok(TensorDelta { base: identity, ..tensor });
+    }
     let first = first_position(&tensor)?;
     let mut rest_at = 0;
     varint::read(&tensor.positions, &mut rest_at).expect("read above");
@@ -81,13 +100,18 @@ fn to_compact(tensor: TensorDelta) -> Result<TensorDelta> {
         positions: tensor.positions[rest_at..].to_vec(),
         values: tensor.values.to_vec(),
     };
-    let streams = plan::smallest_streams(&[range], width, tensor.values_codec, usize::MAX).expect("never whole");
-    Ok(tensor.with_streams(streams))
+    let ranges = [range];
+    let mut streams = plan::smallest_streams(&ranges, width, tensor.values_codec, usize::MAX).expect("never whole");
+    if let Some(base) = base {
+        streams = plan::with_context(streams, &ranges, tensor.dtype, base);
+    }
+    Ok(TensorDelta { base: identity, ..tensor.with_streams(streams) })
 }
 
 /// Joins the deltas of all shards (in rank order) into one: tensors in order of first appearance, each one's
 /// parts joined in rank order, in the stream family `codec`. Step, base step and metadata come from the first delta.
-pub fn join(deltas: Vec<Delta>, codec: Codec) -> Result<Delta> {
+/// `Codec::Context` needs every tensor's whole base bytes in `bases` (by name), which the joiner must hold.
+pub fn join(deltas: Vec<Delta>, codec: Codec, bases: &BTreeMap<String, &[u8]>) -> Result<Delta> {
     let mut deltas = deltas.into_iter();
     let first = deltas.next().ok_or_else(|| Error::invalid("no shard deltas to join"))?;
     let mut order: Vec<String> = Vec::new();
@@ -97,7 +121,7 @@ pub fn join(deltas: Vec<Delta>, codec: Codec) -> Result<Delta> {
         step: first.step,
         base_step: first.base_step,
         metadata: first.metadata,
-        packed: codec == Codec::Compact,
+        packed: codec != Codec::Varint,
     };
     for tensor in first.tensors.into_iter().chain(deltas.flat_map(|d| d.tensors)) {
         if !by_name.contains_key(&tensor.name) {
@@ -107,7 +131,19 @@ pub fn join(deltas: Vec<Delta>, codec: Codec) -> Result<Delta> {
     }
     for name in order {
         let tensor = join_tensor(by_name.remove(&name).expect("collected above"))?;
-        out.tensors.push(if codec == Codec::Compact { to_compact(tensor)? } else { tensor });
+        out.tensors.push(match codec {
+            Codec::Varint => tensor,
+            Codec::Compact => to_compact(tensor, None)?,
+            Codec::Context => {
+                let base = bases.get(&name).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "tensor {name:?}: codec \"context\" codes positions against the whole tensor's base, which \
+                         the join was not given"
+                    ))
+                })?;
+                to_compact(tensor, Some(base))?
+            }
+        });
     }
     Ok(out)
 }
@@ -138,7 +174,7 @@ mod tests {
         for bounds in [vec![0, 500, 1000], vec![0, 334, 668, 1000], vec![0, 0, 1000], vec![0, 2, 1000]] {
             let parts: Vec<Delta> =
                 bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
-            let joined = join(parts, Codec::Varint).unwrap();
+            let joined = join(parts, Codec::Varint, &BTreeMap::new()).unwrap();
             let input =
                 DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
             let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap().remove(0);
@@ -152,7 +188,7 @@ mod tests {
         let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
         let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap();
         assert!(whole[0].base.is_some());
-        let joined = join(vec![Delta { tensors: whole, ..Delta::default() }], Codec::Varint).unwrap();
+        let joined = join(vec![Delta { tensors: whole, ..Delta::default() }], Codec::Varint, &BTreeMap::new()).unwrap();
         assert_eq!(joined.tensors[0].base, None);
     }
 
@@ -166,7 +202,7 @@ mod tests {
         }
         let parts: Vec<Delta> =
             [0usize, 1000, 2001, 3000].windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
-        let joined = join(parts, Codec::Compact).unwrap();
+        let joined = join(parts, Codec::Compact, &BTreeMap::new()).unwrap();
         let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
         let whole = diff(&[input], ValueCodec::Diff, Codec::Compact).unwrap().remove(0);
         let tensor = &joined.tensors[0];
@@ -176,12 +212,55 @@ mod tests {
     }
 
     #[test]
+    fn joined_shards_in_context_with_the_base_equal_the_whole_diff() {
+        // Magnitudes over many binades and a step of one size: small weights change far more often, so the
+        // context codec wins (as on real training steps).
+        let numel = 40_000usize;
+        let mut old = vec![0u8; numel * 2];
+        let mut new = old.clone();
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for i in 0..numel {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let exponent = 100 + (state >> 59) as u16; // 32 binades
+            let bits = (exponent << 7) | ((state >> 40) as u16 & 0x7f);
+            let changes = (state >> 20) % 1000 < u64::from(160u16.saturating_sub((exponent - 100) * 5));
+            old[i * 2..i * 2 + 2].copy_from_slice(&bits.to_le_bytes());
+            let after = if changes { bits.wrapping_add(if state & 1 == 0 { 1 } else { 0xffff }) } else { bits };
+            new[i * 2..i * 2 + 2].copy_from_slice(&after.to_le_bytes());
+        }
+        let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
+        let whole = diff(&[input], ValueCodec::Diff, Codec::Context).unwrap().remove(0);
+        assert_eq!(whole.positions_codec, PositionCodec::Context, "the workload must make context win");
+        let bases = BTreeMap::from([("w".to_owned(), &old[..])]);
+        for bounds in [vec![0, numel], vec![0, 13_001, numel], vec![0, 1, 20_000, numel]] {
+            let parts: Vec<Delta> =
+                bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
+            let joined = join(parts, Codec::Context, &bases).unwrap();
+            assert!(joined.packed);
+            let tensor = &joined.tensors[0];
+            assert_eq!((tensor.positions_codec, tensor.values_codec), (whole.positions_codec, whole.values_codec));
+            assert_eq!(
+                (tensor.changed, tensor.last_position, tensor.base),
+                (whole.changed, whole.last_position, whole.base)
+            );
+            assert_eq!((&tensor.positions[..], &tensor.values[..]), (&whole.positions[..], &whole.values[..]));
+        }
+        // Without the base, or with one of another size, the join refuses by the tensor's name.
+        let parts = || vec![shard_delta(&old, &new, 0..numel, numel as u64)];
+        let err = join(parts(), Codec::Context, &BTreeMap::new()).unwrap_err().to_string();
+        assert!(err.contains("\"w\"") && err.contains("base"), "{err}");
+        let short = BTreeMap::from([("w".to_owned(), &old[2..])]);
+        let err = join(parts(), Codec::Context, &short).unwrap_err().to_string();
+        assert!(err.contains("\"w\"") && err.contains("bytes"), "{err}");
+    }
+
+    #[test]
     fn rejects_shards_out_of_order() {
         let numel = 10u64;
         let old = vec![0u8; 20];
         let new = vec![1u8; 20];
         let parts = vec![shard_delta(&old, &new, 5..10, numel), shard_delta(&old, &new, 0..5, numel)];
-        let err = join(parts, Codec::Varint).unwrap_err();
+        let err = join(parts, Codec::Varint, &BTreeMap::new()).unwrap_err();
         assert!(err.to_string().contains("\"w\""), "{err}");
     }
 }
