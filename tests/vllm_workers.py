@@ -409,6 +409,39 @@ def check_context_applies_bit_exactly(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
+def check_context_on_a_device(model, item: Prepared) -> None:
+    """Parameters on a device (no GPU here: every torch tensor is treated as one, and the device hash runs on CPU
+    tensors): a whole `context` tensor's identity is computed by torch ops, all of one delta's in one batched call,
+    then its classes and changes there too; bit-exact against the dense reload, and applied twice it is refused
+    with nothing written. A rank's slice (TP=2) is placed as before."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    import deltasync_rs as ds
+    from deltasync_rs import _identity, _write
+    from deltasync_rs.vllm import apply_delta
+
+    first = _delta(item, 1, "diff", "context")
+    calls: list[int] = []
+    saved = _write._on_device, _identity.base_identities, _identity.TORCH_ON_CPU, _identity.HOST_BELOW
+    real = _identity.base_identities
+    _write._on_device = lambda x: isinstance(x, torch.Tensor)
+    _identity.base_identities = lambda tensors: calls.append(len(tensors)) or real(tensors)
+    _identity.TORCH_ON_CPU, _identity.HOST_BELOW = True, 0
+    try:
+        apply_delta(model, first, current_step=0)
+        if get_tensor_model_parallel_world_size() == 1:
+            whole = sum(t.positions == "context" for t in first.tensors)
+            # Every whole context tensor hashed together, once (a tied head is the embedding's parameter: one less).
+            assert len(calls) == 1 and whole - 1 <= calls[0] <= whole, (calls, whole)
+            _expect_untouched(
+                model, snapshot(model), ds.BaseMismatchError, lambda: apply_delta(model, first), "not the base"
+            )
+        apply_delta(model, _delta(item, 2, "diff", "context"), current_step=1)
+    finally:
+        _write._on_device, _identity.base_identities, _identity.TORCH_ON_CPU, _identity.HOST_BELOW = saved
+    _assert_equal_to_reload(model, item, 2)
+
+
 def check_context_abs_values_at_any_tp(model, item: Prepared) -> None:
     """`context` positions with new values (values="abs"), steps 1 then 2: bit-exact against the dense reload."""
     from deltasync_rs.vllm import apply_delta
@@ -658,6 +691,7 @@ CHECKS = [
     check_pull_checks_streams_as_it_applies,
     check_ranks_pull_to_the_same_step,
     check_context_applies_bit_exactly,
+    check_context_on_a_device,
     check_context_abs_values_at_any_tp,
     check_base_identity_at_tp1_or_refused_at_tp2,
     check_unknown_name_rejected,

@@ -438,7 +438,7 @@ class Writes:
         if self.context_sharded(index, region):
             self._add_context_part(index, region, everyone)
             return
-        if covers_all and param.device.type == "cpu":
+        if covers_all and not _on_device(param):
             # The whole tensor is one contiguous run of this CPU parameter: the core writes into it directly.
             start = region.param_row_offset * param_cols
             self._in_core.append((index, param.view(-1)[start : start + hf_rows * hf_cols]))

@@ -371,7 +371,7 @@ def _stage(
             [
                 (index, _whole_region(shard))
                 for index, shard in plan
-                if not shard.param.is_cpu and shard.covers_all and _write.needs_base(delta._raw, index)
+                if _write._on_device(shard.param) and shard.covers_all and _write.needs_base(delta._raw, index)
             ]
         )
     held = {}
