@@ -56,8 +56,10 @@ def is_dense(raw: RawDelta, index: int) -> bool:
 
 
 def needs_base(raw: RawDelta, index: int) -> bool:
-    """True when tensor ``index``'s positions decode only against its base (``context``, docs/format.md §5.2)."""
-    return raw.tensors()[index][4] == "context"
+    """True when tensor ``index``'s positions decode only against its base (``context``, docs/format.md §5.2)
+    and it has changes to decode (one without writes nothing, as in every other codec)."""
+    info = raw.tensors()[index]
+    return info[4] == "context" and int(info[3]) > 0
 
 
 def decode(

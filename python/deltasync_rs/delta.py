@@ -266,9 +266,10 @@ def diff(
     they are smaller: ranks within classes of each base element's exponent (docs/format.md §5.2), which both ends
     hold, so positions cost about a third less on real training steps. Such a delta decodes only against its exact
     base (checked against the recorded base identity before anything is written): ``apply_`` on CPU and device
-    tensors, ``Subscriber.pull``, ``deltasync apply`` and vLLM workers at tensor parallel size 1 read it; TRL
-    conversion and vLLM workers holding a shard of a tensor refuse it. ``Publisher``, the mirrors and ``attach``
-    write it too, with ``values="diff"`` (the same bytes); FSDP shard joins do not.
+    tensors (on a device, checked and placed there by torch ops), ``Subscriber.pull``, ``deltasync apply`` and
+    vLLM workers at any tensor parallel size read it; TRL conversion refuses it. ``Publisher``, the mirrors and
+    ``attach`` write it too, with ``values="diff"`` (the same bytes), FSDP2 included (rank 0 joins the shards
+    against its publisher's whole mirror, ``Publisher.publish_shards``).
     """
     if values not in ("diff", "abs"):
         raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
