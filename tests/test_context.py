@@ -263,7 +263,10 @@ def test_shard_joins_given_the_bases_write_the_bytes_of_diff(tmp_path):
 
     with ds.Publisher(tmp_path / "store", codec="context", background=False) as publisher:
         publisher.publish(0, prev)
-        publisher.publish_shards(1, [ds.load(ds.diff(prev, curr, codec="varint").to_bytes())])
+        late = ds.load(ds.diff(prev, curr, codec="varint", step=3, base_step=2).to_bytes())
+        with pytest.raises(ds.BaseMismatchError, match="starts at step 2.*step 0"):
+            publisher.publish_shards(3, [late])  # the shards moved on without the publisher: refused, not applied
+        publisher.publish_shards(1, [ds.load(ds.diff(prev, curr, codec="varint", step=1, base_step=0).to_bytes())])
     stored = ds.load((tmp_path / "store" / "deltas" / "step_000000000001.safetensors").read_bytes())
     assert {t.positions for t in stored.tensors} == {"context"}
     replica = {k: torch.zeros_like(v) for k, v in prev.items()}

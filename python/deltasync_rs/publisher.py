@@ -20,7 +20,15 @@ from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
 from .delta import Delta, check_codec, state_digest, write_anchor_pieces
-from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, MissingObjectError, StoreError, at_least_one
+from .errors import (
+    BaseMismatchError,
+    DeltaFormatError,
+    DeltaSyncError,
+    IntegrityError,
+    MissingObjectError,
+    StoreError,
+    at_least_one,
+)
 from .manifest import (
     DEFAULT_PIECE_BYTES,
     DEFAULT_PIECE_HASH,
@@ -300,18 +308,27 @@ class Publisher:
         """Publishes the deltas of every shard of one step (an FSDP rank's each, in rank order; ``varint``, positions
         in the whole tensors' index space) joined into one delta in this publisher's codec. With
         ``codec="context"`` the joined positions are coded against the mirror this publisher keeps, the last
-        published state, whole (which no shard holds), and every tensor records its base identity."""
+        published state, whole (which no shard holds), and every tensor records its base identity. A part that
+        starts at another step than that state (its ``base_step``, where known) is refused, BaseMismatchError: the
+        shards' mirrors moved on without this publisher (a publish that raised), and its changes would be applied
+        to the wrong state."""
         from ._core import join_shards
 
         self._check_open()
         self._raise_errors()
         if self._mirror.is_empty:
             raise DeltaSyncError("publish a full state first: the publisher has no state to join shard deltas against")
+        for rank, part in enumerate(parts):
+            if part.base_step is not None and part.base_step != self._mirror.step:
+                raise BaseMismatchError(
+                    f"shard delta {rank} starts at step {part.base_step}, but this publisher's last published state "
+                    f"is step {self._mirror.step}: the shards moved on without it (did a publish raise?); re-anchor "
+                    "from the shards' state"
+                )
         bases = None
         if self.codec == "context":
             bases = [(name, _arrays.host_bytes(tensor)[0]) for name, tensor in self._mirror.tensors.items()]
         joined = Delta(join_shards([part._raw for part in parts], self.codec, bases))
-        joined.base_step = None
         self.publish_delta(step, joined)
 
     def publish_shared(
