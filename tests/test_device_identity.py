@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltasync_rs as ds
-from deltasync_rs import _identity, _write
+from deltasync_rs import _arrays, _identity, _write
 from deltasync_rs._core import base_identity
 from tests.test_context import _bits, _equal, _state
 
@@ -88,15 +88,26 @@ def on_device(monkeypatch):
 
 
 @pytest.mark.parametrize("check_base", [False, True])
-def test_context_applies_on_the_device_bit_exactly(on_device, check_base):
+def test_context_applies_on_the_device_bit_exactly(on_device, check_base, monkeypatch):
     prev, curr = _state(11)
     delta = ds.load(ds.diff(prev, curr, codec="context").to_bytes())
     assert {t.positions for t in delta.tensors} == {"context"}
     target = {k: v.clone().T.contiguous().T if v.dim() == 2 else v.clone() for k, v in prev.items()}
     target["w2"] = target["w2"].permute(2, 1, 0).contiguous().permute(2, 1, 0)
     assert not any(t.is_contiguous() for t in (target["w0"], target["w2"]))
+    copied = []
+    real_host_bytes = _arrays.host_bytes
+
+    def recording_host_bytes(x):
+        copied.append(x.numel() if isinstance(x, torch.Tensor) else x.size)
+        return real_host_bytes(x)
+
+    monkeypatch.setattr(_arrays, "host_bytes", recording_host_bytes)
     delta.apply_(target, check_base=check_base)
+    monkeypatch.setattr(_arrays, "host_bytes", real_host_bytes)
     assert _equal(target, curr)
+    # Neither staged tensor was copied to the host (for its identity, its classes or its decode).
+    assert not {prev["w0"].numel(), prev["w2"].numel()} & set(copied), copied
     # The two staged tensors' identities were taken on the device, together, once (their decode does not again).
     assert on_device == [sorted([prev["w0"].numel(), prev["w2"].numel()])]
 
