@@ -547,6 +547,19 @@ impl RawDelta {
         Ok(())
     }
 
+    /// Raises BaseMismatchError unless each (index, identity) pair, a target's base identity computed elsewhere (16
+    /// hex digits; on its device, deltasync_rs._identity), is the one recorded for its tensor (or none is).
+    fn check_identities(&self, found: Vec<(usize, String)>) -> PyResult<()> {
+        for (index, identity) in found {
+            let tensor = self.tensor(index)?;
+            let value = base::parse_hex(&identity).ok_or_else(|| {
+                DeltaSyncError::new_err(format!("{identity:?} is not a base identity (16 hex digits)"))
+            })?;
+            base::check_identity(tensor, value).map_err(to_py)?;
+        }
+        Ok(())
+    }
+
     /// Applies tensors to writable contiguous byte buffers, given as (index, buffer); all are checked first. With
     /// `check_base`, each target must hold its tensor's recorded base (BaseMismatchError otherwise, every buffer as
     /// it was): tensors of differences are hashed while they are written, and taken back on a mismatch. With

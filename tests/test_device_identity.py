@@ -118,7 +118,7 @@ def test_a_wrong_base_on_the_device_is_refused_and_nothing_is_written(on_device)
     target = {k: v.clone().T.contiguous().T if v.dim() == 2 else v.clone() for k, v in prev.items()}
     target["w0"][3, 4] = 5.0
     before = {k: v.clone() for k, v in target.items()}
-    with pytest.raises(ds.BaseMismatchError, match="'w0'.*not the base"):
+    with pytest.raises(ds.BaseMismatchError, match='"w0".*not the base'):
         delta.apply_(target)
     assert _equal(target, before)
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _arrays
-from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError, RawDelta
+from ._core import DeltaFormatError, DeltaSyncError, RawDelta
 
 _NUMPY_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -115,14 +115,7 @@ def check_bases(raw: RawDelta, targets: list[tuple[int, Any]]) -> None:
             host.append((index, _arrays.host_bytes(target)[0]))
     if device:
         found = _identity.base_identities([target for _, target in device])
-        for (index, _), identity in zip(device, found):
-            expected = raw.base_identity(index)
-            if identity != expected:
-                name = raw.tensors()[index][0]
-                raise BaseMismatchError(
-                    f"tensor {name!r}: the target is not the base this delta was made for (base identity "
-                    f"{expected} expected, {identity} found); was it applied already, or to another step?"
-                )
+        raw.check_identities([(index, identity) for (index, _), identity in zip(device, found)])
     if host:
         raw.check_base(host)
 

@@ -275,9 +275,7 @@ pub fn apply_checked(delta: &Delta, targets: Vec<(usize, &mut [u8])>, digest: bo
         let tensor = &delta.tensors[*index];
         match &outcome.result {
             Err(message) => Some(tensor.format_error(message)),
-            Ok(found) => {
-                tensor.base.and_then(|expected| (*found != expected).then(|| base::mismatch(tensor, expected, *found)))
-            }
+            Ok(found) => base::check_identity(tensor, *found).err(),
         }
     });
     if let Some(error) = failure {

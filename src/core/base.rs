@@ -116,19 +116,21 @@ pub(crate) fn mismatch(tensor: &TensorDelta, expected: u64, found: u64) -> Error
     ))
 }
 
+/// Checks a target's identity (`found`, computed by the caller) against the record's `base`; a record without
+/// one fits any base.
+pub fn check_identity(tensor: &TensorDelta, found: u64) -> Result<()> {
+    match tensor.base {
+        Some(expected) if expected != found => Err(mismatch(tensor, expected, found)),
+        _ => Ok(()),
+    }
+}
+
 /// Checks that `target` is the base `tensor` was made for: its size fits, and its identity is the record's
 /// `base` (a record without one fits any base).
 pub fn check_base(tensor: &TensorDelta, target: &[u8]) -> Result<()> {
     check_target(tensor, tensor.dtype, None, target.len())?;
     match tensor.base {
-        Some(expected) => {
-            let found = identity(target);
-            if found == expected {
-                Ok(())
-            } else {
-                Err(mismatch(tensor, expected, found))
-            }
-        }
+        Some(_) => check_identity(tensor, identity(target)),
         None => Ok(()),
     }
 }
