@@ -247,14 +247,7 @@ class Writes:
             self._check_base([memory for memory, core in zip(kept, in_core) if not core])
             self._check_in_core = True
         else:
-            # A context tensor's base is always checked: on a device, all of them together, first.
-            self._check_base(
-                [
-                    m
-                    for m, core in zip(kept, in_core)
-                    if not core and _on_device(m.target) and needs_base(self._raw, m.index)
-                ]
-            )
+            self.check_context_bases([(m.index, m.target) for m, core in zip(kept, in_core) if not core])
         for memory, core in zip(kept, in_core):
             index, target = memory.index, memory.target
             changed = self._changed(index)
@@ -345,6 +338,11 @@ class Writes:
         """:func:`check_bases`, remembering which device targets it checked (their decode does not check again)."""
         check_bases(self._raw, targets)
         self._base_checked.update(index for index, target in targets if _on_device(target))
+
+    def check_context_bases(self, targets: list[tuple[int, Any]]) -> None:
+        """Of ``(index, whole target)`` pairs, checks those a ``context`` tensor decodes against on a device, all
+        together, before anything is staged: such a base is always checked, with or without ``check_base``."""
+        self.check_bases([(i, t) for i, t in targets if _on_device(t) and needs_base(self._raw, i)])
 
     def _stage_torch(self, index: int, target: Any) -> Callable[[], object]:
         torch = _torch()

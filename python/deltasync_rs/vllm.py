@@ -366,14 +366,8 @@ def _stage(
     _reject_lone_tied_head(params, {info.name for info in infos})
     if check_base:
         _check_base(writes, delta, plan)
-    else:  # a whole context tensor's base is always checked; those on a device all together, first
-        writes.check_bases(
-            [
-                (index, _whole_region(shard))
-                for index, shard in plan
-                if _write._on_device(shard.param) and shard.covers_all and _write.needs_base(delta._raw, index)
-            ]
-        )
+    else:
+        writes.check_context_bases([(index, _whole_region(shard)) for index, shard in plan if shard.covers_all])
     held = {}
     for index, shard in plan:
         if writes.context_sharded(index, shard):
