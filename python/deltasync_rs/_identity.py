@@ -125,7 +125,7 @@ def base_identities(tensors: list[Any]) -> list[str]:
 
     from ._core import base_identity, base_identity_from_blocks
 
-    found: list[str | None] = [None] * len(tensors)
+    found: dict[int, str] = {}
     by_device: dict[Any, list[tuple[int, Any]]] = {}
     for i, tensor in enumerate(tensors):
         data = _flat_bytes(tensor)
@@ -150,8 +150,7 @@ def base_identities(tensors: list[Any]) -> list[str]:
             blocks = b"".join(h.to_bytes(8, "little") for h in hashes[at : at + count])
             at += count
             found[i] = base_identity_from_blocks(blocks, data[count * BLOCK_BYTES :].cpu().numpy())
-    assert all(f is not None for f in found)
-    return [f for f in found if f is not None]
+    return [found[i] for i in range(len(tensors))]
 
 
 def base_identity(tensor: Any) -> str:

@@ -461,8 +461,8 @@ impl Writeback {
             .spawn(move || {
                 let mut from = 0u64;
                 for end in ends {
-                    // SAFETY: `fd` stays open until this thread is joined (`Writeback::finish`, before the file is
-                    // dropped); SYNC_FILE_RANGE_WRITE only starts writeback of dirty pages in the range.
+                    // SAFETY: `fd` stays open until this thread is joined (`Writeback`'s drop, before `Hashing`
+                    // drops the file); SYNC_FILE_RANGE_WRITE only starts writeback of dirty pages in the range.
                     unsafe {
                         libc::sync_file_range(fd, from as i64, (end - from) as i64, libc::SYNC_FILE_RANGE_WRITE);
                     }
@@ -487,18 +487,15 @@ impl Writeback {
             }
         }
     }
+}
 
-    fn finish(&mut self) {
+impl Drop for Writeback {
+    /// Closes the channel, so the thread's loop ends, and waits for it.
+    fn drop(&mut self) {
         self.kicks = None;
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-    }
-}
-
-impl Drop for Writeback {
-    fn drop(&mut self) {
-        self.finish();
     }
 }
 
@@ -606,9 +603,6 @@ pub fn write_anchor(
     };
     crate::core::pool::install(|| encoded.write_to(&mut writer).and_then(|()| writer.flush()))
         .map_err(|e| Error::io(path, e))?;
-    if let Some(writeback) = writer.writeback.as_mut() {
-        writeback.finish();
-    }
     // `delta` (and the lent windows in it) ends here, while `inputs` is still borrowed.
     drop(encoded);
     drop(delta);
