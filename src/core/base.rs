@@ -2,7 +2,7 @@
 //! so that it is never applied to another base, or twice.
 //!
 //! The bytes are hashed in blocks of `BLOCK_BYTES` (XXH3-64 each), and the identity is the XXH3-64 of the block
-//! hashes, little-endian: blocks can be hashed in parallel, or by the diff's scan right after it compared them.
+//! hashes, little-endian: blocks can be hashed in parallel, or by the diff's scan as it compares them (core::xxh3).
 
 use std::hash::Hasher;
 

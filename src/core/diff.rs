@@ -3,10 +3,10 @@
 //! Each tensor is cut into chunks that rayon scans independently. A chunk's position stream omits its
 //! first gap, which depends on the previous chunk's last change; joining the chunks writes that gap in.
 //!
-//! A chunk also hashes the base identity blocks (core::base) of its old bytes, just before comparing them: the hash
-//! streams them into cache for the compare, which then reads only the new bytes from memory. (Hashing after the
-//! compare, from cache, measured slower: the hash's compute then adds to the compare's memory time instead of
-//! hiding under it.) A chunk of `CHUNK_ELEMENTS` elements always covers whole blocks, but at a tensor's end.
+//! A chunk also hashes the base identity blocks (core::base) of its old bytes: the scan's AVX2 and AVX-512 kernels
+//! hash each 64-byte stripe as they compare it (core::xxh3), so the old bytes are read once and the hash's compute
+//! hides under the compare's memory time; other kernels hash the chunk's blocks just before comparing them. A chunk
+//! of `CHUNK_ELEMENTS` elements always covers whole blocks, but at a tensor's end, whose cut block is hashed apart.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -123,15 +123,19 @@ pub fn diff_with(
     }
     let block_hashes: Vec<AtomicU64> = (0..first_block[inputs.len()]).map(|_| AtomicU64::new(0)).collect();
     // Each task stores its blocks' hashes before it hands its changes on (under a lock, or with an AcqRel count),
-    // so the task that assembles a tensor sees them all.
-    let hash_blocks = |index: usize, bytes: &std::ops::Range<usize>| {
+    // so the task that assembles a tensor sees them all. The scan hashes a chunk's whole blocks (`hashes`, in the
+    // same pass as its compare); the block a tensor's end cuts is hashed here.
+    let store_hashes = |index: usize, bytes: &std::ops::Range<usize>, hashes: &[u64]| {
         let first = first_block[index] + bytes.start / base::BLOCK_BYTES;
-        for (slot, block) in
-            block_hashes[first..].iter().zip(inputs[index].old[bytes.clone()].chunks(base::BLOCK_BYTES))
-        {
-            slot.store(base::block_hash(block), Ordering::Relaxed);
+        for (slot, hash) in block_hashes[first..].iter().zip(hashes) {
+            slot.store(*hash, Ordering::Relaxed);
+        }
+        let cut = &inputs[index].old[bytes.start + hashes.len() * base::BLOCK_BYTES..bytes.end];
+        if !cut.is_empty() {
+            block_hashes[first + hashes.len()].store(base::block_hash(cut), Ordering::Relaxed);
         }
     };
+    let whole_blocks = |bytes: &std::ops::Range<usize>| vec![0u64; bytes.len() / base::BLOCK_BYTES];
     let tensor_base = |index: usize| {
         let hashes: Vec<u64> = block_hashes[first_block[index]..first_block[index + 1]]
             .iter()
@@ -156,14 +160,18 @@ pub fn diff_with(
                 let (input, width) = (&inputs[index], widths[index]);
                 let bytes = start * width..end * width;
                 let chunk = task - first_task[index];
-                hash_blocks(index, &bytes);
+                let mut hashes = whole_blocks(&bytes);
                 let complete = scan::scan_then(
                     &input.old[bytes.clone()],
                     &input.new[bytes.clone()],
                     start as u64,
                     width,
                     scanned_values,
-                    |changes| builds[index].lock().unwrap_or_else(|e| e.into_inner()).add(chunk, changes),
+                    &mut hashes,
+                    |changes, hashes| {
+                        store_hashes(index, &bytes, hashes);
+                        builds[index].lock().unwrap_or_else(|e| e.into_inner()).add(chunk, changes)
+                    },
                 );
                 compared(index, bytes);
                 if let Some(joined) = complete {
@@ -181,14 +189,17 @@ pub fn diff_with(
             tasks.par_iter().enumerate().for_each(|(task, &(index, start, end))| {
                 let (input, width) = (&inputs[index], widths[index]);
                 let bytes = start * width..end * width;
-                hash_blocks(index, &bytes);
-                let changes = scan::scan(
+                let mut hashes = whole_blocks(&bytes);
+                let changes = scan::scan_then(
                     &input.old[bytes.clone()],
                     &input.new[bytes.clone()],
                     start as u64,
                     width,
                     scanned_values,
+                    &mut hashes,
+                    scan::owned,
                 );
+                store_hashes(index, &bytes, &hashes);
                 compared(index, bytes);
                 *slots[task].lock().unwrap_or_else(|e| e.into_inner()) = Some(changes);
                 if remaining[index].fetch_sub(1, Ordering::AcqRel) != 1 {

@@ -6,9 +6,10 @@
 //! them out. Streams are canonical, so the result equals `diff::diff` of the same old and new bytes whatever the
 //! chunking.
 //!
-//! The base identity (core::base) of a whole tensor is hashed from the mirror's bytes just before each task
-//! compares and overwrites them; tasks start at block boundaries, and a block cut by a chunk boundary is carried to
-//! the next chunk. A shard, which sees only part of the tensor, records no base.
+//! The base identity (core::base) of a whole tensor is hashed from the mirror's bytes by each task's scan, stripe by
+//! stripe before it compares and overwrites them (core::scan); tasks start at block boundaries, and a block cut by
+//! a chunk boundary is copied before the scan and carried to the next chunk. A shard, which sees only part of the
+//! tensor, records no base.
 //!
 //! With the compact codec each task's changes are kept apart until `finish`, which re-encodes them as `diff::diff`
 //! does (codec::plan::smallest_streams); a shard keeps `varint` streams.
@@ -145,21 +146,15 @@ impl MirrorTensor {
             (old_rest, new_rest, hashes_rest) = (old_after, new_after, hashes_after);
             at += len;
         }
+        // The scan hashes the blocks of the mirror before it updates them (none where no base identity is made).
         let hash = self.base.is_some();
-        let hash_blocks = |old: &[u8], hashes: &mut [u64]| {
-            if hash {
-                for (slot, block) in hashes.iter_mut().zip(old.chunks(base::BLOCK_BYTES)) {
-                    *slot = base::block_hash(block);
-                }
-            }
-        };
         if let Some(ranges) = &mut self.compact_ranges {
             let scanned: Vec<Changes> = crate::core::pool::install(|| {
                 pieces
                     .into_par_iter()
                     .map(|(old, new, first, hashes)| {
-                        hash_blocks(old, hashes);
-                        scan::scan_update(old, new, first, width, codec)
+                        let hashes = if hash { hashes } else { &mut [] };
+                        scan::scan_update_then(old, new, first, width, codec, hashes, scan::owned)
                     })
                     .collect()
             });
@@ -173,8 +168,8 @@ impl MirrorTensor {
                     .into_par_iter()
                     .enumerate()
                     .filter_map(|(task, (old, new, first, hashes))| {
-                        hash_blocks(old, hashes);
-                        scan::scan_update_then(old, new, first, width, codec, |changes| {
+                        let hashes = if hash { hashes } else { &mut [] };
+                        scan::scan_update_then(old, new, first, width, codec, hashes, |changes, _| {
                             order.lock().unwrap_or_else(|e| e.into_inner()).add(task, changes)
                         })
                     })

@@ -22,6 +22,7 @@ pub mod stream;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod trl;
+pub mod xxh3;
 
 pub use delta::{Delta, TensorDelta};
 pub use error::{Error, Result};

@@ -8,9 +8,11 @@
 //! `values::put_diff`), so a change costs a few instructions and no branch that depends on the data except the
 //! rare long gap and value escape.
 
+use crate::core::base;
 use crate::core::codec::elements::load_const;
 use crate::core::codec::ranges::Changes;
 use crate::core::codec::{values, varint, with_width, ValueCodec, WordSink};
+use crate::core::xxh3;
 
 /// Bytes compared at once.
 pub const BLOCK_BYTES: usize = 64;
@@ -58,7 +60,31 @@ trait BlockMask {
     /// # Safety
     /// `old` and `new` point at 64 readable bytes, and the CPU has the kernel's features.
     unsafe fn mask(old: *const u8, new: *const u8) -> u64;
+
+    /// True when the kernel hashes the base identity blocks of `old` stripe by stripe as it compares them
+    /// (`accumulate`, `scramble`: core::xxh3); the others hash them with `base::block_hash` before the compare.
+    const FUSED_HASH: bool = false;
+
+    /// Adds the 64-byte stripe at `data` to XXH3's accumulators, with the secret's key at `key`.
+    ///
+    /// # Safety
+    /// 64 readable bytes at both, and the CPU has the kernel's features.
+    #[inline(always)]
+    unsafe fn accumulate(_acc: &mut [u64; 8], _data: *const u8, _key: *const u8) {
+        unreachable!("only kernels with FUSED_HASH accumulate")
+    }
+
+    /// XXH3's scramble of the accumulators after a round.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features.
+    #[inline(always)]
+    unsafe fn scramble(_acc: &mut [u64; 8]) {
+        unreachable!("only kernels with FUSED_HASH scramble")
+    }
 }
+
+const _: () = assert!(xxh3::STRIPE == BLOCK_BYTES);
 
 /// Word XORs; any target.
 struct Portable;
@@ -109,6 +135,18 @@ mod x86 {
         unsafe fn mask(old: *const u8, new: *const u8) -> u64 {
             avx2_mask(old, new)
         }
+
+        const FUSED_HASH: bool = true;
+
+        #[inline(always)]
+        unsafe fn accumulate(acc: &mut [u64; 8], data: *const u8, key: *const u8) {
+            crate::core::xxh3::x86::accumulate_avx2(acc, data, key)
+        }
+
+        #[inline(always)]
+        unsafe fn scramble(acc: &mut [u64; 8]) {
+            crate::core::xxh3::x86::scramble_avx2(acc)
+        }
     }
 
     #[target_feature(enable = "avx2")]
@@ -128,6 +166,18 @@ mod x86 {
         unsafe fn mask(old: *const u8, new: *const u8) -> u64 {
             avx512_mask(old, new)
         }
+
+        const FUSED_HASH: bool = true;
+
+        #[inline(always)]
+        unsafe fn accumulate(acc: &mut [u64; 8], data: *const u8, key: *const u8) {
+            crate::core::xxh3::x86::accumulate_avx512(acc, data, key)
+        }
+
+        #[inline(always)]
+        unsafe fn scramble(acc: &mut [u64; 8]) {
+            crate::core::xxh3::x86::scramble_avx512(acc)
+        }
     }
 
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -143,9 +193,10 @@ mod x86 {
         len: usize,
         first_element: u64,
         codec: super::ValueCodec,
+        hashes: &mut [u64],
         out: &mut super::Changes,
     ) {
-        super::scan_blocks::<W, COPY, Avx2>(old, new, len, first_element, codec, out)
+        super::scan_blocks::<W, COPY, Avx2>(old, new, len, first_element, codec, hashes, out)
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,bmi1")]
@@ -155,9 +206,10 @@ mod x86 {
         len: usize,
         first_element: u64,
         codec: super::ValueCodec,
+        hashes: &mut [u64],
         out: &mut super::Changes,
     ) {
-        super::scan_blocks::<W, COPY, Avx512>(old, new, len, first_element, codec, out)
+        super::scan_blocks::<W, COPY, Avx512>(old, new, len, first_element, codec, hashes, out)
     }
 }
 
@@ -278,6 +330,10 @@ unsafe fn prefetch(p: *const u8) {
 ///
 /// The blocks are walked first, writing the byte offset of each change into a small batch; the batch is then
 /// encoded in a loop whose trip count is known, so a block costs no mispredicted loop exit.
+///
+/// `hashes` receives the XXH3-64 (`base::block_hash`) of the first `hashes.len()` whole base identity blocks of
+/// `old`, as they were before the scan: kernels with `FUSED_HASH` hash each stripe just before comparing it (and
+/// before any change in it is copied), so the range is read once for both.
 #[inline(always)]
 unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
     old: *mut u8,
@@ -285,9 +341,11 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
     len: usize,
     first_element: u64,
     codec: ValueCodec,
+    hashes: &mut [u64],
     out: &mut Changes,
 ) {
     debug_assert!(len <= u32::MAX as usize);
+    debug_assert!(hashes.len() * base::BLOCK_BYTES <= len);
     let range = Range { old, new, first_element, codec };
     let mut cursor = Cursor {
         count: out.count,
@@ -338,17 +396,44 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
     }
     let blocks_end = len / BLOCK_BYTES * BLOCK_BYTES;
     let mut offset = 0;
-    while offset < blocks_end {
-        prefetch(old.wrapping_add(offset + PREFETCH_BYTES));
-        prefetch(new.wrapping_add(offset + PREFETCH_BYTES));
-        let bits = element_bits::<W>(K::mask(old.add(offset), new.add(offset)));
-        *marks.get_unchecked_mut(marked) = (bits, offset as u32);
-        marked += usize::from(bits != 0);
-        if marked == MARKS {
-            drain_marks!(offset);
-            marked = 0;
+    macro_rules! compare_block {
+        () => {
+            prefetch(old.wrapping_add(offset + PREFETCH_BYTES));
+            prefetch(new.wrapping_add(offset + PREFETCH_BYTES));
+            let bits = element_bits::<W>(K::mask(old.add(offset), new.add(offset)));
+            *marks.get_unchecked_mut(marked) = (bits, offset as u32);
+            marked += usize::from(bits != 0);
+            if marked == MARKS {
+                drain_marks!(offset);
+                marked = 0;
+            }
+            offset += BLOCK_BYTES;
+        };
+    }
+    if K::FUSED_HASH {
+        let secret = xxh3::SECRET.as_ptr();
+        for slot in hashes.iter_mut() {
+            let mut acc = xxh3::INIT;
+            for round in 0..xxh3::ROUNDS {
+                for stripe in 0..xxh3::STRIPES {
+                    // Before the compare: the drain it may start copies changes into this stripe.
+                    K::accumulate(&mut acc, old.add(offset), secret.add(xxh3::key_offset(round, stripe)));
+                    compare_block!();
+                }
+                if round + 1 < xxh3::ROUNDS {
+                    K::scramble(&mut acc);
+                }
+            }
+            *slot = xxh3::merge(&acc);
         }
-        offset += BLOCK_BYTES;
+    } else {
+        // Every block before the first change is copied into it.
+        for (index, slot) in hashes.iter_mut().enumerate() {
+            *slot = base::block_hash(std::slice::from_raw_parts(old.add(index * base::BLOCK_BYTES), base::BLOCK_BYTES));
+        }
+    }
+    while offset < blocks_end {
+        compare_block!();
     }
     drain_marks!(offset);
     while offset < len {
@@ -366,6 +451,11 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
     out.first_position = cursor.first;
 }
 
+/// A `take` that keeps a copy of the changes.
+pub fn owned(changes: &Changes, _hashes: &[u64]) -> Changes {
+    changes.clone()
+}
+
 /// Batches hold 32-bit offsets: longer ranges are scanned piece by piece.
 const PIECE_BYTES: usize = 1 << 30;
 
@@ -373,34 +463,41 @@ const PIECE_BYTES: usize = 1 << 30;
 /// scanned into this thread's scratch `Changes`, whose streams keep their capacity from call to call, so that
 /// the encoder writes into lines already in cache and streams never grow by reallocation; `take` copies out what
 /// it keeps.
+#[allow(clippy::too_many_arguments)]
 fn scan_pieces_then<const W: usize, const COPY: bool, R>(
     old: *mut u8,
     new: *const u8,
     len: usize,
     first_element: u64,
     codec: ValueCodec,
+    hashes: &mut [u64],
     piece: usize,
-    take: impl FnOnce(&Changes) -> R,
+    take: impl FnOnce(&Changes, &[u64]) -> R,
 ) -> R {
     if len > piece {
+        debug_assert!(hashes.is_empty() || piece.is_multiple_of(base::BLOCK_BYTES));
         let mut out = Changes::default();
         let mut start = 0;
         while start < len {
             // SAFETY: `start < len`, inside both ranges.
             let (old, new) = unsafe { (old.add(start), new.add(start)) };
+            let piece_len = (len - start).min(piece);
+            let first_hash = (start / base::BLOCK_BYTES).min(hashes.len());
+            let last_hash = ((start + piece_len) / base::BLOCK_BYTES).min(hashes.len());
             let part = scan_pieces_then::<W, COPY, _>(
                 old,
                 new,
-                (len - start).min(piece),
+                piece_len,
                 first_element + (start / W) as u64,
                 codec,
+                &mut hashes[first_hash..last_hash],
                 piece,
-                Changes::clone,
+                owned,
             );
             out.append(part);
             start += piece;
         }
-        return take(&out);
+        return take(&out, hashes);
     }
     thread_local! {
         static SCRATCH: std::cell::RefCell<Changes> = std::cell::RefCell::new(Changes::default());
@@ -411,14 +508,14 @@ fn scan_pieces_then<const W: usize, const COPY: bool, R>(
         let Ok(mut scratch) = cell.try_borrow_mut() else {
             // Only if `take` itself scans on this thread: use a fresh buffer.
             let mut out = Changes::default();
-            unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, &mut out) };
-            return take(&out);
+            unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, hashes, &mut out) };
+            return take(&out, hashes);
         };
         scratch.count = 0;
         scratch.positions.clear();
         scratch.values.clear();
-        unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, &mut scratch) };
-        let result = take(&scratch);
+        unsafe { dispatch::<W, COPY>(old, new, len, first_element, codec, hashes, &mut scratch) };
+        let result = take(&scratch, hashes);
         if scratch.positions.capacity() + scratch.values.capacity() > SCRATCH_KEEP_BYTES {
             *scratch = Changes::default();
         }
@@ -439,17 +536,18 @@ unsafe fn dispatch<const W: usize, const COPY: bool>(
     len: usize,
     first_element: u64,
     codec: ValueCodec,
+    hashes: &mut [u64],
     out: &mut Changes,
 ) {
     #[cfg(target_arch = "x86_64")]
     match kernel() {
-        Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, out),
-        Kernel::Avx2 => x86::scan_avx2::<W, COPY>(old, new, len, first_element, codec, out),
-        Kernel::Sse2 => scan_blocks::<W, COPY, x86::Sse2>(old, new, len, first_element, codec, out),
-        Kernel::Portable => scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out),
+        Kernel::Avx512 => x86::scan_avx512::<W, COPY>(old, new, len, first_element, codec, hashes, out),
+        Kernel::Avx2 => x86::scan_avx2::<W, COPY>(old, new, len, first_element, codec, hashes, out),
+        Kernel::Sse2 => scan_blocks::<W, COPY, x86::Sse2>(old, new, len, first_element, codec, hashes, out),
+        Kernel::Portable => scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, hashes, out),
     }
     #[cfg(not(target_arch = "x86_64"))]
-    scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, out);
+    scan_blocks::<W, COPY, Portable>(old, new, len, first_element, codec, hashes, out);
 }
 
 /// Which block kernel runs.
@@ -513,8 +611,9 @@ fn best_kernel() -> Kernel {
     Kernel::Portable
 }
 
-fn check(old: usize, new: usize, width: usize) {
+fn check(old: usize, new: usize, width: usize, hashes: usize) {
     assert!(old == new && old.is_multiple_of(width), "scan of {old} and {new} bytes of {width}-byte elements");
+    assert!(hashes <= old / base::BLOCK_BYTES, "{hashes} block hashes asked of {old} bytes");
 }
 
 /// `scan_pieces_then` for an element width known at run time, over the whole range.
@@ -524,48 +623,54 @@ fn scan_width<const COPY: bool, R>(
     first_element: u64,
     width: usize,
     codec: ValueCodec,
-    take: impl FnOnce(&Changes) -> R,
+    hashes: &mut [u64],
+    take: impl FnOnce(&Changes, &[u64]) -> R,
 ) -> R {
     let (new, len) = (new.as_ptr(), new.len());
-    with_width!(width, W => scan_pieces_then::<W, COPY, R>(old, new, len, first_element, codec, PIECE_BYTES, take))
+    with_width!(width, W => scan_pieces_then::<W, COPY, R>(old, new, len, first_element, codec, hashes, PIECE_BYTES, take))
 }
 
 /// The changes from `old` to `new` (element `first_element` at their start), handed to `take` before their
-/// buffer is reused: `scan` without the copy, for a caller that appends them somewhere at once.
+/// buffer is reused: `scan` without the copy, for a caller that appends them somewhere at once. `hashes` receives
+/// `base::block_hash` of each of the first `hashes.len()` whole base identity blocks of `old` (empty for none):
+/// on CPUs with AVX2 they are hashed in the same pass as the compare; `take` sees them too.
 pub fn scan_then<R>(
     old: &[u8],
     new: &[u8],
     first_element: u64,
     width: usize,
     codec: ValueCodec,
-    take: impl FnOnce(&Changes) -> R,
+    hashes: &mut [u64],
+    take: impl FnOnce(&Changes, &[u64]) -> R,
 ) -> R {
-    check(old.len(), new.len(), width);
+    check(old.len(), new.len(), width, hashes.len());
     // `COPY` is false: nothing is written through this pointer.
-    scan_width::<false, R>(old.as_ptr().cast_mut(), new, first_element, width, codec, take)
+    scan_width::<false, R>(old.as_ptr().cast_mut(), new, first_element, width, codec, hashes, take)
 }
 
 /// The changes from `old` to `new` (element `first_element` at their start).
 pub fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
-    scan_then(old, new, first_element, width, codec, Changes::clone)
+    scan_then(old, new, first_element, width, codec, &mut [], owned)
 }
 
-/// `scan_update` handing the changes to `take` before their buffer is reused, as `scan_then`.
+/// `scan_update` handing the changes to `take` before their buffer is reused, as `scan_then`; `hashes` are of the
+/// mirror's blocks before the update.
 pub fn scan_update_then<R>(
     mirror: &mut [u8],
     new: &[u8],
     first_element: u64,
     width: usize,
     codec: ValueCodec,
-    take: impl FnOnce(&Changes) -> R,
+    hashes: &mut [u64],
+    take: impl FnOnce(&Changes, &[u64]) -> R,
 ) -> R {
-    check(mirror.len(), new.len(), width);
-    scan_width::<true, R>(mirror.as_mut_ptr(), new, first_element, width, codec, take)
+    check(mirror.len(), new.len(), width, hashes.len());
+    scan_width::<true, R>(mirror.as_mut_ptr(), new, first_element, width, codec, hashes, take)
 }
 
 /// `scan`, also copying `new` into `mirror` wherever they differ, so that `mirror` ends equal to `new`.
 pub fn scan_update(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
-    scan_update_then(mirror, new, first_element, width, codec, Changes::clone)
+    scan_update_then(mirror, new, first_element, width, codec, &mut [], owned)
 }
 
 #[cfg(test)]
@@ -607,25 +712,41 @@ mod tests {
 
     /// Scans with one kernel; `copy` scans a copy of `old` as a mirror. Returns the changes and that copy.
     fn run(kernel: Kernel, old: &[u8], new: &[u8], width: usize, codec: ValueCodec, copy: bool) -> (Changes, Vec<u8>) {
+        let (changes, mirror, _) = run_hashed(kernel, old, new, width, codec, copy, 0);
+        (changes, mirror)
+    }
+
+    /// `run`, also hashing the first `blocks` base identity blocks of `old`.
+    fn run_hashed(
+        kernel: Kernel,
+        old: &[u8],
+        new: &[u8],
+        width: usize,
+        codec: ValueCodec,
+        copy: bool,
+        blocks: usize,
+    ) -> (Changes, Vec<u8>, Vec<u64>) {
+        let mut hashes = vec![0u64; blocks];
         macro_rules! go {
             ($w:ident, $copy:literal) => {{
                 let mut mirror = old.to_vec();
                 let mut out = Changes::default();
                 let (target, source, len) = (mirror.as_mut_ptr(), new.as_ptr(), old.len());
+                let (h, o) = (&mut hashes[..], &mut out);
                 unsafe {
                     match kernel {
-                        Kernel::Portable => scan_blocks::<$w, $copy, Portable>(target, source, len, 0, codec, &mut out),
+                        Kernel::Portable => scan_blocks::<$w, $copy, Portable>(target, source, len, 0, codec, h, o),
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Sse2 => scan_blocks::<$w, $copy, x86::Sse2>(target, source, len, 0, codec, &mut out),
+                        Kernel::Sse2 => scan_blocks::<$w, $copy, x86::Sse2>(target, source, len, 0, codec, h, o),
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx2 => x86::scan_avx2::<$w, $copy>(target, source, len, 0, codec, &mut out),
+                        Kernel::Avx2 => x86::scan_avx2::<$w, $copy>(target, source, len, 0, codec, h, o),
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx512 => x86::scan_avx512::<$w, $copy>(target, source, len, 0, codec, &mut out),
+                        Kernel::Avx512 => x86::scan_avx512::<$w, $copy>(target, source, len, 0, codec, h, o),
                         #[cfg(not(target_arch = "x86_64"))]
                         _ => unreachable!(),
                     }
                 }
-                (out, mirror)
+                (out, mirror, hashes)
             }};
         }
         if copy {
@@ -704,6 +825,71 @@ mod tests {
     }
 
     #[test]
+    fn every_kernel_hashes_the_blocks_as_they_were() {
+        // Two and a half base identity blocks; changes everywhere, in the first and last stripes of each block too.
+        let len = base::BLOCK_BYTES * 5 / 2;
+        let mut next = crate::core::testing::xorshift(0x51ed_270b_1234_5678);
+        let old: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        for (width, density) in [(2usize, 1u64), (2, 60), (4, 10), (1, 100), (8, 5)] {
+            let mut new = old.clone();
+            for element in 0..len / width {
+                let edge = element * width % base::BLOCK_BYTES < 64 || (element + 1) * width % base::BLOCK_BYTES < 64;
+                if next() % 100 < density || (edge && next().is_multiple_of(4)) {
+                    new[element * width] ^= 1 + (next() % 255) as u8;
+                }
+            }
+            let want_hashes: Vec<u64> = old.chunks_exact(base::BLOCK_BYTES).map(base::block_hash).collect();
+            for codec in [ValueCodec::Abs, ValueCodec::Diff] {
+                let want = reference(&old, &new, width, codec);
+                for kernel in kernels() {
+                    for copy in [false, true] {
+                        for blocks in [0, 1, 2] {
+                            let (got, mirror, hashes) = run_hashed(kernel, &old, &new, width, codec, copy, blocks);
+                            let what = format!("{kernel:?}, width {width}, copy {copy}, {blocks} blocks");
+                            assert_eq!(hashes[..], want_hashes[..blocks], "{what}");
+                            assert_eq!(
+                                (got.count, &got.positions, &got.values),
+                                (want.count, &want.positions, &want.values),
+                                "{what}"
+                            );
+                            assert_eq!(&mirror, if copy { &new } else { &old }, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        // Through the public entry points, which cut nothing at this size.
+        let mut new = old.clone();
+        new[3] ^= 1;
+        let mut hashes = [0u64; 2];
+        let mut mirror = old.clone();
+        scan_update_then(&mut mirror, &new, 0, 2, ValueCodec::Diff, &mut hashes, |_, _| ());
+        assert_eq!(hashes[..], want_hashes_of(&old)[..2]);
+        assert_eq!(mirror, new);
+        let mut again = [0u64; 1];
+        scan_then(&old, &new, 0, 2, ValueCodec::Diff, &mut again, |_, _| ());
+        assert_eq!(again[0], want_hashes_of(&old)[0]);
+        // Cut into pieces of one block (the 1 GiB pieces of longer ranges), each piece hashing its own block.
+        let mut mirror = old.clone();
+        let got = scan_pieces_then::<2, true, _>(
+            mirror.as_mut_ptr(),
+            new.as_ptr(),
+            old.len(),
+            0,
+            ValueCodec::Diff,
+            &mut hashes,
+            base::BLOCK_BYTES,
+            owned,
+        );
+        assert_eq!(hashes[..], want_hashes_of(&old)[..2]);
+        assert_eq!((got.count, mirror), (1, new));
+    }
+
+    fn want_hashes_of(bytes: &[u8]) -> Vec<u64> {
+        bytes.chunks_exact(base::BLOCK_BYTES).map(base::block_hash).collect()
+    }
+
+    #[test]
     fn pieces_join_to_the_whole() {
         let n = 50_000usize;
         let old: Vec<u8> = (0..n * 2).map(|i| (i * 7 % 251) as u8).collect();
@@ -721,8 +907,9 @@ mod tests {
                     old.len(),
                     0,
                     codec,
+                    &mut [],
                     piece,
-                    Changes::clone,
+                    owned,
                 );
                 assert_eq!(
                     (got.count, got.first_position, got.last_position),
