@@ -28,7 +28,8 @@ def test_package_metadata():
 
 
 def test_every_scan_kernel_writes_the_same_bytes():
-    """`DELTASYNC_SCAN_KERNEL` picks the compare kernel once per process; each must give identical deltas."""
+    """`DELTASYNC_SCAN_KERNEL` picks the compare kernel once per process; each must give identical deltas (their
+    base identities included: the AVX2 and AVX-512 kernels hash the base in the compare's pass, the others apart)."""
     import subprocess
     import sys
 
@@ -41,7 +42,11 @@ def test_every_scan_kernel_writes_the_same_bytes():
         "new[at] += rng.choice(np.array([1, 65535, 2, 300], dtype=np.uint16), at.size)\n"
         "prev = {'w': old.view(np.int16)}\n"
         "curr = {'w': new.view(np.int16)}\n"
-        "sys.stdout.buffer.write(ds.diff(prev, curr).to_bytes() + ds.diff(prev, curr, codec='compact').to_bytes())\n"
+        "sys.stdout.buffer.write(ds.diff(prev, curr).to_bytes() + ds.diff(prev, curr, codec='varint').to_bytes())\n"
+        # The mirror's one pass (compare, hash the base, copy the changes in) with each kernel too.
+        "mirror = ds.Mirror(prev, step=0)\n"
+        "sys.stdout.buffer.write(mirror.advance(curr, step=1).to_bytes())\n"
+        "assert (mirror.tensors['w'] == curr['w']).all()\n"
         "sys.stderr.write(ds._core.scan_kernel())\n"
     )
     outputs = {}
