@@ -3,7 +3,8 @@
     python benches/anchors.py [GB] [folder] [runs]
 
 A bf16 state of about GB gigabytes (default 0.5: one embedding of a quarter of it, the rest in 32 MB tensors) is
-published to a LocalStore in ``folder`` (default: a temporary folder under TMPDIR) and pulled back. Each side runs
+published to a LocalStore in ``folder`` (default: a temporary folder under TMPDIR) and pulled back; what the run
+writes in ``folder`` is deleted when it ends. Each side runs
 in its own process, which resets its peak resident set size (writing 5 to /proc/self/clear_refs sets VmHWM to
 VmRSS) before the measured call and reports VmHWM less the resident size before it. Rows:
 
@@ -229,11 +230,29 @@ def median_row(rows: list[dict]) -> dict:
 
 def main() -> None:
     import shutil
-    import statistics
 
     gb = float(sys.argv[1]) if len(sys.argv) > 1 else 0.5
-    folder = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
+    made = len(sys.argv) <= 2
+    folder = Path(sys.argv[2]) if not made else Path(tempfile.mkdtemp(prefix="deltasync-bench-"))
     runs = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    before = set(folder.iterdir())
+    try:
+        run_all(gb, folder, runs)
+    finally:
+        # Every store holds about two anchors of the state: at 4 GB and a few runs they fill a disk.
+        for path in set(folder.iterdir()) - before:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_all(gb: float, folder: Path, runs: int) -> None:
+    import shutil
+    import statistics
+
     store = folder / "store-0"
     # A fresh store per publishing run (each publishes steps 0 and 1); the pulls read the first one.
     modes = ("streamed", "anchor only", "anchor only, whole SHA-256", "anchor only, no pieces", "in memory")
