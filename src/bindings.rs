@@ -208,10 +208,10 @@ fn parse_codec(codec: &str) -> PyResult<Codec> {
     })
 }
 
-/// The stream family of a join of shard deltas, which no rank can encode against a whole tensor's base: "varint"
-/// or "compact".
-fn parse_join_codec(codec: &str) -> PyResult<Codec> {
-    match parse_codec(codec)? {
+/// The stream family of a join of shard deltas without the tensors' bases, which no rank holds: "varint" or
+/// "compact".
+fn join_codec_without_bases(codec: Codec) -> PyResult<Codec> {
+    match codec {
         Codec::Context => Err(DeltaSyncError::new_err(
             "codec \"context\" codes positions against each whole tensor's base, which no rank of a sharded state \
              holds: join shard deltas with codec=\"compact\"",

@@ -4,7 +4,7 @@
 use pyo3::prelude::*;
 
 use super::{
-    export, parse_codec, parse_dtype, parse_join_codec, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice,
+    export, join_codec_without_bases, parse_codec, parse_dtype, parse_values, to_py, DeltaSyncError, RawDelta, RawSlice,
 };
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::mirror::{self, MirrorInput, MirrorTensor};
@@ -175,7 +175,7 @@ pub fn join_shards(
     let codec = match (bases.is_some(), parse_codec(codec)?) {
         (true, Codec::Context) => Codec::Context,
         (true, _) => return Err(DeltaSyncError::new_err("bases are for codec=\"context\" only")),
-        (false, _) => parse_join_codec(codec)?,
+        (false, codec) => join_codec_without_bases(codec)?,
     };
     let deltas: Vec<Delta> = parts.iter().map(|part| part.delta.clone()).collect();
     let mut held = Vec::new();
