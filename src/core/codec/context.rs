@@ -973,7 +973,7 @@ pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, position
     let step = sample_step(positions.len() as u64);
     let sampled: Vec<u64> = positions.iter().step_by(step).copied().collect();
     let sampled_old: Option<Vec<u64>> = old.map(|old| old.iter().step_by(step).copied().collect());
-    worth_walking_sampled(base, sampled_old.as_deref(), field, &sampled, positions.len() as u64, other_len)
+    worth_walking_sampled(base, sampled_old.as_deref(), field, &sampled, positions.len() as u64, other_len).is_some()
 }
 
 /// Which of a tensor's `changes` changes `worth_walking` samples: every `sample_step(changes)`-th, from the first.
@@ -981,9 +981,29 @@ pub fn sample_step(changes: u64) -> usize {
     ((changes / SAMPLE as u64) as usize).max(1)
 }
 
+/// A walk `worth_walking_sampled` found worth it, with the median exponent field its sample guessed: `encode` starts
+/// from that guess instead of sampling the same bytes again (the guess never changes the stream, only whether the
+/// walk runs twice).
+pub struct WorthWalking {
+    guess: u8,
+}
+
+impl WorthWalking {
+    /// `encode`, from the sample's guess.
+    pub fn encode(&self, base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
+        encode_patched(base, None, field, positions, self.guess)
+    }
+
+    /// `encode_from_new`, from the sample's guess (of `new`'s bytes, which `worth_walking_sampled` was given).
+    pub fn encode_from_new(&self, new: &[u8], field: Exponent, positions: &[u64], old: &[u64]) -> Vec<u8> {
+        assert_eq!(positions.len(), old.len(), "one old value per changed position");
+        encode_patched(new, Some(OldBits { positions, old }), field, positions, self.guess)
+    }
+}
+
 /// `worth_walking` from its sample alone: the positions (and, as for `worth_walking`, base bits) of the changes
 /// number 0, `sample_step(changes)`, 2 × that, ... of the tensor's `changes` changes, so that a writer need not
-/// gather every change of a tensor the walk would not pay for.
+/// gather every change of a tensor the walk would not pay for. Some where the walk is worth it.
 pub fn worth_walking_sampled(
     base: &[u8],
     old: Option<&[u64]>,
@@ -991,12 +1011,13 @@ pub fn worth_walking_sampled(
     positions: &[u64],
     changes: u64,
     other_len: usize,
-) -> bool {
+) -> Option<WorthWalking> {
     let numel = base.len() / field.width;
     if positions.is_empty() || numel == 0 {
-        return false;
+        return None;
     }
-    let table = class_table(sampled_median(base, field));
+    let guess = sampled_median(base, field);
+    let table = class_table(guess);
     let mut all = [0f64; CLASSES];
     for i in (0..numel).step_by((numel / SAMPLE).max(1)) {
         field.for_each(&base[i * field.width..(i + 1) * field.width], |e| all[usize::from(table[e])] += 1.0);
@@ -1024,19 +1045,19 @@ pub fn worth_walking_sampled(
             p * (p / q).log2()
         })
         .sum();
-    divergence * changes as f64 / 8.0 >= 0.01 * other_len as f64
+    (divergence * changes as f64 / 8.0 >= 0.01 * other_len as f64).then_some(WorthWalking { guess })
 }
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.
 pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
-    encode_patched(base, None, field, positions)
+    encode_patched(base, None, field, positions, sampled_median(base, field))
 }
 
 /// `encode` for a writer that holds the new bits `new` instead of the base: `old[j]` is the base's bits of the
 /// changed element `positions[j]` (every other element is the same in both).
 pub fn encode_from_new(new: &[u8], field: Exponent, positions: &[u64], old: &[u64]) -> Vec<u8> {
     assert_eq!(positions.len(), old.len(), "one old value per changed position");
-    encode_patched(new, Some(OldBits { positions, old }), field, positions)
+    encode_patched(new, Some(OldBits { positions, old }), field, positions, sampled_median(new, field))
 }
 
 /// The base's exponent histogram: `base`'s, with `patch`'s old bits in place of the bytes at its positions.
@@ -1052,7 +1073,8 @@ fn patched_histogram(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent) -
     histogram
 }
 
-fn encode_patched(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent, positions: &[u64]) -> Vec<u8> {
+/// The `context` stream, from `guess` at the median exponent field (`sampled_median`).
+fn encode_patched(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent, positions: &[u64], guess: u8) -> Vec<u8> {
     let numel = (base.len() / field.width) as u64;
     let mut changed = vec![0u64; numel.div_ceil(64) as usize];
     for &position in positions {
@@ -1064,7 +1086,7 @@ fn encode_patched(base: &[u8], patch: Option<OldBits<'_>>, field: Exponent, posi
     // Which elements of every class changed, by rank within the class, for the median exponent field as the
     // reference. A sample guesses the median, and the walk's class populations check it (so the base is read once
     // where the guess is right), or name the median for a second walk, or else a histogram finds it.
-    let mut reference = sampled_median(base, field);
+    let mut reference = guess;
     let walk = |reference| dispatch!(field, encode_walk, encode_walk_bmi2, (base, patch, field, reference, &changed));
     let (mut maps, mut population) = walk(reference);
     if median_of_classes(&population, reference) != Some(reference) {

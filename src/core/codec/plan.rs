@@ -187,11 +187,13 @@ pub fn with_context(
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
     let changes = ranges.iter().map(|r| r.count).sum();
     let (sampled, _) = sampled_changes(ranges, changes, field.width, false);
-    if !super::context::worth_walking_sampled(base, None, field, &sampled, changes, streams.positions.len()) {
+    let Some(walk) =
+        super::context::worth_walking_sampled(base, None, field, &sampled, changes, streams.positions.len())
+    else {
         return streams;
-    }
+    };
     let differences = (streams.values_codec != ValueCodec::Abs).then(|| differences_of(ranges, field.width));
-    smaller_of(streams, field, base, &positions_of(ranges), None, differences.as_deref())
+    smaller_of(streams, &walk, field, base, &positions_of(ranges), None, differences.as_deref())
 }
 
 /// The changes `context::worth_walking` samples (number 0, `sample_step`, 2 × that, ...) of the `changes` in
@@ -254,20 +256,20 @@ pub fn with_context_from_new(
     let changes = ranges.iter().map(|r| r.count).sum();
     let (sampled, sampled_differences) = sampled_changes(ranges, changes, width, true);
     let sampled_old: Vec<u64> = sampled.iter().zip(&sampled_differences).map(|(&p, &d)| base_bits(p, d)).collect();
-    if !super::context::worth_walking_sampled(
+    let Some(walk) = super::context::worth_walking_sampled(
         new,
         Some(&sampled_old),
         field,
         &sampled,
         changes,
         streams.positions.len(),
-    ) {
+    ) else {
         return streams;
-    }
+    };
     let positions = positions_of(ranges);
     let differences = differences_of(ranges, width);
     let old: Vec<u64> = positions.iter().zip(&differences).map(|(&p, &d)| base_bits(p, d)).collect();
-    smaller_of(streams, field, new, &positions, Some(&old), Some(&differences))
+    smaller_of(streams, &walk, field, new, &positions, Some(&old), Some(&differences))
 }
 
 /// `streams` with `context` positions where they are smaller (callers first ask `worth_walking_sampled`): coded
@@ -275,6 +277,7 @@ pub fn with_context_from_new(
 /// With the changes' `differences`, their values are coded by class too (`rans_classes`) where that is smaller.
 fn smaller_of(
     streams: TensorStreams,
+    walk: &super::context::WorthWalking,
     field: super::context::Exponent,
     bytes: &[u8],
     positions: &[u64],
@@ -282,8 +285,8 @@ fn smaller_of(
     differences: Option<&[u64]>,
 ) -> TensorStreams {
     let stream = match old {
-        Some(old) => super::context::encode_from_new(bytes, field, positions, old),
-        None => super::context::encode(bytes, field, positions),
+        Some(old) => walk.encode_from_new(bytes, field, positions, old),
+        None => walk.encode(bytes, field, positions),
     };
     if stream.len() >= streams.positions.len() {
         return streams;
