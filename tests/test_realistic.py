@@ -68,6 +68,13 @@ def test_generation_is_deterministic_and_cached(tiny_run, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(_bits(ours).values(), _bits(theirs).values()))
     cached = load_run(TINY, tmp_path, log=lambda _: None)
     assert cached.meta == again.meta
+    # The first run hands out its states as a cached one does (the same order), so its deltas are the same bytes.
+    import deltasync_rs as ds
+
+    assert [list(state) for state in cached.states] == [list(state) for state in again.states]
+    assert (
+        ds.diff(again.states[0], again.states[1]).to_bytes() == ds.diff(cached.states[0], cached.states[1]).to_bytes()
+    )
     assert all(
         torch.equal(cached.states[-1][n].view(torch.int16), again.states[-1][n].view(torch.int16))
         for n in cached.states[-1]

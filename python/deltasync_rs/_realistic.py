@@ -294,7 +294,9 @@ def load_run(
     }
     _write_text_atomic(meta_path, json.dumps(meta, indent=1))  # written last: its presence marks a complete run
     log(f"wrote {len(states)} states to {path}")
-    return RealisticRun(config, key, path, states, meta)
+    # Read back, so that the first run hands out the states as every later run does (the same tensors, in the
+    # files' order, which is not the model's): the same deltas, byte for byte.
+    return RealisticRun(config, key, path, _load_states(path, config.finetune_steps), meta)
 
 
 def _main() -> None:
