@@ -427,7 +427,7 @@ unsafe fn scan_blocks<const W: usize, const COPY: bool, K: BlockMask>(
             *slot = xxh3::merge(&acc);
         }
     } else {
-        // Every block before the first change is copied into it.
+        // Every block is hashed before the compare copies any change into it.
         for (index, slot) in hashes.iter_mut().enumerate() {
             *slot = base::block_hash(std::slice::from_raw_parts(old.add(index * base::BLOCK_BYTES), base::BLOCK_BYTES));
         }
@@ -653,8 +653,9 @@ pub fn scan(old: &[u8], new: &[u8], first_element: u64, width: usize, codec: Val
     scan_then(old, new, first_element, width, codec, &mut [], owned)
 }
 
-/// `scan_update` handing the changes to `take` before their buffer is reused, as `scan_then`; `hashes` are of the
-/// mirror's blocks before the update.
+/// `scan`, also copying `new` into `mirror` wherever they differ, so that `mirror` ends equal to `new`, handing the
+/// changes to `take` before their buffer is reused, as `scan_then`; `hashes` are of the mirror's blocks before the
+/// update.
 pub fn scan_update_then<R>(
     mirror: &mut [u8],
     new: &[u8],
@@ -666,11 +667,6 @@ pub fn scan_update_then<R>(
 ) -> R {
     check(mirror.len(), new.len(), width, hashes.len());
     scan_width::<true, R>(mirror.as_mut_ptr(), new, first_element, width, codec, hashes, take)
-}
-
-/// `scan`, also copying `new` into `mirror` wherever they differ, so that `mirror` ends equal to `new`.
-pub fn scan_update(mirror: &mut [u8], new: &[u8], first_element: u64, width: usize, codec: ValueCodec) -> Changes {
-    scan_update_then(mirror, new, first_element, width, codec, &mut [], owned)
 }
 
 #[cfg(test)]
