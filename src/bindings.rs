@@ -1031,6 +1031,38 @@ fn base_identity_from_blocks(py: Python<'_>, block_hashes: &[u8], tail: &Bound<'
     Ok(base::to_hex(base::combine(&hashes)))
 }
 
+/// A tensor's state-digest hash (`tensor_hashes`' 16 bytes) from its bytes' XXH3 round sums made elsewhere (on a
+/// device, by deltasync_rs._identity): `head` the bytes up to the first summed round, `rounds` the round sums (eight
+/// little-endian u64s each, in order), `tail` the bytes after them, `last` the tensor's last 64 bytes
+/// (core::digest::tensor_hash_from_rounds).
+#[pyfunction]
+fn tensor_hash_from_rounds(
+    py: Python<'_>,
+    dtype: &str,
+    shape: Vec<u64>,
+    head: &[u8],
+    rounds: &Bound<'_, PyAny>,
+    tail: &[u8],
+    last: &[u8],
+) -> PyResult<Py<PyBytes>> {
+    let dtype = parse_dtype(dtype, "a tensor hashed on its device")?;
+    let (held, slice) = export(rounds, &|| "the round sums".to_owned(), false)?;
+    // SAFETY: `held` keeps the buffer exported until after the call.
+    let bytes = unsafe { slice.get() };
+    if !bytes.len().is_multiple_of(64) {
+        return Err(DeltaSyncError::new_err(format!("round sums are 64 bytes each, not {} bytes in all", bytes.len())));
+    }
+    let sums: Vec<[u64; 8]> = bytes
+        .chunks_exact(64)
+        .map(|round| {
+            std::array::from_fn(|lane| u64::from_le_bytes(round[8 * lane..8 * lane + 8].try_into().expect("8")))
+        })
+        .collect();
+    drop(held);
+    let hash = py.detach(|| digest::tensor_hash_from_rounds(dtype, &shape, head, &sums, tail, last)).map_err(to_py)?;
+    Ok(PyBytes::new(py, &hash.to_le_bytes()).unbind())
+}
+
 /// Sets the number of threads for later calls (0 restores DELTASYNC_NUM_THREADS or the CPU count).
 #[pyfunction]
 fn set_num_threads(n: usize) {
@@ -1071,6 +1103,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity_from_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_hash_from_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(piece_hash, m)?)?;
     m.add_function(wrap_pyfunction!(fill_checked_pieces, m)?)?;

@@ -145,3 +145,87 @@ def test_decoded_against_a_device_base_equals_the_hosts(on_device):
         assert torch.equal(positions, host_positions) and torch.equal(values, host_values)
     with pytest.raises(ds.BaseMismatchError):
         _write.decode(delta._raw, 0, base=curr["w0"])
+
+
+# --- state-digest hashes on the device -----------------------------------------------------------------------------
+
+
+def _host_hash(tensor):
+    from deltasync_rs._core import tensor_hashes
+
+    dtype, shape = _arrays.describe(tensor, "t")
+    return bytes(
+        tensor_hashes([("t", dtype, list(shape), tensor.contiguous().reshape(-1).view(torch.uint8).numpy())])[0]
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    numel=st.one_of(st.integers(2048, 9000), st.sampled_from([4096, 4097, 8192, 70_001])),
+    rank=st.sampled_from([1, 2, 7, 60, 130]),
+    dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.int64]),
+    offset=st.integers(0, 9),
+    seed=st.integers(0, 2**31),
+)
+def test_state_hashes_on_the_device_equal_the_cores(numel, rank, dtype, offset, seed):
+    """Every prefix length (rank 7: over one stripe; rank 130: over one round), element width, length and start
+    alignment: the rounds summed by torch ops and chained by the core give the hash made from the bytes."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    data = np.random.default_rng(seed).integers(0, 256, (numel + offset) * width, dtype=np.uint8)
+    flat = torch.from_numpy(data).view(dtype)[offset:]  # a view starting anywhere in its storage
+    tensor = flat.view([1] * (rank - 1) + [numel])
+    assert _identity.state_hashes({"t": tensor}) == {"t": _host_hash(tensor)}
+
+
+def test_a_device_state_digest_sends_only_round_sums_and_edges_to_the_host(monkeypatch):
+    """``ds.state_digest`` of tensors on a device: each large one through its round sums (the bytes that cross are
+    its first and last KiB or so), a strided one too; the digest is the specification's."""
+    from deltasync_rs import _core
+    from deltasync_rs import delta as delta_module
+    from tests.test_digest import reference_digest
+
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "big": torch.randn(300, 257, generator=g).bfloat16(),
+        "strided": torch.randn(64, 1000, generator=g)[:, ::2],
+        "small": torch.randn(10, generator=g),
+    }
+    calls = []
+    real = _core.tensor_hash_from_rounds
+
+    def recording(dtype, shape, head, rounds, tail, last):
+        calls.append((len(head) + len(tail) + len(last), rounds.nbytes // 64))
+        return real(dtype, shape, head, rounds, tail, last)
+
+    monkeypatch.setattr(_core, "tensor_hash_from_rounds", recording)
+    monkeypatch.setattr(delta_module, "_tensor_hashes", lambda entries: pytest.fail(f"hashed on the host: {entries}"))
+    assert ds.state_digest(state) == reference_digest(state)
+    assert len(calls) == 2  # the small tensor is copied to the host whole, by _identity
+    for edges, rounds in calls:
+        assert edges <= 2 * 1024 + 64 and rounds >= 60
+
+
+def test_a_pull_onto_device_tensors_checks_the_digest_there(tmp_path, monkeypatch):
+    """A subscriber's state on a device: the digest after each pull is made on the device (the tensors no delta
+    wrote, and those the staged apply wrote), and a replica that drifted is still caught by it and re-synced."""
+    from deltasync_rs import delta as delta_module
+
+    g = torch.Generator().manual_seed(8)
+    state = {"a": torch.randn(300, 40, generator=g).bfloat16(), "b": torch.randn(5000, generator=g).bfloat16()}
+    monkeypatch.setattr(_write, "_on_device", lambda x: _arrays.is_torch(x))
+    monkeypatch.setattr(delta_module, "_tensor_hashes", lambda entries: pytest.fail(f"hashed on the host: {entries}"))
+    store = ds.LocalStore(tmp_path)
+    replica = {name: torch.zeros_like(t) for name, t in state.items()}
+    subscriber = ds.Subscriber(store, check_base=False)
+    with ds.Publisher(store, anchor_every=100, background=False) as publisher:
+        publisher.publish(0, state)
+        assert subscriber.pull(replica) == 0
+        state["a"].view(torch.int16).view(-1)[::97] += 1  # "b" stays as it was
+        publisher.publish(1, state)
+        assert subscriber.pull(replica) == 1
+        replica["b"].view(torch.int16)[3] += 1  # drifts where no delta writes
+        state["a"].view(torch.int16).view(-1)[::89] += 1
+        publisher.publish(2, state)
+        assert subscriber.pull(replica) == 2  # the digest misses, the anchor re-syncs it
+    for name in state:
+        assert torch.equal(replica[name].view(torch.int16), state[name].view(torch.int16)), name

@@ -18,6 +18,7 @@ __all__ = [
     "apply_file",
     "base_identity",
     "base_identity_from_blocks",
+    "tensor_hash_from_rounds",
     "checkpoint_layout",
     "combine_hashes",
     "copy_checked_pieces",
@@ -132,6 +133,11 @@ def base_identity(data: Any) -> str:
 def base_identity_from_blocks(block_hashes: bytes, tail: Any) -> str:
     """The base identity of bytes whose whole blocks were hashed elsewhere: each whole block's XXH3-64 as
     little-endian u64s in ``block_hashes``, and ``tail``, the bytes after the last whole block, hashed here."""
+
+def tensor_hash_from_rounds(dtype: str, shape: list[int], head: bytes, rounds: Any, tail: bytes, last: bytes) -> bytes:
+    """A tensor's state-digest hash (as ``tensor_hashes`` gives it) from its bytes' XXH3 round sums made on its
+    device: the bytes up to the first summed round, the rounds' sums (eight little-endian u64s each), the bytes after
+    them, and the tensor's last 64 bytes."""
 
 def file_piece_hashes(path: str | PathLike[str], piece_bytes: int, piece_hash: str) -> bytes:
     """The hash (``piece_hash``: "blake3" or "sha256") of each ``piece_bytes`` piece of the file, concatenated (32

@@ -1,6 +1,9 @@
-"""Base identities (docs/format.md §3) of tensors on any torch device, computed there by torch integer ops, so that
-checking a CUDA target's base copies no weights to the host: only each 256 KiB block's 8-byte hash and the bytes
-after the last whole block (shorter than a block) cross, and the core combines them (``base_identity_from_blocks``).
+"""Base identities (docs/format.md §3) and state-digest hashes (§10) of tensors on any torch device, computed there
+by torch integer ops, so that checking a CUDA target's base copies no weights to the host: only each 256 KiB block's
+8-byte hash and the bytes after the last whole block (shorter than a block) cross, and the core combines them
+(``base_identity_from_blocks``). A state-digest hash is one XXH3-128 over the tensor's dtype, shape and bytes: its
+1,024-byte rounds are summed on the device the same way, and only the sums (1/16 of the bytes) and a few KiB of
+bytes at the ends cross; the core chains the rounds (``tensor_hash_from_rounds``).
 
 Each whole block's hash is XXH3-64 (seed 0, the default secret) of its 262,144 bytes, by the algorithm of the
 XXH3 specification for inputs over 240 bytes: eight 64-bit accumulators take 16 stripes of 64 bytes per 1,024-byte
@@ -11,6 +14,7 @@ merge run on the host in Python integers (four per block)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 BLOCK_BYTES = 1 << 18
@@ -68,22 +72,29 @@ HOST_BELOW = 16 << 20
 TORCH_ON_CPU = False
 
 
+def _products(mixed: Any, low: Any) -> Any:
+    """low32(x) * high32(x) of each int64 lane."""
+    return (mixed & low) * ((mixed >> 32) & low)
+
+
+def _sums(words: Any, keys: Any, low: Any) -> Any:
+    """What each round of int64 ``words`` ``[..., 16, 8]`` adds to each accumulator lane: for each stripe,
+    acc[lane] += low32(word ^ key) * high32(word ^ key), and acc[lane ^ 1] += the word."""
+    return _products(words ^ keys, low).sum(dim=-2) + words.sum(dim=-2)[..., [1, 0, 3, 2, 5, 4, 7, 6]]
+
+
 def _round_sums(words: Any, keys: Any, low: Any) -> Any:
     """``[blocks, rounds, 8]``: what each round adds to each accumulator lane (the rounds' sums do not depend on
     the accumulators), for blocks of int64 ``words`` ``[blocks, rounds, 16, 8]``, a group of blocks at a time."""
     import torch
 
-    swap = [1, 0, 3, 2, 5, 4, 7, 6]
-
     def products(mixed: Any) -> Any:
-        return (mixed & low) * ((mixed >> 32) & low)
+        return _products(mixed, low)
 
     blocks = words.shape[0]
-    # acc[lane] += low32(word ^ key) * high32(word ^ key), and acc[lane ^ 1] += the word.
     sums = torch.empty(blocks, _ROUNDS, 8, dtype=torch.int64, device=words.device)
     for start in range(0, blocks, _GROUP_BLOCKS):
-        group = words[start : start + _GROUP_BLOCKS]
-        sums[start : start + _GROUP_BLOCKS] = products(group ^ keys).sum(dim=2) + group.sum(dim=2)[..., swap]
+        sums[start : start + _GROUP_BLOCKS] = _sums(words[start : start + _GROUP_BLOCKS], keys, low)
     # The last round takes stripes 0-14 with their keys, then the block's last 64 bytes (its 16th stripe) with the
     # secret from byte 121 instead of the 16th stripe's key, and no scramble after it.
     last = words[:, -1, -1]
@@ -113,7 +124,7 @@ def _hash_rounds(sums: Any) -> list[int]:
 def _flat_bytes(tensor: Any) -> Any:
     import torch
 
-    return tensor.detach().reshape(-1).view(torch.uint8)
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def base_identities(tensors: list[Any]) -> list[str]:
@@ -156,3 +167,59 @@ def base_identities(tensors: list[Any]) -> list[str]:
 def base_identity(tensor: Any) -> str:
     """The base identity (16 hex digits) of one tensor's bytes: :func:`base_identities`."""
     return base_identities([tensor])[0]
+
+
+def on_device(tensor: Any) -> bool:
+    """A torch tensor whose hashes are made on its device (outside the host's memory, or any with TORCH_ON_CPU)."""
+    from . import _arrays
+
+    return _arrays.is_torch(tensor) and (not tensor.is_cpu or TORCH_ON_CPU)
+
+
+#: Rounds summed at a time on the device (32 MiB of bytes).
+_GROUP_ROUNDS = 1 << 15
+
+
+def state_hashes(tensors: Mapping[str, Any]) -> dict[str, bytes]:
+    """The state-digest hash of each torch tensor (16 bytes, as ``_core.tensor_hashes`` gives them), by name. Tensors
+    from HOST_BELOW bytes on have their rounds summed on their device, a group at a time; smaller ones are copied
+    to the host one at a time and hashed by the core, so at most one such copy is held."""
+    if not tensors:
+        return {}
+    import torch
+
+    from . import _arrays
+    from ._core import tensor_hash_from_rounds, tensor_hashes
+
+    out: dict[str, bytes] = {}
+    for name, tensor in tensors.items():
+        dtype, shape = _arrays.describe(tensor, name)
+        data = _flat_bytes(tensor)
+        prefix = len(dtype) + 1 + 8 + 8 * len(shape)
+        length = prefix + data.numel()
+        # The rounds from the first that starts in the bytes to the last whole one before the stream's last stripe.
+        first, end = -(-prefix // _ROUND), (length - 1) // 64 // _STRIPES
+        if (data.is_cpu and not TORCH_ON_CPU) or data.numel() < max(HOST_BELOW, 4 * _ROUND) or end <= first:
+            out[name] = bytes(tensor_hashes([(name, dtype, list(shape), data.cpu().numpy())])[0])
+            continue
+        device = data.device
+        keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)
+        low = torch.tensor(0xFFFFFFFF, dtype=torch.int64, device=device)
+        start = first * _ROUND - prefix  # the byte where the first summed round starts
+        sums = torch.empty(end - first, 8, dtype=torch.int64, device=device)
+        for at in range(0, end - first, _GROUP_ROUNDS):
+            rounds = min(_GROUP_ROUNDS, end - first - at)
+            part = data[start + at * _ROUND : start + (at + rounds) * _ROUND]
+            if part.data_ptr() % 8:
+                part = part.clone()  # aligned for the int64 view, still on the device
+            sums[at : at + rounds] = _sums(part.view(torch.int64).view(rounds, _STRIPES, 8), keys, low)
+        after = end * _ROUND - prefix
+        out[name] = tensor_hash_from_rounds(
+            dtype,
+            list(shape),
+            bytes(data[:start].cpu().numpy()),
+            sums.cpu().view(torch.uint8).numpy(),
+            bytes(data[after:].cpu().numpy()),
+            bytes(data[-64:].cpu().numpy()),
+        )
+    return out

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Union
 
 import numpy as np
 
-from . import _arrays, _write
+from . import _arrays, _identity, _write
 from ._core import BaseMismatchError, DeltaSyncError, RawDelta
 from ._core import combine_hashes as _combine_hashes
 from ._core import state_digest as _state_digest
@@ -359,15 +359,22 @@ def write_anchor_pieces(
 
 
 def state_digest(state: State) -> str:
-    """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §10)."""
-    return _state_digest(_digest_entries(_as_mapping(state, "state")))
+    """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §10). Torch
+    tensors on a device (CUDA, ...) are hashed there: their bytes are not copied to the host."""
+    state = _as_mapping(state, "state")
+    if not any(_identity.on_device(tensor) for tensor in state.values()):
+        return _state_digest(_digest_entries(state))
+    return state_digest_knowing(state, {})
 
 
 def state_digest_knowing(state: Mapping[str, Tensor], known: Mapping[str, bytes]) -> str:
     """``state_digest``, given ``known``: tensor hashes (``_core.tensor_hashes``) already made from some tensors'
     present bytes, dtype and shape (``Delta._apply``), so that those tensors are not read again."""
-    entries = _digest_entries({name: t for name, t in state.items() if name not in known})
-    hashes = dict(zip((entry[0] for entry in entries), _tensor_hashes(entries)))
+    rest = {name: t for name, t in state.items() if name not in known}
+    device = {name: t for name, t in rest.items() if _identity.on_device(t)}
+    entries = _digest_entries({name: t for name, t in rest.items() if name not in device})
+    hashes = dict(zip((entry[0] for entry in entries), _tensor_hashes(entries))) if entries else {}
+    hashes.update(_identity.state_hashes(device))
     return _combine_hashes([(name, hashes[name] if name in hashes else known[name]) for name in state])
 
 

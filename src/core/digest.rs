@@ -5,6 +5,8 @@ use rayon::prelude::*;
 use twox_hash::XxHash3_128;
 
 use crate::core::dtype::{self, Dtype};
+use crate::core::error::{Error, Result};
+use crate::core::xxh3;
 
 /// One tensor of a state: its name, dtype, shape and raw little-endian bytes.
 pub struct DigestInput<'a> {
@@ -38,13 +40,67 @@ impl Xxh3 {
 /// A tensor's hasher with its dtype and shape already fed: feed it the tensor's bytes, in order, then `digest128`.
 pub fn tensor_hasher(dtype: Dtype, shape: &[u64]) -> Xxh3 {
     let mut hasher = Xxh3::new();
-    hasher.update(dtype::name_of(dtype).as_bytes());
-    hasher.update(&[0]);
-    hasher.update(&(shape.len() as u64).to_le_bytes());
-    for dim in shape {
-        hasher.update(&dim.to_le_bytes());
-    }
+    hasher.update(&tensor_prefix(dtype, shape));
     hasher
+}
+
+/// What `tensor_hasher` feeds before a tensor's bytes: its dtype's name, a zero byte, its rank and its dims.
+fn tensor_prefix(dtype: Dtype, shape: &[u64]) -> Vec<u8> {
+    let mut prefix = dtype::name_of(dtype).as_bytes().to_vec();
+    prefix.push(0);
+    prefix.extend_from_slice(&(shape.len() as u64).to_le_bytes());
+    for dim in shape {
+        prefix.extend_from_slice(&dim.to_le_bytes());
+    }
+    prefix
+}
+
+/// A tensor's hash (`tensor_hasher`'s) from its bytes' XXH3 round sums made elsewhere (on a torch device): `head`
+/// is the tensor's bytes up to the first summed round (the stream's rounds being 1,024 bytes of the prefix and
+/// then the bytes), `rounds` what each following round adds to the eight accumulators, `tail` the bytes after the
+/// last of them, and `last` the tensor's last 64 bytes (a tensor of at least 64). Only the stripes of `head` and
+/// `tail` and the chain of the rounds run here.
+pub fn tensor_hash_from_rounds(
+    dtype: Dtype,
+    shape: &[u64],
+    head: &[u8],
+    rounds: &[[u64; 8]],
+    tail: &[u8],
+    last: &[u8],
+) -> Result<u128> {
+    let prefix = tensor_prefix(dtype, shape);
+    let len = (prefix.len() + head.len() + rounds.len() * xxh3::ROUND_BYTES + tail.len()) as u64;
+    let numel_bytes = dtype::numel(shape).and_then(|n| n.checked_mul(dtype::width_of(dtype).ok()? as u64));
+    let head_stream = [&prefix[..], head].concat();
+    let first_round = (head_stream.len() / xxh3::ROUND_BYTES) as u64;
+    let end_round = first_round + rounds.len() as u64;
+    let regular = if len >= xxh3::Long128::MIN_LEN { xxh3::Long128::regular_stripes(len) } else { 0 };
+    if numel_bytes != Some(len - prefix.len() as u64)
+        || !head_stream.len().is_multiple_of(xxh3::ROUND_BYTES)
+        || end_round * xxh3::STRIPES as u64 > regular
+        || last.len() != xxh3::STRIPE
+        || len - (prefix.len() as u64) < xxh3::STRIPE as u64
+        || !last.ends_with(&tail[tail.len().saturating_sub(xxh3::STRIPE)..])
+    {
+        return Err(Error::invalid(format!(
+            "round sums of a {shape:?} tensor of {}: {} head bytes, {} rounds, {} tail bytes and {} last bytes do              not make up its bytes",
+            dtype::name_of(dtype),
+            head.len(),
+            rounds.len(),
+            tail.len(),
+            last.len()
+        )));
+    }
+    let mut chain = xxh3::Long128::new(len);
+    let stripes = |first_round: u64| first_round * xxh3::STRIPES as u64;
+    chain.add_sums(&xxh3::StripeSums::of(&head_stream, 0, 0, stripes(first_round)));
+    chain.add_sums(&xxh3::StripeSums {
+        first: stripes(first_round),
+        count: stripes(rounds.len() as u64),
+        rounds: rounds.to_vec(),
+    });
+    chain.add_sums(&xxh3::StripeSums::of(tail, 0, stripes(end_round), regular - stripes(end_round)));
+    Ok(chain.finish(last))
 }
 
 fn tensor_hash(input: &DigestInput<'_>) -> u128 {
@@ -103,6 +159,42 @@ mod tests {
             assert_ne!(state_digest(&[changed, b]), base);
         }
         assert_eq!(base.len(), 32);
+    }
+
+    #[test]
+    fn a_tensor_hash_from_round_sums_is_the_tensor_hash() {
+        let mut next = crate::core::testing::xorshift(0xface);
+        for (dtype, shape) in
+            [(Dtype::BF16, vec![96u64, 100]), (Dtype::F32, vec![8195]), (Dtype::U8, vec![3, 5, 7, 11, 13])]
+        {
+            let len = dtype::numel(&shape).unwrap() as usize * dtype::width_of(dtype).unwrap();
+            let data: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            let want = tensor_hash(&DigestInput { name: "t", dtype, shape: &shape, data: &data });
+            let prefix = tensor_prefix(dtype, &shape).len();
+            // The rounds from the first that starts in the bytes, to the last whole one before the last stripe.
+            let first = prefix.div_ceil(xxh3::ROUND_BYTES);
+            let regular = xxh3::Long128::regular_stripes((prefix + len) as u64) as usize;
+            for end in [first, first + 1, regular / xxh3::STRIPES] {
+                let (head, tail) = (first * xxh3::ROUND_BYTES - prefix, end * xxh3::ROUND_BYTES - prefix);
+                let sums = xxh3::StripeSums::of(
+                    &data[head..tail],
+                    0,
+                    (first * xxh3::STRIPES) as u64,
+                    ((end - first) * xxh3::STRIPES) as u64,
+                );
+                let got = tensor_hash_from_rounds(
+                    dtype,
+                    &shape,
+                    &data[..head],
+                    &sums.rounds,
+                    &data[tail..],
+                    &data[len - 64..],
+                );
+                assert_eq!(got.unwrap(), want, "{dtype:?} {shape:?} rounds {first}..{end}");
+            }
+            let short = tensor_hash_from_rounds(dtype, &shape, &data[..5], &[], &data[5..len - 1], &data[len - 64..]);
+            assert!(short.is_err());
+        }
     }
 
     #[test]

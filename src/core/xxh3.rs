@@ -7,6 +7,10 @@
 //! byte 121 instead of the 16th stripe's key; then the accumulators are merged. `base::block_hash` (twox-hash)
 //! stays the reference: every block of other lengths, and every kernel without a fused path, hashes with it, and the
 //! tests check that both give the same hash.
+//!
+//! Also XXH3-128 of a long stream chained from its stripes' terms summed round by round elsewhere (`StripeSums`,
+//! `Long128`): a state-digest hash (core::digest) of a tensor on a torch device, whose rounds are summed there and
+//! only their sums, 1/16 of the bytes, cross to the host.
 
 use super::base::BLOCK_BYTES;
 
@@ -61,10 +65,20 @@ fn secret_word(offset: usize) -> u64 {
 
 /// The hash of a whole block from its accumulators after the last stripe.
 pub fn merge(acc: &[u64; 8]) -> u64 {
-    let mut result = (BLOCK_BYTES as u64).wrapping_mul(PRIME64_1);
+    merge_accs(acc, MERGE_KEY, (BLOCK_BYTES as u64).wrapping_mul(PRIME64_1))
+}
+
+/// Where the secret's key of the (first) merge starts.
+const MERGE_KEY: usize = 11;
+/// Where the key of XXH3-128's second merge starts.
+const MERGE_KEY_HIGH: usize = SECRET.len() - STRIPE - MERGE_KEY;
+
+/// XXH3's merge of the accumulators into 64 bits, with the secret's key at `key` and the start value `start`.
+fn merge_accs(acc: &[u64; 8], key: usize, start: u64) -> u64 {
+    let mut result = start;
     for pair in 0..4 {
-        let a = acc[2 * pair] ^ secret_word(11 + 16 * pair);
-        let b = acc[2 * pair + 1] ^ secret_word(11 + 16 * pair + 8);
+        let a = acc[2 * pair] ^ secret_word(key + 16 * pair);
+        let b = acc[2 * pair + 1] ^ secret_word(key + 16 * pair + 8);
         let product = u128::from(a) * u128::from(b);
         result = result.wrapping_add(product as u64 ^ (product >> 64) as u64);
     }
@@ -74,8 +88,7 @@ pub fn merge(acc: &[u64; 8]) -> u64 {
 }
 
 /// One stripe, one lane at a time (what the vector kernels do eight lanes at once).
-#[cfg(test)]
-fn accumulate_portable(acc: &mut [u64; 8], stripe: &[u8], key: &[u8]) {
+pub fn accumulate_portable(acc: &mut [u64; 8], stripe: &[u8], key: &[u8]) {
     let word = |bytes: &[u8], lane: usize| u64::from_le_bytes(bytes[8 * lane..8 * lane + 8].try_into().expect("8"));
     for lane in 0..8 {
         let data = word(stripe, lane);
@@ -85,11 +98,185 @@ fn accumulate_portable(acc: &mut [u64; 8], stripe: &[u8], key: &[u8]) {
     }
 }
 
-#[cfg(test)]
-fn scramble_portable(acc: &mut [u64; 8]) {
+/// XXH3's scramble, one lane at a time.
+pub fn scramble_portable(acc: &mut [u64; 8]) {
     for (lane, value) in acc.iter_mut().enumerate() {
         let mixed = (*value ^ (*value >> 47)) ^ secret_word(SCRAMBLE_KEY + 8 * lane);
         *value = mixed.wrapping_mul(PRIME32_1);
+    }
+}
+
+/// Bytes of one round of the long-input loop (16 stripes).
+pub const ROUND_BYTES: usize = STRIPE * STRIPES;
+
+/// The terms of some consecutive stripes of a stream, summed round by round.
+///
+/// XXH3's long-input loop adds each stripe's term (what `accumulate` adds, from the stripe and its key) to the
+/// accumulators, which only the scramble after each round mixes. A round's terms may therefore be summed anywhere
+/// and in any order (on a torch device, for example), and chained afterwards (`Long128`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StripeSums {
+    /// The stream's number of the first stripe summed.
+    pub first: u64,
+    /// Stripes summed, from `first` on.
+    pub count: u64,
+    /// One sum per round with summed stripes, from round `first / STRIPES` on (partial at both ends).
+    pub rounds: Vec<[u64; 8]>,
+}
+
+impl StripeSums {
+    /// Sums the `count` stripes starting `lead` bytes into `data`, the first one being the stream's stripe `first`.
+    pub fn of(data: &[u8], lead: usize, first: u64, count: u64) -> Self {
+        let count_usize = usize::try_from(count).expect("stripes in memory");
+        assert!(
+            count == 0 || lead + count_usize * STRIPE <= data.len(),
+            "{count} stripes from byte {lead} of {}",
+            data.len()
+        );
+        let mut rounds = Vec::with_capacity(count_usize / STRIPES + 2);
+        let lane = (first % STRIPES as u64) as usize;
+        // SAFETY (all): `count` stripes from `lead` lie in `data` (checked above); each kernel runs only where the
+        // CPU has its features.
+        let data = unsafe { data.as_ptr().add(lead) };
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                unsafe { x86::sum_stripes_avx512(data, lane, count_usize, &mut rounds) };
+                return StripeSums { first, count, rounds };
+            }
+            if is_x86_feature_detected!("avx2") {
+                unsafe { x86::sum_stripes_avx2(data, lane, count_usize, &mut rounds) };
+                return StripeSums { first, count, rounds };
+            }
+        }
+        unsafe {
+            sum_stripes(data, lane, count_usize, &mut rounds, |acc, stripe, key| {
+                accumulate_portable(
+                    acc,
+                    std::slice::from_raw_parts(stripe, STRIPE),
+                    std::slice::from_raw_parts(key, STRIPE),
+                )
+            })
+        };
+        StripeSums { first, count, rounds }
+    }
+}
+
+/// Sums `count` stripes at `data`, the first at place `lane` of its round, one sum per round into `rounds`.
+///
+/// # Safety
+/// `count` stripes readable at `data`; `accumulate` safe to call on them.
+#[inline(always)]
+unsafe fn sum_stripes(
+    data: *const u8,
+    mut lane: usize,
+    count: usize,
+    rounds: &mut Vec<[u64; 8]>,
+    accumulate: impl Fn(&mut [u64; 8], *const u8, *const u8),
+) {
+    let (mut at, mut left) = (data, count);
+    while left > 0 {
+        let stripes = (STRIPES - lane).min(left);
+        let mut sum = [0u64; 8];
+        if stripes == STRIPES {
+            for key in 0..STRIPES {
+                accumulate(&mut sum, at.add(key * STRIPE), SECRET.as_ptr().add(8 * key));
+            }
+        } else {
+            for key in lane..lane + stripes {
+                accumulate(&mut sum, at.add((key - lane) * STRIPE), SECRET.as_ptr().add(8 * key));
+            }
+        }
+        rounds.push(sum);
+        (at, left, lane) = (at.add(stripes * STRIPE), left - stripes, 0);
+    }
+}
+
+/// The fastest `scramble` of this CPU.
+fn scrambler() -> fn(&mut [u64; 8]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return |acc| unsafe { x86::scramble_avx2(acc) };
+    }
+    scramble_portable
+}
+
+/// XXH3-128 (seed 0, the default secret) of a stream longer than 240 bytes, chained from the sums of its stripe
+/// terms. The stream's first `regular_stripes(len)` stripes are keyed by their place in their round and summed
+/// round by round (`add`, rounds in ascending order); `finish` takes the stream's last 64 bytes, which XXH3 keys
+/// apart, and merges.
+pub struct Long128 {
+    len: u64,
+    /// Rounds that are scrambled: every full one before the stream's last stripe.
+    full_rounds: u64,
+    acc: [u64; 8],
+    /// The round whose terms `pending` sums.
+    round: u64,
+    pending: [u64; 8],
+    scramble: fn(&mut [u64; 8]),
+}
+
+impl Long128 {
+    /// Streams of more than this many bytes are hashed by the long-input loop.
+    pub const MIN_LEN: u64 = 241;
+
+    pub fn new(len: u64) -> Self {
+        assert!(len >= Self::MIN_LEN, "XXH3's long-input loop hashes streams of 241 bytes or more, not {len}");
+        let full_rounds = (len - 1) / ROUND_BYTES as u64;
+        Long128 { len, full_rounds, acc: INIT, round: 0, pending: [0; 8], scramble: scrambler() }
+    }
+
+    /// Stripes of a stream of `len` bytes summed round by round: every whole one before its last byte.
+    pub fn regular_stripes(len: u64) -> u64 {
+        (len - 1) / STRIPE as u64
+    }
+
+    /// Adds the sum of some stripe terms of round `round`: no earlier round may come after it.
+    pub fn add(&mut self, round: u64, sum: &[u64; 8]) {
+        assert!(round >= self.round && round <= self.full_rounds, "round {round} after {}", self.round);
+        while self.round < round {
+            for (acc, term) in self.acc.iter_mut().zip(std::mem::take(&mut self.pending)) {
+                *acc = acc.wrapping_add(term);
+            }
+            (self.scramble)(&mut self.acc);
+            self.round += 1;
+        }
+        for (pending, term) in self.pending.iter_mut().zip(sum) {
+            *pending = pending.wrapping_add(*term);
+        }
+    }
+
+    /// Adds the sums of a scan (`StripeSums`), whose rounds must not come before the last one added.
+    pub fn add_sums(&mut self, sums: &StripeSums) {
+        let Some((head, rest)) = sums.rounds.split_first() else { return };
+        let first_round = sums.first / STRIPES as u64;
+        self.add(first_round, head);
+        // Every later sum starts a round of its own: scramble, then take it.
+        assert!(first_round + rest.len() as u64 <= self.full_rounds, "rounds past the stream's end");
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            unsafe { x86::chain_avx512(&mut self.acc, &mut self.pending, rest) };
+            self.round += rest.len() as u64;
+            return;
+        }
+        for sum in rest {
+            self.add(self.round + 1, sum);
+        }
+    }
+
+    /// The hash, given the stream's last 64 bytes, once every regular stripe was added.
+    pub fn finish(mut self, last: &[u8]) -> u128 {
+        assert_eq!(last.len(), STRIPE, "the last stripe");
+        self.add(self.full_rounds, &[0; 8]);
+        for (acc, term) in self.acc.iter_mut().zip(self.pending) {
+            *acc = acc.wrapping_add(term);
+        }
+        accumulate_portable(&mut self.acc, last, &SECRET[LAST_STRIPE_KEY..LAST_STRIPE_KEY + STRIPE]);
+        let low = merge_accs(&self.acc, MERGE_KEY, self.len.wrapping_mul(PRIME64_1));
+        let high = merge_accs(&self.acc, MERGE_KEY_HIGH, !self.len.wrapping_mul(PRIME64_2));
+        (u128::from(high) << 64) | u128::from(low)
     }
 }
 
@@ -126,6 +313,40 @@ pub mod x86 {
         let low = _mm512_mul_epu32(mixed, prime);
         let high = _mm512_mul_epu32(_mm512_srli_epi64::<32>(mixed), prime);
         _mm512_storeu_si512(acc.as_mut_ptr().cast(), _mm512_add_epi64(low, _mm512_slli_epi64::<32>(high)));
+    }
+
+    /// `super::sum_stripes` with `accumulate_avx512`.
+    ///
+    /// # Safety
+    /// As `super::sum_stripes`; the CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn sum_stripes_avx512(data: *const u8, lane: usize, count: usize, rounds: &mut Vec<[u64; 8]>) {
+        super::sum_stripes(data, lane, count, rounds, |acc, stripe, key| accumulate_avx512(acc, stripe, key))
+    }
+
+    /// `super::sum_stripes` with `accumulate_avx2`.
+    ///
+    /// # Safety
+    /// As `super::sum_stripes`; the CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn sum_stripes_avx2(data: *const u8, lane: usize, count: usize, rounds: &mut Vec<[u64; 8]>) {
+        super::sum_stripes(data, lane, count, rounds, |acc, stripe, key| accumulate_avx2(acc, stripe, key))
+    }
+
+    /// For each of `sums`: adds `pending` to the accumulators, scrambles them, and takes the sum as `pending`
+    /// (`Long128::add` of consecutive rounds).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn chain_avx512(acc: &mut [u64; 8], pending: &mut [u64; 8], sums: &[[u64; 8]]) {
+        for sum in sums {
+            let total =
+                _mm512_add_epi64(_mm512_loadu_si512(acc.as_ptr().cast()), _mm512_loadu_si512(pending.as_ptr().cast()));
+            _mm512_storeu_si512(acc.as_mut_ptr().cast(), total);
+            scramble_avx512(acc);
+            *pending = *sum;
+        }
     }
 
     /// `accumulate_avx512` in two halves.
@@ -205,6 +426,28 @@ mod tests {
             hash_with(&[0u8; BLOCK_BYTES], accumulate_portable, scramble_portable),
             block_hash(&[0; BLOCK_BYTES])
         );
+    }
+
+    #[test]
+    fn stripe_sums_chained_give_xxh3_128() {
+        let mut next = crate::core::testing::xorshift(0x5eed);
+        let data: Vec<u8> = (0..70_000).map(|_| next() as u8).collect();
+        for len in [241usize, 255, 256, 1023, 1024, 1025, 1088, 2048, 4097, 65_536, 70_000] {
+            let bytes = &data[..len];
+            let want = xxhash_rust::xxh3::xxh3_128(bytes);
+            let regular = Long128::regular_stripes(len as u64);
+            // Cut the regular stripes into parts at every kind of place: whole, at round edges, inside rounds.
+            for cuts in [vec![], vec![1], vec![16, 17], vec![5, 31, 32, 48], (1..regular).step_by(7).collect()] {
+                let mut chain = Long128::new(len as u64);
+                let mut start = 0u64;
+                for end in cuts.into_iter().filter(|&c| c < regular).chain([regular]) {
+                    let at = start as usize * STRIPE;
+                    chain.add_sums(&StripeSums::of(&bytes[at..], 0, start, end - start));
+                    start = end;
+                }
+                assert_eq!(chain.finish(&bytes[len - STRIPE..]), want, "{len} bytes");
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
