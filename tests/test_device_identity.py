@@ -24,6 +24,7 @@ def torch_path_on_cpu(monkeypatch):
     """The device path for CPU tensors too, whatever their size."""
     monkeypatch.setattr(_identity, "TORCH_ON_CPU", True)
     monkeypatch.setattr(_identity, "HOST_BELOW", 0)
+    monkeypatch.setattr(_identity, "STATE_HOST_BELOW", 0)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -232,3 +233,19 @@ def test_a_pull_onto_device_tensors_checks_the_digest_there(tmp_path, monkeypatc
         assert subscriber.pull(replica) == 2  # the digest misses, the anchor re-syncs it
     for name in state:
         assert torch.equal(replica[name].view(torch.int16), state[name].view(torch.int16)), name
+
+
+def test_small_device_tensors_cross_to_the_host_in_batches(monkeypatch):
+    """Tensors below STATE_HOST_BELOW are joined on their device and copied in one go per batch (not one copy
+    each: a model with tens of thousands of small tensors), every hash the core's."""
+    monkeypatch.setattr(_identity, "STATE_HOST_BELOW", 1 << 20)
+    monkeypatch.setattr(_identity, "_HOST_BATCH_BYTES", 10_000)
+    g = torch.Generator().manual_seed(9)
+    state = {f"t{i}": torch.randn(int(n), generator=g).bfloat16() for i, n in enumerate([1, 700, 3000, 0, 2500, 64])}
+    state["int"] = torch.arange(300, dtype=torch.int32).view(3, 100)
+    joined = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda parts, *a, **k: joined.append(len(parts)) or real_cat(parts, *a, **k))
+    assert _identity.state_hashes(state) == {name: _host_hash(t) for name, t in state.items()}
+    # 2 + 1,400 + 6,000 + 0 bytes, then 5,000 + 128 + 1,200: two copies under 10,000 bytes each.
+    assert joined == [4, 3]

@@ -178,20 +178,27 @@ def on_device(tensor: Any) -> bool:
 
 #: Rounds summed at a time on the device (32 MiB of bytes).
 _GROUP_ROUNDS = 1 << 15
+#: Tensors smaller than this are copied to the host for their state-digest hash instead (unlike a base identity,
+#: a state hash runs no sequential rounds on the device: a dozen kernel launches per tensor); a guess, not timed on
+#: a GPU here.
+STATE_HOST_BELOW = 1 << 20
+#: Small tensors of one device are copied to the host together, this many bytes at a time: one copy, not one each.
+_HOST_BATCH_BYTES = 64 << 20
 
 
 def state_hashes(tensors: Mapping[str, Any]) -> dict[str, bytes]:
     """The state-digest hash of each torch tensor (16 bytes, as ``_core.tensor_hashes`` gives them), by name. Tensors
-    from HOST_BELOW bytes on have their rounds summed on their device, a group at a time; smaller ones are copied
-    to the host one at a time and hashed by the core, so at most one such copy is held."""
+    from STATE_HOST_BELOW bytes on have their rounds summed on their device, a group at a time; smaller ones are
+    copied to the host in batches of up to 64 MiB per device and hashed by the core."""
     if not tensors:
         return {}
     import torch
 
     from . import _arrays
-    from ._core import tensor_hash_from_rounds, tensor_hashes
+    from ._core import tensor_hash_from_rounds
 
     out: dict[str, bytes] = {}
+    small: list[tuple[str, str, list[int], Any]] = []
     for name, tensor in tensors.items():
         dtype, shape = _arrays.describe(tensor, name)
         data = _flat_bytes(tensor)
@@ -199,8 +206,8 @@ def state_hashes(tensors: Mapping[str, Any]) -> dict[str, bytes]:
         length = prefix + data.numel()
         # The rounds from the first that starts in the bytes to the last whole one before the stream's last stripe.
         first, end = -(-prefix // _ROUND), (length - 1) // 64 // _STRIPES
-        if (data.is_cpu and not TORCH_ON_CPU) or data.numel() < max(HOST_BELOW, 4 * _ROUND) or end <= first:
-            out[name] = bytes(tensor_hashes([(name, dtype, list(shape), data.cpu().numpy())])[0])
+        if (data.is_cpu and not TORCH_ON_CPU) or data.numel() < max(STATE_HOST_BELOW, 4 * _ROUND) or end <= first:
+            small.append((name, dtype, list(shape), data))
             continue
         device = data.device
         keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)
@@ -222,4 +229,42 @@ def state_hashes(tensors: Mapping[str, Any]) -> dict[str, bytes]:
             bytes(data[after:].cpu().numpy()),
             bytes(data[-64:].cpu().numpy()),
         )
+    out.update(_small_state_hashes(small))
+    return out
+
+
+def _small_state_hashes(entries: list[tuple[str, str, list[int], Any]]) -> dict[str, bytes]:
+    """The state-digest hashes of tensors (name, dtype, shape, flat bytes) copied to the host: those of one device
+    joined on it and copied in one go, up to _HOST_BATCH_BYTES at a time; host tensors read in place."""
+    import torch
+
+    from ._core import tensor_hashes
+
+    out: dict[str, bytes] = {}
+    batch: list[tuple[str, str, list[int], Any]] = []
+    batch_bytes = 0
+
+    def flush() -> None:
+        nonlocal batch_bytes
+        batch_bytes = 0
+        if not batch:
+            return
+        joined = batch[0][3] if len(batch) == 1 else torch.cat([data for *_, data in batch])
+        host = joined.cpu().numpy()
+        at = 0
+        hashed: list[tuple[str, str, list[int], Any]] = []
+        for name, dtype, shape, data in batch:
+            hashed.append((name, dtype, shape, host[at : at + data.numel()]))
+            at += data.numel()
+        hashes = tensor_hashes(hashed)  # numpy views of the copy, which the core reads in place
+        out.update((name, bytes(h)) for (name, *_), h in zip(hashed, hashes, strict=True))
+        batch.clear()
+
+    for entry in sorted(entries, key=lambda e: str(e[3].device)):
+        data = entry[3]
+        if batch and (batch[0][3].device != data.device or batch_bytes + data.numel() > _HOST_BATCH_BYTES):
+            flush()
+        batch.append(entry)
+        batch_bytes += data.numel()
+    flush()
     return out
