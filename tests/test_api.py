@@ -320,6 +320,17 @@ def test_cuda_apply_matches_cpu(cuda, states):
     assert_states_equal({k: v.cpu() for k, v in target.items()}, curr)
 
 
+def test_cuda_state_digest_matches_cpu(cuda):
+    """The state digest of tensors on a GPU is made there (round sums, deltasync_rs._identity): the CPU's digest."""
+    g = torch.Generator().manual_seed(4)
+    state = {
+        "embed": torch.randn(2048, 1031, generator=g).bfloat16(),  # over STATE_HOST_BELOW: rounds on the device
+        "norm": torch.randn(96, generator=g),
+        "odd": torch.randn(3, 700, 999, generator=g).bfloat16()[:, ::2],
+    }
+    assert ds.state_digest({k: v.to(cuda) for k, v in state.items()}) == ds.state_digest(state)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float8_e5m2, torch.int64])
 @pytest.mark.parametrize("values", ["diff", "abs"])
 def test_device_path_runs_on_cpu(monkeypatch, dtype, values):
