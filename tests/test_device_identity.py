@@ -249,3 +249,18 @@ def test_small_device_tensors_cross_to_the_host_in_batches(monkeypatch):
     assert _identity.state_hashes(state) == {name: _host_hash(t) for name, t in state.items()}
     # 2 + 1,400 + 6,000 + 0 bytes, then 5,000 + 128 + 1,200: two copies under 10,000 bytes each.
     assert joined == [4, 3]
+
+
+def test_the_device_hash_bench_runs():
+    """benches/device_hashes.py, which a session with a GPU runs to set HOST_BELOW and STATE_HOST_BELOW, runs
+    (here on CPU tensors down the device path) and checks every hash it times against the host's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benches" / "device_hashes.py"
+    spec = importlib.util.spec_from_file_location("device_hashes", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--cpu", "--rounds", "1", "--sizes", f"{BLOCK},{4 * BLOCK + 6}", "--small", "3"])
+    assert [row["bytes"] for row in rows] == [BLOCK, 4 * BLOCK + 6]
