@@ -133,6 +133,9 @@ impl StripeSums {
             "{count} stripes from byte {lead} of {}",
             data.len()
         );
+        if count == 0 {
+            return StripeSums { first, count, rounds: Vec::new() };
+        }
         let mut rounds = Vec::with_capacity(count_usize / STRIPES + 2);
         let lane = (first % STRIPES as u64) as usize;
         // SAFETY (all): `count` stripes from `lead` lie in `data` (checked above); each kernel runs only where the
@@ -448,6 +451,39 @@ mod tests {
                 assert_eq!(chain.finish(&bytes[len - STRIPE..]), want, "{len} bytes");
             }
         }
+    }
+
+    #[test]
+    fn every_way_of_summing_and_chaining_agrees() {
+        let mut next = crate::core::testing::xorshift(0xabc);
+        let data: Vec<u8> = (0..200 * STRIPE).map(|_| next() as u8).collect();
+        for (lane, count) in [(0usize, 1usize), (5, 11), (5, 12), (0, 16), (3, 17), (15, 100), (0, 0)] {
+            let mut portable = Vec::new();
+            let accumulate = |acc: &mut [u64; 8], stripe: *const u8, key: *const u8| unsafe {
+                accumulate_portable(
+                    acc,
+                    std::slice::from_raw_parts(stripe, STRIPE),
+                    std::slice::from_raw_parts(key, STRIPE),
+                )
+            };
+            unsafe { sum_stripes(data.as_ptr(), lane, count, &mut portable, accumulate) };
+            assert_eq!(StripeSums::of(&data, 0, lane as u64, count as u64).rounds, portable, "{lane} {count}");
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") {
+                let mut avx2 = Vec::new();
+                unsafe { x86::sum_stripes_avx2(data.as_ptr(), lane, count, &mut avx2) };
+                assert_eq!(avx2, portable, "{lane} {count}");
+            }
+        }
+        // Rounds added one at a time (the chain without AVX-512) give what `add_sums` gives.
+        let len = 5000u64;
+        let sums = StripeSums::of(&data, 0, 0, Long128::regular_stripes(len));
+        let mut one_by_one = Long128::new(len);
+        for (round, sum) in sums.rounds.iter().enumerate() {
+            one_by_one.add(round as u64, sum);
+        }
+        let last = &data[len as usize - STRIPE..len as usize];
+        assert_eq!(one_by_one.finish(last), xxhash_rust::xxh3::xxh3_128(&data[..len as usize]));
     }
 
     #[cfg(target_arch = "x86_64")]
