@@ -18,7 +18,6 @@ __all__ = [
     "apply_file",
     "base_identity",
     "base_identity_from_blocks",
-    "tensor_hash_from_rounds",
     "checkpoint_layout",
     "combine_hashes",
     "copy_checked_pieces",
@@ -31,6 +30,7 @@ __all__ = [
     "scan_kernel",
     "set_num_threads",
     "state_digest",
+    "tensor_hash_from_rounds",
     "tensor_hashes",
     "write_anchor",
 ]

@@ -199,6 +199,7 @@ def state_hashes(tensors: Mapping[str, Any]) -> dict[str, bytes]:
 
     out: dict[str, bytes] = {}
     small: list[tuple[str, str, list[int], Any]] = []
+    constants: dict[Any, tuple[Any, Any]] = {}  # by device: the 16 stripes' keys, the low-32-bit mask
     for name, tensor in tensors.items():
         dtype, shape = _arrays.describe(tensor, name)
         data = _flat_bytes(tensor)
@@ -210,8 +211,13 @@ def state_hashes(tensors: Mapping[str, Any]) -> dict[str, bytes]:
             small.append((name, dtype, list(shape), data))
             continue
         device = data.device
-        keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)
-        low = torch.tensor(0xFFFFFFFF, dtype=torch.int64, device=device)
+        if device not in constants:
+            keys = [_lanes(8 * stripe) for stripe in range(_STRIPES)]
+            constants[device] = (
+                torch.tensor(keys, dtype=torch.int64, device=device),
+                torch.tensor(0xFFFFFFFF, dtype=torch.int64, device=device),
+            )
+        keys, low = constants[device]
         start = first * _ROUND - prefix  # the byte where the first summed round starts
         sums = torch.empty(end - first, 8, dtype=torch.int64, device=device)
         for at in range(0, end - first, _GROUP_ROUNDS):
