@@ -251,16 +251,30 @@ def test_small_device_tensors_cross_to_the_host_in_batches(monkeypatch):
     assert joined == [4, 3]
 
 
-def test_the_device_hash_bench_runs():
-    """benches/device_hashes.py, which a session with a GPU runs to set HOST_BELOW and STATE_HOST_BELOW, runs
-    (here on CPU tensors down the device path) and checks every hash it times against the host's."""
+def _bench(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benches" / "device_hashes.py"
-    spec = importlib.util.spec_from_file_location("device_hashes", path)
+    path = Path(__file__).resolve().parent.parent / "benches" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    rows = module.main(["--cpu", "--rounds", "1", "--sizes", f"{BLOCK},{4 * BLOCK + 6}", "--small", "3"])
+    return module
+
+
+def test_the_device_hash_bench_runs():
+    """benches/device_hashes.py, which a session with a GPU runs to set HOST_BELOW and STATE_HOST_BELOW, runs
+    (here on CPU tensors down the device path) and checks every hash it times against the host's."""
+    rows = _bench("device_hashes").main(
+        ["--cpu", "--rounds", "1", "--sizes", f"{BLOCK},{4 * BLOCK + 6}", "--small", "3"]
+    )
     assert [row["bytes"] for row in rows] == [BLOCK, 4 * BLOCK + 6]
+
+
+def test_the_device_check_runs():
+    """benches/device_check.py, the script a session with a GPU runs once, runs end to end on CPU tensors (its
+    every result checked bit for bit inside): the mirror's step, the applies, the digests, the hash table."""
+    figures = _bench("device_check").main(["--cpu", "--scale", "0.005", "--rounds", "1"])
+    assert figures["Mirror.step compact, ms"] > 0 and figures["apply context, check_base, ms"] > 0
+    assert len(figures["device hashes"]) == 2
