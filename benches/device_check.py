@@ -41,7 +41,6 @@ import workload  # noqa: E402
 from safetensors.torch import load as st_load  # noqa: E402
 
 import deltasync_rs as ds  # noqa: E402
-from deltasync_rs import _identity  # noqa: E402
 from deltasync_rs._peers import trl_v1_encode  # noqa: E402
 
 
@@ -161,12 +160,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     figures["copy to host + state_digest, ms"] = _median_ms(
         lambda: ds.state_digest({n: t.cpu() for n, t in curr.items()}), args.rounds, sync, lambda: None
     )
-    saved = _identity.TORCH_ON_CPU
     hashes_argv = ["--rounds", str(args.rounds)] + (
         ["--cpu", "--sizes", "262144,1048576", "--small", "20"] if args.cpu else []
     )
     rows = device_hashes.main(hashes_argv)
-    _identity.TORCH_ON_CPU = saved
     figures["device hashes"] = rows
 
     report = [

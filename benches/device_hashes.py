@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES)
     parser.add_argument("--small", type=int, default=1000, help="how many 64 KiB tensors in the last row")
     args = parser.parse_args(argv)
+    saved = _identity.HOST_BELOW, _identity.STATE_HOST_BELOW, _identity.TORCH_ON_CPU
     if args.cpu:
         device = torch.device("cpu")
         _identity.TORCH_ON_CPU = True
@@ -66,7 +67,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print("needs a CUDA device (or --cpu for a smoke run)")
         return []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    saved = _identity.HOST_BELOW, _identity.STATE_HOST_BELOW
     _identity.HOST_BELOW = _identity.STATE_HOST_BELOW = 0
     rows = []
     try:
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         _identity.STATE_HOST_BELOW = 1 << 20
         batched = _median_ms(lambda: _identity.state_hashes(small), args.rounds, sync)
     finally:
-        _identity.HOST_BELOW, _identity.STATE_HOST_BELOW = saved
-        _identity.TORCH_ON_CPU = False
+        _identity.HOST_BELOW, _identity.STATE_HOST_BELOW, _identity.TORCH_ON_CPU = saved
     print(
         f"{device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'smoke run'}), medians of {args.rounds}"
     )
