@@ -95,11 +95,7 @@ pub fn tensor_hash_from_rounds(
     let mut chain = xxh3::Long128::new(len);
     let stripes = |first_round: u64| first_round * xxh3::STRIPES as u64;
     chain.add_sums(&xxh3::StripeSums::of(&head_stream, 0, 0, stripes(first_round)));
-    chain.add_sums(&xxh3::StripeSums {
-        first: stripes(first_round),
-        count: stripes(rounds.len() as u64),
-        rounds: rounds.to_vec(),
-    });
+    chain.add_rounds(first_round, rounds);
     chain.add_sums(&xxh3::StripeSums::of(tail, 0, stripes(end_round), regular - stripes(end_round)));
     Ok(chain.finish(last))
 }

@@ -125,7 +125,8 @@ pub struct StripeSums {
 }
 
 impl StripeSums {
-    /// Sums the `count` stripes starting `lead` bytes into `data`, the first one being the stream's stripe `first`.
+    /// Sums the `count` stripes starting `lead` bytes into `data`, the first one being the stream's stripe `first`
+    /// (one lane at a time: it sums the few stripes at a stream's ends; the bulk is summed elsewhere).
     pub fn of(data: &[u8], lead: usize, first: u64, count: u64) -> Self {
         let count_usize = usize::try_from(count).expect("stripes in memory");
         assert!(
@@ -137,61 +138,19 @@ impl StripeSums {
             return StripeSums { first, count, rounds: Vec::new() };
         }
         let mut rounds = Vec::with_capacity(count_usize / STRIPES + 2);
-        let lane = (first % STRIPES as u64) as usize;
-        // SAFETY (all): `count` stripes from `lead` lie in `data` (checked above); each kernel runs only where the
-        // CPU has its features.
-        let data = unsafe { data.as_ptr().add(lead) };
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                unsafe { x86::sum_stripes_avx512(data, lane, count_usize, &mut rounds) };
-                return StripeSums { first, count, rounds };
-            }
-            if is_x86_feature_detected!("avx2") {
-                unsafe { x86::sum_stripes_avx2(data, lane, count_usize, &mut rounds) };
-                return StripeSums { first, count, rounds };
-            }
-        }
-        unsafe {
-            sum_stripes(data, lane, count_usize, &mut rounds, |acc, stripe, key| {
-                accumulate_portable(
-                    acc,
-                    std::slice::from_raw_parts(stripe, STRIPE),
-                    std::slice::from_raw_parts(key, STRIPE),
-                )
-            })
-        };
-        StripeSums { first, count, rounds }
-    }
-}
-
-/// Sums `count` stripes at `data`, the first at place `lane` of its round, one sum per round into `rounds`.
-///
-/// # Safety
-/// `count` stripes readable at `data`; `accumulate` safe to call on them.
-#[inline(always)]
-unsafe fn sum_stripes(
-    data: *const u8,
-    mut lane: usize,
-    count: usize,
-    rounds: &mut Vec<[u64; 8]>,
-    accumulate: impl Fn(&mut [u64; 8], *const u8, *const u8),
-) {
-    let (mut at, mut left) = (data, count);
-    while left > 0 {
-        let stripes = (STRIPES - lane).min(left);
-        let mut sum = [0u64; 8];
-        if stripes == STRIPES {
-            for key in 0..STRIPES {
-                accumulate(&mut sum, at.add(key * STRIPE), SECRET.as_ptr().add(8 * key));
-            }
-        } else {
+        let mut lane = (first % STRIPES as u64) as usize;
+        let (mut at, mut left) = (lead, count_usize);
+        while left > 0 {
+            let stripes = (STRIPES - lane).min(left);
+            let mut sum = [0u64; 8];
             for key in lane..lane + stripes {
-                accumulate(&mut sum, at.add((key - lane) * STRIPE), SECRET.as_ptr().add(8 * key));
+                let stripe = at + (key - lane) * STRIPE;
+                accumulate_portable(&mut sum, &data[stripe..stripe + STRIPE], &SECRET[8 * key..8 * key + STRIPE]);
             }
+            rounds.push(sum);
+            (at, left, lane) = (at + stripes * STRIPE, left - stripes, 0);
         }
-        rounds.push(sum);
-        (at, left, lane) = (at.add(stripes * STRIPE), left - stripes, 0);
+        StripeSums { first, count, rounds }
     }
 }
 
@@ -250,10 +209,14 @@ impl Long128 {
         }
     }
 
-    /// Adds the sums of a scan (`StripeSums`), whose rounds must not come before the last one added.
+    /// Adds `StripeSums`, whose rounds must not come before the last one added.
     pub fn add_sums(&mut self, sums: &StripeSums) {
-        let Some((head, rest)) = sums.rounds.split_first() else { return };
-        let first_round = sums.first / STRIPES as u64;
+        self.add_rounds(sums.first / STRIPES as u64, &sums.rounds);
+    }
+
+    /// Adds the sums of consecutive rounds from `first_round` on, which must not come before the last one added.
+    pub fn add_rounds(&mut self, first_round: u64, rounds: &[[u64; 8]]) {
+        let Some((head, rest)) = rounds.split_first() else { return };
         self.add(first_round, head);
         // Every later sum starts a round of its own: scramble, then take it.
         assert!(first_round + rest.len() as u64 <= self.full_rounds, "rounds past the stream's end");
@@ -316,24 +279,6 @@ pub mod x86 {
         let low = _mm512_mul_epu32(mixed, prime);
         let high = _mm512_mul_epu32(_mm512_srli_epi64::<32>(mixed), prime);
         _mm512_storeu_si512(acc.as_mut_ptr().cast(), _mm512_add_epi64(low, _mm512_slli_epi64::<32>(high)));
-    }
-
-    /// `super::sum_stripes` with `accumulate_avx512`.
-    ///
-    /// # Safety
-    /// As `super::sum_stripes`; the CPU has AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn sum_stripes_avx512(data: *const u8, lane: usize, count: usize, rounds: &mut Vec<[u64; 8]>) {
-        super::sum_stripes(data, lane, count, rounds, |acc, stripe, key| accumulate_avx512(acc, stripe, key))
-    }
-
-    /// `super::sum_stripes` with `accumulate_avx2`.
-    ///
-    /// # Safety
-    /// As `super::sum_stripes`; the CPU has AVX2.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn sum_stripes_avx2(data: *const u8, lane: usize, count: usize, rounds: &mut Vec<[u64; 8]>) {
-        super::sum_stripes(data, lane, count, rounds, |acc, stripe, key| accumulate_avx2(acc, stripe, key))
     }
 
     /// For each of `sums`: adds `pending` to the accumulators, scrambles them, and takes the sum as `pending`
@@ -454,27 +399,9 @@ mod tests {
     }
 
     #[test]
-    fn every_way_of_summing_and_chaining_agrees() {
+    fn every_way_of_chaining_agrees() {
         let mut next = crate::core::testing::xorshift(0xabc);
         let data: Vec<u8> = (0..200 * STRIPE).map(|_| next() as u8).collect();
-        for (lane, count) in [(0usize, 1usize), (5, 11), (5, 12), (0, 16), (3, 17), (15, 100), (0, 0)] {
-            let mut portable = Vec::new();
-            let accumulate = |acc: &mut [u64; 8], stripe: *const u8, key: *const u8| unsafe {
-                accumulate_portable(
-                    acc,
-                    std::slice::from_raw_parts(stripe, STRIPE),
-                    std::slice::from_raw_parts(key, STRIPE),
-                )
-            };
-            unsafe { sum_stripes(data.as_ptr(), lane, count, &mut portable, accumulate) };
-            assert_eq!(StripeSums::of(&data, 0, lane as u64, count as u64).rounds, portable, "{lane} {count}");
-            #[cfg(target_arch = "x86_64")]
-            if is_x86_feature_detected!("avx2") {
-                let mut avx2 = Vec::new();
-                unsafe { x86::sum_stripes_avx2(data.as_ptr(), lane, count, &mut avx2) };
-                assert_eq!(avx2, portable, "{lane} {count}");
-            }
-        }
         // Rounds added one at a time (the chain without AVX-512) give what `add_sums` gives.
         let len = 5000u64;
         let sums = StripeSums::of(&data, 0, 0, Long128::regular_stripes(len));
