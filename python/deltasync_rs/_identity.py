@@ -88,9 +88,6 @@ def _round_sums(words: Any, keys: Any, low: Any) -> Any:
     the accumulators), for blocks of int64 ``words`` ``[blocks, rounds, 16, 8]``, a group of blocks at a time."""
     import torch
 
-    def products(mixed: Any) -> Any:
-        return _products(mixed, low)
-
     blocks = words.shape[0]
     sums = torch.empty(blocks, _ROUNDS, 8, dtype=torch.int64, device=words.device)
     for start in range(0, blocks, _GROUP_BLOCKS):
@@ -99,7 +96,7 @@ def _round_sums(words: Any, keys: Any, low: Any) -> Any:
     # secret from byte 121 instead of the 16th stripe's key, and no scramble after it.
     last = words[:, -1, -1]
     last_key = torch.tensor(_lanes(192 - 64 - 7), dtype=torch.int64, device=words.device)
-    sums[:, -1] += products(last ^ last_key) - products(last ^ keys[-1])
+    sums[:, -1] += _products(last ^ last_key, low) - _products(last ^ keys[-1], low)
     return sums
 
 

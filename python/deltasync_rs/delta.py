@@ -11,7 +11,6 @@ import numpy as np
 from . import _arrays, _identity, _write
 from ._core import BaseMismatchError, DeltaSyncError, RawDelta
 from ._core import combine_hashes as _combine_hashes
-from ._core import state_digest as _state_digest
 from ._core import tensor_hashes as _tensor_hashes
 from ._core import write_anchor as _write_anchor
 
@@ -361,10 +360,7 @@ def write_anchor_pieces(
 def state_digest(state: State) -> str:
     """A 128-bit digest (32 hex digits) of a state's names, dtypes, shapes and bytes (docs/format.md §10). Torch
     tensors on a device (CUDA, ...) are hashed there: their bytes are not copied to the host."""
-    state = _as_mapping(state, "state")
-    if not any(_identity.on_device(tensor) for tensor in state.values()):
-        return _state_digest(_digest_entries(state))
-    return state_digest_knowing(state, {})
+    return state_digest_knowing(_as_mapping(state, "state"), {})
 
 
 def state_digest_knowing(state: Mapping[str, Tensor], known: Mapping[str, bytes]) -> str:
