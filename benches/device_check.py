@@ -25,10 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +39,6 @@ from safetensors.torch import load as st_load  # noqa: E402
 
 import deltasync_rs as ds  # noqa: E402
 from deltasync_rs._peers import trl_v1_encode  # noqa: E402
-
-
-def _median_ms(run: Callable[[], Any], rounds: int, sync: Callable[[], None], reset: Callable[[], None]) -> float:
-    """Median of ``run()`` over ``rounds`` after a warm-up, ``reset()`` (untimed) before each."""
-    times = []
-    for index in range(rounds + 1):
-        reset()
-        sync()
-        started = time.perf_counter()
-        run()
-        sync()
-        if index:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -105,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n, t in model.items():
             pinned[n].copy_(t, non_blocking=True)
 
-    figures["copy to pinned host buffers, ms"] = _median_ms(copy_alone, args.rounds, sync, lambda: None)
+    figures["copy to pinned host buffers, ms"] = device_hashes.median_ms(copy_alone, args.rounds, sync, lambda: None)
     for codec in ("varint", "compact"):
         mirror = ds.torch.Mirror(model, codec=codec, step=0)
         steps = iter(range(1, 10**6))  # each timed step a new step number
@@ -118,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for n, t in model.items():
                 t.copy_(curr[n])
 
-        figures[f"Mirror.step {codec}, ms"] = _median_ms(
+        figures[f"Mirror.step {codec}, ms"] = device_hashes.median_ms(
             lambda mirror=mirror, steps=steps: mirror.step(next(steps)), args.rounds, sync, back_to_prev
         )
         back_to_prev()
@@ -135,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             t.copy_(prev[n])
 
     trl = trl_v1_encode(w.prev, w.curr)
-    figures["TRL v1 load + index_put_, ms"] = _median_ms(
+    figures["TRL v1 load + index_put_, ms"] = device_hashes.median_ms(
         lambda: _trl_v1_apply(trl, target), args.rounds, sync, reset_target
     )
     assert _equal(target, curr), "TRL v1 apply"
@@ -143,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         blob = ds.diff(w.prev, w.curr, codec=codec).to_bytes()
         for check in (False, True):
             name = f"apply {codec}{', check_base' if check else ''}, ms"
-            figures[name] = _median_ms(
+            figures[name] = device_hashes.median_ms(
                 lambda b=blob, c=check: ds.load(b, check="apply").apply_(target, check_base=c),
                 args.rounds,
                 sync,
@@ -154,10 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 3. The state digest of the state on the device, and where the device beats a copy to the host.
     want = ds.state_digest(w.curr)
     assert ds.state_digest(curr) == want, "state digest on the device"
-    figures["state_digest on the device, ms"] = _median_ms(
+    figures["state_digest on the device, ms"] = device_hashes.median_ms(
         lambda: ds.state_digest(curr), args.rounds, sync, lambda: None
     )
-    figures["copy to host + state_digest, ms"] = _median_ms(
+    figures["copy to host + state_digest, ms"] = device_hashes.median_ms(
         lambda: ds.state_digest({n: t.cpu() for n, t in curr.items()}), args.rounds, sync, lambda: None
     )
     hashes_argv = ["--rounds", str(args.rounds)] + (

@@ -33,15 +33,20 @@ from deltasync_rs._core import base_identity, tensor_hashes
 DEFAULT_SIZES = [1 << 18, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 
-def _median_ms(run: Callable[[], Any], rounds: int, sync: Callable[[], None]) -> float:
-    run()
-    sync()
+def median_ms(
+    run: Callable[[], Any], rounds: int, sync: Callable[[], None], reset: Callable[[], None] = lambda: None
+) -> float:
+    """Median of ``run()`` over ``rounds`` after a warm-up, the device synchronised, ``reset()`` (untimed) before
+    each."""
     times = []
-    for _ in range(rounds):
+    for index in range(rounds + 1):
+        reset()
+        sync()
         started = time.perf_counter()
         run()
         sync()
-        times.append(time.perf_counter() - started)
+        if index:
+            times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
 
@@ -79,19 +84,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             assert _identity.state_hashes({"t": tensor}) == {"t": want}, "state hash on the device"
             row = {
                 "bytes": size,
-                "identity, copy + core": _median_ms(
+                "identity, copy + core": median_ms(
                     lambda t=tensor: base_identity(t.view(torch.uint8).cpu().numpy()), args.rounds, sync
                 ),
-                "identity, device": _median_ms(lambda t=tensor: _identity.base_identities([t]), args.rounds, sync),
-                "state hash, copy + core": _median_ms(lambda t=tensor: _host_state_hash("t", t), args.rounds, sync),
-                "state hash, device": _median_ms(lambda t=tensor: _identity.state_hashes({"t": t}), args.rounds, sync),
+                "identity, device": median_ms(lambda t=tensor: _identity.base_identities([t]), args.rounds, sync),
+                "state hash, copy + core": median_ms(lambda t=tensor: _host_state_hash("t", t), args.rounds, sync),
+                "state hash, device": median_ms(lambda t=tensor: _identity.state_hashes({"t": t}), args.rounds, sync),
             }
             rows.append(row)
             del tensor
         small = {f"t{i}": torch.randn(32 << 10, generator=g).bfloat16().to(device) for i in range(args.small)}
-        one_each = _median_ms(lambda: [_host_state_hash(n, t) for n, t in small.items()], args.rounds, sync)
+        one_each = median_ms(lambda: [_host_state_hash(n, t) for n, t in small.items()], args.rounds, sync)
         _identity.STATE_HOST_BELOW = 1 << 20
-        batched = _median_ms(lambda: _identity.state_hashes(small), args.rounds, sync)
+        batched = median_ms(lambda: _identity.state_hashes(small), args.rounds, sync)
     finally:
         _identity.HOST_BELOW, _identity.STATE_HOST_BELOW, _identity.TORCH_ON_CPU = saved
     print(
