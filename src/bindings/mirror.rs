@@ -8,7 +8,7 @@ use super::{
 };
 use crate::core::codec::{Codec, ValueCodec};
 use crate::core::mirror::{self, MirrorInput, MirrorTensor};
-use crate::core::{Delta, TensorDelta};
+use crate::core::{base, Delta, TensorDelta};
 
 type AdvanceEntry<'py> = (String, String, Vec<u64>, Bound<'py, PyAny>, Bound<'py, PyAny>);
 
@@ -29,6 +29,8 @@ pub struct MirrorDiff {
     codec: Codec,
     open: Option<MirrorTensor>,
     done: Vec<TensorDelta>,
+    /// What each shard finished since the last `take_shard_bases` mirrored: (name, first element, elements, identity).
+    shard_bases: Vec<(String, u64, u64, String)>,
 }
 
 impl MirrorDiff {
@@ -42,7 +44,13 @@ impl MirrorDiff {
     #[new]
     #[pyo3(signature = (values = "diff", codec = "compact"))]
     fn new(values: &str, codec: &str) -> PyResult<Self> {
-        Ok(MirrorDiff { values: parse_values(values)?, codec: parse_codec(codec)?, open: None, done: Vec::new() })
+        Ok(MirrorDiff {
+            values: parse_values(values)?,
+            codec: parse_codec(codec)?,
+            open: None,
+            done: Vec::new(),
+            shard_bases: Vec::new(),
+        })
     }
 
     /// Starts tensor `name`; the previous one must be finished.
@@ -83,20 +91,33 @@ impl MirrorDiff {
     }
 
     /// Finishes the open tensor. `whole_mirror`, the mirror of the whole tensor, lets it be stored whole
-    /// when that is no larger (as `diff` does); a shard that mirrors part of a tensor passes None.
+    /// when that is no larger (as `diff` does); a shard that mirrors part of a tensor passes None, and the
+    /// identity of the range its chunks covered is kept for `take_shard_bases`.
     #[pyo3(signature = (whole_mirror = None))]
     fn finish(&mut self, py: Python<'_>, whole_mirror: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let tensor = self.open.take().ok_or_else(|| DeltaSyncError::new_err("no tensor is open: call begin first"))?;
-        let exported = match whole_mirror {
-            Some(obj) => Some(export(obj, &|| format!("tensor {:?} (mirror)", tensor.name()), false)?),
-            None => None,
+        let Some(obj) = whole_mirror else {
+            let name = tensor.name().to_owned();
+            let (finished, range) = tensor.finish_shard().map_err(to_py)?;
+            if let Some(range) = range {
+                self.shard_bases.push((name, range.first, range.elements, base::to_hex(range.identity)));
+            }
+            self.done.push(finished);
+            return Ok(());
         };
-        let slice = exported.as_ref().map(|(_, slice)| *slice);
-        // SAFETY: the buffer, if any, stays exported until after the call.
-        let finished = py.detach(|| tensor.finish(slice.map(|s| unsafe { s.get() }))).map_err(to_py)?;
-        drop(exported);
+        let (held, slice) = export(obj, &|| format!("tensor {:?} (mirror)", tensor.name()), false)?;
+        // SAFETY: the buffer stays exported until after the call.
+        let finished = py.detach(|| tensor.finish(Some(unsafe { slice.get() }))).map_err(to_py)?;
+        drop(held);
         self.done.push(finished);
         Ok(())
+    }
+
+    /// For each shard finished since the last call, (name, first element, elements, base identity): the range of
+    /// the whole tensor its chunks covered and the identity of the bytes the mirror held there before, which a
+    /// joiner holding the whole state checks against the same range of it.
+    fn take_shard_bases(&mut self) -> Vec<(String, u64, u64, String)> {
+        std::mem::take(&mut self.shard_bases)
     }
 
     /// Advances whole tensors given as (name, dtype, shape, mirror, new): diffs each against its mirror and

@@ -9,7 +9,8 @@
 //! The base identity (core::base) of a whole tensor is hashed from the mirror's bytes by each task's scan, stripe by
 //! stripe before it compares and overwrites them (core::scan); tasks start at block boundaries, and a block cut by
 //! a chunk boundary is copied before the scan and carried to the next chunk. A shard, which sees only part of the
-//! tensor, records no base.
+//! tensor, records no base; it gets the identity of the range it mirrors instead (`finish_shard`, blocks counted from
+//! the range's first element), which the joiner checks against the same range of the whole state it holds.
 //!
 //! With the compact codec each task's changes are kept apart until `finish`, which re-encodes them as `diff::diff`
 //! does (codec::plan::smallest_streams); a shard keeps `varint` streams.
@@ -46,8 +47,19 @@ pub struct MirrorTensor {
     compact_ranges: Option<Vec<Changes>>,
     /// The stream family asked for.
     family: Codec,
-    /// The base identity of the bytes before the chunks compared so far, while they are contiguous from element 0.
+    /// The first element of the first chunk with elements: where the hashed range starts.
+    origin: Option<u64>,
+    /// The base identity of the bytes before the chunks compared so far, while they are contiguous from `origin`.
     base: Option<BlockHasher>,
+}
+
+/// What a shard's mirror held before a step, over the elements it mirrors: `[first, first + elements)` of the whole
+/// tensor, and the base identity (core::base) of those bytes, as if they were a tensor of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RangeBase {
+    pub first: u64,
+    pub elements: u64,
+    pub identity: u64,
 }
 
 impl MirrorTensor {
@@ -69,6 +81,7 @@ impl MirrorTensor {
             joined: Joined::default(),
             compact_ranges: None,
             family: Codec::Varint,
+            origin: None,
             base: Some(BlockHasher::default()),
         })
     }
@@ -112,7 +125,11 @@ impl MirrorTensor {
                 self.next_element, self.numel
             )));
         }
-        if self.base.as_ref().is_some_and(|hasher| hasher.consumed() != first_element * self.width as u64) {
+        if elements > 0 && self.origin.is_none() {
+            self.origin = Some(first_element);
+        }
+        let origin = self.origin.unwrap_or(first_element);
+        if self.base.as_ref().is_some_and(|hasher| hasher.consumed() != (first_element - origin) * self.width as u64) {
             // Elements were skipped: their bytes are not seen, so no base identity can be made.
             self.base = None;
         }
@@ -121,10 +138,11 @@ impl MirrorTensor {
         if new.is_empty() {
             return Ok(());
         }
-        // Tasks start at block boundaries of the whole tensor: a head that completes the block the previous chunk
-        // cut, then `TASK_ELEMENTS` elements at a time; the last task may end inside a block (the tail).
+        // Tasks start at block boundaries counted from the origin (element 0 for a whole tensor): a head that
+        // completes the block the previous chunk cut, then `TASK_ELEMENTS` elements at a time; the last task may end
+        // inside a block (the tail).
         let task_bytes = TASK_ELEMENTS * width;
-        let offset = first_element as usize * width;
+        let offset = (first_element - origin) as usize * width;
         let head = ((base::BLOCK_BYTES - offset % base::BLOCK_BYTES) % base::BLOCK_BYTES).min(new.len());
         let tail = (new.len() - head) % base::BLOCK_BYTES;
         let mut block_hashes = vec![0u64; (new.len() - head) / base::BLOCK_BYTES];
@@ -218,7 +236,9 @@ impl MirrorTensor {
                     whole.len()
                 )));
             }
-            tensor.base = self.base.map(|mut hasher| {
+            // A whole tensor's identity counts blocks from element 0: none when the chunks started later.
+            let from_start = self.origin.is_none_or(|origin| origin == 0);
+            tensor.base = self.base.filter(|_| from_start).map(|mut hasher| {
                 // Elements after the last chunk were not compared: the mirror still holds their base bytes.
                 hasher.take(&whole[hasher.consumed() as usize..]);
                 hasher.finish()
@@ -250,6 +270,21 @@ impl MirrorTensor {
             None => self.joined.into_streams(),
         };
         Ok(TensorDelta { positions: positions.into(), values: values.into(), ..tensor })
+    }
+}
+
+impl MirrorTensor {
+    /// `finish(None)` for a shard, with the identity of what its mirror held over the elements its chunks covered
+    /// (None when no chunk had elements, or when chunks skipped elements in between).
+    pub fn finish_shard(mut self) -> Result<(TensorDelta, Option<RangeBase>)> {
+        let width = self.width as u64;
+        let range = match (self.origin, self.base.take()) {
+            (Some(first), Some(hasher)) => {
+                Some(RangeBase { first, elements: hasher.consumed() / width, identity: hasher.finish() })
+            }
+            _ => None,
+        };
+        Ok((self.finish(None)?, range))
     }
 }
 
@@ -489,6 +524,49 @@ mod tests {
         let mut seen = Vec::new();
         tensor.for_each_change(|p, v| seen.push((p, v))).unwrap();
         assert_eq!(seen, vec![(105, 7)]);
+    }
+
+    #[test]
+    fn a_shard_proves_the_range_it_mirrored() {
+        // A rank mirrors elements [first, first + len) of a larger tensor, in chunks that cut blocks anywhere; the
+        // range's identity is that of its old bytes as a tensor of their own, and the streams are unchanged by it.
+        for (dtype, width) in [(Dtype::U8, 1usize), (Dtype::BF16, 2), (Dtype::F32, 4)] {
+            let len = (2 * base::BLOCK_BYTES + 77 * 8) / width;
+            let old: Vec<u8> = (0..len * width).map(|i| (i * 131 % 251) as u8).collect();
+            let mut new = old.clone();
+            for p in (3..len).step_by(501) {
+                new[p * width] ^= 1;
+            }
+            for first in [0u64, 1, 12_345, (base::BLOCK_BYTES / width) as u64 + 1] {
+                let numel = first + len as u64 + 9;
+                for chunk in [4099usize, base::BLOCK_BYTES / width + 3, TASK_ELEMENTS + 11, len] {
+                    let mut mirror = old.clone();
+                    let mut tensor = MirrorTensor::begin("t", dtype, &[numel], ValueCodec::Diff).unwrap();
+                    for start in (0..len).step_by(chunk) {
+                        let end = (start + chunk).min(len);
+                        let (m, n) = (&mut mirror[start * width..end * width], &new[start * width..end * width]);
+                        tensor.update(m, n, first + start as u64).unwrap();
+                    }
+                    let (part, range) = tensor.finish_shard().unwrap();
+                    let want = RangeBase { first, elements: len as u64, identity: base::identity(&old) };
+                    assert_eq!(range, Some(want), "width {width}, first {first}, chunk {chunk}");
+                    assert_eq!(mirror, new);
+                    assert_eq!(part.base, None, "a shard records no whole-tensor base");
+                    let mut seen = Vec::new();
+                    part.for_each_change(|p, _| seen.push(p)).unwrap();
+                    let want: Vec<u64> = (3..len).step_by(501).map(|p| first + p as u64).collect();
+                    assert_eq!(seen, want);
+                }
+            }
+            // Skipped elements between chunks, or no elements at all, prove nothing.
+            let mut mirror = old.clone();
+            let mut tensor = MirrorTensor::begin("t", dtype, &[len as u64], ValueCodec::Diff).unwrap();
+            tensor.update(&mut mirror[..width], &new[..width], 0).unwrap();
+            tensor.update(&mut mirror[2 * width..], &new[2 * width..], 2).unwrap();
+            assert_eq!(tensor.finish_shard().unwrap().1, None);
+            let tensor = MirrorTensor::begin("t", dtype, &[len as u64], ValueCodec::Diff).unwrap();
+            assert_eq!(tensor.finish_shard().unwrap().1, None);
+        }
     }
 
     #[test]
