@@ -1,4 +1,8 @@
-"""Worker processes for the FSDP2 test: two ranks on gloo, CPU, fully_shard, attach with the publisher on rank 0."""
+"""Worker processes for the FSDP2 test: two ranks on gloo, CPU, fully_shard, attach with the publisher on rank 0.
+
+Scenarios (the fifth argument): "ok"; "drift", rank 1's mirror changed behind deltasync's back after the publish
+of step 2; "fail", rank 1's step 4 raising after it wrote part of its mirror. Each rank writes what its syncs
+raised to OUT.rank<N>.txt."""
 
 from __future__ import annotations
 
@@ -16,7 +20,30 @@ def build_model() -> torch.nn.Module:
     )
 
 
-def run(rank: int, world: int, port: int, store: str, out: str, codec: str) -> None:
+class _FailingOnce:
+    """Stands in for MirrorDiff on a rank: its second chunk update of the step numbered ``at`` raises, after the
+    first one wrote into the mirror."""
+
+    def __init__(self, real, at: int) -> None:
+        self.real, self.at, self.calls = real, at, 0
+
+    def __call__(self, *args):
+        builder, outer = self.real(*args), self
+
+        class Builder:
+            def __getattr__(self, name):
+                return getattr(builder, name)
+
+            def update(self, *update_args):
+                outer.calls += 1
+                if outer.calls == 2:
+                    raise RuntimeError("simulated failure part way through a step")
+                return builder.update(*update_args)
+
+        return Builder()
+
+
+def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scenario: str = "ok") -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -37,12 +64,26 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str) -> N
         attachment = ds_torch.attach(optimizer, model, publisher, sync_every=2)
         assert attachment.mirror.is_sharded
         generator = torch.Generator().manual_seed(rank)
-        for _ in range(5):
+        raised = []
+        for step in range(1, 6):
             tokens = torch.randint(0, 11, (4, 3), generator=generator)
             model(tokens).square().mean().backward()
-            optimizer.step()
+            if scenario == "fail" and rank == 1 and step == 4:
+                ds_torch.MirrorDiff = _FailingOnce(ds_torch.MirrorDiff, step)
+            try:
+                optimizer.step()
+            except Exception as error:  # the sync in the optimizer's hook raised, on every rank alike
+                raised.append(f"step {step}: {type(error).__name__}: {error}")
+            if scenario == "fail" and rank == 1 and step == 4:
+                ds_torch.MirrorDiff = ds_torch.MirrorDiff.real
             optimizer.zero_grad()
+            if scenario == "drift" and rank == 1 and step == 2:
+                # A sharded weight of rank 1's mirror changes behind deltasync's back (one bit-pattern step).
+                name = next(name for name in attachment.mirror.shards if attachment.mirror.tensors[name].numel())
+                attachment.mirror.tensors[name].view(torch.int16).view(-1)[0] += 1
         attachment.sync()  # step 5, after the publishes at 2 and 4
+        with open(f"{out}.rank{rank}.txt", "w") as report:
+            report.write("\n".join(raised))
         whole = {name: p.full_tensor().detach().to(torch.bfloat16) for name, p in model.state_dict().items()}
         if rank == 0:
             publisher.close()
@@ -59,4 +100,5 @@ if __name__ == "__main__":
 
     port, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     codec = sys.argv[4] if len(sys.argv) > 4 else "varint"
-    mp.spawn(run, args=(2, port, store, out, codec), nprocs=2)
+    scenario = sys.argv[5] if len(sys.argv) > 5 else "ok"
+    mp.spawn(run, args=(2, port, store, out, codec, scenario), nprocs=2)

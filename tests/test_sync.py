@@ -421,3 +421,48 @@ def test_publisher_counts_are_checked_before_the_store_is_made_and_when_set(tmp_
     assert anchors == ["anchors/step_000000000003.safetensors"]
     entry = json.loads(store.get("manifest/step_000000000003.json"))
     assert entry["version"] == 1 and "sha256" in entry["anchor"] and "pieces" not in entry["anchor"]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_publish_that_fails_part_way_is_followed_by_an_anchor(tmp_path, monkeypatch, background):
+    """A publish whose state is copied to the host tensor by tensor (device tensors, in batches) can raise after it
+    wrote part of the new state into the publisher's mirror. A delta from that mirror would start from a state never
+    published (subscribers would refuse it at their base check, and every delta after it, until the next anchor),
+    so the next publish is an anchor, and every subscriber reaches it."""
+    import deltasync_rs._arrays as arrays
+    import deltasync_rs.delta as delta_module
+
+    store = ds.LocalStore(tmp_path)
+    state = _state()
+    replica = _fresh(state)
+    subscriber = ds.Subscriber(store)
+    with ds.Publisher(store, anchor_every=100, background=background) as publisher:
+        publisher.publish(0, state)
+        assert subscriber.pull(replica) == 0
+        _train_step(state, 1)
+        host_bytes = arrays.host_bytes
+
+        def failing(x):
+            if x is state["norm.weight"]:
+                raise RuntimeError("copying a device tensor failed")
+            return host_bytes(x)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(delta_module, "_STAGING_BYTES", 0)  # each tensor written before the next is copied
+            patch.setattr(arrays, "host_bytes", failing)
+            with pytest.raises(RuntimeError, match="copying a device tensor failed"):
+                publisher.publish(1, state)
+        for step in (2, 3):
+            _train_step(state, step)
+            publisher.publish(step, state)
+    entries = ds.sync.log_entries(store)
+    assert [(e.step, e.delta is not None, e.anchor is not None) for e in entries] == [
+        (0, False, True),
+        (2, False, True),  # the mirror held part of step 1: an anchor, no delta
+        (3, True, False),
+    ]
+    assert subscriber.pull(replica) == 3
+    assert_states_equal(replica, state)
+    fresh = _fresh(state)
+    assert ds.Subscriber(store).pull(fresh) == 3
+    assert_states_equal(fresh, state)

@@ -3,12 +3,16 @@ transformers Trainer callback, all checked bit for bit against the model's bf16 
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
 
 import deltasync_rs as ds
 import deltasync_rs.torch as ds_torch
+from deltasync_rs._core import MirrorDiff, base_identity
+from deltasync_rs.errors import BaseMismatchError
 from deltasync_rs.store import LocalStore
 
 STEPS = 20
@@ -210,6 +214,58 @@ def test_attach_publishes_to_a_store_and_a_subscriber_pulls_bit_exact(tmp_path, 
     publisher.close()
 
 
+def test_attach_after_a_step_that_failed_part_way_publishes_an_anchor(tmp_path, monkeypatch):
+    """A mirror step that raises after it wrote part of the new weights into the mirror (a device copy that failed,
+    an interrupt) leaves the shared mirror holding part of a step: the next publish is an anchor, not a delta from
+    that never-published state, and the subscriber stays bit-exact with the model."""
+    model = tiny_gpt2(seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    publisher = ds.Publisher(LocalStore(tmp_path / "store"), anchor_every=100)
+    attachment = ds_torch.attach(optimizer, model, publisher)
+    subscriber = ds.Subscriber(LocalStore(tmp_path / "store"))
+    replica = replica_of(attachment.mirror)
+    real = ds_torch.MirrorDiff
+
+    class FailingPartWay:
+        """Compares (and writes into the mirror) the first few chunks of a step, then raises; whole tensors
+        advanced together (the mirror's path for tensors of the shipped dtype) fail after the first half."""
+
+        def __init__(self, *args):
+            self.builder, self.updates = real(*args), 0
+
+        def __getattr__(self, name):
+            return getattr(self.builder, name)
+
+        def update(self, *args):
+            self.updates += 1
+            if self.updates > 3:
+                raise RuntimeError("interrupted part way through the mirror's step")
+            self.builder.update(*args)
+
+        def advance(self, entries):
+            self.builder.advance(entries[: len(entries) // 2])
+            raise RuntimeError("interrupted part way through the mirror's step")
+
+    train_step(model, optimizer, seed=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(ds_torch, "MirrorDiff", FailingPartWay)
+        with pytest.raises(RuntimeError, match="interrupted part way"):
+            train_step(model, optimizer, seed=2)
+    for seed in (3, 4):
+        train_step(model, optimizer, seed=seed)
+    publisher.flush()
+    entries = ds.sync.log_entries(LocalStore(tmp_path / "store"))
+    assert [(e.step, e.delta is not None, e.anchor is not None) for e in entries] == [
+        (0, False, True),
+        (1, True, False),
+        (3, False, True),  # after the failed step 2: an anchor alone
+        (4, True, False),
+    ]
+    assert subscriber.pull(replica) == 4
+    assert_same(replica, bf16(model))
+    publisher.close()
+
+
 def test_attach_after_resume_shares_the_mirror(tmp_path):
     model = tiny_gpt2(seed=3)
     store = LocalStore(tmp_path / "store")
@@ -374,11 +430,9 @@ def test_examples_train_publish_then_pull_and_verify(tmp_path):
     assert wrong.returncode != 0 and "digest mismatch" in wrong.stderr
 
 
-@pytest.mark.parametrize("codec", ["varint", "compact", "context"])
-def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_path, codec):
-    """fully_shard on CPU over gloo: each rank diffs its own (uneven) shards; the subscriber matches full_tensor().
-    With a compact publisher, rank 0 re-encodes the joined (varint) shards; with a context one, against the whole
-    last published state its publisher keeps, recording every tensor's base identity."""
+def _run_fsdp_workers(tmp_path, codec: str, scenario: str = "ok"):
+    """Runs tests/fsdp_workers.py on two gloo ranks; returns (store, the whole trained state, what each rank's
+    syncs raised)."""
     import socket
     import subprocess
     import sys
@@ -390,11 +444,91 @@ def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_
     root = Path(__file__).resolve().parent.parent
     store, out = tmp_path / "store", tmp_path / "whole.pt"
     subprocess.run(
-        [sys.executable, "-m", "tests.fsdp_workers", str(port), str(store), str(out), codec],
+        [sys.executable, "-m", "tests.fsdp_workers", str(port), str(store), str(out), codec, scenario],
         cwd=root,
         check=True,
         timeout=600,
     )
+    raised = [Path(f"{out}.rank{rank}.txt").read_text() for rank in (0, 1)]
+    return store, torch.load(out), raised
+
+
+@pytest.mark.parametrize(("scenario", "codec"), [("drift", "compact"), ("fail", "varint")])
+def test_fsdp2_a_shard_that_left_the_published_state_is_caught_and_re_anchored(tmp_path, caplog, scenario, codec):
+    """A rank's mirror that no longer holds the last published state over its shard (changed behind deltasync's
+    back, or torn by a step that raised part way) would make rank 0 join changes made against another state than
+    the one it publishes from: subscribers would then agree with the publisher and not with the trainer, silently.
+    Each rank sends what its mirror held before the step (hashed by the step's scan); rank 0 checks it against its
+    own copy, and on a mismatch publishes that step as an anchor gathered from every rank's mirror. A step that
+    raises on one rank raises on every rank (none waits in a collective). The subscriber ends equal to the trainer."""
+    store, whole, raised = _run_fsdp_workers(tmp_path, codec, scenario)
+    entries = ds.sync.log_entries(LocalStore(store))
+    if scenario == "drift":
+        assert [e.step for e in entries] == [0, 2, 4, 5]
+        assert [e.delta is None for e in entries] == [True, False, True, False]  # step 4: an anchor alone
+        assert raised == ["", ""]
+    else:
+        assert [e.step for e in entries] == [0, 2, 5]  # step 4 raised on both ranks and was not published
+        assert [e.delta is None for e in entries] == [True, False, True]
+        assert raised[1] == "step 4: RuntimeError: simulated failure part way through a step"
+        assert raised[0].startswith("step 4: DeltaSyncError: step 4 was not published: a step failed: rank 1:")
+    state = {name: torch.zeros_like(t) for name, t in whole.items()}
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 5
+    assert_same(state, whole)
+    assert not ds.sync.verify_store(LocalStore(store))
+
+
+def test_publish_shards_refuses_parts_whose_proofs_do_not_hold():
+    """publish_shards checks every part's proofs against the state it published, and that they cover all of it,
+    before anything is joined or published; every refusal names the tensor."""
+    prev = {"w": torch.randn(64).to(torch.bfloat16), "b": torch.randn(8).to(torch.bfloat16)}
+    curr = {n: t.clone() for n, t in prev.items()}
+    curr["w"].view(torch.int16)[::5] += 1
+    with tempfile.TemporaryDirectory() as folder:
+        publisher = ds.Publisher(folder, background=False)
+        publisher.publish(0, prev)
+
+        def shard(lo: int, hi: int, base: torch.Tensor):
+            """A rank's part of w (elements lo..hi, against ``base``) and its proof, made by a sharded mirror."""
+            builder = MirrorDiff("diff", "varint")
+            builder.begin("w", "BF16", [64])
+            mirror = base[lo:hi].clone()
+            builder.update(mirror.view(torch.uint8).numpy(), curr["w"][lo:hi].view(torch.uint8).numpy(), lo)
+            builder.finish(None)
+            raw = builder.take()
+            raw.step, raw.base_step = 1, 0
+            return ds.Delta(raw), builder.take_shard_bases()
+
+        whole_b = ds.diff({"b": prev["b"]}, {"b": curr["b"]}, codec="varint", step=1, base_step=0)
+        (p0, proof0), (p1, proof1) = shard(0, 40, prev["w"]), shard(40, 64, prev["w"])
+        assert proof0 == [("w", 0, 40, base_identity(prev["w"][:40].view(torch.uint8).numpy()))]
+        drifted = prev["w"].clone()
+        drifted.view(torch.int16)[50] += 1
+        p1_bad, proof1_bad = shard(40, 64, drifted)
+        cases = {
+            "drifted": ([p0, p1_bad, whole_b], [proof0, proof1_bad, []], "shard 1 did not start from the last"),
+            "a gap": ([p0, whole_b], [proof0, []], "no shard vouches for elements 40 to 64"),
+            "no proofs": ([p0, p1, whole_b], None, "no shard vouches for elements 0 to 64"),
+            "a foreign tensor": ([p0, p1, whole_b], [proof0, proof1 + [("x", 0, 1, "0" * 16)], []], "'x'"),
+        }
+        for label, (parts, proofs, message) in cases.items():
+            with pytest.raises(BaseMismatchError, match=message):
+                publisher.publish_shards(1, parts, proofs=proofs)
+            assert publisher.step == 0, label
+        publisher.publish_shards(1, [p0, p1, whole_b], proofs=[proof0, proof1, []])
+        publisher.close()
+        state = {n: t.clone() for n, t in prev.items()}
+        assert ds.Subscriber(folder).pull(state) == 1
+        assert_same(state, curr)
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact", "context"])
+def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_path, codec):
+    """fully_shard on CPU over gloo: each rank diffs its own (uneven) shards; the subscriber matches full_tensor().
+    With a compact publisher, rank 0 re-encodes the joined (varint) shards; with a context one, against the whole
+    last published state its publisher keeps, recording every tensor's base identity."""
+    store, whole, raised = _run_fsdp_workers(tmp_path, codec)
+    assert raised == ["", ""]
     entries = ds.sync.log_entries(LocalStore(store))
     assert [e.step for e in entries] == [0, 2, 4, 5]
     assert [e.anchor is not None for e in entries] == [True, False, False, False]  # the pull replays every delta
@@ -406,7 +540,6 @@ def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_
         for step in (2, 4, 5):
             delta = ds.load(LocalStore(store).get(f"deltas/step_{step:012d}.safetensors"))
             assert all(delta.base_identity(i) is not None for i in range(len(delta.tensors)))
-    whole = torch.load(out)
     state = {name: torch.zeros_like(t) for name, t in whole.items()}
     assert ds.Subscriber(LocalStore(store)).pull(state) == 5
     assert_same(state, whole)

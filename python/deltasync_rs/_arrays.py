@@ -133,6 +133,13 @@ def host_bytes(x: Any) -> tuple[Any, int]:
     return flat.reshape(-1).view(np.uint8), copied
 
 
+def flat_host_bytes(x: Any) -> Any:
+    """``host_bytes(x)`` as one flat run of bytes (a uint8 torch tensor or numpy array), to be sliced by byte
+    offsets."""
+    data, _ = host_bytes(x)
+    return data.reshape(-1).view(_torch().uint8) if is_torch(data) else data
+
+
 def writable_bytes(x: Any) -> Any | None:
     """Something the Rust core may write into (the tensor itself, or a uint8 numpy view), or None when the target
     needs the tensor path."""

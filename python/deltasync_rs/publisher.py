@@ -7,6 +7,7 @@ import atexit
 import hashlib
 import logging
 import math
+import operator
 import os
 import queue
 import secrets
@@ -56,6 +57,9 @@ from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
 
+#: What a shard's mirror held before a step: (tensor name, first element, elements, base identity of those elements'
+#: bytes as a tensor of their own, 16 hex digits). ``ds.torch.Mirror.last_bases`` lists them; publish_shards checks them.
+ShardProof = tuple[str, int, int, str]
 
 T = TypeVar("T")
 
@@ -187,6 +191,9 @@ class Publisher:
         self.exit_timeout = exit_timeout
         self._key = resolve_signing_key(signing_key)
         self._mirror = Mirror()
+        # Set while a publish moves the mirror, and left set when that raised: the mirror may then hold part of a
+        # step, so it is no base for a delta, and the next publish is an anchor (_advance).
+        self._torn = False
         self._since_anchor = 0
         self._errors: list[BaseException] = []
         self.run = self._open_run()
@@ -257,8 +264,26 @@ class Publisher:
             self._enqueue(step, None)
             return
         self._wait_for_mirror()
-        delta = self._mirror.advance(state, step=step, values=self.values, codec=self.codec)
+        delta = self._advance(
+            step, lambda: self._mirror.advance(state, step=step, values=self.values, codec=self.codec)
+        )
         self._enqueue(step, delta)
+
+    def _advance(self, step: int, advance: Callable[[], Delta]) -> Delta | None:
+        """Runs ``advance()``, which moves the mirror to ``step`` and returns the delta; None (publish an anchor)
+        when an earlier move of the mirror raised part way: the delta would start from a state never published."""
+        torn, self._torn = self._torn, True
+        delta = advance()
+        self._torn = False
+        if not torn:
+            return delta
+        log.warning(
+            "%s: an earlier publish failed while it moved the publisher's state, which may hold part of that step; "
+            "step %d is published as an anchor",
+            self.store.url,
+            step,
+        )
+        return None
 
     def resume(self, state: Mapping[str, Any], *, step: int, copy: bool = True) -> None:
         """Starts from ``state`` as already published at ``step`` (e.g. pulled back from the store), so the next
@@ -304,20 +329,32 @@ class Publisher:
         delta.step = step
         self._enqueue(step, delta)
 
-    def publish_shards(self, step: int, parts: Sequence[Delta]) -> None:
+    def publish_shards(
+        self, step: int, parts: Sequence[Delta], *, proofs: Sequence[Sequence[ShardProof]] | None = None
+    ) -> None:
         """Publishes the deltas of every shard of one step (an FSDP rank's each, in rank order; ``varint``, positions
         in the whole tensors' index space) joined into one delta in this publisher's codec. With
         ``codec="context"`` the joined positions are coded against the mirror this publisher keeps, the last
-        published state, whole (which no shard holds), and every tensor records its base identity. A part that
-        starts at another step than that state (its ``base_step``, where known) is refused, BaseMismatchError: the
-        shards' mirrors moved on without this publisher (a publish that raised), and its changes would be applied
-        to the wrong state."""
+        published state, whole (which no shard holds), and every tensor records its base identity.
+
+        Nothing is joined unless every shard started from that state. A part that starts at another step (its
+        ``base_step``, where known) is refused, BaseMismatchError: the shards' mirrors moved on without this
+        publisher (a publish that raised). And every element of the last published state must be vouched for: by a
+        part's own record of a whole tensor's base identity (as :func:`deltasync_rs.diff` writes), or by one of
+        ``proofs[rank]``, ``(name, first element, elements, base identity)``: what that rank's mirror held over a
+        range of a tensor before the step (``ds.torch.Mirror.last_bases``, which the scan hashes as it compares).
+        Each is checked against the same range of this publisher's state; a range that differs (a rank's mirror
+        drifted, or a step failed part way on it), a tensor or range nobody vouches for, or a tensor this
+        publisher does not hold, is refused with BaseMismatchError naming it, before anything is published. Re-anchor
+        from the shards' state then (:meth:`reanchor`; ``ds.torch.attach`` does)."""
         from ._core import join_shards
 
         self._check_open()
         self._raise_errors()
         if self._mirror.is_empty:
             raise DeltaSyncError("publish a full state first: the publisher has no state to join shard deltas against")
+        if proofs is not None and len(proofs) != len(parts):
+            raise DeltaSyncError(f"{len(proofs)} lists of proofs for {len(parts)} shard deltas: one per shard delta")
         for rank, part in enumerate(parts):
             if part.base_step is not None and part.base_step != self._mirror.step:
                 raise BaseMismatchError(
@@ -325,11 +362,64 @@ class Publisher:
                     f"is step {self._mirror.step}: the shards moved on without it (did a publish raise?); re-anchor "
                     "from the shards' state"
                 )
+        self._check_proofs(parts, proofs or [()] * len(parts))
         bases = None
         if self.codec == "context":
             bases = [(name, _arrays.host_bytes(tensor)[0]) for name, tensor in self._mirror.tensors.items()]
         joined = Delta(join_shards([part._raw for part in parts], self.codec, bases))
         self.publish_delta(step, joined)
+
+    def _check_proofs(self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]]) -> None:
+        """Checks that the shards vouch for every element of the last published state, and truly (publish_shards)."""
+        from ._core import base_identity
+
+        spans: dict[str, list[tuple[int, int, str, int]]] = {}  # name -> (first, end, identity, rank)
+        for rank, (part, listed) in enumerate(zip(parts, proofs, strict=True)):
+            raw = part._raw
+            for index, (name, _, shape, *_) in enumerate(raw.tensors()):
+                identity = raw.base_identity(index)
+                if identity is not None and shape is not None:
+                    spans.setdefault(name, []).append((0, math.prod(shape), identity, rank))
+            for proof in listed:
+                try:
+                    name, first, elements, identity = proof
+                    first, elements = operator.index(first), operator.index(elements)
+                except (TypeError, ValueError) as error:
+                    raise DeltaSyncError(
+                        f"shard {rank}: a proof is (name, first element, elements, base identity), not {proof!r}"
+                    ) from error
+                spans.setdefault(name, []).append((first, first + elements, identity, rank))
+        step = self._mirror.step
+        for name, tensor in self._mirror.tensors.items():
+            data = _arrays.flat_host_bytes(tensor)
+            numel = math.prod(_arrays.describe(tensor, name)[1])
+            width = len(data) // numel if numel else 0
+            covered = 0
+            for first, end, identity, rank in sorted(spans.pop(name, [])):
+                if first > covered:
+                    break
+                if not 0 <= first <= end <= numel:
+                    raise BaseMismatchError(
+                        f"tensor {name!r}: shard {rank} vouches for elements {first} to {end} of a tensor of {numel}"
+                    )
+                found = base_identity(data[first * width : end * width])
+                if found != identity:
+                    raise BaseMismatchError(
+                        f"tensor {name!r}: shard {rank} did not start from the last published state (step {step}) "
+                        f"over elements {first} to {end} (base identity {identity} sent, {found} published): its "
+                        "mirror drifted, or a step failed part way on it; re-anchor from the shards' state"
+                    )
+                covered = max(covered, end)
+            if covered < numel:
+                raise BaseMismatchError(
+                    f"tensor {name!r}: no shard vouches for elements {covered} to {numel} of the last published "
+                    f"state (step {step}): every shard delta must come with proofs of what its mirror held "
+                    "(ds.torch.Mirror.last_bases)"
+                )
+        if spans:
+            raise BaseMismatchError(
+                f"shard deltas hold tensors the last published state (step {step}) does not: {sorted(spans)[:5]}"
+            )
 
     def publish_shared(
         self,
@@ -365,11 +455,29 @@ class Publisher:
             return
         self._check_step(step)
         self._wait_for_mirror()
-        delta = advance()
-        delta.base_step = self._mirror.step
-        delta.step = step
+        delta = self._advance(step, advance)
+        if delta is not None:
+            delta.base_step = self._mirror.step
+            delta.step = step
         self._mirror.step = step
         self._enqueue(step, delta)
+
+    def reanchor(self, step: int, state: Mapping[str, Any], *, copy: bool = True) -> None:
+        """Publishes ``state`` as ``step`` as an anchor (no delta), and makes it the state later deltas start from:
+        for when the last published state is no base for a delta any more (FSDP shards whose mirrors no longer hold
+        it: :meth:`publish_shards` refuses them, and ``ds.torch.attach`` re-anchors this way). With ``copy=False``
+        the publisher adopts ``state``'s tensors (contiguous, writable CPU tensors or arrays the caller no longer
+        uses) instead of copying them."""
+        self._check_open()
+        self._raise_errors()
+        self._check_step(step)
+        self._wait_for_mirror()
+        if copy:
+            self._mirror.reset(state, step=step)
+        else:
+            self._mirror.share(dict(state), step=step)
+        self._torn = False
+        self._enqueue(step, None)
 
     def _wait_for_mirror(self) -> None:
         """Waits until no upload job reads the mirror (an anchor, a state digest), so the mirror may change."""

@@ -3,15 +3,18 @@ optimizer hook that publishes through it. Writing deltas into tensors lives in _
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from . import _arrays
-from ._core import DeltaSyncError, MirrorDiff
+from ._core import BaseMismatchError, DeltaSyncError, MirrorDiff
 from .delta import Delta, _finish, check_codec
 from .errors import at_least_one
+
+log = logging.getLogger("deltasync_rs.sync")
 
 
 def _named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -108,6 +111,11 @@ class Mirror:
         self.values = values
         self.codec = codec
         self.current_step = step
+        #: For a sharded mirror, after each ``step()``: (name, first element, elements, base identity) of each shard,
+        #: what this mirror held over that range of the whole tensor before the step (hashed by the step's own
+        #: scan), for the rank that joins the shards to check against the state it published
+        #: (``Publisher.publish_shards``' ``proofs``).
+        self.last_bases: list[tuple[str, int, int, str]] = []
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._staging: list[torch.Tensor] = []
         self.aliases: dict[str, str] = {}
@@ -212,6 +220,7 @@ class Mirror:
         """Copies the current weights to the CPU chunk by chunk, compares them with the mirror and moves the mirror
         to them, in one pass; returns the delta from the previous mirror state (``base_step``) to ``step``."""
         live = self._live()
+        self.last_bases = []
         builder = MirrorDiff(self.values, self.codec)
         stream = torch.cuda.Stream() if any(t.device.type == "cuda" for t in live.values()) else None
         # Chunks whose bytes are on their way to the host: (name, start, end, host bytes, event, first, last).
@@ -273,6 +282,7 @@ class Mirror:
         for job in pending:
             scan(job)
         delta = _finish(builder.take(), step, self.current_step, None)
+        self.last_bases = builder.take_shard_bases()
         self.current_step = step
         return delta
 
@@ -360,15 +370,55 @@ class Attachment:
             assert parts is not None
             self.publisher.publish(self._base, _assemble(parts))
 
-    def _gather_and_publish(self, step: int, delta: Delta) -> None:
+    def _gather_and_publish(self, step: int) -> None:
+        """Every rank steps its mirror, and its delta with what its mirror held (``Mirror.last_bases``), or the error
+        its step raised, is gathered to rank 0. Rank 0 joins and publishes them, or, where a shard did not start
+        from the last published state, re-anchors from every rank's mirror; then it tells every rank the outcome, so
+        that all ranks return, or all raise, together: none is left waiting in a collective."""
         import torch.distributed as dist
 
+        rank = dist.get_rank()
+        failure: Exception | None = None
+        part: Any
+        try:
+            delta = self.mirror.step(step)
+            part = (delta.to_bytes(), self.mirror.last_bases)
+        except Exception as error:  # the other ranks still gather, and learn of it
+            failure, part = error, f"rank {rank}: {type(error).__name__}: {error}"
+        parts: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(part, parts, dst=0)
+        outcome: list[Any] = [None]
+        if parts is not None:
+            outcome[0], own = self._publish_parts(step, parts)
+            failure = failure or own
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] == "reanchor":
+            mirrors: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+            dist.gather_object((self.mirror.tensors, self.mirror.shards), mirrors, dst=0)
+            if mirrors is not None:
+                self.publisher.reanchor(step, _assemble(mirrors), copy=False)
+        elif outcome[0] != "published":
+            if failure is not None:
+                raise failure
+            raise DeltaSyncError(f"step {step} was not published: {outcome[0]}")
+
+    def _publish_parts(self, step: int, parts: list[Any]) -> tuple[str, Exception | None]:
+        """Rank 0: publishes the gathered parts; returns the outcome every rank is told ("published", "reanchor" or
+        why it failed) and rank 0's own error, if any."""
         from .delta import load
 
-        blobs: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(delta.to_bytes(), blobs, dst=0)
-        if blobs is not None:
-            self.publisher.publish_shards(step, [load(bytes(blob)) for blob in blobs])
+        failed = [part for part in parts if isinstance(part, str)]
+        if failed:
+            return f"a step failed: {'; '.join(failed)}", None
+        try:
+            deltas = [load(bytes(blob)) for blob, _ in parts]
+            self.publisher.publish_shards(step, deltas, proofs=[bases for _, bases in parts])
+        except BaseMismatchError as error:
+            log.error("step %d: %s; publishing it as an anchor made from every rank's mirror", step, error)
+            return "reanchor", None
+        except Exception as error:
+            return f"rank 0: {type(error).__name__}: {error}", error
+        return "published", None
 
     @property
     def published_step(self) -> int | None:
@@ -386,7 +436,7 @@ class Attachment:
         if step == self.mirror.current_step:
             return step  # published already
         if self._group is not None:
-            self._gather_and_publish(step, self.mirror.step(step))
+            self._gather_and_publish(step)
             return step
         self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror.step(step))
         return step
