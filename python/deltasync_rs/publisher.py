@@ -373,12 +373,14 @@ class Publisher:
         """Checks that the shards vouch for every element of the last published state, and truly (publish_shards)."""
         from ._core import base_identity
 
-        spans: dict[str, list[tuple[int, int, str, int]]] = {}  # name -> (first, end, identity, rank)
+        # name -> (first, end, identity, rank); no identity where a part stores the tensor whole (it then does not
+        # depend on the base at all).
+        spans: dict[str, list[tuple[int, int, str | None, int]]] = {}
         for rank, (part, listed) in enumerate(zip(parts, proofs, strict=True)):
             raw = part._raw
-            for index, (name, _, shape, *_) in enumerate(raw.tensors()):
+            for index, (name, _, shape, _, positions, *_) in enumerate(raw.tensors()):
                 identity = raw.base_identity(index)
-                if identity is not None and shape is not None:
+                if shape is not None and (identity is not None or positions == "all"):
                     spans.setdefault(name, []).append((0, math.prod(shape), identity, rank))
             for proof in listed:
                 try:
@@ -395,14 +397,14 @@ class Publisher:
             numel = math.prod(_arrays.describe(tensor, name)[1])
             width = len(data) // numel if numel else 0
             covered = 0
-            for first, end, identity, rank in sorted(spans.pop(name, [])):
+            for first, end, identity, rank in sorted(spans.pop(name, []), key=lambda span: span[:2]):
                 if first > covered:
                     break
                 if not 0 <= first <= end <= numel:
                     raise BaseMismatchError(
                         f"tensor {name!r}: shard {rank} vouches for elements {first} to {end} of a tensor of {numel}"
                     )
-                found = base_identity(data[first * width : end * width])
+                found = identity if identity is None else base_identity(data[first * width : end * width])
                 if found != identity:
                     raise BaseMismatchError(
                         f"tensor {name!r}: shard {rank} did not start from the last published state (step {step}) "

@@ -61,6 +61,13 @@ def _local_part(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor | None, i
     return local, first_row * (tensor.numel() // rows if rows else 0)
 
 
+def _rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (
         tensor.device,
@@ -123,10 +130,14 @@ class Mirror:
         self._bytes: dict[str, Any] = {}  # flat uint8 views of the mirror tensors, for the core
         first_by_memory: dict[tuple[Any, ...], str] = {}
         self._shards: dict[str, tuple[tuple[int, ...], int]] = {}  # name -> (whole shape, flat offset)
+        dtensor = _dtensor_type()
+        plain: list[str] = []  # not DTensors: with sharded tensors beside them, every rank holds its own copy
         for name, whole in _named_tensors(model).items():
             tensor, offset = _local_part(name, whole)
             if tensor is None:
                 continue
+            if dtensor is None or not isinstance(whole, dtensor):
+                plain.append(name)
             if offset is not None:
                 self._shards[name] = (tuple(whole.shape), offset)
             key = _memory_key(tensor)
@@ -141,6 +152,14 @@ class Mirror:
                 flat[start:end].copy_(chunk)
             self._tensors[name] = mirror
             self._bytes[name] = flat.view(torch.uint8)  # sliced by byte offsets; the core writes it in place
+        if self._shards and plain and _rank() != 0:
+            # Plain tensors of a sharded model (FSDP2 leaves buffers such as running statistics as they are) are
+            # each rank's own, and may differ between ranks: rank 0's are shipped, as torch.save on rank 0 would
+            # keep them (every rank shipping its own would give one tensor several times over).
+            for name in plain:
+                self._tensors.pop(name, None)
+                self._bytes.pop(name, None)
+            self.aliases = {name: first for name, first in self.aliases.items() if first in self._tensors}
 
     def _shipped_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self.dtype if tensor.dtype.is_floating_point else tensor.dtype
@@ -389,14 +408,20 @@ class Attachment:
         dist.gather_object(part, parts, dst=0)
         outcome: list[Any] = [None]
         if parts is not None:
-            outcome[0], own = self._publish_parts(step, parts)
-            failure = failure or own
+            outcome[0], rank0_failure = self._publish_parts(step, parts)
+            failure = failure or rank0_failure
         dist.broadcast_object_list(outcome, src=0)
         if outcome[0] == "reanchor":
             mirrors: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object((self.mirror.tensors, self.mirror.shards), mirrors, dst=0)
             if mirrors is not None:
-                self.publisher.reanchor(step, _assemble(mirrors), copy=False)
+                # Gathered objects arrive as copies; one that did not (rank 0's own) must not become the publisher's.
+                own = {tensor.untyped_storage().data_ptr() for tensor in self.mirror.tensors.values()}
+                state = {
+                    name: tensor.clone() if tensor.untyped_storage().data_ptr() in own else tensor
+                    for name, tensor in _assemble(mirrors).items()
+                }
+                self.publisher.reanchor(step, state, copy=False)
         elif outcome[0] != "published":
             if failure is not None:
                 raise failure

@@ -19,8 +19,13 @@ fn first_position(tensor: &TensorDelta) -> Result<u64> {
         .map_err(|e| Error::invalid(format!("tensor {:?}: bad position stream ({e:?})", tensor.name)))
 }
 
-/// Joins parts of one tensor that cover disjoint element ranges, given in ascending order.
+/// Joins parts of one tensor that cover disjoint element ranges, given in ascending order. A tensor with one part
+/// (one rank held it whole: a replicated tensor, or a plain one, which the first rank ships) is that part as it is,
+/// stored whole or not, with its base identity.
 pub fn join_tensor(parts: Vec<TensorDelta>) -> Result<TensorDelta> {
+    if parts.len() == 1 {
+        return Ok(parts.into_iter().next().expect("one part"));
+    }
     let mut parts = parts.into_iter();
     let mut joined = parts.next().ok_or_else(|| Error::invalid("no parts to join"))?;
     let name = joined.name.clone();
@@ -87,6 +92,8 @@ fn to_compact(tensor: TensorDelta, base: Option<&[u8]>) -> Result<TensorDelta> {
         }
         None => None,
     };
+    // Without the whole base, a part that held the whole tensor keeps the identity it recorded.
+    let identity = identity.or(tensor.base);
     if tensor.changed == 0 || tensor.positions_codec != PositionCodec::Varint {
         return Ok(TensorDelta { base: identity, ..tensor });
     }
@@ -184,12 +191,43 @@ mod tests {
             assert_eq!(&tensor.values[..], &whole.values[..]);
             assert_eq!(tensor.base, None, "a joined shard delta records no base");
         }
-        // Even a part that carries a base (a rank that held the whole tensor) gives a joined tensor without one.
-        let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
-        let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap();
-        assert!(whole[0].base.is_some());
-        let joined = join(vec![Delta { tensors: whole, ..Delta::default() }], Codec::Varint, &BTreeMap::new()).unwrap();
-        assert_eq!(joined.tensors[0].base, None);
+        // A tensor one rank held whole is its part as it is, with the base identity that rank recorded, in every
+        // family, and stored whole where it was (as a small tensor whose elements all changed is).
+        for (new, dense) in [(new.clone(), false), (old.iter().map(|b| b ^ 1).collect::<Vec<u8>>(), true)] {
+            let input =
+                DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
+            let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap();
+            // A tensor stored whole records no base: it does not depend on one.
+            assert_eq!((whole[0].base.is_some(), whole[0].is_dense()), (!dense, dense));
+            for codec in [Codec::Varint, Codec::Compact] {
+                let part = Delta { tensors: whole.clone(), ..Delta::default() };
+                let joined = join(vec![part], codec, &BTreeMap::new()).unwrap();
+                assert_eq!(joined.tensors[0].base, whole[0].base);
+                assert_eq!(joined.tensors[0].is_dense(), dense);
+                let mut target = old.clone();
+                crate::core::apply::apply(&joined, vec![(0, &mut target[..])]).unwrap();
+                assert_eq!(target, new);
+            }
+        }
+        // Several parts, one of them stored whole, cannot be joined.
+        let whole = Delta {
+            tensors: diff(
+                &[DiffInput {
+                    name: "w".into(),
+                    dtype: Dtype::BF16,
+                    shape: vec![numel as u64],
+                    old: &old,
+                    new: &[1u8; 2000],
+                }],
+                ValueCodec::Diff,
+                crate::core::codec::Codec::Varint,
+            )
+            .unwrap(),
+            ..Delta::default()
+        };
+        assert!(whole.tensors[0].is_dense());
+        let err = join(vec![shard_delta(&old, &new, 0..10, numel as u64), whole], Codec::Varint, &BTreeMap::new());
+        assert!(err.unwrap_err().to_string().contains("must be sparse"));
     }
 
     #[test]
