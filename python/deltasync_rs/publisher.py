@@ -340,7 +340,8 @@ class Publisher:
         Nothing is joined unless every shard started from that state. A part that starts at another step (its
         ``base_step``, where known) is refused, BaseMismatchError: the shards' mirrors moved on without this
         publisher (a publish that raised). And every element of the last published state must be vouched for: by a
-        part's own record of a whole tensor's base identity (as :func:`deltasync_rs.diff` writes), or by one of
+        part's own record of a whole tensor's base identity (as :func:`deltasync_rs.diff` writes), by a part that
+        stores the tensor whole (it depends on no base), or by one of
         ``proofs[rank]``, ``(name, first element, elements, base identity)``: what that rank's mirror held over a
         range of a tensor before the step (``ds.torch.Mirror.last_bases``, which the scan hashes as it compares).
         Each is checked against the same range of this publisher's state; a range that differs (a rank's mirror
