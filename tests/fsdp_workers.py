@@ -1,8 +1,9 @@
 """Worker processes for the FSDP2 test: two ranks on gloo, CPU, fully_shard, attach with the publisher on rank 0.
 
 Scenarios (the fifth argument): "ok"; "drift", rank 1's mirror changed behind deltasync's back after the publish
-of step 2; "fail", rank 1's step 4 raising after it wrote part of its mirror. Each rank writes what its syncs
-raised to OUT.rank<N>.txt."""
+of step 2; "fail", rank 1's step 4 raising after it wrote part of its mirror; "resume", a new publisher resumed
+from the store at step 5 and attached again, publishing step 7; "misuse", a publisher passed on rank 1 too. Each
+rank writes what its syncs (or attach) raised to OUT.rank<N>.txt."""
 
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ class _FailingOnce:
         return Builder()
 
 
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model in bf16 (a collective: every rank calls it); plain tensors (the buffer) as this rank holds
+    them, which on rank 0 is what torch.save there would keep."""
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
+        for name, p in model.state_dict().items()
+    }
+
+
 def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scenario: str = "ok") -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -75,14 +85,30 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if scenario == "misuse":
+            publisher = ds.Publisher(f"{store}-rank{rank}", anchor_every=100, codec=codec)
+            try:
+                ds_torch.attach(optimizer, model, publisher, sync_every=2)
+                message = "attach did not raise"
+            except ds.DeltaSyncError as error:
+                message = str(error)
+            publisher.close()
+            with open(f"{out}.rank{rank}.txt", "w") as report:
+                report.write(message)
+            dist.barrier()
+            return
         publisher = ds.Publisher(store, anchor_every=100, codec=codec) if rank == 0 else None
         attachment = ds_torch.attach(optimizer, model, publisher, sync_every=2)
         assert attachment.mirror.is_sharded
         generator = torch.Generator().manual_seed(rank)
         raised = []
-        for step in range(1, 6):
+
+        def train() -> None:
             tokens = torch.randint(0, 11, (4, 3), generator=generator)
             model(tokens).square().mean().backward()
+
+        for step in range(1, 6):
+            train()
             if scenario == "fail" and rank == 1 and step == 4:
                 ds_torch.MirrorDiff = _FailingOnce(ds_torch.MirrorDiff, step)
             try:
@@ -97,13 +123,24 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
                 name = next(name for name in attachment.mirror.shards if attachment.mirror.tensors[name].numel())
                 attachment.mirror.tensors[name].view(torch.int16).view(-1)[0] += 1
         attachment.sync()  # step 5, after the publishes at 2 and 4
+        if scenario == "resume":
+            # A new publisher picks the run up from the store, as after a restart of rank 0's process.
+            attachment.detach()
+            shapes = full_state(model)  # a collective: on every rank
+            if rank == 0:
+                publisher.close()
+                publisher = ds.Publisher(store, anchor_every=100, codec=codec)
+                pulled = {name: torch.zeros_like(t) for name, t in shapes.items()}
+                assert ds.Subscriber(store).pull(pulled) == 5
+                publisher.resume(pulled, step=5)
+            attachment = ds_torch.attach(optimizer, model, publisher, sync_every=2)
+            for _ in (6, 7):
+                train()
+                optimizer.step()
+                optimizer.zero_grad()
         with open(f"{out}.rank{rank}.txt", "w") as report:
             report.write("\n".join(raised))
-        # Plain tensors (the buffer) as rank 0 holds them, as torch.save on rank 0 would keep them.
-        whole = {
-            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
-            for name, p in model.state_dict().items()
-        }
+        whole = full_state(model)
         if rank == 0:
             publisher.close()
             torch.save(whole, out)

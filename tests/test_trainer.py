@@ -430,7 +430,7 @@ def test_examples_train_publish_then_pull_and_verify(tmp_path):
     assert wrong.returncode != 0 and "digest mismatch" in wrong.stderr
 
 
-def _run_fsdp_workers(tmp_path, codec: str, scenario: str = "ok"):
+def _run_fsdp_workers(tmp_path, codec: str, scenario: str = "ok", expect_output: bool = True):
     """Runs tests/fsdp_workers.py on two gloo ranks; returns (store, the whole trained state, what each rank's
     syncs raised)."""
     import socket
@@ -450,7 +450,7 @@ def _run_fsdp_workers(tmp_path, codec: str, scenario: str = "ok"):
         timeout=600,
     )
     raised = [Path(f"{out}.rank{rank}.txt").read_text() for rank in (0, 1)]
-    return store, torch.load(out), raised
+    return store, torch.load(out) if expect_output else None, raised
 
 
 @pytest.mark.parametrize(("scenario", "codec"), [("drift", "compact"), ("fail", "varint")])
@@ -476,6 +476,29 @@ def test_fsdp2_a_shard_that_left_the_published_state_is_caught_and_re_anchored(t
     assert ds.Subscriber(LocalStore(store)).pull(state) == 5
     assert_same(state, whole)
     assert not ds.sync.verify_store(LocalStore(store))
+
+
+def test_fsdp2_a_resumed_publisher_attaches_again_and_a_misplaced_one_is_refused_on_every_rank(tmp_path):
+    """After a restart, a publisher resumed at the store's step 5 attaches to the sharded model again (rank 0 checks
+    that the gathered weights are the state it resumed, and publishes nothing for it) and its next publish is a
+    delta from step 5. A publisher passed on a rank other than 0 is refused by every rank at once."""
+    store, whole, raised = _run_fsdp_workers(tmp_path, "compact", "resume")
+    assert raised == ["", ""]
+    entries = ds.sync.log_entries(LocalStore(store))
+    assert [(e.step, e.base_step, e.anchor is not None) for e in entries] == [
+        (0, None, True),
+        (2, 0, False),
+        (4, 2, False),
+        (5, 4, False),
+        (7, 5, False),
+    ]
+    state = {name: torch.zeros_like(t) for name, t in whole.items()}
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 7
+    assert_same(state, whole)
+    misuse = tmp_path / "misuse"
+    misuse.mkdir()
+    _, _, raised = _run_fsdp_workers(misuse, "varint", "misuse", expect_output=False)
+    assert raised == ["rank 1: pass the publisher on rank 0 and None on the other ranks"] * 2
 
 
 def test_publish_shards_refuses_parts_whose_proofs_do_not_hold():

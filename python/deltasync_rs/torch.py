@@ -367,12 +367,18 @@ class Attachment:
 
     def _init_sharded(self, model: torch.nn.Module, dtype: torch.dtype, chunk_bytes: int, start_step: int) -> None:
         """FSDP2 / DTensor: every rank mirrors its shards; rank 0 publishes. The first state is gathered to rank 0
-        once; after that only each rank's delta travels (a gather of encoded deltas, never of weights)."""
+        once; after that only each rank's delta travels (a gather of encoded deltas, never of weights). Every check
+        is agreed on by all ranks, so that they raise together rather than leave one waiting in a collective."""
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        misuse = None
         if (rank == 0) != (self.publisher is not None):
-            raise DeltaSyncError(f"rank {rank}: pass the publisher on rank 0 and None on the other ranks")
+            misuse = f"rank {rank}: pass the publisher on rank 0 and None on the other ranks"
+        misuses: list[Any] = [None] * world
+        dist.all_gather_object(misuses, misuse)
+        if any(misuses):
+            raise DeltaSyncError("; ".join(m for m in misuses if m))
         settings: list[Any] = [None]
         if rank == 0:
             base = self.publisher.step if self.publisher.step is not None else start_step
@@ -385,9 +391,20 @@ class Attachment:
         self._group = dist.group.WORLD
         parts: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object((self.mirror.tensors, self.mirror.shards), parts, dst=0)
-        if rank == 0:
-            assert parts is not None
-            self.publisher.publish(self._base, _assemble(parts))
+        outcome: list[Any] = ["published"]
+        failure: Exception | None = None
+        if parts is not None:
+            try:
+                # The first publish of this publisher (an anchor of the gathered state, which it keeps without a
+                # copy), or, after Publisher.resume, a check that the model holds the state it resumed from.
+                self.publisher.publish_shared(self._base, _assemble(parts))
+            except Exception as error:
+                outcome[0], failure = f"rank 0: {type(error).__name__}: {error}", error
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] != "published":
+            if failure is not None:
+                raise failure
+            raise DeltaSyncError(f"attach failed on rank 0: {outcome[0]}")
 
     def _gather_and_publish(self, step: int) -> None:
         """Every rank steps its mirror, and its delta with what its mirror held (``Mirror.last_bases``), or the error
