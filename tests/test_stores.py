@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import inspect
 import io
+import json
 import os
 import stat
 import time
@@ -29,6 +30,61 @@ def test_missing_object(store):
     with pytest.raises(ds.MissingObjectError):
         store.get("manifest/nothing.json")
     assert not store.exists("manifest/nothing.json")
+
+
+def test_create_writes_only_where_absent_on_every_backend(store):
+    """create() writes a new object and leaves an existing one as it is; local folders and S3 do it atomically
+    (a link that fails where the name exists; a conditional PUT), the HF Bucket store by looking first."""
+    assert store.atomic_create == (not isinstance(store, HFBucketStore))
+    assert store.create("run.json", b"first")
+    assert not store.create("run.json", b"second")
+    assert store.get("run.json") == b"first"
+    assert store.list() == ["run.json"]  # nothing left behind (a local store's temporary file)
+
+
+def _open_publisher(args):
+    """A Publisher made on a store by another process, once all are ready; its run id."""
+    url, barrier = args
+    barrier.wait()
+    with ds.Publisher(url, background=False) as publisher:
+        return publisher.run
+
+
+def test_publishers_opening_a_new_local_store_at_once_agree_on_its_run(tmp_path):
+    """A training script run on every rank makes one Publisher per rank on the same new store at once: they must all
+    take the same run id (the one in run.json), or the entries of one would be refused for naming another run."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(6) as pool:
+        for trial in range(3):
+            url = str(tmp_path / f"store{trial}")
+            barrier = manager.Barrier(6)
+            runs = pool.map(_open_publisher, [(url, barrier)] * 6)
+            assert len(set(runs)) == 1, runs
+            assert runs[0] == json.loads(LocalStore(url).get("run.json"))["run"]
+
+
+def test_publishers_opening_a_new_store_without_atomic_creates_agree_after_settling():
+    """Where a store cannot create atomically (the HF Bucket store), each publisher writes its own run.json and reads
+    back after a pause (RUN_SETTLE_SECONDS): publishers that start together then all read the last one written."""
+    import threading
+
+    api = HubBucketsStandIn()
+    barrier, runs = threading.Barrier(4), []
+
+    def open_one() -> None:
+        store = HFBucketStore("hf://buckets/org/bucket/run1", api=api, token="hf_test")
+        barrier.wait()
+        runs.append(ds.Publisher(store, background=False).run)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    store = HFBucketStore("hf://buckets/org/bucket/run1", api=api, token="hf_test")
+    assert set(runs) == {json.loads(store.get("run.json"))["run"]}
 
 
 def test_list_and_delete(store):

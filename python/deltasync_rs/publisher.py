@@ -4,7 +4,9 @@ entries and the `latest.json` pointer of one run in a store (docs/format.md §10
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
+import json
 import logging
 import math
 import operator
@@ -56,6 +58,19 @@ from .store import TEMP_PREFIX, Store, open_store
 from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
+
+#: On a store without atomic creates, how long a publisher waits before it reads a young run.json again
+#: (Publisher._open_run), so that publishers opening one new store at once all end with the last one written; and
+#: how young (by its ``created`` time) a run.json must be for that.
+RUN_SETTLE_SECONDS = 1.0
+RUN_YOUNG_SECONDS = 60.0
+
+
+def _young_run(raw: bytes) -> bool:
+    """Whether a run.json (already parsed once) was made less than RUN_YOUNG_SECONDS ago, by this machine's clock."""
+    created = json.loads(raw).get("created")
+    return isinstance(created, (int, float)) and abs(time.time() - created) < RUN_YOUNG_SECONDS
+
 
 #: What a shard's mirror held before a step: (tensor name, first element, elements, base identity of those elements'
 #: bytes as a tensor of their own, 16 hex digits). ``ds.torch.Mirror.last_bases`` lists them; publish_shards checks them.
@@ -214,20 +229,40 @@ class Publisher:
 
     def _open_run(self) -> str:
         """The store's run id: read from run.json (verified with a key), or made and written by this publisher.
-        The same bytes are written again until they read back, so a delayed write cannot change the run."""
-        document: bytes | None = None
-        for attempt in range(self.retries + 1):
+
+        Several publishers may open a new store at once (a training script run on every rank, each making one).
+        Where the store creates objects atomically (``Store.atomic_create``: a local folder, S3) exactly one of them
+        writes run.json and all read that one. Elsewhere each may write its own: so a run.json made less than
+        ``RUN_YOUNG_SECONDS`` ago (by its ``created`` time) is read again ``RUN_SETTLE_SECONDS`` later, as is one this
+        publisher wrote, by when the others' writes have landed: every publisher ends with the last one written
+        (two reads a pause apart must agree, or it reads again). A write that does not read back is made again, so
+        a delayed write cannot change the run."""
+        written, confirmed = False, None
+        for attempt in range(self.retries + 4):
+            last = attempt >= self.retries + 3
             try:
-                return parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES), self._key)
+                raw = self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES)
+                run = parse_run(raw, self._key)
             except MissingObjectError:
-                if attempt == self.retries:
+                if last:
                     break
             except (DeltaFormatError, StoreError):
-                if document is None or attempt == self.retries:
+                if not written or last:
                     raise
-            document = document or run_document(self._key)
-            self._put(RUN_KEY, document)
-        raise StoreError(f"{self.store.url}/{RUN_KEY}: written {self.retries} times, but never read back")
+            else:
+                if self.store.atomic_create or written or run == confirmed or not _young_run(raw):
+                    return run
+                confirmed = run  # another publisher may still write its own over it: read it again
+                time.sleep(RUN_SETTLE_SECONDS)
+                continue
+            document = run_document(self._key)
+            if self.store.atomic_create:
+                self._retrying(RUN_KEY, functools.partial(self.store.create, RUN_KEY, document))
+            else:
+                self._put(RUN_KEY, document)
+                time.sleep(RUN_SETTLE_SECONDS)
+            written = True
+        raise StoreError(f"{self.store.url}/{RUN_KEY}: written {self.retries} times, but never read back the same")
 
     def _store_latest_step(self) -> int | None:
         """The newest step in the store that verifies; a bad `latest.json` is logged and then overwritten."""
@@ -536,7 +571,7 @@ class Publisher:
     def _put_file(self, key: str, path: str) -> None:
         self._retrying(key, lambda: self.store.put_file(key, path))
 
-    def _retrying(self, key: str, write: Callable[[], None]) -> None:
+    def _retrying(self, key: str, write: Callable[[], object]) -> None:
         """Calls ``write`` up to ``retries`` times, backing off after each StoreError; the last one is raised."""
         for attempt in range(self.retries):
             try:

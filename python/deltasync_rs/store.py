@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import inspect
 import os
 import re
 import secrets
@@ -49,6 +50,18 @@ class Store(ABC):
     @abstractmethod
     def get(self, key: str) -> bytes:
         """The object's bytes; raises MissingObjectError when absent."""
+
+    #: True when ``create`` is atomic: of several writers creating one key at once, exactly one writes it.
+    atomic_create: bool = False
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Writes the object only where the key is absent: True when written, False when an object was there (which
+        is left as it is). Atomic where ``atomic_create`` is True; this fallback looks, then writes, so two writers
+        at once may both write."""
+        if self.exists(key):
+            return False
+        self.put(key, data)
+        return True
 
     def get_small(self, key: str, max_bytes: int) -> bytes:
         """The bytes of an object that may hold at most ``max_bytes`` (a manifest document); a larger one is a
@@ -219,13 +232,14 @@ class LocalStore(Store):
         return parts[:-1], parts[-1]
 
     def put(self, key: str, data: bytes) -> None:
-        def write(dir_fd: int, temp: str) -> None:
-            with os.fdopen(_create(temp, dir_fd), "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+        self._replace(key, _writer(data))
 
-        self._replace(key, write)
+    atomic_create = True
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Made durable in a temporary file, then linked to the key's name, which fails where the name exists:
+        atomic."""
+        return self._replace(key, _writer(data), exclusive=True)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Links the file into the store's folder when both are on one filesystem (the object then has the file's
@@ -251,9 +265,10 @@ class LocalStore(Store):
 
         self._replace(key, write)
 
-    def _replace(self, key: str, write: Callable[[int, str], None]) -> None:
+    def _replace(self, key: str, write: Callable[[int, str], None], *, exclusive: bool = False) -> bool:
         """Has ``write(dir_fd, temp)`` make a durable temporary file in the key's folder, then renames it over the
-        key; the temporary file is removed if anything fails."""
+        key, or with ``exclusive`` links it to the key's name only where that is absent (False when it was there);
+        the temporary file is removed whatever happens."""
         folder, name = self._split(key)
         path = self.root / key
         try:
@@ -267,7 +282,16 @@ class LocalStore(Store):
         try:
             try:
                 write(dir_fd, temp)
-                os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                if not exclusive:
+                    os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    return True
+                try:
+                    os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(temp, dir_fd=dir_fd)
+                return True
             except BaseException:
                 try:
                     os.unlink(temp, dir_fd=dir_fd)
@@ -400,6 +424,18 @@ class LocalStore(Store):
                 os.close(dir_fd)
 
 
+def _writer(data: bytes) -> Callable[[int, str], None]:
+    """A ``write(dir_fd, temp)`` for LocalStore._replace that writes ``data`` durably."""
+
+    def write(dir_fd: int, temp: str) -> None:
+        with os.fdopen(_create(temp, dir_fd), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    return write
+
+
 def _create(name: str, dir_fd: int) -> int:
     """A new file in a folder, never through a link; mode 0o666 less the umask, as any new file gets (mkstemp's
     0o600 would survive the rename)."""
@@ -467,6 +503,9 @@ class FsspecStore(Store):
         except (ImportError, ValueError) as error:
             raise StoreError(f"{url}: cannot open this store: {error}") from error
         self.root = root.rstrip("/")
+        # s3fs sends pipe_file(..., mode="create") as a conditional PUT; other fsspec backends may only look first.
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.atomic_create = "s3" in protocols and "mode" in inspect.signature(self.fs.pipe_file).parameters
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
@@ -476,6 +515,18 @@ class FsspecStore(Store):
             self.fs.pipe_file(self._path(key), data)
         except Exception as error:  # fsspec backends raise their own exception types
             raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
+
+    def create(self, key: str, data: bytes) -> bool:
+        """On S3 (s3fs), one conditional PUT (``If-None-Match: *``): atomic. Elsewhere the fallback."""
+        if not self.atomic_create:
+            return super().create(key, data)
+        try:
+            self.fs.pipe_file(self._path(key), data, mode="create")
+        except FileExistsError:
+            return False
+        except Exception as error:
+            raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
+        return True
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         try:
