@@ -180,6 +180,26 @@ def test_diff_rejects_mismatched_inputs(states):
         ds.diff(np.zeros(3, ">f4"), np.zeros(3, ">f4"))
 
 
+def test_inputs_nobody_can_read_are_refused_by_name(tmp_path):
+    """Meta and sparse tensors, names that are not strings, a state that is not a mapping where one is needed, a
+    store that is neither a path nor a URL: each a DeltaSyncError naming what is wrong, not torch's or Python's own
+    error from deep inside."""
+    dense = torch.zeros(3)
+    refused = {
+        "a meta tensor has no data": lambda: ds.diff({"w": torch.zeros(3, device="meta")}, {"w": dense}),
+        "sparse_coo tensors are not supported": lambda: ds.diff({"w": dense.to_sparse()}, {"w": dense.to_sparse()}),
+        r"tensor names must be strings, not int \(1\)": lambda: ds.diff({1: dense}, {1: dense}),
+        "'w': a meta tensor": lambda: ds.anchor({"w": torch.zeros(3, device="meta")}),
+        "state must be a mapping": lambda: ds.Publisher(tmp_path / "a", background=False).publish(0, dense),
+        "state: tensor names must be strings": lambda: ds.Publisher(tmp_path / "b").publish(0, {("w",): dense}),
+        "a store is a path, a URL or a Store, not int": lambda: ds.Publisher(12345),
+        "state must be a mapping of tensor names": lambda: ds.Subscriber(tmp_path / "a").pull(dense),
+    }
+    for message, call in refused.items():
+        with pytest.raises(ds.DeltaSyncError, match=message):
+            call()
+
+
 def test_read_only_numpy_target_is_refused():
     prev, curr = np.zeros(10, np.float32), np.ones(10, np.float32)
     target = prev.copy()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,10 @@ def describe(x: Any, name: str) -> tuple[str, tuple[int, ...]]:
         shape = tuple(x.shape)  # torch.Size holds Python ints
         if dtype is None:
             raise DeltaSyncError(f"tensor {name!r}: dtype {x.dtype} is not supported")
+        if x.layout is not _torch().strided:
+            raise DeltaSyncError(f"tensor {name!r}: {x.layout} tensors are not supported; pass x.to_dense()")
+        if x.is_meta:
+            raise DeltaSyncError(f"tensor {name!r}: a meta tensor has no data")
         return dtype, shape
     if isinstance(x, np.ndarray):
         if x.dtype.byteorder == ">" or (x.dtype.byteorder == "=" and sys.byteorder == "big"):
@@ -111,6 +116,19 @@ def describe(x: Any, name: str) -> tuple[str, tuple[int, ...]]:
     if dtype is None:
         raise DeltaSyncError(f"tensor {name!r}: dtype {x.dtype} is not supported")
     return dtype, tuple(int(d) for d in shape)
+
+
+def check_state(state: Any, role: str) -> Mapping[str, Any]:
+    """``state`` as a mapping of tensor names to tensors, or DeltaSyncError: it is no mapping, or a name is no
+    string."""
+    if not isinstance(state, Mapping):
+        raise DeltaSyncError(
+            f"{role} must be a mapping of tensor names to tensors or arrays, not {type(state).__name__}"
+        )
+    for name in state:
+        if not isinstance(name, str):
+            raise DeltaSyncError(f"{role}: tensor names must be strings, not {type(name).__name__} ({name!r})")
+    return state
 
 
 def readable_in_place(t: Any) -> bool:

@@ -221,7 +221,7 @@ def _as_mapping(x: State, role: str) -> Mapping[str, Tensor]:
     if _arrays.is_array(x):
         return {DEFAULT_NAME: x}
     if isinstance(x, Mapping):
-        return x
+        return _arrays.check_state(x, role)
     raise DeltaSyncError(f"{role} must be a tensor, an array or a mapping of them, not {type(x).__name__}")
 
 

@@ -294,6 +294,7 @@ class Publisher:
         self._check_open()
         self._raise_errors()
         self._check_step(step)
+        _arrays.check_state(state, "state")
         if self._mirror.is_empty:
             self._mirror.reset(state, step=step)
             self._enqueue(step, None)
@@ -328,6 +329,7 @@ class Publisher:
         (contiguous, writable CPU tensors or arrays), so that only one copy is in memory: the caller must not use
         them afterwards, since every publish writes the new state into them."""
         self._check_open()
+        _arrays.check_state(state, "state")
         if not self._mirror.is_empty:
             raise DeltaSyncError("resume must come before the first publish")
         if copy:
@@ -478,6 +480,7 @@ class Publisher:
         ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
         self._check_open()
         self._raise_errors()
+        _arrays.check_state(tensors, "tensors")
         if self._mirror.is_empty:
             self._check_step(step)
             self._mirror.share(tensors, step=step, read_only=read_only)
@@ -509,6 +512,7 @@ class Publisher:
         self._check_open()
         self._raise_errors()
         self._check_step(step)
+        _arrays.check_state(state, "state")
         self._wait_for_mirror()
         if copy:
             self._mirror.reset(state, step=step)

@@ -713,6 +713,8 @@ def open_store(store: str | os.PathLike[str] | Store, *, create: bool = True, **
     (created when missing unless ``create`` is False: readers pass False, so a mistyped path is an error)."""
     if isinstance(store, Store):
         return store
+    if not isinstance(store, (str, os.PathLike)):
+        raise StoreError(f"a store is a path, a URL or a Store, not {type(store).__name__}")
     text = os.fspath(store)
     if text.startswith("hf://"):
         return HFBucketStore(text, **options)

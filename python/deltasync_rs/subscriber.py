@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO, TypeVar
 
+from . import _arrays
 from ._checkpoint import (
     READS_BY_DESCRIPTOR,
     CheckpointFile,
@@ -541,6 +542,7 @@ class Subscriber:
         returns that step. Each delta is applied all-or-nothing; when ``state`` holds every published tensor, its
         digest is checked against the manifest, and a mismatch re-syncs from the newest anchor before raising
         IntegrityError."""
+        _arrays.check_state(state, "state")
         deltas = self._fetch_to_apply(self.step, until)
         if not deltas:
             if self.step is None:
