@@ -36,7 +36,15 @@ class DeltaSyncCallback(TrainerCallback):
         self.mirror: Mirror | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if not self.enabled or not state.is_world_process_zero:
+        if not self.enabled:
+            return
+        if model is not None and _holds_shards(model):  # checked on every process, so that all of them stop
+            raise DeltaSyncError(
+                "DeltaSyncCallback publishes from the main process alone, which holds only its own shards of this "
+                "FSDP2 (DTensor) model: use deltasync_rs.torch.attach(optimizer, model, publisher) on every rank "
+                "instead (the publisher on rank 0, None elsewhere), which joins the ranks' shards"
+            )
+        if not state.is_world_process_zero:
             return
         if model is None:
             raise DeltaSyncError("DeltaSyncCallback needs the model: the Trainer passes it to on_train_begin")
@@ -61,6 +69,14 @@ class DeltaSyncCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.enabled and self.mirror is not None:
             self.publisher.flush()
+
+
+def _holds_shards(model: Any) -> bool:
+    """Whether the model's state holds DTensors (FSDP2 shards, or tensors replicated over a device mesh)."""
+    from ..torch import _dtensor_type
+
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in model.state_dict().values())
 
 
 __all__ = ["DeltaSyncCallback"]
