@@ -53,7 +53,9 @@ class DeltaSyncWeightTransfer:
     rank), so rank 0's mirror is a whole copy. A DTensor reaching ``send_weights`` is refused: gathering it there,
     on rank 0 alone, would hang the other ranks. To diff per-rank shards instead, use ``ds.torch.attach``.
 
-    Any failure while streaming leaves the mirror between two steps; later syncs then refuse with that reason.
+    A failure while streaming (a tensor left out, or sent twice, or of another shape; an error from the iterator)
+    leaves the mirror between two steps: the sync raises, and the next one, once it has streamed every tensor again,
+    is published as an anchor (the publisher's rule after a publish that raised part way), which the server pulls.
     """
 
     def __init__(
@@ -87,7 +89,6 @@ class DeltaSyncWeightTransfer:
         self._declared_step = server_step  # sent as current_step until an init_weight_transfer_engine succeeds
         self._tensors: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, Any] = {}  # flat uint8 views of the mirror, which the core writes in place
-        self._broken: str | None = None
 
     @property
     def behind(self) -> bool:
@@ -113,11 +114,6 @@ class DeltaSyncWeightTransfer:
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Publishes the weights ``iterator`` yields as the next step, then has the server pull it."""
-        if self._broken is not None:
-            raise DeltaSyncError(
-                f"an earlier sync failed while streaming ({self._broken}), so the mirror is between "
-                "two steps: make a new DeltaSyncWeightTransfer and Publisher (resumed from the store)"
-            )
         step = self._next_step
         if not self._tensors:
             try:
@@ -127,12 +123,9 @@ class DeltaSyncWeightTransfer:
                 self._tensors, self._bytes = {}, {}  # nothing was shared: the next sync starts over
                 raise
         else:
-            try:
-                self.publisher.publish_shared(step, self._tensors, lambda: self._advance(iterator, step))
-            except BaseException as error:
-                if self._broken is not None:  # _advance began writing the mirror and did not finish
-                    self._broken += f": {type(error).__name__}: {error}"
-                raise
+            # A sync that raises part way leaves the mirror between two steps: the publisher then publishes the
+            # next sync as an anchor.
+            self.publisher.publish_shared(step, self._tensors, lambda: self._advance(iterator, step))
         self.step, self._next_step = step, step + 1
         self.publisher.flush(timeout=self.upload_timeout)
         self._update_server(step)
@@ -171,7 +164,6 @@ class DeltaSyncWeightTransfer:
     def _advance(self, iterator: Iterator[tuple[str, torch.Tensor]], step: int) -> Delta:
         """One pass over the iterator: each tensor is compared with its mirror, which takes its bits as the core
         records the changes. Every tensor of the mirror must come exactly once."""
-        self._broken = f"step {step} was not streamed to the end"
         builder = MirrorDiff(self.publisher.values)
         seen: set[str] = set()
         for name, tensor in iterator:
@@ -192,9 +184,7 @@ class DeltaSyncWeightTransfer:
         missing = [name for name in self._tensors if name not in seen]
         if missing:
             raise BaseMismatchError(f"the sync did not send {len(missing)} tensor(s) of the first one: {missing[:5]}")
-        delta = _finish(builder.take(), step, self.step, None)
-        self._broken = None
-        return delta
+        return _finish(builder.take(), step, self.step, None)
 
     # --- the server ---
 
