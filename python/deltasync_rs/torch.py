@@ -397,7 +397,7 @@ class Attachment:
             try:
                 # The first publish of this publisher (an anchor of the gathered state, which it keeps without a
                 # copy), or, after Publisher.resume, a check that the model holds the state it resumed from.
-                self.publisher.publish_shared(self._base, _assemble(parts))
+                self.publisher.publish_shared(self._base, self._whole_state(parts))
             except Exception as error:
                 outcome[0], failure = f"rank 0: {type(error).__name__}: {error}", error
         dist.broadcast_object_list(outcome, src=0)
@@ -432,17 +432,21 @@ class Attachment:
             mirrors: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object((self.mirror.tensors, self.mirror.shards), mirrors, dst=0)
             if mirrors is not None:
-                # Gathered objects arrive as copies; one that did not (rank 0's own) must not become the publisher's.
-                own = {tensor.untyped_storage().data_ptr() for tensor in self.mirror.tensors.values()}
-                state = {
-                    name: tensor.clone() if tensor.untyped_storage().data_ptr() in own else tensor
-                    for name, tensor in _assemble(mirrors).items()
-                }
-                self.publisher.reanchor(step, state, copy=False)
+                self.publisher.reanchor(step, self._whole_state(mirrors), copy=False)
         elif outcome[0] != "published":
             if failure is not None:
                 raise failure
             raise DeltaSyncError(f"step {step} was not published: {outcome[0]}")
+
+    def _whole_state(self, mirrors: list[Any]) -> dict[str, torch.Tensor]:
+        """Rank 0: the whole state from every rank's gathered (mirror tensors, shards), for its publisher to keep
+        without a copy. Gathered objects arrive as copies; one that did not (rank 0's own mirror) is copied, so that
+        the publisher's state never moves with rank 0's mirror."""
+        own = {tensor.untyped_storage().data_ptr() for tensor in self.mirror.tensors.values()}
+        return {
+            name: tensor.clone() if tensor.untyped_storage().data_ptr() in own else tensor
+            for name, tensor in _assemble(mirrors).items()
+        }
 
     def _publish_parts(self, step: int, parts: list[Any]) -> tuple[str, Exception | None]:
         """Rank 0: publishes the gathered parts; returns the outcome every rank is told ("published", "reanchor" or
