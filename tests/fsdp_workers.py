@@ -117,6 +117,9 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
                 raised.append(f"step {step}: {type(error).__name__}: {error}")
             if scenario == "fail" and rank == 1 and step == 4:
                 ds_torch.MirrorDiff = ds_torch.MirrorDiff.real
+            if scenario == "fail" and step == 4:
+                # Step 4 synced again at once: rank 0's mirror moved to step 4, rank 1's did not; both sync again.
+                attachment.sync()
             optimizer.zero_grad()
             if scenario == "drift" and rank == 1 and step == 2:
                 # A sharded weight of rank 1's mirror changes behind deltasync's back (one bit-pattern step).

@@ -352,6 +352,7 @@ class Attachment:
         self.sync_every = at_least_one(sync_every, "sync_every")
         self.steps = 0  # optimizer steps seen since attaching
         self._group: Any = None
+        self._agreed: int | None = None  # sharded: the last step every rank was told was published
         if any(isinstance(t, _dtensor_type() or ()) for t in _named_tensors(model).values()):
             self._init_sharded(model, dtype, chunk_bytes, start_step)
         else:
@@ -405,6 +406,7 @@ class Attachment:
             if failure is not None:
                 raise failure
             raise DeltaSyncError(f"attach failed on rank 0: {outcome[0]}")
+        self._agreed = self._base
 
     def _gather_and_publish(self, step: int) -> None:
         """Every rank steps its mirror, and its delta with what its mirror held (``Mirror.last_bases``), or the error
@@ -431,12 +433,14 @@ class Attachment:
         if outcome[0] == "reanchor":
             mirrors: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object((self.mirror.tensors, self.mirror.shards), mirrors, dst=0)
+            self._agreed = step
             if mirrors is not None:
                 self.publisher.reanchor(step, self._whole_state(mirrors), copy=False)
         elif outcome[0] != "published":
             if failure is not None:
                 raise failure
             raise DeltaSyncError(f"step {step} was not published: {outcome[0]}")
+        self._agreed = step
 
     def _whole_state(self, mirrors: list[Any]) -> dict[str, torch.Tensor]:
         """Rank 0: the whole state from every rank's gathered (mirror tensors, shards), for its publisher to keep
@@ -468,7 +472,7 @@ class Attachment:
 
     @property
     def published_step(self) -> int | None:
-        return self.mirror.current_step
+        return self._agreed if self._group is not None else self.mirror.current_step
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
@@ -479,11 +483,14 @@ class Attachment:
     def sync(self) -> int:
         """Publishes the current weights now, as step ``base + optimizer steps seen``; returns that step."""
         step = self._base + self.steps
+        if self._group is not None:
+            # Sharded: what every rank was told was published, not this rank's mirror, which may have moved on a
+            # step that failed on another rank (then every rank syncs again, together).
+            if step != self._agreed:
+                self._gather_and_publish(step)
+            return step
         if step == self.mirror.current_step:
             return step  # published already
-        if self._group is not None:
-            self._gather_and_publish(step)
-            return step
         self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror.step(step))
         return step
 
