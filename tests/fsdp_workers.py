@@ -2,8 +2,8 @@
 
 Scenarios (the fifth argument): "ok"; "drift", rank 1's mirror changed behind deltasync's back after the publish
 of step 2; "fail", rank 1's step 4 raising after it wrote part of its mirror; "resume", a new publisher resumed
-from the store at step 5 and attached again, publishing step 7; "misuse", a publisher passed on rank 1 too. Each
-rank writes what its syncs (or attach) raised to OUT.rank<N>.txt."""
+from the store at step 5 and attached again, publishing step 7; "misuse", a publisher passed on rank 1 too; "callback", a
+transformers DeltaSyncCallback on every rank instead of attach. Each rank writes what its syncs (or attach) raised to OUT.rank<N>.txt."""
 
 from __future__ import annotations
 
@@ -85,6 +85,35 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if scenario == "callback":
+            # A transformers Trainer's callback, made on every rank with a Publisher of its own (as one script run
+            # on every rank makes them), driven as the Trainer drives it.
+            from deltasync_rs.integrations import DeltaSyncCallback
+
+            callback = DeltaSyncCallback(ds.Publisher(store, anchor_every=100, codec=codec), sync_every=2)
+            state = type("TrainerState", (), {"is_world_process_zero": rank == 0, "global_step": 0})()
+            callback.on_train_begin(None, state, None, model=model)
+            generator = torch.Generator().manual_seed(rank)
+            for step in range(1, 6):
+                tokens = torch.randint(0, 11, (4, 3), generator=generator)
+                model(tokens).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                state.global_step = step
+                callback.on_step_end(None, state, None)
+                if step == 4:
+                    at_step_4 = full_state(model)  # a collective: on every rank
+                    if rank == 0:
+                        torch.save(at_step_4, f"{out}.step4")
+            callback.on_train_end(None, state, None)
+            whole = full_state(model)
+            with open(f"{out}.rank{rank}.txt", "w") as report:
+                report.write("")
+            if rank == 0:
+                torch.save(whole, out)
+            callback.publisher.close()
+            dist.barrier()
+            return
         if scenario == "misuse":
             publisher = ds.Publisher(f"{store}-rank{rank}", anchor_every=100, codec=codec)
             try:

@@ -333,35 +333,17 @@ def test_transformers_trainer_callback(tmp_path):
     publisher.close()
 
 
-def test_the_trainer_callback_refuses_an_fsdp2_model_on_every_process(tmp_path):
-    """The callback publishes from the main process alone, which would hold only its own shards of an FSDP2 model
-    (published under the whole tensors' names, with the shards' shapes): it refuses such a model, on every process
-    (none is left training alone), and names ds.torch.attach."""
+def test_the_trainer_callback_publishes_an_fsdp2_model_from_every_rank(tmp_path):
+    """DeltaSyncCallback on an FSDP2 model, made on every rank with a Publisher each (one script run on every rank):
+    every rank diffs its shards and rank 0 joins them, as ds.torch.attach does; the others' publishers are unused.
+    Before, rank 0 alone published its own shards under the whole tensors' names."""
     pytest.importorskip("transformers")
-    import socket
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from deltasync_rs.integrations import DeltaSyncCallback
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        for main in (True, False):
-            state = type("State", (), {"is_world_process_zero": main, "global_step": 0})()
-            callback = DeltaSyncCallback(ds.Publisher(tmp_path / "store", background=False) if main else None)
-            with pytest.raises(ds.DeltaSyncError, match="ds.torch.attach|deltasync_rs.torch.attach"):
-                callback.on_train_begin(None, state, None, model=model)
-            assert callback.mirror is None
-    finally:
-        dist.destroy_process_group()
-    assert not (tmp_path / "store" / "anchors").exists()
+    store, whole, raised = _run_fsdp_workers(tmp_path, "compact", "callback")
+    entries = ds.sync.log_entries(LocalStore(store))
+    assert [(e.step, e.anchor is not None) for e in entries] == [(0, True), (2, False), (4, False)]
+    state = {name: torch.zeros_like(t) for name, t in whole.items()}
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 4  # step 5 is not a multiple of sync_every
+    assert_same(state, torch.load(tmp_path / "whole.pt.step4"))
 
 
 def test_mirror_on_cuda_matches_the_cpu(cuda):

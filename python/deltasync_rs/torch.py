@@ -339,7 +339,7 @@ class Attachment:
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         model: torch.nn.Module,
         publisher: Any,
         *,
@@ -364,7 +364,8 @@ class Attachment:
             )
             self._base = base
             publisher.publish_shared(base, self.mirror.tensors)
-        self._handle = optimizer.register_step_post_hook(self._after_step)
+        # Without an optimizer (DeltaSyncCallback), the caller calls _sync itself.
+        self._handle = optimizer.register_step_post_hook(self._after_step) if optimizer is not None else None
 
     def _init_sharded(self, model: torch.nn.Module, dtype: torch.dtype, chunk_bytes: int, start_step: int) -> None:
         """FSDP2 / DTensor: every rank mirrors its shards; rank 0 publishes. The first state is gathered to rank 0
@@ -482,7 +483,9 @@ class Attachment:
 
     def sync(self) -> int:
         """Publishes the current weights now, as step ``base + optimizer steps seen``; returns that step."""
-        step = self._base + self.steps
+        return self._sync(self._base + self.steps)
+
+    def _sync(self, step: int) -> int:
         if self._group is not None:
             # Sharded: what every rank was told was published, not this rank's mirror, which may have moved on a
             # step that failed on another rank (then every rank syncs again, together).
@@ -496,7 +499,8 @@ class Attachment:
 
     def detach(self) -> None:
         """Removes the hook; later optimizer steps do no deltasync work."""
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
 
 
 def _assemble(parts: list[Any]) -> dict[str, torch.Tensor]:

@@ -17,7 +17,11 @@ from ..torch import Mirror
 class DeltaSyncCallback(TrainerCallback):
     """Publishes the model at the start of training and then every ``sync_every`` global steps (``on_step_end``),
     each time as the delta from the last published state. Only the main process publishes. With ``enabled=False``
-    (or once ``enabled`` is set to False) it does nothing at all."""
+    (or once ``enabled`` is set to False) it does nothing at all.
+
+    An FSDP2 (DTensor) model is published as ``ds.torch.attach`` does: every process mirrors and diffs its own
+    shards and the main process joins them (its ``publisher`` publishes; the other processes' are not used, and may
+    be None), so the callback must be on every process, as the Trainer's callbacks are."""
 
     def __init__(
         self,
@@ -34,16 +38,26 @@ class DeltaSyncCallback(TrainerCallback):
         self.chunk_bytes = chunk_bytes
         self.enabled = enabled
         self.mirror: Mirror | None = None
+        self._sharded: Any = None  # for an FSDP2 model: a ds.torch Attachment without an optimizer hook
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self.enabled:
             return
-        if model is not None and _holds_shards(model):  # checked on every process, so that all of them stop
-            raise DeltaSyncError(
-                "DeltaSyncCallback publishes from the main process alone, which holds only its own shards of this "
-                "FSDP2 (DTensor) model: use deltasync_rs.torch.attach(optimizer, model, publisher) on every rank "
-                "instead (the publisher on rank 0, None elsewhere), which joins the ranks' shards"
+        if model is not None and _holds_shards(model):
+            from ..torch import Attachment
+
+            # Rank 0's publisher starts from its own step where it has one (resumed), as for a plain model.
+            self._sharded = Attachment(
+                None,
+                model,
+                self.publisher if state.is_world_process_zero else None,
+                sync_every=1,
+                dtype=self.dtype,
+                chunk_bytes=self.chunk_bytes,
+                start_step=state.global_step,
             )
+            self.mirror = self._sharded.mirror
+            return
         if not state.is_world_process_zero:
             return
         if model is None:
@@ -62,12 +76,15 @@ class DeltaSyncCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.enabled or self.mirror is None or state.global_step % self.sync_every:
             return
+        if self._sharded is not None:  # on every process: the ranks gather their deltas
+            self._sharded._sync(state.global_step)
+            return
         step = state.global_step
         mirror = self.mirror
         self.publisher.publish_shared(step, mirror.tensors, lambda: mirror.step(step))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.enabled and self.mirror is not None:
+        if self.enabled and self.mirror is not None and state.is_world_process_zero:
             self.publisher.flush()
 
 
