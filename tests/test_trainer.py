@@ -544,7 +544,8 @@ def test_publish_shards_refuses_parts_whose_proofs_do_not_hold():
         p1_bad, proof1_bad = shard(40, 64, drifted)
         cases = {
             "drifted": ([p0, p1_bad, whole_b], [proof0, proof1_bad, []], "shard 1 did not start from the last"),
-            "a gap": ([p0, whole_b], [proof0, []], "no shard vouches for elements 40 to 64"),
+            "a gap at the end": ([p0, whole_b], [proof0, []], "no shard vouches for elements 40 to 64"),
+            "a gap at the start": ([p1, whole_b], [proof1, []], "no shard vouches for elements 0 to 40"),
             "no proofs": ([p0, p1, whole_b], None, "no shard vouches for elements 0 to 64"),
             "a foreign tensor": ([p0, p1, whole_b], [proof0, proof1 + [("x", 0, 1, "0" * 16)], []], "'x'"),
         }

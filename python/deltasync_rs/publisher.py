@@ -434,9 +434,10 @@ class Publisher:
             data = _arrays.flat_host_bytes(tensor)
             numel = math.prod(_arrays.describe(tensor, name)[1])
             width = len(data) // numel if numel else 0
-            covered = 0
+            covered, gap_end = 0, numel
             for first, end, identity, rank in sorted(spans.pop(name, []), key=lambda span: span[:2]):
                 if first > covered:
+                    gap_end = first
                     break
                 if not 0 <= first <= end <= numel:
                     raise BaseMismatchError(
@@ -450,9 +451,9 @@ class Publisher:
                         "mirror drifted, or a step failed part way on it; re-anchor from the shards' state"
                     )
                 covered = max(covered, end)
-            if covered < numel:
+            if covered < gap_end:
                 raise BaseMismatchError(
-                    f"tensor {name!r}: no shard vouches for elements {covered} to {numel} of the last published "
+                    f"tensor {name!r}: no shard vouches for elements {covered} to {gap_end} of the last published "
                     f"state (step {step}): every shard delta must come with proofs of what its mirror held "
                     "(ds.torch.Mirror.last_bases)"
                 )
