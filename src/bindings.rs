@@ -1008,6 +1008,34 @@ fn base_identity(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<String> {
     Ok(base::to_hex(identity))
 }
 
+/// The base identities (16 hex digits each) of byte ranges, each given as (buffer or CPU contiguous tensor, first
+/// byte, bytes): all their blocks hashed side by side in one call.
+#[pyfunction]
+fn base_identities(py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, usize, usize)>) -> PyResult<Vec<String>> {
+    let mut held = Vec::with_capacity(ranges.len());
+    let mut runs = Vec::with_capacity(ranges.len());
+    for (index, (data, start, len)) in ranges.iter().enumerate() {
+        let (buffer, slice) = export(data, &|| format!("range {index} of base_identities"), false)?;
+        if start.checked_add(*len).is_none_or(|end| end > slice.len) {
+            return Err(DeltaSyncError::new_err(format!(
+                "range {index} of base_identities: bytes {start}..{} of a buffer of {}",
+                start.saturating_add(*len),
+                slice.len
+            )));
+        }
+        held.push(buffer);
+        runs.push((slice, *start, *len));
+    }
+    let identities = py.detach(|| {
+        // SAFETY: `held` keeps every buffer exported until after this call; each range lies inside its buffer.
+        let runs: Vec<&[u8]> =
+            runs.iter().map(|(slice, start, len)| &unsafe { slice.get() }[*start..start + len]).collect();
+        base::identities(&runs)
+    });
+    drop(held);
+    Ok(identities.into_iter().map(base::to_hex).collect())
+}
+
 /// The base identity (16 hex digits) of bytes whose whole blocks were hashed elsewhere (on a device, by
 /// deltasync_rs._identity): `block_hashes` holds each whole block's hash, little-endian u64s in order, and `tail`
 /// the bytes after the last whole block (shorter than a block; empty when none), hashed here.
@@ -1102,6 +1130,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(combine_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(base_identities, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity_from_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_hash_from_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;

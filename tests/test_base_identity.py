@@ -113,3 +113,20 @@ def test_a_malformed_base_is_a_format_error(bad):
     broken += b" " * (-len(broken) % 8)
     with pytest.raises(ds.DeltaFormatError):
         ds.load(len(broken).to_bytes(8, "little") + broken + blob[8 + header_len :])
+
+
+def test_base_identities_of_ranges_are_each_ranges_identity():
+    """base_identities hashes many byte ranges in one call (publish_shards' check of FSDP2 proofs): each is the
+    base identity of that range's bytes; a range past its buffer is refused, naming it."""
+    from deltasync_rs._core import base_identities, base_identity
+
+    torch = pytest.importorskip("torch")
+    data = np.arange(700_000, dtype=np.uint32).view(np.uint8)
+    tensor = torch.arange(1000, dtype=torch.int16)
+    ranges = [(data, 0, 0), (data, 3, 5), (data, 1, 600_000), (data, 0, data.size), (tensor, 10, 1990)]
+    want = [base_identity(data[:0]), base_identity(data[3:8]), base_identity(data[1:600_001]), base_identity(data)]
+    want.append(base_identity(tensor.view(torch.uint8)[10:2000].clone()))
+    assert base_identities(ranges) == want
+    assert base_identities([]) == []
+    with pytest.raises(ds.DeltaSyncError, match="range 1 of base_identities: bytes 10..2001 of a buffer of 2000"):
+        base_identities([(tensor, 0, 1), (tensor, 10, 1991)])

@@ -408,8 +408,9 @@ class Publisher:
         self.publish_delta(step, joined)
 
     def _check_proofs(self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]]) -> None:
-        """Checks that the shards vouch for every element of the last published state, and truly (publish_shards)."""
-        from ._core import base_identity
+        """Checks that the shards vouch for every element of the last published state, and truly (publish_shards):
+        the coverage first, then every range's identity, all hashed in one call."""
+        from ._core import base_identities
 
         # name -> (first, end, identity, rank); no identity where a part stores the tensor whole (it then does not
         # depend on the base at all).
@@ -430,6 +431,8 @@ class Publisher:
                     ) from error
                 spans.setdefault(name, []).append((first, first + elements, identity, rank))
         step = self._mirror.step
+        checks: list[tuple[str, int, int, str, int]] = []  # (name, first, end, identity sent, rank)
+        ranges: list[tuple[Any, int, int]] = []  # the published bytes of each, for base_identities
         for name, tensor in self._mirror.tensors.items():
             data = _arrays.flat_host_bytes(tensor)
             numel = math.prod(_arrays.describe(tensor, name)[1])
@@ -443,13 +446,9 @@ class Publisher:
                     raise BaseMismatchError(
                         f"tensor {name!r}: shard {rank} vouches for elements {first} to {end} of a tensor of {numel}"
                     )
-                found = identity if identity is None else base_identity(data[first * width : end * width])
-                if found != identity:
-                    raise BaseMismatchError(
-                        f"tensor {name!r}: shard {rank} did not start from the last published state (step {step}) "
-                        f"over elements {first} to {end} (base identity {identity} sent, {found} published): its "
-                        "mirror drifted, or a step failed part way on it; re-anchor from the shards' state"
-                    )
+                if identity is not None:
+                    checks.append((name, first, end, identity, rank))
+                    ranges.append((data, first * width, (end - first) * width))
                 covered = max(covered, end)
             if covered < gap_end:
                 raise BaseMismatchError(
@@ -461,6 +460,13 @@ class Publisher:
             raise BaseMismatchError(
                 f"shard deltas hold tensors the last published state (step {step}) does not: {sorted(spans)[:5]}"
             )
+        for (name, first, end, identity, rank), found in zip(checks, base_identities(ranges), strict=True):
+            if found != identity:
+                raise BaseMismatchError(
+                    f"tensor {name!r}: shard {rank} did not start from the last published state (step {step}) "
+                    f"over elements {first} to {end} (base identity {identity} sent, {found} published): its "
+                    "mirror drifted, or a step failed part way on it; re-anchor from the shards' state"
+                )
 
     def publish_shared(
         self,

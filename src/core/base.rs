@@ -40,6 +40,21 @@ pub fn identity(bytes: &[u8]) -> u64 {
     combine(&hashes)
 }
 
+/// The identities of several runs of bytes at once, as `identity` of each: all their blocks are hashed side by side
+/// in the deltasync pool, so that many small runs (a model's tensors, or their shards) keep every core busy.
+pub fn identities(runs: &[&[u8]]) -> Vec<u64> {
+    let blocks: Vec<&[u8]> = runs.iter().flat_map(|run| run.chunks(BLOCK_BYTES)).collect();
+    let hashes: Vec<u64> = crate::core::pool::install(|| blocks.par_iter().map(|block| block_hash(block)).collect());
+    let mut at = 0;
+    runs.iter()
+        .map(|run| {
+            let count = run.len().div_ceil(BLOCK_BYTES);
+            at += count;
+            combine(&hashes[at - count..at])
+        })
+        .collect()
+}
+
 /// An identity as written in a record: 16 lowercase hex digits.
 pub fn to_hex(identity: u64) -> String {
     format!("{identity:016x}")
@@ -197,6 +212,16 @@ mod tests {
             assert_eq!(hasher.consumed(), data.len() as u64);
             assert_eq!(hasher.finish(), reference(&data), "pieces of {piece}");
         }
+    }
+
+    #[test]
+    fn identities_of_many_runs_are_each_runs_identity() {
+        let data: Vec<u8> = (0..3 * BLOCK_BYTES + 77).map(|i| (i * 7 % 251) as u8).collect();
+        let cuts = [0, 0, 5, BLOCK_BYTES, BLOCK_BYTES + 1, 2 * BLOCK_BYTES + 3, data.len()];
+        let runs: Vec<&[u8]> = cuts.windows(2).map(|w| &data[w[0]..w[1]]).chain([&data[..]]).collect();
+        let want: Vec<u64> = runs.iter().map(|run| identity(run)).collect();
+        assert_eq!(identities(&runs), want);
+        assert_eq!(identities(&[]), Vec::<u64>::new());
     }
 
     #[test]
