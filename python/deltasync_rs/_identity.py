@@ -131,16 +131,21 @@ def base_identities(tensors: list[Any]) -> list[str]:
     smaller tensors, are copied to the host and hashed by the core."""
     import torch
 
-    from ._core import base_identity, base_identity_from_blocks
+    from ._core import base_identities as host_identities
+    from ._core import base_identity_from_blocks
 
     found: dict[int, str] = {}
     by_device: dict[Any, list[tuple[int, Any]]] = {}
+    on_host: list[tuple[int, Any]] = []
     for i, tensor in enumerate(tensors):
         data = _flat_bytes(tensor)
         if (data.is_cpu and not TORCH_ON_CPU) or data.numel() < max(HOST_BELOW, BLOCK_BYTES):
-            found[i] = base_identity(data.cpu().numpy())
+            on_host.append((i, data.cpu().numpy()))
             continue
         by_device.setdefault(data.device, []).append((i, data))
+    # The host's share in one call: every block of every tensor hashed side by side.
+    for (i, _), identity in zip(on_host, host_identities([(data, 0, data.size) for _, data in on_host]), strict=True):
+        found[i] = identity
     for device, items in by_device.items():
         keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)
         low = torch.tensor(0xFFFFFFFF, dtype=torch.int64, device=device)
