@@ -353,7 +353,7 @@ class Attachment:
         self.steps = 0  # optimizer steps seen since attaching
         self._group: Any = None
         self._agreed: int | None = None  # sharded: the last step every rank was told was published
-        if any(isinstance(t, _dtensor_type() or ()) for t in _named_tensors(model).values()):
+        if _holds_dtensors(model):
             self._init_sharded(model, dtype, chunk_bytes, start_step)
         else:
             if publisher is None:
@@ -402,11 +402,7 @@ class Attachment:
                 self.publisher.publish_shared(self._base, self._whole_state(parts))
             except Exception as error:
                 outcome[0], failure = f"rank 0: {type(error).__name__}: {error}", error
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] != "published":
-            if failure is not None:
-                raise failure
-            raise DeltaSyncError(f"attach failed on rank 0: {outcome[0]}")
+        _told(outcome, failure, ("published",), "attach failed on rank 0")
         self._agreed = self._base
 
     def _gather_and_publish(self, step: int) -> None:
@@ -430,18 +426,13 @@ class Attachment:
         if parts is not None:
             outcome[0], rank0_failure = self._publish_parts(step, parts)
             failure = failure or rank0_failure
-        dist.broadcast_object_list(outcome, src=0)
+        _told(outcome, failure, ("published", "reanchor"), f"step {step} was not published")
+        self._agreed = step  # a re-anchor publishes this step too
         if outcome[0] == "reanchor":
             mirrors: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object((self.mirror.tensors, self.mirror.shards), mirrors, dst=0)
-            self._agreed = step
             if mirrors is not None:
                 self.publisher.reanchor(step, self._whole_state(mirrors), copy=False)
-        elif outcome[0] != "published":
-            if failure is not None:
-                raise failure
-            raise DeltaSyncError(f"step {step} was not published: {outcome[0]}")
-        self._agreed = step
 
     def _whole_state(self, mirrors: list[Any]) -> dict[str, torch.Tensor]:
         """Rank 0: the whole state from every rank's gathered (mirror tensors, shards), for its publisher to keep
@@ -501,6 +492,24 @@ class Attachment:
         """Removes the hook; later optimizer steps do no deltasync work."""
         if self._handle is not None:
             self._handle.remove()
+
+
+def _told(outcome: list[Any], failure: Exception | None, accepted: tuple[str, ...], what: str) -> None:
+    """Broadcasts rank 0's ``outcome[0]`` to every rank (filling ``outcome`` there); every rank then raises unless
+    it is one of ``accepted``: its own error where it had one, else DeltaSyncError with ``what`` and the outcome."""
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] not in accepted:
+        if failure is not None:
+            raise failure
+        raise DeltaSyncError(f"{what}: {outcome[0]}")
+
+
+def _holds_dtensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
+    """Whether a model's state holds DTensors (FSDP2 shards, or tensors replicated over a device mesh)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in _named_tensors(source).values())
 
 
 def _assemble(parts: list[Any]) -> dict[str, torch.Tensor]:

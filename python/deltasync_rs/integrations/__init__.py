@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..errors import DeltaSyncError, at_least_one
-from ..torch import Mirror
+from ..torch import Mirror, _holds_dtensors
 
 
 class DeltaSyncCallback(TrainerCallback):
@@ -43,7 +43,7 @@ class DeltaSyncCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self.enabled:
             return
-        if model is not None and _holds_shards(model):
+        if model is not None and _holds_dtensors(model):
             from ..torch import Attachment
 
             # Rank 0's publisher starts from its own step where it has one (resumed), as for a plain model.
@@ -86,14 +86,6 @@ class DeltaSyncCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.enabled and self.mirror is not None and state.is_world_process_zero:
             self.publisher.flush()
-
-
-def _holds_shards(model: Any) -> bool:
-    """Whether the model's state holds DTensors (FSDP2 shards, or tensors replicated over a device mesh)."""
-    from ..torch import _dtensor_type
-
-    dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in model.state_dict().values())
 
 
 __all__ = ["DeltaSyncCallback"]
