@@ -58,6 +58,12 @@ class _FailingOnce:
         return Builder()
 
 
+def backward(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """One batch's gradients (this rank's own tokens)."""
+    tokens = torch.randint(0, 11, (4, 3), generator=generator)
+    model(tokens).square().mean().backward()
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model in bf16 (a collective: every rank calls it); plain tensors (the buffer) as this rank holds
     them, which on rank 0 is what torch.save there would keep."""
@@ -95,8 +101,7 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
             callback.on_train_begin(None, state, None, model=model)
             generator = torch.Generator().manual_seed(rank)
             for step in range(1, 6):
-                tokens = torch.randint(0, 11, (4, 3), generator=generator)
-                model(tokens).square().mean().backward()
+                backward(model, generator)
                 optimizer.step()
                 optimizer.zero_grad()
                 state.global_step = step
@@ -131,13 +136,8 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
         assert attachment.mirror.is_sharded
         generator = torch.Generator().manual_seed(rank)
         raised = []
-
-        def train() -> None:
-            tokens = torch.randint(0, 11, (4, 3), generator=generator)
-            model(tokens).square().mean().backward()
-
         for step in range(1, 6):
-            train()
+            backward(model, generator)
             if scenario == "fail" and rank == 1 and step == 4:
                 ds_torch.MirrorDiff = _FailingOnce(ds_torch.MirrorDiff, step)
             try:
@@ -167,7 +167,7 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
                 publisher.resume(pulled, step=5)
             attachment = ds_torch.attach(optimizer, model, publisher, sync_every=2)
             for _ in (6, 7):
-                train()
+                backward(model, generator)
                 optimizer.step()
                 optimizer.zero_grad()
         with open(f"{out}.rank{rank}.txt", "w") as report:
