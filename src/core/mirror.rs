@@ -665,6 +665,41 @@ mod tests {
         }
 
         #[test]
+        fn context_equals_diff_context(
+            wide in any::<bool>(),
+            numel in 1usize..5000,
+            seed in any::<u64>(),
+            density in 0.0f64..1.0,
+            step in 0.001f32..0.05,
+            chunk in 1usize..3000,
+        ) {
+            // Weights as initialised (uniform in +-1/8) and an optimizer step of about `step` on a share `density`
+            // of them: where most elements change, the base's exponent classes differ from the new bits', which
+            // the writer's choice to code positions by class must not see (the mirror holds the new bits, `diff`
+            // the base).
+            let width = if wide { 4 } else { 2 };
+            let mut next = xorshift(seed | 1);
+            let mut uniform = move || (next() >> 11) as f32 / (1u64 << 53) as f32;
+            let (mut old, mut new) = (Vec::with_capacity(numel * width), Vec::with_capacity(numel * width));
+            for _ in 0..numel {
+                let before = (uniform() - 0.5) / 4.0;
+                let after = if f64::from(uniform()) < density {
+                    before + if uniform() < 0.5 { step } else { -step }
+                } else {
+                    before
+                };
+                for (out, value) in [(&mut old, before), (&mut new, after)] {
+                    out.extend_from_slice(&value.to_le_bytes()[4 - width..]);
+                }
+            }
+            let dtype = dtype_of(width);
+            let want = reference_in(&old, &new, dtype, ValueCodec::Diff, Codec::Context);
+            let (tensor, mirror) = chunked_in(&old, &new, dtype, chunk, ValueCodec::Diff, Codec::Context);
+            same(&tensor, &want);
+            prop_assert_eq!(mirror, new);
+        }
+
+        #[test]
         fn compact_equals_diff_compact(
             width in prop::sample::select(vec![1usize, 2, 4, 8]),
             numel in 0usize..600,

@@ -915,14 +915,36 @@ fn encode_walk_bmi2<const W: usize>(
 }
 
 /// A guess at the median exponent field from about 16K elements spread over the tensor (exact where it has no
-/// more).
-fn sampled_median(base: &[u8], field: Exponent) -> u8 {
-    let numel = base.len() / field.width;
+/// more): of `base`, or, with `patches`, of the base `base` holds the new bits of (as `sampled_base`).
+fn sampled_median(base: &[u8], field: Exponent, patches: &[(u64, u64)]) -> u8 {
     let mut histogram = [0u64; 256];
-    for i in (0..numel).step_by((numel / 16384).max(1)) {
-        field.for_each(&base[i * field.width..(i + 1) * field.width], |exponent| histogram[exponent] += 1);
-    }
+    sampled_base(base, field, sample_strides(base.len() / field.width)[0], patches, |bits| {
+        field.for_each(bits, |exponent| histogram[exponent] += 1)
+    });
     median_exponent(&histogram)
+}
+
+/// The strides, in elements, of the two samples `worth_walking_sampled` takes of a tensor of `numel` elements: for
+/// the median's guess (about 16K elements), then for the class shares of all elements (about `SAMPLE`).
+pub fn sample_strides(numel: usize) -> [usize; 2] {
+    [(numel / 16384).max(1), (numel / SAMPLE).max(1)]
+}
+
+/// Calls `f` with the bits of every `stride`-th element of `bytes`, from the first; where `bytes` holds a tensor's
+/// new bits, `patches` gives the base's bits (element index, bits; ascending) of those sampled elements that
+/// changed, so that the sample is of the base either way.
+fn sampled_base(bytes: &[u8], field: Exponent, stride: usize, patches: &[(u64, u64)], mut f: impl FnMut(&[u8])) {
+    let numel = bytes.len() / field.width;
+    let mut next = 0usize;
+    for i in (0..numel).step_by(stride) {
+        while patches.get(next).is_some_and(|&(at, _)| at < i as u64) {
+            next += 1;
+        }
+        match patches.get(next) {
+            Some(&(at, bits)) if at == i as u64 => f(&bits.to_le_bytes()[..field.width]),
+            _ => f(&bytes[i * field.width..(i + 1) * field.width]),
+        }
+    }
 }
 
 /// The median exponent field (as `median_exponent`) from the class populations for `reference`, where it lies in
@@ -973,7 +995,18 @@ pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, position
     let step = sample_step(positions.len() as u64);
     let sampled: Vec<u64> = positions.iter().step_by(step).copied().collect();
     let sampled_old: Option<Vec<u64>> = old.map(|old| old.iter().step_by(step).copied().collect());
-    worth_walking_sampled(base, sampled_old.as_deref(), field, &sampled, positions.len() as u64, other_len).is_some()
+    let strides = sample_strides(base.len() / field.width);
+    let patches: Vec<(u64, u64)> = match old {
+        Some(old) => positions
+            .iter()
+            .zip(old)
+            .filter(|(&p, _)| strides.iter().any(|&s| p.is_multiple_of(s as u64)))
+            .map(|(&p, &o)| (p, o))
+            .collect(),
+        None => Vec::new(),
+    };
+    let changes = positions.len() as u64;
+    worth_walking_sampled(base, sampled_old.as_deref(), &patches, field, &sampled, changes, other_len).is_some()
 }
 
 /// Which of a tensor's `changes` changes `worth_walking` samples: every `sample_step(changes)`-th, from the first.
@@ -1003,10 +1036,13 @@ impl WorthWalking {
 
 /// `worth_walking` from its sample alone: the positions (and, as for `worth_walking`, base bits) of the changes
 /// number 0, `sample_step(changes)`, 2 × that, ... of the tensor's `changes` changes, so that a writer need not
-/// gather every change of a tensor the walk would not pay for. Some where the walk is worth it.
+/// gather every change of a tensor the walk would not pay for; with `old`, `patches` gives the base's bits of the
+/// changed elements among those the tensor samples take (`sample_strides`), so that the samples are of the base as
+/// they are for a writer that holds it. Some where the walk is worth it.
 pub fn worth_walking_sampled(
     base: &[u8],
     old: Option<&[u64]>,
+    patches: &[(u64, u64)],
     field: Exponent,
     positions: &[u64],
     changes: u64,
@@ -1016,12 +1052,12 @@ pub fn worth_walking_sampled(
     if positions.is_empty() || numel == 0 {
         return None;
     }
-    let guess = sampled_median(base, field);
+    let guess = sampled_median(base, field, patches);
     let table = class_table(guess);
     let mut all = [0f64; CLASSES];
-    for i in (0..numel).step_by((numel / SAMPLE).max(1)) {
-        field.for_each(&base[i * field.width..(i + 1) * field.width], |e| all[usize::from(table[e])] += 1.0);
-    }
+    sampled_base(base, field, sample_strides(numel)[1], patches, |bits| {
+        field.for_each(bits, |e| all[usize::from(table[e])] += 1.0)
+    });
     let mut changed = [0f64; CLASSES];
     for j in 0..positions.len() {
         let bits = match old {
@@ -1050,14 +1086,14 @@ pub fn worth_walking_sampled(
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.
 pub fn encode(base: &[u8], field: Exponent, positions: &[u64]) -> Vec<u8> {
-    encode_patched(base, None, field, positions, sampled_median(base, field))
+    encode_patched(base, None, field, positions, sampled_median(base, field, &[]))
 }
 
 /// `encode` for a writer that holds the new bits `new` instead of the base: `old[j]` is the base's bits of the
 /// changed element `positions[j]` (every other element is the same in both).
 pub fn encode_from_new(new: &[u8], field: Exponent, positions: &[u64], old: &[u64]) -> Vec<u8> {
     assert_eq!(positions.len(), old.len(), "one old value per changed position");
-    encode_patched(new, Some(OldBits { positions, old }), field, positions, sampled_median(new, field))
+    encode_patched(new, Some(OldBits { positions, old }), field, positions, sampled_median(new, field, &[]))
 }
 
 /// The base's exponent histogram: `base`'s, with `patch`'s old bits in place of the bytes at its positions.
@@ -1405,7 +1441,7 @@ mod tests {
                     ((exponent << 7) | (i as u16 & 0x7f)).to_le_bytes()
                 })
                 .collect();
-            assert_eq!(sampled_median(&base, field), sampled as u8);
+            assert_eq!(sampled_median(&base, field, &[]), sampled as u8);
             let positions: Vec<u64> = (0..n as u64).filter(|i| i % 7 == 0 || i % stride as u64 == 0).collect();
             let stream = encode(&base, field, &positions);
             assert_eq!(stream[0], median_exponent(&exponent_histogram(&base, field)), "sampled {sampled}");

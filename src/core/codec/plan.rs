@@ -186,9 +186,9 @@ pub fn with_context(
 ) -> TensorStreams {
     let Some(field) = super::context::Exponent::of(dtype) else { return streams };
     let changes = ranges.iter().map(|r| r.count).sum();
-    let (sampled, _) = sampled_changes(ranges, changes, field.width, false);
+    let (sampled, _, _) = sampled_changes(ranges, changes, field.width, None);
     let Some(walk) =
-        super::context::worth_walking_sampled(base, None, field, &sampled, changes, streams.positions.len())
+        super::context::worth_walking_sampled(base, None, &[], field, &sampled, changes, streams.positions.len())
     else {
         return streams;
     };
@@ -197,11 +197,22 @@ pub fn with_context(
 }
 
 /// The changes `context::worth_walking` samples (number 0, `sample_step`, 2 × that, ...) of the `changes` in
-/// `ranges`, read from the scan's ranges without gathering the others: their positions, and with `differences`
-/// (ranges of `diff` values) their differences.
-fn sampled_changes(ranges: &[Changes], changes: u64, width: usize, differences: bool) -> (Vec<u64>, Vec<u64>) {
+/// `ranges`, read from the scan's ranges without gathering the others: their positions, and with `new` (the
+/// tensor's new bits; ranges of `diff` values) their differences and, as `worth_walking_sampled`'s `patches`, the
+/// base bits of the changed elements among those its tensor samples take.
+fn sampled_changes(
+    ranges: &[Changes],
+    changes: u64,
+    width: usize,
+    new: Option<&[u8]>,
+) -> (Vec<u64>, Vec<u64>, Vec<(u64, u64)>) {
     let step = super::context::sample_step(changes) as u64;
-    let (mut positions, mut sampled_differences) = (Vec::new(), Vec::new());
+    let strides = new.map_or([1, 1], |new| super::context::sample_strides(new.len() / width)).map(|s| s as u64);
+    let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
+    let (mut positions, mut sampled_differences, mut patches) = (Vec::new(), Vec::new(), Vec::new());
+    // The next multiple of each tensor sample's stride at or after the last change: a change is checked against a
+    // stride only when it reaches that multiple, which is rare.
+    let mut next = [0u64; 2];
     let mut index = 0u64; // of the change, over all ranges
     for range in ranges.iter().filter(|r| r.count > 0) {
         let (mut position, mut gap_at, mut value_at) = (range.first_position, 0usize, 0usize);
@@ -209,18 +220,34 @@ fn sampled_changes(ranges: &[Changes], changes: u64, width: usize, differences: 
             if k > 0 {
                 position += 1 + varint::read_gap(&range.positions, &mut gap_at).expect("written by the scan");
             }
-            let difference = differences.then(|| {
-                with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut value_at))
-                    .expect("written by the scan")
-            });
+            let Some(new) = new else {
+                if index.is_multiple_of(step) {
+                    positions.push(position);
+                }
+                index += 1;
+                continue;
+            };
+            let difference = with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut value_at))
+                .expect("written by the scan");
             if index.is_multiple_of(step) {
                 positions.push(position);
-                sampled_differences.extend(difference);
+                sampled_differences.push(difference);
+            }
+            let mut sampled = false;
+            for (next, stride) in next.iter_mut().zip(strides) {
+                if position >= *next {
+                    sampled |= position.is_multiple_of(stride);
+                    *next = (position + 1).next_multiple_of(stride);
+                }
+            }
+            if sampled {
+                let bits = super::elements::load(&new[position as usize * width..], width);
+                patches.push((position, bits.wrapping_sub(difference) & mask));
             }
             index += 1;
         }
     }
-    (positions, sampled_differences)
+    (positions, sampled_differences, patches)
 }
 
 /// The wrapping differences of a tensor's changes, in order, from ranges whose values are `diff` differences.
@@ -254,11 +281,12 @@ pub fn with_context_from_new(
         super::elements::load(&new[position as usize * width..], width).wrapping_sub(difference) & mask
     };
     let changes = ranges.iter().map(|r| r.count).sum();
-    let (sampled, sampled_differences) = sampled_changes(ranges, changes, width, true);
+    let (sampled, sampled_differences, patches) = sampled_changes(ranges, changes, width, Some(new));
     let sampled_old: Vec<u64> = sampled.iter().zip(&sampled_differences).map(|(&p, &d)| base_bits(p, d)).collect();
     let Some(walk) = super::context::worth_walking_sampled(
         new,
         Some(&sampled_old),
+        &patches,
         field,
         &sampled,
         changes,
@@ -337,10 +365,20 @@ mod tests {
             let differences = differences_of(&ranges, 2);
             let step = super::super::context::sample_step(positions.len() as u64);
             let changes = positions.len() as u64;
-            let (sampled, sampled_differences) = sampled_changes(&ranges, changes, 2, true);
+            let (sampled, sampled_differences, patches) = sampled_changes(&ranges, changes, 2, Some(&new));
             assert_eq!(sampled, positions.iter().step_by(step).copied().collect::<Vec<_>>(), "{n} elements");
             assert_eq!(sampled_differences, differences.iter().step_by(step).copied().collect::<Vec<_>>());
-            assert!(sampled_changes(&ranges, changes, 2, false).1.is_empty());
+            // The patches: every changed element the tensor's samples take, with its base bits.
+            let strides = super::super::context::sample_strides(n);
+            let want: Vec<(u64, u64)> = positions
+                .iter()
+                .filter(|&&p| strides.iter().any(|&s| p.is_multiple_of(s as u64)))
+                .map(|&p| (p, u64::from(u16::from_le_bytes([old[2 * p as usize], old[2 * p as usize + 1]]))))
+                .collect();
+            assert_eq!(patches, want, "{n} elements");
+            let (unsampled, no_differences, no_patches) = sampled_changes(&ranges, changes, 2, None);
+            assert_eq!(unsampled, sampled);
+            assert!(no_differences.is_empty() && no_patches.is_empty());
         }
     }
 }
