@@ -1,7 +1,8 @@
 """Trainer side: ds.torch.Mirror.step (copy + compare + mirror update in one pass) on the Qwen3-0.6B-shaped bf16
 workload on the CPU, against the sum of its parts: a plain copy of the weights to host buffers, and ds.diff alone.
 The old two-pass mirror (ds.diff, then apply the delta to the mirror) is timed too. ``Mirror.step`` runs with each
-codec, one after the other in the same run (the compact one re-encodes each tensor's streams at its finish).
+codec, one after the other in the same run (the compact one re-encodes each tensor's streams at its finish), and
+with the encoding deferred, as the publisher's hooks run it (the upload thread encodes; not timed here).
 
 Each round starts from a mirror equal to ``prev`` with the model at ``curr``; resetting the mirror is setup, not timed.
 Results are checked against ds.diff (bit-exact file bytes), so a benchmark that runs is also a correctness test."""
@@ -55,6 +56,23 @@ def test_mirror_step(benchmark, workload, pedantic_opts, mirror_at_prev, referen
         torch.equal(mirror.tensors[n].view(torch.int16), workload.curr[n].view(torch.int16)) for n in mirror.tensors
     )
     benchmark.extra_info.update(changed=delta.num_changed, delta_bytes=delta.nbytes, mirror_bytes=mirror.nbytes)
+
+
+@pytest.mark.parametrize("codec", ["compact", "context"])
+def test_mirror_step_deferred(benchmark, workload, pedantic_opts, mirror_at_prev, reference, codec):
+    """What the trainer waits for in ``ds.torch.attach``'s hook and ``DeltaSyncCallback``: the step with the encoding
+    deferred to the publisher's upload thread (``_step(..., defer=True)``). The encoding is done after the timed
+    rounds, from the mirror, and checked against ds.diff's bytes."""
+    mirror, reset = mirror_at_prev
+    mirror.codec = codec
+    try:
+        deferred = benchmark.pedantic(lambda step: mirror._step(step, defer=True), setup=reset, **pedantic_opts)
+        delta = deferred.complete(mirror.tensors)
+    finally:
+        mirror.codec = "compact"
+    want = reference if codec == "compact" else ds.diff(workload.prev, workload.curr, codec=codec, step=1, base_step=0)
+    assert delta.to_bytes() == (want if isinstance(want, bytes) else want.to_bytes())
+    benchmark.extra_info.update(changed=delta.num_changed, delta_bytes=delta.nbytes)
 
 
 def test_copy_alone(benchmark, workload, pedantic_opts):

@@ -1122,6 +1122,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BaseMismatchError", py.get_type::<BaseMismatchError>())?;
     m.add_class::<RawDelta>()?;
     m.add_class::<mirror::MirrorDiff>()?;
+    m.add_class::<mirror::DeferredDelta>()?;
     m.add_function(wrap_pyfunction!(mirror::join_shards, m)?)?;
     m.add_function(wrap_pyfunction!(diff_files, m)?)?;
     m.add_function(wrap_pyfunction!(apply_file, m)?)?;

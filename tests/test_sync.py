@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -466,3 +467,86 @@ def test_a_publish_that_fails_part_way_is_followed_by_an_anchor(tmp_path, monkey
     fresh = _fresh(state)
     assert ds.Subscriber(store).pull(fresh) == 3
     assert_states_equal(fresh, state)
+
+
+def _mixed_state(seed=0):
+    """Tensors the compact codec codes sparse, one it stores whole (every element changes), and many small ones."""
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "embed.weight": torch.randn(300, 16, generator=g).bfloat16(),
+        "bias": torch.randn(6, generator=g).bfloat16(),
+    }
+    state |= {f"norm{i}.weight": torch.randn(24, generator=g).bfloat16() for i in range(12)}
+    return state
+
+
+def _mixed_step(state, step):
+    _train_step({k: v for k, v in state.items() if k != "bias"}, step)
+    state["bias"].view(torch.int16).add_(1)  # every element: stored whole where that is smaller
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact", "context"])
+def test_publish_returns_before_the_delta_is_encoded_and_publishes_what_diff_writes(tmp_path, monkeypatch, codec):
+    """Publisher.publish returns once its mirror moved: the delta's encoding (the compact re-encoding, the choice to
+    store a tensor whole) is left to the upload thread, which makes it from the mirror before the next publish may
+    move it again, even while uploads back up behind a slow store. The published deltas are the bytes ds.diff makes of
+    the same two states."""
+    import threading
+
+    import deltasync_rs.delta as delta_module
+
+    completed_on = []
+    complete = delta_module._Deferred.complete
+
+    def recording(self, tensors):
+        completed_on.append(threading.current_thread().name)
+        return complete(self, tensors)
+
+    monkeypatch.setattr(delta_module._Deferred, "complete", recording)
+    store = ds.LocalStore(tmp_path)
+    put = store.put
+
+    def slow_put(key, data):
+        if key.startswith("deltas/"):
+            time.sleep(0.05)  # the next publish comes while this step's upload still runs
+        return put(key, data)
+
+    store.put = slow_put
+    state = _mixed_state()
+    history = {}
+    with ds.Publisher(store, anchor_every=100, codec=codec) as publisher:
+        for step in range(6):
+            if step:
+                _mixed_step(state, step)
+            publisher.publish(step, state)
+            history[step] = {k: v.clone() for k, v in state.items()}
+    assert completed_on == ["deltasync-publisher"] * 5
+    for step in range(1, 6):
+        want = ds.diff(history[step - 1], history[step], codec=codec)
+        want.step, want.base_step = step, step - 1
+        assert store.get(delta_key(step)) == want.to_bytes(), step
+    assert ds.load(store.get(delta_key(5))).num_changed > 0
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 5
+    assert_states_equal(replica, state)
+
+
+def test_a_deferred_delta_is_completed_only_from_its_own_mirror_and_once():
+    """Completing a deferred delta from other memory than the mirror it was compared into (a copy) would encode
+    other bits: it is refused, naming the tensor; so is a second completion, or one without a tensor's mirror."""
+    from deltasync_rs.mirror import Mirror
+
+    state = _mixed_state()
+    mirror = Mirror(state, step=0)
+    _mixed_step(state, 1)
+    deferred = mirror.advance(state, step=1, codec="compact", defer=True)
+    with pytest.raises(ds.DeltaSyncError, match='"embed.weight".*other memory than the mirror'):
+        deferred.complete({k: v.clone() for k, v in mirror.tensors.items()})
+    with pytest.raises(ds.DeltaSyncError, match='"embed.weight".*mirror was not given'):
+        deferred.complete({})
+    delta = deferred.complete(mirror.tensors)
+    want = ds.diff(_mixed_state(), state, codec="compact")
+    want.step, want.base_step = 1, 0
+    assert delta.to_bytes() == want.to_bytes()
+    with pytest.raises(ds.DeltaSyncError, match="completed already"):
+        deferred.complete(mirror.tensors)

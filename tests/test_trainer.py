@@ -290,6 +290,45 @@ def test_attach_after_resume_shares_the_mirror(tmp_path):
     assert_same(replica, bf16(model))
 
 
+@pytest.mark.parametrize("codec", ["compact", "context"])
+def test_attach_leaves_the_encoding_to_the_upload_thread_and_publishes_the_mirror_step_bytes(
+    tmp_path, monkeypatch, codec
+):
+    """The optimizer hook returns once the mirror moved: the delta's encoding waits for the publisher's upload
+    thread, which makes it from the mirror before the next step may move it. The published bytes are those the
+    mirror's own step gives (a second mirror stepped alongside, its tensors cast chunk by chunk)."""
+    import threading
+
+    import deltasync_rs.delta as delta_module
+
+    completed_on = []
+    complete = delta_module._Deferred.complete
+
+    def recording(self, tensors):
+        completed_on.append(threading.current_thread().name)
+        return complete(self, tensors)
+
+    monkeypatch.setattr(delta_module._Deferred, "complete", recording)
+    model = tiny_gpt2(seed=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    store = LocalStore(tmp_path / "store")
+    publisher = ds.Publisher(store, anchor_every=100, codec=codec)
+    attachment = ds_torch.attach(optimizer, model, publisher, chunk_bytes=50_000)
+    twin = ds_torch.Mirror(model, torch.bfloat16, chunk_bytes=30_000, codec=codec, step=0)
+    for step in range(1, 5):
+        train_step(model, optimizer, seed=300 + step)
+        want = twin.step(step)
+        publisher.flush()
+        assert store.get(ds.sync.delta_key(step)) == want.to_bytes(), step
+    assert completed_on == ["deltasync-publisher"] * 4
+    replica = replica_of(attachment.mirror)
+    for tensor in replica.values():
+        tensor.zero_()
+    assert ds.Subscriber(store).pull(replica) == 4
+    assert_same(replica, bf16(model))
+    publisher.close()
+
+
 def test_transformers_trainer_callback(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (make setup installs it)")

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 
 from . import _arrays, _identity, _write
-from ._core import BaseMismatchError, DeltaSyncError, RawDelta
+from ._core import BaseMismatchError, DeferredDelta, DeltaSyncError, RawDelta
 from ._core import combine_hashes as _combine_hashes
 from ._core import tensor_hashes as _tensor_hashes
 from ._core import write_anchor as _write_anchor
@@ -389,6 +389,23 @@ def _check_step(value: int | None, what: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
         raise DeltaSyncError(f"{what} must be None or an integer in [0, 2**64), not {value!r}")
     return value
+
+
+class _Deferred:
+    """A delta whose tensors' encoding waits (``Mirror.advance(..., defer=True)``, ``ds.torch.Mirror._step(...,
+    defer=True)``): the mirror moved already; :meth:`complete` encodes the delta from that mirror, which must still
+    hold this step (a publisher's upload thread completes it before the next step may move the mirror). The bytes
+    are those the mirror's step would have returned at once."""
+
+    def __init__(self, raw: DeferredDelta, step: int | None, base_step: int | None) -> None:
+        self._raw = raw
+        self.step = step
+        self.base_step = base_step
+
+    def complete(self, tensors: Mapping[str, Any]) -> Delta:
+        """The delta, from the mirror's ``tensors`` (name -> tensor): the memory it was compared into (checked)."""
+        mirrors = [(name, _arrays.host_bytes(tensor)[0]) for name, tensor in tensors.items()]
+        return _finish(self._raw.complete(mirrors), self.step, self.base_step, None)
 
 
 def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Mapping[str, str] | None) -> Delta:

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _arrays
 from ._core import MirrorDiff
-from .delta import Delta, _finish, check_codec, in_batches, state_digest
+from .delta import Delta, _Deferred, _finish, check_codec, in_batches, state_digest
 from .errors import BaseMismatchError, DeltaSyncError
 
 
@@ -73,12 +73,15 @@ class Mirror:
                 "checkpoint): it cannot move to another step"
             )
 
-    def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "compact") -> Delta:
+    def advance(
+        self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "compact", defer: bool = False
+    ) -> Delta | _Deferred:
         """The delta from the mirror to ``state``; the mirror moves to ``state`` and ``step``.
 
         One pass per tensor: the core compares and writes the new bits into the mirror as it records the changes.
         ``codec`` is the stream family, as for :func:`diff` (the same bytes). Names, dtypes and shapes are all
-        checked before the first write."""
+        checked before the first write. With ``defer`` the encoding of the changes waits: the delta is returned
+        as a ``_Deferred``, to be completed from this mirror before it moves again (a publisher's upload thread)."""
         if self.is_empty:
             raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
         self._check_writable()
@@ -93,7 +96,7 @@ class Mirror:
                 f"only in the state {only_state[:5]}"
             )
         kinds = {name: _arrays.check_same_kind(self._tensors[name], new, name) for name, new in state.items()}
-        builder = MirrorDiff(values, codec)
+        builder = MirrorDiff(values, codec, defer)
 
         def entries():
             for name, new in state.items():
@@ -102,7 +105,11 @@ class Mirror:
                 yield (name, dtype, list(shape), _arrays.writable_bytes(self._tensors[name]), new_bytes), copied
 
         in_batches(entries(), builder.advance)
-        delta = _finish(builder.take(), step, self.step, None)
+        delta = (
+            _Deferred(builder.take_deferred(), step, self.step)
+            if defer
+            else _finish(builder.take(), step, self.step, None)
+        )
         self.step = step
         return delta
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
-from .delta import Delta, check_codec, state_digest, write_anchor_pieces
+from .delta import Delta, _Deferred, check_codec, state_digest, write_anchor_pieces
 from .errors import (
     BaseMismatchError,
     DeltaFormatError,
@@ -301,11 +301,11 @@ class Publisher:
             return
         self._wait_for_mirror()
         delta = self._advance(
-            step, lambda: self._mirror.advance(state, step=step, values=self.values, codec=self.codec)
+            step, lambda: self._mirror.advance(state, step=step, values=self.values, codec=self.codec, defer=True)
         )
         self._enqueue(step, delta)
 
-    def _advance(self, step: int, advance: Callable[[], Delta]) -> Delta | None:
+    def _advance(self, step: int, advance: Callable[[], Delta | _Deferred]) -> Delta | _Deferred | None:
         """Runs ``advance()``, which moves the mirror to ``step`` and returns the delta; None (publish an anchor)
         when an earlier move of the mirror raised part way: the delta would start from a state never published."""
         torn, self._torn = self._torn, True
@@ -472,7 +472,7 @@ class Publisher:
         self,
         step: int,
         tensors: Mapping[str, Any],
-        advance: Callable[[], Delta] | None = None,
+        advance: Callable[[], Delta | _Deferred] | None = None,
         *,
         read_only: bool = False,
     ) -> None:
@@ -536,7 +536,7 @@ class Publisher:
                     f"{self.store.url}: the upload thread stopped while reading the mirror (an anchor or the state digest)"
                 )
 
-    def _enqueue(self, step: int, delta: Delta | None) -> None:
+    def _enqueue(self, step: int, delta: Delta | _Deferred | None) -> None:
         due = delta is None or self._since_anchor + 1 >= self.anchor_every
         # The anchor and the state digest are made later, in the upload job, from the mirror itself (the tensors
         # of this step: a reset replaces the mapping, and every change in place waits for _mirror_free), so that
@@ -630,12 +630,22 @@ class Publisher:
             ref["pieces"] = file_ref(pieces_key(step), sidecar) | {"piece_bytes": piece_bytes}
         return path, ref, digest, sidecar
 
-    def _upload(self, step: int, delta: Delta | None, tensors: Mapping[str, Any], anchor: bool, elements: int) -> None:
+    def _upload(
+        self, step: int, delta: Delta | _Deferred | None, tensors: Mapping[str, Any], anchor: bool, elements: int
+    ) -> None:
         """Publishes one step: the anchor (when due) and the state digest from the mirror's ``tensors``, which
         stay unchanged until ``_mirror_free`` is set again, then the files, the entry and the pointer."""
         started = time.perf_counter()
         delta_ref = anchor_ref = None
         anchor_path = sidecar = None
+        if isinstance(delta, _Deferred):
+            # The delta's encoding was left to this thread (the caller returned once the mirror moved); it reads the
+            # mirror, which holds this step until _mirror_free is set.
+            try:
+                delta = delta.complete(tensors)
+            except BaseException:
+                self._mirror_free.set()
+                raise
         if anchor:
             # The anchor's own pass over the mirror also gives the state digest.
             anchor_path, anchor_ref, digest, sidecar = self._anchor_file(tensors, step)

@@ -11,7 +11,7 @@ import torch
 
 from . import _arrays
 from ._core import BaseMismatchError, DeltaSyncError, MirrorDiff
-from .delta import Delta, _finish, check_codec
+from .delta import Delta, _Deferred, _finish, check_codec
 from .errors import at_least_one
 
 log = logging.getLogger("deltasync_rs.sync")
@@ -238,9 +238,17 @@ class Mirror:
     def step(self, step: int | None = None) -> Delta:
         """Copies the current weights to the CPU chunk by chunk, compares them with the mirror and moves the mirror
         to them, in one pass; returns the delta from the previous mirror state (``base_step``) to ``step``."""
+        delta = self._step(step, defer=False)
+        assert isinstance(delta, Delta)
+        return delta
+
+    def _step(self, step: int | None, *, defer: bool) -> Delta | _Deferred:
+        """``step``; with ``defer`` the encoding of whole tensors' changes waits (the compact re-encoding, the choice
+        to store a tensor whole): the mirror moves, and the ``_Deferred`` returned is completed from it later, before
+        it moves again (a publisher's upload thread, off the training step's path)."""
         live = self._live()
         self.last_bases = []
-        builder = MirrorDiff(self.values, self.codec)
+        builder = MirrorDiff(self.values, self.codec, defer)
         stream = torch.cuda.Stream() if any(t.device.type == "cuda" for t in live.values()) else None
         # Chunks whose bytes are on their way to the host: (name, start, end, host bytes, event, first, last).
         pending: list[tuple[str, int, int, Any, Any, bool, bool]] = []
@@ -300,7 +308,10 @@ class Mirror:
         flush()
         for job in pending:
             scan(job)
-        delta = _finish(builder.take(), step, self.current_step, None)
+        if defer:
+            delta: Delta | _Deferred = _Deferred(builder.take_deferred(), step, self.current_step)
+        else:
+            delta = _finish(builder.take(), step, self.current_step, None)
         self.last_bases = builder.take_shard_bases()
         self.current_step = step
         return delta
@@ -485,7 +496,8 @@ class Attachment:
             return step
         if step == self.mirror.current_step:
             return step  # published already
-        self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror.step(step))
+        # The compact re-encoding waits for the publisher's upload thread: training goes on once the mirror moved.
+        self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror._step(step, defer=True))
         return step
 
     def detach(self) -> None:

@@ -23,14 +23,26 @@ fn overlap(a: RawSlice, b: RawSlice) -> bool {
 /// whole tensors at once with `advance`. `take` returns the finished tensors as a RawDelta. With
 /// `codec="compact"` a whole tensor's streams are re-encoded at its finish exactly as `diff` does; a shard
 /// (`finish(None)`) keeps `varint` streams.
+///
+/// With `defer=True` a whole tensor's finish (the compact re-encoding, the choice to store it whole) waits: the
+/// mirror moves at once, and `take_deferred` returns a DeferredDelta, which `complete` finishes later from the same
+/// mirror memory, still holding this step (a publisher's upload thread, while the next step waits for the mirror).
 #[pyclass(module = "deltasync_rs._core")]
 pub struct MirrorDiff {
     values: ValueCodec,
     codec: Codec,
+    defer: bool,
     open: Option<MirrorTensor>,
-    done: Vec<TensorDelta>,
+    done: Vec<Slot>,
     /// What each shard finished since the last `take_shard_bases` mirrored: (name, first element, elements, identity).
     shard_bases: Vec<(String, u64, u64, String)>,
+}
+
+/// A tensor of a MirrorDiff: finished, or compared with its encoding deferred, with the address and length of the
+/// whole mirror it was compared into (its completion must be given that same memory).
+enum Slot {
+    Done(TensorDelta),
+    Pending { tensor: MirrorTensor, mirror: (usize, usize) },
 }
 
 impl MirrorDiff {
@@ -42,11 +54,12 @@ impl MirrorDiff {
 #[pymethods]
 impl MirrorDiff {
     #[new]
-    #[pyo3(signature = (values = "diff", codec = "compact"))]
-    fn new(values: &str, codec: &str) -> PyResult<Self> {
+    #[pyo3(signature = (values = "diff", codec = "compact", defer = false))]
+    fn new(values: &str, codec: &str, defer: bool) -> PyResult<Self> {
         Ok(MirrorDiff {
             values: parse_values(values)?,
             codec: parse_codec(codec)?,
+            defer,
             open: None,
             done: Vec::new(),
             shard_bases: Vec::new(),
@@ -102,14 +115,18 @@ impl MirrorDiff {
             if let Some(range) = range {
                 self.shard_bases.push((name, range.first, range.elements, base::to_hex(range.identity)));
             }
-            self.done.push(finished);
+            self.done.push(Slot::Done(finished));
             return Ok(());
         };
         let (held, slice) = export(obj, &|| format!("tensor {:?} (mirror)", tensor.name()), false)?;
+        if self.defer {
+            self.done.push(Slot::Pending { tensor, mirror: (slice.ptr as usize, slice.len) });
+            return Ok(());
+        }
         // SAFETY: the buffer stays exported until after the call.
         let finished = py.detach(|| tensor.finish(Some(unsafe { slice.get() }))).map_err(to_py)?;
         drop(held);
-        self.done.push(finished);
+        self.done.push(Slot::Done(finished));
         Ok(())
     }
 
@@ -143,7 +160,8 @@ impl MirrorDiff {
             held.push(new_buffer);
             specs.push((name.clone(), dtype, shape.clone(), mirror_slice, new_slice));
         }
-        let (values, codec) = (self.values, self.codec);
+        let (values, codec, defer) = (self.values, self.codec, self.defer);
+        let spans: Vec<(usize, usize)> = written.iter().map(|m| (m.ptr as usize, m.len)).collect();
         let tensors = py
             .detach(|| {
                 let inputs = specs
@@ -157,7 +175,17 @@ impl MirrorDiff {
                         new: unsafe { new.get() },
                     })
                     .collect();
-                mirror::advance(inputs, values, codec)
+                if defer {
+                    mirror::advance_deferred(inputs, values, codec).map(|pending| {
+                        pending
+                            .into_iter()
+                            .zip(spans)
+                            .map(|(tensor, mirror)| Slot::Pending { tensor, mirror })
+                            .collect::<Vec<_>>()
+                    })
+                } else {
+                    mirror::advance(inputs, values, codec).map(|done| done.into_iter().map(Slot::Done).collect())
+                }
             })
             .map_err(to_py)?;
         drop(held);
@@ -170,14 +198,104 @@ impl MirrorDiff {
         if let Some(open) = &self.open {
             return Err(DeltaSyncError::new_err(format!("tensor {:?} is still open: finish it first", open.name())));
         }
+        if self.done.iter().any(|slot| matches!(slot, Slot::Pending { .. })) {
+            return Err(DeltaSyncError::new_err("tensors were deferred: take them with take_deferred"));
+        }
         let mut raw = RawDelta { delta: Delta { packed: self.codec != Codec::Varint, ..Delta::default() } };
-        raw.extend(std::mem::take(&mut self.done))?;
+        raw.extend(
+            std::mem::take(&mut self.done)
+                .into_iter()
+                .map(|slot| match slot {
+                    Slot::Done(tensor) => tensor,
+                    Slot::Pending { .. } => unreachable!("checked above"),
+                })
+                .collect(),
+        )?;
         Ok(raw)
     }
 
-    /// Tensors finished and not yet taken.
+    /// The tensors so far, finished or deferred, as a DeferredDelta; the builder starts empty again.
+    fn take_deferred(&mut self) -> PyResult<DeferredDelta> {
+        if let Some(open) = &self.open {
+            return Err(DeltaSyncError::new_err(format!("tensor {:?} is still open: finish it first", open.name())));
+        }
+        Ok(DeferredDelta { slots: Some(std::mem::take(&mut self.done)), packed: self.codec != Codec::Varint })
+    }
+
+    /// Tensors finished (or deferred) and not yet taken.
     fn __len__(&self) -> usize {
         self.done.len()
+    }
+}
+
+/// A delta whose tensors' encoding was deferred (MirrorDiff with `defer=True`): the mirror has moved already.
+#[pyclass(module = "deltasync_rs._core")]
+pub struct DeferredDelta {
+    slots: Option<Vec<Slot>>,
+    packed: bool,
+}
+
+#[pymethods]
+impl DeferredDelta {
+    /// Finishes every deferred tensor as MirrorDiff's `finish` would have right after its compare, from `mirrors`,
+    /// (name, buffer) of each deferred tensor's whole mirror: the very memory it was compared into (checked), still
+    /// holding that step. Once only.
+    fn complete(&mut self, py: Python<'_>, mirrors: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<RawDelta> {
+        let slots =
+            self.slots.as_ref().ok_or_else(|| DeltaSyncError::new_err("this deferred delta was completed already"))?;
+        let given: std::collections::HashMap<&str, &Bound<'_, PyAny>> =
+            mirrors.iter().map(|(name, obj)| (name.as_str(), obj)).collect();
+        // Every mirror is found and checked before anything is taken: a refused call leaves the delta as it was.
+        let mut held = Vec::new();
+        let mut slices = Vec::new();
+        for slot in slots {
+            let Slot::Pending { tensor, mirror } = slot else { continue };
+            let name = tensor.name();
+            let obj = given.get(name).ok_or_else(|| {
+                DeltaSyncError::new_err(format!("tensor {name:?}: its mirror was not given to complete the delta"))
+            })?;
+            let (buffer, slice) = export(obj, &|| format!("tensor {name:?} (mirror)"), false)?;
+            // (An empty tensor's address means nothing: only its length is compared.)
+            if slice.len != mirror.1 || (slice.len > 0 && slice.ptr as usize != mirror.0) {
+                return Err(DeltaSyncError::new_err(format!(
+                    "tensor {name:?}: the delta is completed from other memory than the mirror it was compared into"
+                )));
+            }
+            held.push(buffer);
+            slices.push(slice);
+        }
+        let mut slices = slices.into_iter();
+        let mut pending = Vec::new();
+        let mut order = Vec::new();
+        for slot in self.slots.take().expect("checked above") {
+            match slot {
+                Slot::Done(tensor) => order.push(Some(tensor)),
+                Slot::Pending { tensor, .. } => {
+                    pending.push((tensor, slices.next().expect("one slice per deferred tensor")));
+                    order.push(None);
+                }
+            }
+        }
+        let finished = py
+            .detach(|| {
+                // SAFETY: `held` keeps every buffer exported until after the call; they are only read.
+                mirror::complete(pending.into_iter().map(|(tensor, slice)| (tensor, unsafe { slice.get() })).collect())
+            })
+            .map_err(to_py)?;
+        drop(held);
+        let mut finished = finished.into_iter();
+        let tensors = order
+            .into_iter()
+            .map(|slot| slot.unwrap_or_else(|| finished.next().expect("one finished tensor per deferred one")))
+            .collect();
+        let mut raw = RawDelta { delta: Delta { packed: self.packed, ..Delta::default() } };
+        raw.extend(tensors)?;
+        Ok(raw)
+    }
+
+    /// Tensors in the delta, finished or deferred (none once completed).
+    fn __len__(&self) -> usize {
+        self.slots.as_ref().map_or(0, Vec::len)
     }
 }
 

@@ -302,19 +302,7 @@ pub struct MirrorInput<'a> {
 pub fn advance(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -> Result<Vec<TensorDelta>> {
     let mut tensors = Vec::with_capacity(inputs.len());
     for input in &inputs {
-        let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, values)?.with_codec(codec)?;
-        let expected = tensor.numel as usize * tensor.width;
-        if input.mirror.len() != expected || input.new.len() != expected {
-            return Err(Error::mismatch(format!(
-                "tensor {:?}: {} mirror bytes and {} new bytes given for shape {:?} of {}",
-                input.name,
-                input.mirror.len(),
-                input.new.len(),
-                input.shape,
-                dtype::name_of(input.dtype)
-            )));
-        }
-        tensors.push(tensor);
+        tensors.push(begin_whole(input, values, codec)?);
     }
     // Small tensors are many; advance them side by side, and let big ones spread over the pool themselves.
     crate::core::pool::install(|| {
@@ -327,6 +315,47 @@ pub fn advance(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -
             })
             .collect()
     })
+}
+
+/// `advance` without the `finish`: the mirrors are moved to the new bytes and every tensor's changes are kept, to be
+/// encoded later by `complete` (the compact codec's re-encoding, the choice to store a tensor whole), off the path of
+/// whoever waits for the mirror to move. Every length is checked before the first write.
+pub fn advance_deferred(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -> Result<Vec<MirrorTensor>> {
+    let mut tensors = Vec::with_capacity(inputs.len());
+    for input in &inputs {
+        tensors.push(begin_whole(input, values, codec)?);
+    }
+    crate::core::pool::install(|| {
+        tensors
+            .into_par_iter()
+            .zip(inputs.into_par_iter())
+            .map(|(mut tensor, input)| tensor.update(input.mirror, input.new, 0).map(|()| tensor))
+            .collect()
+    })
+}
+
+/// Finishes tensors whose encoding was deferred, side by side: each with the mirror of the whole tensor, which must
+/// still hold the bytes its last update wrote (the tensor's new state; elements no chunk covered, their base). The
+/// bytes are those `finish` would have given right after the updates.
+pub fn complete(tensors: Vec<(MirrorTensor, &[u8])>) -> Result<Vec<TensorDelta>> {
+    crate::core::pool::install(|| tensors.into_par_iter().map(|(tensor, whole)| tensor.finish(Some(whole))).collect())
+}
+
+/// A whole tensor's `MirrorTensor`, after checking its input's lengths.
+fn begin_whole(input: &MirrorInput<'_>, values: ValueCodec, codec: Codec) -> Result<MirrorTensor> {
+    let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, values)?.with_codec(codec)?;
+    let expected = tensor.numel as usize * tensor.width;
+    if input.mirror.len() != expected || input.new.len() != expected {
+        return Err(Error::mismatch(format!(
+            "tensor {:?}: {} mirror bytes and {} new bytes given for shape {:?} of {}",
+            input.name,
+            input.mirror.len(),
+            input.new.len(),
+            input.shape,
+            dtype::name_of(input.dtype)
+        )));
+    }
+    Ok(tensor)
 }
 
 #[cfg(test)]
@@ -426,8 +455,42 @@ mod tests {
                     new: &new,
                 }];
                 same(&advance(inputs, values, Codec::Compact).unwrap().remove(0), &want);
+                // Deferred: the mirror moves at once, the same tensor comes out of `complete`.
+                let mut mirror = old.clone();
+                let inputs = vec![MirrorInput {
+                    name: "t".into(),
+                    dtype,
+                    shape: vec![n as u64],
+                    mirror: &mut mirror,
+                    new: &new,
+                }];
+                let pending = advance_deferred(inputs, values, Codec::Compact).unwrap();
+                assert_eq!(mirror, new);
+                let done = complete(pending.into_iter().map(|t| (t, &mirror[..])).collect()).unwrap();
+                same(&done[0], &want);
             }
         }
+    }
+
+    /// One whole-tensor input per mirror, named `t0`, `t1`, ..., with the new bytes of `steps`.
+    fn whole_inputs<'a>(
+        mirrors: &'a mut [Vec<u8>],
+        steps: &'a [(Vec<u8>, Vec<u8>)],
+        dtype: Dtype,
+    ) -> Vec<MirrorInput<'a>> {
+        let width = dtype::width_of(dtype).unwrap();
+        mirrors
+            .iter_mut()
+            .zip(steps)
+            .enumerate()
+            .map(|(i, (mirror, (_, new)))| MirrorInput {
+                name: format!("t{i}"),
+                dtype,
+                shape: vec![(new.len() / width) as u64],
+                mirror,
+                new,
+            })
+            .collect()
     }
 
     #[test]
@@ -665,6 +728,26 @@ mod tests {
         }
 
         #[test]
+        fn compact_equals_diff_compact(
+            width in prop::sample::select(vec![1usize, 2, 4, 8]),
+            numel in 0usize..600,
+            seed in any::<u64>(),
+            density in 0.0f64..1.0,
+            chunk in 1usize..300,
+            abs in any::<bool>(),
+        ) {
+            // The low byte moves by +-1, +-2 or 9: the differences the compact value codes are made for.
+            let (old, new) = random_step(width, numel, seed, density, |element, random| {
+                element[0] = element[0].wrapping_add([1u8, 255, 2, 254, 9][(random % 5) as usize]);
+            });
+            let codec = if abs { ValueCodec::Abs } else { ValueCodec::Diff };
+            let dtype = dtype_of(width);
+            let (tensor, mirror) = chunked_in(&old, &new, dtype, chunk, codec, Codec::Compact);
+            same(&tensor, &reference_in(&old, &new, dtype, codec, Codec::Compact));
+            prop_assert_eq!(mirror, new);
+        }
+
+        #[test]
         fn context_equals_diff_context(
             wide in any::<bool>(),
             numel in 1usize..5000,
@@ -700,23 +783,38 @@ mod tests {
         }
 
         #[test]
-        fn compact_equals_diff_compact(
+        fn deferred_equals_advance(
             width in prop::sample::select(vec![1usize, 2, 4, 8]),
-            numel in 0usize..600,
+            numels in prop::collection::vec(0usize..600, 1..4),
             seed in any::<u64>(),
             density in 0.0f64..1.0,
-            chunk in 1usize..300,
             abs in any::<bool>(),
         ) {
-            // The low byte moves by +-1, +-2 or 9: the differences the compact value codes are made for.
-            let (old, new) = random_step(width, numel, seed, density, |element, random| {
-                element[0] = element[0].wrapping_add([1u8, 255, 2, 254, 9][(random % 5) as usize]);
-            });
             let codec = if abs { ValueCodec::Abs } else { ValueCodec::Diff };
             let dtype = dtype_of(width);
-            let (tensor, mirror) = chunked_in(&old, &new, dtype, chunk, codec, Codec::Compact);
-            same(&tensor, &reference_in(&old, &new, dtype, codec, Codec::Compact));
-            prop_assert_eq!(mirror, new);
+            let steps: Vec<(Vec<u8>, Vec<u8>)> = numels
+                .iter()
+                .enumerate()
+                .map(|(i, &numel)| {
+                    random_step(width, numel, seed ^ i as u64, density, |element, random| {
+                        element[0] = element[0].wrapping_add([1u8, 255, 2, 254, 9][(random % 5) as usize]);
+                    })
+                })
+                .collect();
+            let families: &[Codec] =
+                if abs { &[Codec::Varint, Codec::Compact] } else { &[Codec::Varint, Codec::Compact, Codec::Context] };
+            for &family in families {
+                let mut now: Vec<Vec<u8>> = steps.iter().map(|(old, _)| old.clone()).collect();
+                let mut later = now.clone();
+                let want = advance(whole_inputs(&mut now, &steps, dtype), codec, family).unwrap();
+                let pending = advance_deferred(whole_inputs(&mut later, &steps, dtype), codec, family).unwrap();
+                prop_assert_eq!(&later, &now, "the mirrors move before the encoding");
+                let got = complete(pending.into_iter().zip(&later).map(|(t, m)| (t, &m[..])).collect()).unwrap();
+                prop_assert_eq!(got.len(), want.len());
+                for (got, want) in got.iter().zip(&want) {
+                    same(got, want);
+                }
+            }
         }
     }
 }

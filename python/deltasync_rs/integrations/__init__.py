@@ -81,7 +81,7 @@ class DeltaSyncCallback(TrainerCallback):
             return
         step = state.global_step
         mirror = self.mirror
-        self.publisher.publish_shared(step, mirror.tensors, lambda: mirror.step(step))
+        self.publisher.publish_shared(step, mirror.tensors, lambda: mirror._step(step, defer=True))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.enabled and self.mirror is not None and state.is_world_process_zero:
