@@ -229,3 +229,24 @@ def test_weights_of_another_dtype_are_shipped_as_bf16(setup):
     model.to(torch.bfloat16)
     sync(transfer, model)  # bf16 parameters are read in place
     assert_states_equal(engine.state, export(model))
+
+
+@pytest.mark.parametrize("codec", ["varint", "context"])
+def test_the_transfer_ships_the_publishers_codec(tmp_path, codec):
+    """The transfer's mirror writes the codec the publisher was made with (it once wrote compact whatever it was)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine({name: torch.zeros_like(t) for name, t in export(model).items()})
+    server = Server(engine)
+    try:
+        with ds.Publisher(tmp_path / "store", anchor_every=100, codec=codec) as publisher:
+            transfer = DeltaSyncWeightTransfer(publisher, server.url, timeout=5.0, update_timeout=30.0)
+            sync(transfer, model)
+            before = export(model)
+            train_step(model, optimizer)
+            sync(transfer, model)
+            assert_states_equal(engine.state, export(model))
+            want = ds.diff(before, export(model), codec=codec, step=1, base_step=0)
+            assert publisher.store.get(ds.sync.delta_key(1)) == want.to_bytes()
+    finally:
+        server.stop()

@@ -164,7 +164,7 @@ class DeltaSyncWeightTransfer:
     def _advance(self, iterator: Iterator[tuple[str, torch.Tensor]], step: int) -> Delta:
         """One pass over the iterator: each tensor is compared with its mirror, which takes its bits as the core
         records the changes. Every tensor of the mirror must come exactly once."""
-        builder = MirrorDiff(self.publisher.values)
+        builder = MirrorDiff(self.publisher.values, self.publisher.codec)
         seen: set[str] = set()
         for name, tensor in iterator:
             mirror = self._tensors.get(name)
