@@ -599,6 +599,54 @@ def test_publish_shards_refuses_parts_whose_proofs_do_not_hold():
         assert_same(state, curr)
 
 
+def test_publish_shards_leaves_the_compact_encoding_to_the_upload_thread(tmp_path, monkeypatch):
+    """Every rank waits for rank 0's publish_shards: it joins the parts as they are (varint) and applies them to its
+    mirror, and the upload thread re-encodes the joined delta in the compact codec. The file is what joining the
+    parts in that codec at once makes."""
+    import threading
+
+    import deltasync_rs.delta as delta_module
+    from deltasync_rs._core import join_shards
+
+    completed_on = []
+    complete = delta_module._Recode.complete
+
+    def recording(self, tensors):
+        completed_on.append(threading.current_thread().name)
+        return complete(self, tensors)
+
+    monkeypatch.setattr(delta_module._Recode, "complete", recording)
+    prev = {"w": torch.randn(5000).to(torch.bfloat16), "b": torch.randn(8).to(torch.bfloat16)}
+    curr = {n: t.clone() for n, t in prev.items()}
+    curr["w"].view(torch.int16)[::7] += 1
+    curr["b"].view(torch.int16).add_(1)  # every element: the rank that holds it stores it whole
+    parts, proofs = [], []
+    for lo, hi in ((0, 3000), (3000, 5000)):
+        builder = MirrorDiff("diff", "compact")
+        builder.begin("w", "BF16", [5000])
+        mirror = prev["w"][lo:hi].clone()
+        builder.update(mirror.view(torch.uint8).numpy(), curr["w"][lo:hi].view(torch.uint8).numpy(), lo)
+        builder.finish(None)
+        if lo == 0:
+            builder.begin("b", "BF16", [8])
+            mirror_b = prev["b"].clone()
+            builder.update(mirror_b.view(torch.uint8).numpy(), curr["b"].view(torch.uint8).numpy(), 0)
+            builder.finish(mirror_b.view(torch.uint8).numpy())
+        raw = builder.take()
+        raw.step, raw.base_step = 1, 0
+        parts.append(ds.Delta(raw))
+        proofs.append(builder.take_shard_bases())
+    store = LocalStore(tmp_path / "store")
+    with ds.Publisher(store) as publisher:
+        publisher.publish(0, prev)
+        publisher.publish_shards(1, parts, proofs=proofs)
+    assert completed_on == ["deltasync-publisher"]
+    assert store.get(ds.sync.delta_key(1)) == join_shards([p._raw for p in parts], "compact").to_bytes()
+    state = {n: t.clone() for n, t in prev.items()}
+    assert ds.Subscriber(store).pull(state) == 1
+    assert_same(state, curr)
+
+
 @pytest.mark.parametrize("codec", ["varint", "compact", "context"])
 def test_fsdp2_two_ranks_publish_one_manifest_and_match_the_unsharded_model(tmp_path, codec):
     """fully_shard on CPU over gloo: each rank diffs its own (uneven) shards; the subscriber matches full_tensor().

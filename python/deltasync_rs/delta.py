@@ -408,6 +408,28 @@ class _Deferred:
         return _finish(self._raw.complete(mirrors), self.step, self.base_step, None)
 
 
+class _Recode:
+    """A delta already applied to a publisher's mirror, to be re-encoded in ``codec`` later (its upload thread):
+    :meth:`complete` is the delta as ``join_shards`` of it alone encodes it, which needs no mirror."""
+
+    def __init__(self, delta: Delta, codec: str) -> None:
+        self._delta = delta
+        self._codec = codec
+
+    @property
+    def step(self) -> int | None:
+        return self._delta.step
+
+    @property
+    def base_step(self) -> int | None:
+        return self._delta.base_step
+
+    def complete(self, tensors: Mapping[str, Any]) -> Delta:
+        from ._core import join_shards
+
+        return Delta(join_shards([self._delta._raw], self._codec))
+
+
 def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Mapping[str, str] | None) -> Delta:
     raw.step = _check_step(step, "step")
     raw.base_step = _check_step(base_step, "base_step")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
-from .delta import Delta, _Deferred, check_codec, state_digest, write_anchor_pieces
+from .delta import Delta, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
 from .errors import (
     BaseMismatchError,
     DeltaFormatError,
@@ -353,6 +353,11 @@ class Publisher:
 
     def publish_delta(self, step: int, delta: Delta) -> None:
         """Publishes a delta made elsewhere (e.g. by the trainer's mirror) against the last published state."""
+        self._publish_delta(step, delta, recode=False)
+
+    def _publish_delta(self, step: int, delta: Delta, *, recode: bool) -> None:
+        """``publish_delta``; with ``recode`` the file published is ``delta`` re-encoded in the compact codec by the
+        upload thread (as ``join_shards`` of it alone encodes it), for joined shard deltas."""
         self._check_open()
         self._raise_errors()
         self._check_step(step)
@@ -364,7 +369,7 @@ class Publisher:
         self._mirror.apply(delta)
         self._mirror.step = step
         delta.step = step
-        self._enqueue(step, delta)
+        self._enqueue(step, _Recode(delta, "compact") if recode else delta)
 
     def publish_shards(
         self, step: int, parts: Sequence[Delta], *, proofs: Sequence[Sequence[ShardProof]] | None = None
@@ -401,11 +406,15 @@ class Publisher:
                     "from the shards' state"
                 )
         self._check_proofs(parts, proofs or [()] * len(parts))
-        bases = None
         if self.codec == "context":
+            # Coded against the whole last published state, which the mirror holds only until the delta moves it.
             bases = [(name, _arrays.host_bytes(tensor)[0]) for name, tensor in self._mirror.tensors.items()]
-        joined = Delta(join_shards([part._raw for part in parts], self.codec, bases))
-        self.publish_delta(step, joined)
+            self.publish_delta(step, Delta(join_shards([part._raw for part in parts], self.codec, bases)))
+            return
+        # Joined as the parts are, applied to the mirror so; the upload thread re-encodes the joined delta in this
+        # publisher's codec (every rank waits for this call to return).
+        joined = Delta(join_shards([part._raw for part in parts], "varint"))
+        self._publish_delta(step, joined, recode=self.codec == "compact")
 
     def _check_proofs(self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]]) -> None:
         """Checks that the shards vouch for every element of the last published state, and truly (publish_shards):
@@ -536,7 +545,7 @@ class Publisher:
                     f"{self.store.url}: the upload thread stopped while reading the mirror (an anchor or the state digest)"
                 )
 
-    def _enqueue(self, step: int, delta: Delta | _Deferred | None) -> None:
+    def _enqueue(self, step: int, delta: Delta | _Deferred | _Recode | None) -> None:
         due = delta is None or self._since_anchor + 1 >= self.anchor_every
         # The anchor and the state digest are made later, in the upload job, from the mirror itself (the tensors
         # of this step: a reset replaces the mapping, and every change in place waits for _mirror_free), so that
@@ -631,14 +640,19 @@ class Publisher:
         return path, ref, digest, sidecar
 
     def _upload(
-        self, step: int, delta: Delta | _Deferred | None, tensors: Mapping[str, Any], anchor: bool, elements: int
+        self,
+        step: int,
+        delta: Delta | _Deferred | _Recode | None,
+        tensors: Mapping[str, Any],
+        anchor: bool,
+        elements: int,
     ) -> None:
         """Publishes one step: the anchor (when due) and the state digest from the mirror's ``tensors``, which
         stay unchanged until ``_mirror_free`` is set again, then the files, the entry and the pointer."""
         started = time.perf_counter()
         delta_ref = anchor_ref = None
         anchor_path = sidecar = None
-        if isinstance(delta, _Deferred):
+        if isinstance(delta, (_Deferred, _Recode)):
             # The delta's encoding was left to this thread (the caller returned once the mirror moved); it reads the
             # mirror, which holds this step until _mirror_free is set.
             try:
