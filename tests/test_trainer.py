@@ -290,6 +290,31 @@ def test_attach_after_resume_shares_the_mirror(tmp_path):
     assert_same(replica, bf16(model))
 
 
+def test_attach_sync_publishes_the_step_it_is_given(tmp_path):
+    """``Attachment.sync(step)`` publishes the weights as that step (the Trainer callback passes its global step);
+    without one, as the step the hook would have given them. A step not after the last published one is refused."""
+    model = tiny_gpt2(seed=6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    store = LocalStore(tmp_path / "store")
+    with ds.Publisher(store) as publisher:
+        attachment = ds_torch.attach(optimizer, model, publisher, sync_every=100)
+        train_step(model, optimizer, seed=1)
+        assert attachment.sync() == 1  # base 0 + one optimizer step seen
+        train_step(model, optimizer, seed=2)
+        assert attachment.sync(10) == 10
+        with pytest.raises(ds.DeltaSyncError, match="not after the last published step"):
+            attachment.sync(9)
+        publisher.flush()
+        assert [e.step for e in ds.sync.log_entries(store)] == [0, 1, 10]
+        train_step(model, optimizer, seed=3)
+        attachment.sync(11)
+    replica = replica_of(attachment.mirror)
+    for tensor in replica.values():
+        tensor.zero_()
+    assert ds.Subscriber(store).pull(replica) == 11
+    assert_same(replica, bf16(model))
+
+
 @pytest.mark.parametrize("codec", ["compact", "context"])
 def test_attach_leaves_the_encoding_to_the_upload_thread_and_publishes_the_mirror_step_bytes(
     tmp_path, monkeypatch, codec

@@ -483,9 +483,12 @@ class Attachment:
             return
         self.sync()
 
-    def sync(self) -> int:
-        """Publishes the current weights now, as step ``base + optimizer steps seen``; returns that step."""
-        return self._sync(self._base + self.steps)
+    def sync(self, step: int | None = None) -> int:
+        """Publishes the current weights now, as ``step`` (by default ``base + optimizer steps seen``: the step the
+        hook would give them); returns that step. The hook keeps its own numbering, so a step given here that is
+        ahead of it makes the hook's next publishes raise (not after the last published step) until it catches up.
+        With FSDP2, call it on every rank, with the same step."""
+        return self._sync(self._base + self.steps if step is None else step)
 
     def _sync(self, step: int) -> int:
         if self._group is not None:

@@ -77,7 +77,7 @@ class DeltaSyncCallback(TrainerCallback):
         if not self.enabled or self.mirror is None or state.global_step % self.sync_every:
             return
         if self._sharded is not None:  # on every process: the ranks gather their deltas
-            self._sharded._sync(state.global_step)
+            self._sharded.sync(state.global_step)
             return
         step = state.global_step
         mirror = self.mirror
