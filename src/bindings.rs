@@ -1011,14 +1011,14 @@ fn base_identity(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<String> {
 /// The base identities (16 hex digits each) of byte ranges, each given as (buffer or CPU contiguous tensor, first
 /// byte, bytes): all their blocks hashed side by side in one call.
 #[pyfunction]
-fn base_identities(py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, usize, usize)>) -> PyResult<Vec<String>> {
+fn range_identities(py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, usize, usize)>) -> PyResult<Vec<String>> {
     let mut held = Vec::with_capacity(ranges.len());
     let mut runs = Vec::with_capacity(ranges.len());
     for (index, (data, start, len)) in ranges.iter().enumerate() {
-        let (buffer, slice) = export(data, &|| format!("range {index} of base_identities"), false)?;
+        let (buffer, slice) = export(data, &|| format!("range {index} of range_identities"), false)?;
         if start.checked_add(*len).is_none_or(|end| end > slice.len) {
             return Err(DeltaSyncError::new_err(format!(
-                "range {index} of base_identities: bytes {start}..{} of a buffer of {}",
+                "range {index} of range_identities: bytes {start}..{} of a buffer of {}",
                 start.saturating_add(*len),
                 slice.len
             )));
@@ -1131,7 +1131,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(combine_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(write_anchor, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
-    m.add_function(wrap_pyfunction!(base_identities, m)?)?;
+    m.add_function(wrap_pyfunction!(range_identities, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity_from_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_hash_from_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;

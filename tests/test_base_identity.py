@@ -115,10 +115,10 @@ def test_a_malformed_base_is_a_format_error(bad):
         ds.load(len(broken).to_bytes(8, "little") + broken + blob[8 + header_len :])
 
 
-def test_base_identities_of_ranges_are_each_ranges_identity():
-    """base_identities hashes many byte ranges in one call (publish_shards' check of FSDP2 proofs): each is the
+def test_range_identities_are_each_ranges_base_identity():
+    """range_identities hashes many byte ranges in one call (publish_shards' check of FSDP2 proofs): each is the
     base identity of that range's bytes; a range past its buffer is refused, naming it."""
-    from deltasync_rs._core import base_identities, base_identity
+    from deltasync_rs._core import base_identity, range_identities
 
     torch = pytest.importorskip("torch")
     data = np.arange(700_000, dtype=np.uint32).view(np.uint8)
@@ -126,7 +126,7 @@ def test_base_identities_of_ranges_are_each_ranges_identity():
     ranges = [(data, 0, 0), (data, 3, 5), (data, 1, 600_000), (data, 0, data.size), (tensor, 10, 1990)]
     want = [base_identity(data[:0]), base_identity(data[3:8]), base_identity(data[1:600_001]), base_identity(data)]
     want.append(base_identity(tensor.view(torch.uint8)[10:2000].clone()))
-    assert base_identities(ranges) == want
-    assert base_identities([]) == []
-    with pytest.raises(ds.DeltaSyncError, match="range 1 of base_identities: bytes 10..2001 of a buffer of 2000"):
-        base_identities([(tensor, 0, 1), (tensor, 10, 1991)])
+    assert range_identities(ranges) == want
+    assert range_identities([]) == []
+    with pytest.raises(ds.DeltaSyncError, match="range 1 of range_identities: bytes 10..2001 of a buffer of 2000"):
+        range_identities([(tensor, 0, 1), (tensor, 10, 1991)])

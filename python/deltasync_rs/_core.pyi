@@ -17,7 +17,7 @@ __all__ = [
     "RawDelta",
     "__version__",
     "apply_file",
-    "base_identities",
+    "range_identities",
     "base_identity",
     "base_identity_from_blocks",
     "checkpoint_layout",
@@ -138,7 +138,7 @@ def write_anchor(
     whole_sha256: bool = True,
     early_writeback: bool = False,
 ) -> tuple[int, str | None, str, bytes]: ...
-def base_identities(ranges: list[tuple[Any, int, int]]) -> list[str]:
+def range_identities(ranges: list[tuple[Any, int, int]]) -> list[str]:
     """The base identities of byte ranges, each (buffer or CPU contiguous tensor, first byte, bytes), in one call."""
 
 def base_identity(data: Any) -> str:

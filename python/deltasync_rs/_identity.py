@@ -131,8 +131,7 @@ def base_identities(tensors: list[Any]) -> list[str]:
     smaller tensors, are copied to the host and hashed by the core."""
     import torch
 
-    from ._core import base_identities as host_identities
-    from ._core import base_identity_from_blocks
+    from ._core import base_identity_from_blocks, range_identities
 
     found: dict[int, str] = {}
     by_device: dict[Any, list[tuple[int, Any]]] = {}
@@ -144,7 +143,7 @@ def base_identities(tensors: list[Any]) -> list[str]:
             continue
         by_device.setdefault(data.device, []).append((i, data))
     # The host's share in one call: every block of every tensor hashed side by side.
-    for (i, _), identity in zip(on_host, host_identities([(data, 0, data.size) for _, data in on_host]), strict=True):
+    for (i, _), identity in zip(on_host, range_identities([(data, 0, data.size) for _, data in on_host]), strict=True):
         found[i] = identity
     for device, items in by_device.items():
         keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)

@@ -419,7 +419,7 @@ class Publisher:
     def _check_proofs(self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]]) -> None:
         """Checks that the shards vouch for every element of the last published state, and truly (publish_shards):
         the coverage first, then every range's identity, all hashed in one call."""
-        from ._core import base_identities
+        from ._core import range_identities
 
         # name -> (first, end, identity, rank); no identity where a part stores the tensor whole (it then does not
         # depend on the base at all).
@@ -441,7 +441,7 @@ class Publisher:
                 spans.setdefault(name, []).append((first, first + elements, identity, rank))
         step = self._mirror.step
         checks: list[tuple[str, int, int, str, int]] = []  # (name, first, end, identity sent, rank)
-        ranges: list[tuple[Any, int, int]] = []  # the published bytes of each, for base_identities
+        ranges: list[tuple[Any, int, int]] = []  # the published bytes of each, for range_identities
         for name, tensor in self._mirror.tensors.items():
             data = _arrays.flat_host_bytes(tensor)
             numel = math.prod(_arrays.describe(tensor, name)[1])
@@ -469,7 +469,7 @@ class Publisher:
             raise BaseMismatchError(
                 f"shard deltas hold tensors the last published state (step {step}) does not: {sorted(spans)[:5]}"
             )
-        for (name, first, end, identity, rank), found in zip(checks, base_identities(ranges), strict=True):
+        for (name, first, end, identity, rank), found in zip(checks, range_identities(ranges), strict=True):
             if found != identity:
                 raise BaseMismatchError(
                     f"tensor {name!r}: shard {rank} did not start from the last published state (step {step}) "
