@@ -539,7 +539,7 @@ def test_a_deferred_delta_is_completed_only_from_its_own_mirror_and_once():
     state = _mixed_state()
     mirror = Mirror(state, step=0)
     _mixed_step(state, 1)
-    deferred = mirror.advance(state, step=1, codec="compact", defer=True)
+    deferred = mirror._advance(state, step=1, values="diff", codec="compact", defer=True)
     with pytest.raises(ds.DeltaSyncError, match='"embed.weight".*other memory than the mirror'):
         deferred.complete({k: v.clone() for k, v in mirror.tensors.items()})
     with pytest.raises(ds.DeltaSyncError, match='"embed.weight".*mirror was not given'):

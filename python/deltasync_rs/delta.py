@@ -392,7 +392,7 @@ def _check_step(value: int | None, what: str) -> int | None:
 
 
 class _Deferred:
-    """A delta whose tensors' encoding waits (``Mirror.advance(..., defer=True)``, ``ds.torch.Mirror._step(...,
+    """A delta whose tensors' encoding waits (``ds.Mirror._advance(..., defer=True)``, ``ds.torch.Mirror._step(...,
     defer=True)``): the mirror moved already; :meth:`complete` encodes the delta from that mirror, which must still
     hold this step (a publisher's upload thread completes it before the next step may move the mirror). The bytes
     are those the mirror's step would have returned at once."""

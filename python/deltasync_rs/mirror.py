@@ -73,15 +73,21 @@ class Mirror:
                 "checkpoint): it cannot move to another step"
             )
 
-    def advance(
-        self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "compact", defer: bool = False
-    ) -> Delta | _Deferred:
+    def advance(self, state: Mapping[str, Any], *, step: int, values: str = "diff", codec: str = "compact") -> Delta:
         """The delta from the mirror to ``state``; the mirror moves to ``state`` and ``step``.
 
         One pass per tensor: the core compares and writes the new bits into the mirror as it records the changes.
         ``codec`` is the stream family, as for :func:`diff` (the same bytes). Names, dtypes and shapes are all
-        checked before the first write. With ``defer`` the encoding of the changes waits: the delta is returned
-        as a ``_Deferred``, to be completed from this mirror before it moves again (a publisher's upload thread)."""
+        checked before the first write."""
+        delta = self._advance(state, step=step, values=values, codec=codec, defer=False)
+        assert isinstance(delta, Delta)
+        return delta
+
+    def _advance(
+        self, state: Mapping[str, Any], *, step: int, values: str, codec: str, defer: bool
+    ) -> Delta | _Deferred:
+        """``advance``; with ``defer`` the encoding of the changes waits: the delta is returned as a ``_Deferred``,
+        to be completed from this mirror before it moves again (a publisher's upload thread)."""
         if self.is_empty:
             raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
         self._check_writable()

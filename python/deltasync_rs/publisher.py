@@ -301,7 +301,7 @@ class Publisher:
             return
         self._wait_for_mirror()
         delta = self._advance(
-            step, lambda: self._mirror.advance(state, step=step, values=self.values, codec=self.codec, defer=True)
+            step, lambda: self._mirror._advance(state, step=step, values=self.values, codec=self.codec, defer=True)
         )
         self._enqueue(step, delta)
 
