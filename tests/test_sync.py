@@ -550,3 +550,54 @@ def test_a_deferred_delta_is_completed_only_from_its_own_mirror_and_once():
     assert delta.to_bytes() == want.to_bytes()
     with pytest.raises(ds.DeltaSyncError, match="completed already"):
         deferred.complete(mirror.tensors)
+
+
+def test_publishes_and_pulls_from_several_threads_take_turns(tmp_path):
+    """Several threads publishing through one Publisher (a training loop, its optimizer hook, a callback thread)
+    take turns: each step is checked against the last one published, moves the mirror and is queued before the next
+    starts. Two publishes at once used to move one mirror together and write entries whose base was another step's.
+    Pulls through one Subscriber from several threads take turns too."""
+    import itertools
+    import threading
+
+    store = ds.LocalStore(tmp_path)
+    states = [_state(seed) for seed in range(4)]
+    published = {0: 0}
+    counter = itertools.count(1)
+    failures = []
+    with ds.Publisher(store, anchor_every=1000) as publisher:
+        publisher.publish(0, states[0])
+
+        def publish_from(k):
+            for _ in range(15):
+                step = next(counter)
+                try:
+                    publisher.publish(step, states[k])
+                    published[step] = k
+                except ds.DeltaSyncError as error:  # another thread published a later step first
+                    if "not after the last published step" not in str(error):
+                        failures.append(error)
+
+        threads = [threading.Thread(target=publish_from, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert failures == []
+    entries = ds.sync.log_entries(store)
+    assert [e.step for e in entries] == sorted(published)
+    assert all(e.base_step is None or e.base_step < e.step for e in entries)
+    subscriber = ds.Subscriber(store)
+    replica = _fresh(states[0])
+    for entry in entries:
+        assert subscriber.pull(replica, until=entry.step) == entry.step
+        assert_states_equal(replica, states[published[entry.step]])
+    shared = _fresh(states[0])
+    subscriber = ds.Subscriber(store)
+    pullers = [threading.Thread(target=subscriber.pull, args=(shared,)) for _ in range(3)]
+    for thread in pullers:
+        thread.start()
+    for thread in pullers:
+        thread.join()
+    assert subscriber.step == entries[-1].step
+    assert_states_equal(shared, states[published[entries[-1].step]])

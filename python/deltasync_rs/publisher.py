@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
+from ._turns import one_at_a_time
 from .delta import Delta, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
 from .errors import (
     BaseMismatchError,
@@ -205,6 +206,9 @@ class Publisher:
         self.codec = codec
         self.exit_timeout = exit_timeout
         self._key = resolve_signing_key(signing_key)
+        # Calls that move the publisher's state take turns (one_at_a_time): without it two publishes at once moved
+        # one mirror together and wrote entries whose base was another step's.
+        self._lock = threading.RLock()
         self._mirror = Mirror()
         # Set while a publish moves the mirror, and left set when that raised: the mirror may then hold part of a
         # step, so it is no base for a delta, and the next publish is an anchor (_advance).
@@ -288,6 +292,7 @@ class Publisher:
         if self._closed:
             raise DeltaSyncError(f"{self.store.url}: the publisher is closed; make a new one to publish again")
 
+    @one_at_a_time
     def publish(self, step: int, state: Mapping[str, Any]) -> None:
         """Publishes ``state`` as ``step``: a delta against the last published state, and an anchor when due.
         The state is diffed (or copied) before this returns, so training may change it right after."""
@@ -321,6 +326,7 @@ class Publisher:
         )
         return None
 
+    @one_at_a_time
     def resume(self, state: Mapping[str, Any], *, step: int, copy: bool = True) -> None:
         """Starts from ``state`` as already published at ``step`` (e.g. pulled back from the store), so the next
         publish is a delta against it rather than a first anchor.
@@ -351,6 +357,7 @@ class Publisher:
             entries = {s for k in self.store.list("manifest/") if (s := step_of(k)) is not None}
             self._since_anchor = sum(1 for s in entries if newest < s <= step)
 
+    @one_at_a_time
     def publish_delta(self, step: int, delta: Delta) -> None:
         """Publishes a delta made elsewhere (e.g. by the trainer's mirror) against the last published state."""
         self._publish_delta(step, delta, recode=False)
@@ -371,6 +378,7 @@ class Publisher:
         delta.step = step
         self._enqueue(step, _Recode(delta, "compact") if recode else delta)
 
+    @one_at_a_time
     def publish_shards(
         self, step: int, parts: Sequence[Delta], *, proofs: Sequence[Sequence[ShardProof]] | None = None
     ) -> None:
@@ -477,6 +485,7 @@ class Publisher:
                     "mirror drifted, or a step failed part way on it; re-anchor from the shards' state"
                 )
 
+    @one_at_a_time
     def publish_shared(
         self,
         step: int,
@@ -519,6 +528,7 @@ class Publisher:
         self._mirror.step = step
         self._enqueue(step, delta)
 
+    @one_at_a_time
     def reanchor(self, step: int, state: Mapping[str, Any], *, copy: bool = True) -> None:
         """Publishes ``state`` as ``step`` as an anchor (no delta), and makes it the state later deltas start from:
         for when the last published state is no base for a delta any more (FSDP shards whose mirrors no longer hold
@@ -743,6 +753,7 @@ class Publisher:
                     self._queue.all_tasks_done.wait(0.1 if left is None else min(0.1, left))
         self._raise_errors()
 
+    @one_at_a_time
     def close(self) -> None:
         """Flushes, then stops the upload thread. Publishing after this raises DeltaSyncError."""
         if self._closed:

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from ._checkpoint import (
 from ._core import file_piece_hashes
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
+from ._turns import one_at_a_time
 from .delta import Delta, load, state_digest_knowing
 from .errors import (
     BaseMismatchError,
@@ -121,6 +123,7 @@ class Subscriber:
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._at: Entry | None = None  # the entry of `step`, once a pull got there
         self._names: list[str] | None = None
+        self._lock = threading.RLock()  # pulls take turns (one_at_a_time): each moves `step` and its target
 
     @property
     def retries(self) -> int:
@@ -537,6 +540,7 @@ class Subscriber:
         return out
 
     # -- applying -----------------------------------------------------------------------------------------------------
+    @one_at_a_time
     def pull(self, state: Any, *, until: int | None = None) -> int:
         """Brings ``state`` (a mapping of tensors, modified in place) to the newest step (or to step ``until``) and
         returns that step. Each delta is applied all-or-nothing; when ``state`` holds every published tensor, its
@@ -604,6 +608,7 @@ class Subscriber:
         self._at = self.entry(self._reached())
         return known
 
+    @one_at_a_time
     def pull_to_file(self, path: str | os.PathLike[str], *, until: int | None = None) -> int:
         """Writes the newest step (or step ``until``) as a plain safetensors checkpoint at ``path``, the bytes
         ``safetensors.numpy.save_file`` writes for that state, and returns the step. The state is rebuilt in the
