@@ -601,3 +601,96 @@ def test_publishes_and_pulls_from_several_threads_take_turns(tmp_path):
         thread.join()
     assert subscriber.step == entries[-1].step
     assert_states_equal(shared, states[published[entries[-1].step]])
+
+
+def test_a_delta_whose_encoding_fails_in_the_upload_thread_is_reported_and_an_anchor_follows(tmp_path, monkeypatch):
+    """The upload thread encodes each step's delta; where that raises, the step is not published, the mirror is
+    freed, and the next publish (which waits for it) is an anchor, whenever the error reaches the caller (that publish,
+    or the next call, as for a failed upload). A subscriber reaches it."""
+    import deltasync_rs.delta as delta_module
+
+    complete = delta_module._Deferred.complete
+    failing = {"left": 1}
+
+    def flaky(self, tensors):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise MemoryError("no memory for the streams")
+        return complete(self, tensors)
+
+    monkeypatch.setattr(delta_module._Deferred, "complete", flaky)
+    import deltasync_rs.publisher as publisher_module
+
+    error = publisher_module.log.error
+
+    def late(*args, **kwargs):  # the upload thread reports the failure only after the next publish has gone on
+        time.sleep(0.5)
+        error(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_module.log, "error", late)
+    store = ds.LocalStore(tmp_path)
+    state = _state()
+    with ds.Publisher(store, anchor_every=100) as publisher:
+        publisher.publish(0, state)
+        _train_step(state, 1)
+        publisher.publish(1, state)  # returns: the encoding fails later, in the upload thread
+        _train_step(state, 2)
+        # The next publish waits for the mirror and is an anchor; the error reaches it, or else the next call.
+        try:
+            publisher.publish(2, state)
+        except ds.DeltaSyncError as error:
+            assert "no memory for the streams" in str(error)
+            publisher.publish(2, state)
+        else:
+            with pytest.raises(ds.DeltaSyncError, match="no memory for the streams"):
+                publisher.flush()
+    entries = ds.sync.log_entries(store)
+    assert [(e.step, e.anchor is not None) for e in entries] == [(0, True), (2, True)]
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 2
+    assert_states_equal(replica, state)
+
+
+def test_a_step_queued_behind_a_failed_upload_is_published_as_an_anchor(tmp_path, monkeypatch):
+    """A delta's upload that fails after the mirror was freed lets the next publish go on as a delta from a step that
+    will have no entry. The upload thread then publishes that step as an anchor too, so that subscribers need not
+    wait for the next one."""
+    import deltasync_rs.publisher as publisher_module
+
+    error = publisher_module.log.error
+
+    def late(*args, **kwargs):  # the failure is known only after the next publish has gone on
+        time.sleep(0.5)
+        error(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_module.log, "error", late)
+    store = ds.LocalStore(tmp_path)
+    put = store.put
+    failing = {"left": 1}
+
+    def flaky_put(key, data):
+        if key == delta_key(1) and failing["left"]:
+            failing["left"] -= 1
+            raise ds.StoreError("the store dropped the connection")
+        return put(key, data)
+
+    store.put = flaky_put
+    state = _state()
+    with ds.Publisher(store, anchor_every=100, keep_anchors=100, retries=1) as publisher:
+        publisher.publish(0, state)
+        _train_step(state, 1)
+        publisher.publish(1, state)
+        _train_step(state, 2)
+        publisher.publish(2, state)  # queued before the upload of step 1 failed
+        with pytest.raises(ds.DeltaSyncError, match="the store dropped the connection"):
+            publisher.flush()
+        _train_step(state, 3)
+        publisher.publish(3, state)
+    entries = ds.sync.log_entries(store)
+    assert [(e.step, e.anchor is not None) for e in entries][:2] == [(0, True), (2, True)]
+    assert [e.step for e in entries] == [0, 2, 3]  # (3 may be an anchor too: the failure made one due)
+    replica = _fresh(state)
+    subscriber = ds.Subscriber(store)
+    assert subscriber.pull(replica, until=2) == 2
+    assert subscriber.pull(replica) == 3
+    assert_states_equal(replica, state)

@@ -616,30 +616,27 @@ class Publisher:
     def _anchor_file(self, tensors: Mapping[str, Any], step: int) -> tuple[str, dict[str, Any], str, bytes | None]:
         """Writes the anchor of ``tensors`` into a new temporary file (in the store's own folder when it has one,
         so a local store links it in place) and returns its path, its manifest reference, the state digest and its
-        pieces sidecar (None without ``piece_bytes``), all hashed in the same pass. The mirror is free again once
-        this returns, whatever happens. The pieces options are read once, here: the training thread may set them
-        while the file is being written, and the hashes, the sidecar and the reference must agree."""
+        pieces sidecar (None without ``piece_bytes``), all hashed in the same pass. The caller frees the mirror
+        (``_upload``). The pieces options are read once, here: the training thread may set them while the file is
+        being written, and the hashes, the sidecar and the reference must agree."""
         piece_bytes, piece_hash = self.piece_bytes or 0, self.piece_hash
         whole_sha256 = self.whole_sha256 or not piece_bytes
+        folder = self.store.staging_folder() or tempfile.gettempdir()
+        path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
         try:
-            folder = self.store.staging_folder() or tempfile.gettempdir()
-            path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
-            try:
-                size, sha256, digest, hashes = write_anchor_pieces(
-                    tensors,
-                    path,
-                    step=step,
-                    piece_bytes=piece_bytes,
-                    piece_hash=piece_hash,
-                    whole_sha256=whole_sha256,
-                    early_writeback=True,  # the store's put_file fsyncs it (a local store), or reads it to upload
-                )
-            except BaseException:
-                os.unlink(path)
-                raise
-        finally:
-            self._mirror_free.set()
+            size, sha256, digest, hashes = write_anchor_pieces(
+                tensors,
+                path,
+                step=step,
+                piece_bytes=piece_bytes,
+                piece_hash=piece_hash,
+                whole_sha256=whole_sha256,
+                early_writeback=True,  # the store's put_file fsyncs it (a local store), or reads it to upload
+            )
+        except BaseException:
+            os.unlink(path)
+            raise
         ref: dict[str, Any] = {"key": anchor_key(step), "size": size}
         if sha256 is not None:
             ref["sha256"] = sha256
@@ -662,22 +659,28 @@ class Publisher:
         started = time.perf_counter()
         delta_ref = anchor_ref = None
         anchor_path = sidecar = None
-        if isinstance(delta, (_Deferred, _Recode)):
-            # The delta's encoding was left to this thread (the caller returned once the mirror moved); it reads the
-            # mirror, which holds this step until _mirror_free is set.
-            try:
+        if not anchor and delta is not None and (self._base_entry or (None,))[0] != delta.base_step:
+            # The step this delta starts from has no entry (its upload failed after the mirror was free, so this
+            # step was queued before that was known): publish this step as an anchor too, so that subscribers need
+            # not wait for the next one.
+            anchor = True
+        try:
+            if isinstance(delta, (_Deferred, _Recode)):
+                # The delta's encoding was left to this thread (the caller returned once the mirror moved); it reads
+                # the mirror, which holds this step until _mirror_free is set.
                 delta = delta.complete(tensors)
-            except BaseException:
-                self._mirror_free.set()
-                raise
-        if anchor:
-            # The anchor's own pass over the mirror also gives the state digest.
-            anchor_path, anchor_ref, digest, sidecar = self._anchor_file(tensors, step)
-        else:
-            try:
+            if anchor:
+                # The anchor's own pass over the mirror also gives the state digest.
+                anchor_path, anchor_ref, digest, sidecar = self._anchor_file(tensors, step)
+            else:
                 digest = state_digest(tensors)
-            finally:
-                self._mirror_free.set()
+        except BaseException:
+            # This step is lost: the next publish, which waits for the mirror, must be an anchor (the next delta
+            # would start from a step that has no entry). Said before the mirror is free, so that it sees it.
+            self._since_anchor = self.anchor_every
+            raise
+        finally:
+            self._mirror_free.set()
         try:
             if delta is not None:
                 blob = delta.to_bytes()
