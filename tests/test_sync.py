@@ -694,3 +694,30 @@ def test_a_step_queued_behind_a_failed_upload_is_published_as_an_anchor(tmp_path
     assert subscriber.pull(replica, until=2) == 2
     assert subscriber.pull(replica) == 3
     assert_states_equal(replica, state)
+
+
+def test_a_publish_interrupted_after_the_mirror_moved_is_followed_by_an_anchor(tmp_path, monkeypatch):
+    """An interrupt (Ctrl-C in a notebook) after a publish moved the mirror but before its upload was queued loses
+    that step; the next publish's delta would start from it, so the upload thread publishes that step as an anchor
+    and subscribers go on."""
+    store = ds.LocalStore(tmp_path)
+    state = _state()
+    with ds.Publisher(store, anchor_every=100, keep_anchors=100) as publisher:
+        publisher.publish(0, state)
+        enqueue = publisher._enqueue
+
+        def interrupted(step, delta):
+            monkeypatch.setattr(publisher, "_enqueue", enqueue)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(publisher, "_enqueue", interrupted)
+        _train_step(state, 1)
+        with pytest.raises(KeyboardInterrupt):
+            publisher.publish(1, state)
+        for step in (2, 3):
+            _train_step(state, step)
+            publisher.publish(step, state)
+    assert [(e.step, e.anchor is not None) for e in ds.sync.log_entries(store)] == [(0, True), (2, True), (3, False)]
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 3
+    assert_states_equal(replica, state)
