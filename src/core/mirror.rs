@@ -300,6 +300,23 @@ pub struct MirrorInput<'a> {
 /// Advances whole tensors at once: each one's delta from its mirror to its new bytes, with the mirrors
 /// updated, in the stream family `codec`. Every length is checked before the first write.
 pub fn advance(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -> Result<Vec<TensorDelta>> {
+    advance_then(inputs, values, codec, |tensor, mirror| tensor.finish(Some(mirror)))
+}
+
+/// `advance` without the `finish`: the mirrors are moved to the new bytes and every tensor's changes are kept, to be
+/// encoded later by `complete` (the compact codec's re-encoding, the choice to store a tensor whole), off the path of
+/// whoever waits for the mirror to move. Every length is checked before the first write.
+pub fn advance_deferred(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -> Result<Vec<MirrorTensor>> {
+    advance_then(inputs, values, codec, |tensor, _| Ok(tensor))
+}
+
+/// Updates every input's mirror, then hands each tensor and its (updated) mirror to `then`, tensor by tensor.
+fn advance_then<T: Send>(
+    inputs: Vec<MirrorInput<'_>>,
+    values: ValueCodec,
+    codec: Codec,
+    then: impl Fn(MirrorTensor, &[u8]) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
     let mut tensors = Vec::with_capacity(inputs.len());
     for input in &inputs {
         tensors.push(begin_whole(input, values, codec)?);
@@ -311,25 +328,8 @@ pub fn advance(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -
             .zip(inputs.into_par_iter())
             .map(|(mut tensor, input)| {
                 tensor.update(input.mirror, input.new, 0)?;
-                tensor.finish(Some(input.mirror))
+                then(tensor, input.mirror)
             })
-            .collect()
-    })
-}
-
-/// `advance` without the `finish`: the mirrors are moved to the new bytes and every tensor's changes are kept, to be
-/// encoded later by `complete` (the compact codec's re-encoding, the choice to store a tensor whole), off the path of
-/// whoever waits for the mirror to move. Every length is checked before the first write.
-pub fn advance_deferred(inputs: Vec<MirrorInput<'_>>, values: ValueCodec, codec: Codec) -> Result<Vec<MirrorTensor>> {
-    let mut tensors = Vec::with_capacity(inputs.len());
-    for input in &inputs {
-        tensors.push(begin_whole(input, values, codec)?);
-    }
-    crate::core::pool::install(|| {
-        tensors
-            .into_par_iter()
-            .zip(inputs.into_par_iter())
-            .map(|(mut tensor, input)| tensor.update(input.mirror, input.new, 0).map(|()| tensor))
             .collect()
     })
 }
