@@ -148,3 +148,22 @@ def subscriber_reads_malformed(sha256: str) -> Iterator[dict[str, int]]:
         yield seen
     finally:
         subscriber_module.load = real_load
+
+
+def completion_threads(monkeypatch, kind: str) -> list[str]:
+    """The names of the threads that complete each deferred delta (``kind``: "_Deferred" or "_Recode", in
+    deltasync_rs.delta), recorded in the list returned, in order."""
+    import threading
+
+    import deltasync_rs.delta as delta_module
+
+    cls = getattr(delta_module, kind)
+    names: list[str] = []
+    complete = cls.complete
+
+    def recording(self, tensors):
+        names.append(threading.current_thread().name)
+        return complete(self, tensors)
+
+    monkeypatch.setattr(cls, "complete", recording)
+    return names

@@ -16,7 +16,7 @@ import deltasync_rs as ds
 from deltasync_rs.cli import main
 from deltasync_rs.sync import anchor_key, delta_key, entry_key, step_of
 from tests.faults import soak
-from tests.helpers import assert_states_equal
+from tests.helpers import assert_states_equal, completion_threads
 
 
 def _state(seed=0):
@@ -491,18 +491,7 @@ def test_publish_returns_before_the_delta_is_encoded_and_publishes_what_diff_wri
     store a tensor whole) is left to the upload thread, which makes it from the mirror before the next publish may
     move it again, even while uploads back up behind a slow store. The published deltas are the bytes ds.diff makes of
     the same two states."""
-    import threading
-
-    import deltasync_rs.delta as delta_module
-
-    completed_on = []
-    complete = delta_module._Deferred.complete
-
-    def recording(self, tensors):
-        completed_on.append(threading.current_thread().name)
-        return complete(self, tensors)
-
-    monkeypatch.setattr(delta_module._Deferred, "complete", recording)
+    completed_on = completion_threads(monkeypatch, "_Deferred")
     store = ds.LocalStore(tmp_path)
     put = store.put
 

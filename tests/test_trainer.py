@@ -14,6 +14,7 @@ import deltasync_rs.torch as ds_torch
 from deltasync_rs._core import MirrorDiff, base_identity
 from deltasync_rs.errors import BaseMismatchError
 from deltasync_rs.store import LocalStore
+from tests.helpers import completion_threads
 
 STEPS = 20
 
@@ -322,18 +323,7 @@ def test_attach_leaves_the_encoding_to_the_upload_thread_and_publishes_the_mirro
     """The optimizer hook returns once the mirror moved: the delta's encoding waits for the publisher's upload
     thread, which makes it from the mirror before the next step may move it. The published bytes are those the
     mirror's own step gives (a second mirror stepped alongside, its tensors cast chunk by chunk)."""
-    import threading
-
-    import deltasync_rs.delta as delta_module
-
-    completed_on = []
-    complete = delta_module._Deferred.complete
-
-    def recording(self, tensors):
-        completed_on.append(threading.current_thread().name)
-        return complete(self, tensors)
-
-    monkeypatch.setattr(delta_module._Deferred, "complete", recording)
+    completed_on = completion_threads(monkeypatch, "_Deferred")
     model = tiny_gpt2(seed=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     store = LocalStore(tmp_path / "store")
@@ -628,19 +618,9 @@ def test_publish_shards_leaves_the_compact_encoding_to_the_upload_thread(tmp_pat
     """Every rank waits for rank 0's publish_shards: it joins the parts as they are (varint) and applies them to its
     mirror, and the upload thread re-encodes the joined delta in the compact codec. The file is what joining the
     parts in that codec at once makes."""
-    import threading
-
-    import deltasync_rs.delta as delta_module
     from deltasync_rs._core import join_shards
 
-    completed_on = []
-    complete = delta_module._Recode.complete
-
-    def recording(self, tensors):
-        completed_on.append(threading.current_thread().name)
-        return complete(self, tensors)
-
-    monkeypatch.setattr(delta_module._Recode, "complete", recording)
+    completed_on = completion_threads(monkeypatch, "_Recode")
     prev = {"w": torch.randn(5000).to(torch.bfloat16), "b": torch.randn(8).to(torch.bfloat16)}
     curr = {n: t.clone() for n, t in prev.items()}
     curr["w"].view(torch.int16)[::7] += 1

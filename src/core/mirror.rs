@@ -446,27 +446,16 @@ mod tests {
                     same(&tensor, &want);
                     assert_eq!(mirror, new);
                 }
-                let mut mirror = old.clone();
-                let inputs = vec![MirrorInput {
-                    name: "t".into(),
-                    dtype,
-                    shape: vec![n as u64],
-                    mirror: &mut mirror,
-                    new: &new,
-                }];
-                same(&advance(inputs, values, Codec::Compact).unwrap().remove(0), &want);
+                let steps = [(old.clone(), new.clone())];
+                let want = TensorDelta { name: "t0".into(), ..want }; // as `whole_inputs` names it
+                let mut mirrors = vec![old.clone()];
+                same(&advance(whole_inputs(&mut mirrors, &steps, dtype), values, Codec::Compact).unwrap()[0], &want);
                 // Deferred: the mirror moves at once, the same tensor comes out of `complete`.
-                let mut mirror = old.clone();
-                let inputs = vec![MirrorInput {
-                    name: "t".into(),
-                    dtype,
-                    shape: vec![n as u64],
-                    mirror: &mut mirror,
-                    new: &new,
-                }];
-                let pending = advance_deferred(inputs, values, Codec::Compact).unwrap();
-                assert_eq!(mirror, new);
-                let done = complete(pending.into_iter().map(|t| (t, &mirror[..])).collect()).unwrap();
+                let mut mirrors = vec![old.clone()];
+                let pending =
+                    advance_deferred(whole_inputs(&mut mirrors, &steps, dtype), values, Codec::Compact).unwrap();
+                assert_eq!(mirrors[0], new);
+                let done = complete(pending.into_iter().map(|t| (t, &mirrors[0][..])).collect()).unwrap();
                 same(&done[0], &want);
             }
         }
