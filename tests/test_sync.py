@@ -155,9 +155,11 @@ def test_bad_publishes_are_refused(tmp_path):
         with pytest.raises(ds.DeltaSyncError, match="publish a full state first"):
             publisher.publish_delta(0, ds.diff(_state(), _state()))
         publisher.publish(5, _state())
-        for step in (5, 3, -1, "6"):
+        for step in (5, 3, -1, "6", 2**64):
             with pytest.raises(ds.DeltaSyncError, match="step"):
                 publisher.publish(step, _state())
+        with pytest.raises(ds.DeltaSyncError, match="state holds no tensors: nothing to publish"):
+            publisher.publish(6, {})
     with ds.Publisher(store, background=False) as publisher:  # a new publisher continues after the store's last step
         with pytest.raises(ds.DeltaSyncError, match="after the last published step 5"):
             publisher.publish(4, _state())
@@ -398,6 +400,14 @@ def test_publisher_counts_are_checked_before_the_store_is_made_and_when_set(tmp_
     for bad in (1, "yes", None):
         with pytest.raises(ds.DeltaSyncError, match="whole_sha256 must be True or False"):
             ds.Publisher(tmp_path / "never", whole_sha256=bad)
+        with pytest.raises(ds.DeltaSyncError, match="background must be True or False"):
+            ds.Publisher(tmp_path / "never", background=bad)
+    for bad in (0, "x", 1.5, True):
+        with pytest.raises(ds.DeltaSyncError, match="max_pending must be an integer of at least 1"):
+            ds.Publisher(tmp_path / "never", max_pending=bad)
+    for bad in (-1, "x", None, float("nan")):
+        with pytest.raises(ds.DeltaSyncError, match="exit_timeout must be a number of seconds"):
+            ds.Publisher(tmp_path / "never", exit_timeout=bad)
     assert not (tmp_path / "never").exists()
     with ds.Publisher(tmp_path / "store", background=False, anchor_every=2, keep_anchors=1) as publisher:
         for name in ("anchor_every", "keep_anchors"):
@@ -709,4 +719,51 @@ def test_a_publish_interrupted_after_the_mirror_moved_is_followed_by_an_anchor(t
     assert [(e.step, e.anchor is not None) for e in ds.sync.log_entries(store)] == [(0, True), (2, True), (3, False)]
     replica = _fresh(state)
     assert ds.Subscriber(store).pull(replica) == 3
+    assert_states_equal(replica, state)
+
+
+def test_a_refused_publish_leaves_the_next_one_a_delta(tmp_path, caplog):
+    """A state the mirror cannot take (a tensor of another shape, a name missing) is refused before anything is
+    written, so the publisher's mirror is not torn and the next publish is the delta it would have been, without a
+    warning about a failed move."""
+    store = ds.LocalStore(tmp_path)
+    state = _state()
+    with ds.Publisher(store, anchor_every=100) as publisher:
+        publisher.publish(0, state)
+        wrong = dict(state) | {"norm.weight": torch.ones(17).bfloat16()}
+        with pytest.raises(ds.BaseMismatchError, match="norm.weight"):
+            publisher.publish(1, wrong)
+        with pytest.raises(ds.BaseMismatchError, match="different tensors"):
+            publisher.publish(1, {k: v for k, v in state.items() if k != "norm.weight"})
+        _train_step(state, 1)
+        publisher.publish(1, state)
+    assert [(e.step, e.delta is not None, e.anchor is not None) for e in ds.sync.log_entries(store)] == [
+        (0, False, True),
+        (1, True, False),
+    ]
+    assert "failed while it moved" not in caplog.text
+
+
+def test_an_interrupt_while_queueing_an_upload_leaves_no_publish_waiting_forever(tmp_path, monkeypatch):
+    """An interrupt while a publish queues its upload (after it marked the mirror as read by an upload) used to leave
+    the mirror marked for good: the next publish waited forever. The step is lost; the next is an anchor."""
+    store = ds.LocalStore(tmp_path)
+    state = _state()
+    with ds.Publisher(store, anchor_every=100, keep_anchors=100) as publisher:
+        publisher.publish(0, state)
+        put = publisher._queue.put
+
+        def interrupted(*args, **kwargs):
+            monkeypatch.setattr(publisher._queue, "put", put)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(publisher._queue, "put", interrupted)
+        _train_step(state, 1)
+        with pytest.raises(KeyboardInterrupt):
+            publisher.publish(1, state)
+        _train_step(state, 2)
+        publisher.publish(2, state)  # would wait forever for the mirror
+    assert [(e.step, e.anchor is not None) for e in ds.sync.log_entries(store)] == [(0, True), (2, True)]
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 2
     assert_states_equal(replica, state)

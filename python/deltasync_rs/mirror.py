@@ -88,20 +88,7 @@ class Mirror:
     ) -> Delta | _Deferred:
         """``advance``; with ``defer`` the encoding of the changes waits: the delta is returned as a ``_Deferred``,
         to be completed from this mirror before it moves again (a publisher's upload thread)."""
-        if self.is_empty:
-            raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
-        self._check_writable()
-        if values not in ("diff", "abs"):
-            raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
-        check_codec(codec, values=values, mirror=True)
-        only_mirror = [n for n in self._tensors if n not in state]
-        only_state = [n for n in state if n not in self._tensors]
-        if only_mirror or only_state:
-            raise BaseMismatchError(
-                f"the mirror and the state hold different tensors: only in the mirror {only_mirror[:5]}, "
-                f"only in the state {only_state[:5]}"
-            )
-        kinds = {name: _arrays.check_same_kind(self._tensors[name], new, name) for name, new in state.items()}
+        kinds = self._check_advance(state, values=values, codec=codec)
         builder = MirrorDiff(values, codec, defer)
 
         def entries():
@@ -118,6 +105,24 @@ class Mirror:
         )
         self.step = step
         return delta
+
+    def _check_advance(self, state: Mapping[str, Any], *, values: str, codec: str) -> dict[str, tuple[str, Any]]:
+        """What ``advance`` checks before its first write (it raises those errors with the mirror untouched): each
+        tensor's (dtype name, shape)."""
+        if self.is_empty:
+            raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
+        self._check_writable()
+        if values not in ("diff", "abs"):
+            raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        check_codec(codec, values=values, mirror=True)
+        only_mirror = [n for n in self._tensors if n not in state]
+        only_state = [n for n in state if n not in self._tensors]
+        if only_mirror or only_state:
+            raise BaseMismatchError(
+                f"the mirror and the state hold different tensors: only in the mirror {only_mirror[:5]}, "
+                f"only in the state {only_state[:5]}"
+            )
+        return {name: _arrays.check_same_kind(self._tensors[name], new, name) for name, new in state.items()}
 
     def apply(self, delta: Delta) -> None:
         """Moves the mirror forward by a delta made elsewhere, which must start at the mirror's step."""

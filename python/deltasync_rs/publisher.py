@@ -118,6 +118,26 @@ def _flag(value: Any, name: str) -> bool:
     return value
 
 
+def _published_state(state: Any, role: str) -> Mapping[str, Any]:
+    """``state`` (``_arrays.check_state``), or DeltaSyncError where it holds no tensor: there is nothing to publish,
+    and no reader could read an anchor of nothing."""
+    _arrays.check_state(state, role)
+    if not state:
+        raise DeltaSyncError(f"{role} holds no tensors: nothing to publish")
+    return state
+
+
+def _check_step_value(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**64:
+        raise DeltaSyncError(f"step must be an integer in [0, 2**64), not {step!r}")
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise DeltaSyncError(f"{name} must be a number of seconds, at least 0, not {value!r}")
+    return float(value)
+
+
 class Publisher:
     """Publishes a training run's states to a store: an anchor first and every ``anchor_every`` publishes, and a
     delta against the last published state for every publish after the first (anchor steps get both, so no
@@ -169,6 +189,10 @@ class Publisher:
         "Whether an anchor with pieces also gets its whole-file SHA-256 (for readers of sync protocol version 1); "
         "anchors without pieces always do.",
     )
+    exit_timeout = _Option(
+        lambda value, name: _seconds(value, name),
+        "How long, in seconds, uploads still pending at interpreter exit are waited for (a number, at least 0).",
+    )
     retries = _Option(
         lambda value, _name: attempts(value),
         "How many times each store write is tried before its error is raised: at least once, whatever it is set to "
@@ -201,10 +225,13 @@ class Publisher:
         self.anchor_every = anchor_every  # checked (as the options above) before the store is opened or made
         self.keep_anchors = keep_anchors
         self.retries = retries
+        self.exit_timeout = exit_timeout
+        _flag(background, "background")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise DeltaSyncError(f"max_pending must be an integer of at least 1, not {max_pending!r}")
         self.store = open_store(store)
         self.values = values
         self.codec = codec
-        self.exit_timeout = exit_timeout
         self._key = resolve_signing_key(signing_key)
         # Calls that move the publisher's state take turns (one_at_a_time): without it two publishes at once moved
         # one mirror together and wrote entries whose base was another step's.
@@ -226,7 +253,7 @@ class Publisher:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         if background:
-            self._queue = queue.Queue(maxsize=max(1, max_pending))
+            self._queue = queue.Queue(maxsize=max_pending)
             self._worker = threading.Thread(target=self._drain, name="deltasync-publisher", daemon=True)
             self._worker.start()
             _open_publishers.add(self)
@@ -282,8 +309,7 @@ class Publisher:
         return self._mirror.step
 
     def _check_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise DeltaSyncError(f"step must be a non-negative integer, not {step!r}")
+        _check_step_value(step)
         last = self._mirror.step if self._mirror.step is not None else self._last_step
         if last is not None and step <= last:
             raise DeltaSyncError(f"step {step} is not after the last published step {last}")
@@ -299,11 +325,13 @@ class Publisher:
         self._check_open()
         self._raise_errors()
         self._check_step(step)
-        _arrays.check_state(state, "state")
+        _published_state(state, "state")
         if self._mirror.is_empty:
             self._mirror.reset(state, step=step)
             self._enqueue(step, None)
             return
+        # A state the mirror cannot take is refused here, before the mirror could be torn (_advance).
+        self._mirror._check_advance(state, values=self.values, codec=self.codec)
         self._wait_for_mirror()
         delta = self._advance(
             step, lambda: self._mirror._advance(state, step=step, values=self.values, codec=self.codec, defer=True)
@@ -335,7 +363,8 @@ class Publisher:
         (contiguous, writable CPU tensors or arrays), so that only one copy is in memory: the caller must not use
         them afterwards, since every publish writes the new state into them."""
         self._check_open()
-        _arrays.check_state(state, "state")
+        _published_state(state, "state")
+        _check_step_value(step)
         if not self._mirror.is_empty:
             raise DeltaSyncError("resume must come before the first publish")
         if copy:
@@ -505,7 +534,7 @@ class Publisher:
         ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
         self._check_open()
         self._raise_errors()
-        _arrays.check_state(tensors, "tensors")
+        _published_state(tensors, "tensors")
         if self._mirror.is_empty:
             self._check_step(step)
             self._mirror.share(tensors, step=step, read_only=read_only)
@@ -538,7 +567,7 @@ class Publisher:
         self._check_open()
         self._raise_errors()
         self._check_step(step)
-        _arrays.check_state(state, "state")
+        _published_state(state, "state")
         self._wait_for_mirror()
         if copy:
             self._mirror.reset(state, step=step)
@@ -567,15 +596,20 @@ class Publisher:
             self._upload(*job)
             return
         self._mirror_free.clear()
-        while True:  # never wait on a full queue that no thread drains any more
-            if self._worker is None or not self._worker.is_alive():
-                self._mirror_free.set()
-                raise DeltaSyncError(f"{self.store.url}: the upload thread stopped; step {step} was not published")
-            try:
-                self._queue.put(job, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        try:
+            while True:  # never wait on a full queue that no thread drains any more
+                if self._worker is None or not self._worker.is_alive():
+                    raise DeltaSyncError(f"{self.store.url}: the upload thread stopped; step {step} was not published")
+                try:
+                    self._queue.put(job, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+        except BaseException:
+            # Not queued (the upload thread is gone, or an interrupt): no upload will read the mirror or free it.
+            # The step is lost; the next one is published as an anchor (its delta's base has no entry).
+            self._mirror_free.set()
+            raise
 
     def _mirror_elements(self) -> int:
         return sum(math.prod(_arrays.describe(t, name)[1]) for name, t in self._mirror.tensors.items())
@@ -782,7 +816,8 @@ class Publisher:
                 f"deltasync: the publisher of {self.store.url} was not closed, and at exit not everything "
                 f"it published reached the store: {error}"
             )
-            log.error(message)
+            if log.hasHandlers():  # else logging's last resort would print it to stderr a second time
+                log.error(message)
             print(message, file=sys.stderr, flush=True)
 
     def __enter__(self) -> Publisher:

@@ -499,6 +499,7 @@ class Attachment:
             return step
         if step == self.mirror.current_step:
             return step  # published already
+        self.mirror._live()  # a model the mirror cannot take is refused here, before the mirror could be torn
         # The compact re-encoding waits for the publisher's upload thread: training goes on once the mirror moved.
         self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror._step(step, defer=True))
         return step

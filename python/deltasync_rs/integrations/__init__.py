@@ -81,6 +81,7 @@ class DeltaSyncCallback(TrainerCallback):
             return
         step = state.global_step
         mirror = self.mirror
+        mirror._live()  # a model the mirror cannot take is refused here, before the mirror could be torn
         self.publisher.publish_shared(step, mirror.tensors, lambda: mirror._step(step, defer=True))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
