@@ -534,7 +534,7 @@ class Publisher:
         ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
         self._check_open()
         self._raise_errors()
-        _published_state(tensors, "tensors")
+        _published_state(tensors, "the shared mirror")
         if self._mirror.is_empty:
             self._check_step(step)
             self._mirror.share(tensors, step=step, read_only=read_only)
