@@ -767,3 +767,52 @@ def test_an_interrupt_while_queueing_an_upload_leaves_no_publish_waiting_forever
     replica = _fresh(state)
     assert ds.Subscriber(store).pull(replica) == 2
     assert_states_equal(replica, state)
+
+
+def test_a_pull_with_nothing_new_checks_a_target_it_did_not_bring_there(tmp_path):
+    """A subscriber at the newest step handed another target (a new one, or one a pull of another target replaced)
+    used to report the step without writing anything: the target now gets checked against the step's digest and
+    re-synced where it does not hold it. The target it brought there is not read again."""
+    store = ds.LocalStore(tmp_path)
+    history = _publish_run(store, 3, anchor_every=2)
+    subscriber = ds.Subscriber(store)
+    first = _fresh(history[2])
+    assert subscriber.pull(first) == 2
+    second = _fresh(history[2])
+    assert subscriber.pull(second) == 2
+    assert_states_equal(second, history[2])
+    first["layer.weight"].view(torch.int16)[0, 0] += 1  # the first target, changed behind the subscriber's back
+    assert subscriber.pull(first) == 2
+    assert_states_equal(first, history[2])
+
+
+def test_bad_until_and_outputs_are_refused_before_any_work(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish_run(store, 2)
+    subscriber = ds.Subscriber(store)
+    for bad in ("1", 1.0, True, -1, 2**64):
+        with pytest.raises(ds.DeltaSyncError, match="until must be None or a step"):
+            subscriber.pull(_fresh(history[1]), until=bad)
+        with pytest.raises(ds.DeltaSyncError, match="until must be None or a step"):
+            subscriber.pull_to_file(tmp_path / "out.safetensors", until=bad)
+    for bad in (tmp_path, ""):
+        with pytest.raises(ds.DeltaSyncError, match="not a file to write"):
+            subscriber.pull_to_file(bad)
+
+
+def test_a_store_file_replaced_by_a_folder_is_a_store_error_and_another_way_is_taken(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish_run(store, 6, anchor_every=3, keep_anchors=3)
+    subscriber = ds.Subscriber(store)
+    replica = _fresh(history[4])
+    assert subscriber.pull(replica, until=4) == 4
+    path = tmp_path / delta_key(5)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ds.StoreError, match="not a regular file"):
+        store.get(delta_key(5))
+    # Step 5's delta is the only way to it: refused naming the file (a bare IsADirectoryError naming a descriptor
+    # before), the target left at step 4.
+    with pytest.raises(ds.ChainError, match="step_000000000005.safetensors: not a regular file"):
+        subscriber.pull(replica)
+    assert_states_equal(replica, history[4])

@@ -50,6 +50,9 @@ def remove_stale_temps(output: str) -> None:
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
     """Calls ``write(temp)`` on a new file beside ``path``, then renames it over ``path``. The result has the mode
     of the file it replaces, or 0o666 less the umask."""
+    # Refused before any work: a path that names no file, or a folder (os.replace would fail only at the end).
+    if not os.fspath(path) or os.path.isdir(path):
+        raise DeltaSyncError(f"{path!r}: not a file to write (an empty path or a folder)")
     folder = os.path.dirname(os.path.abspath(path))
     temp = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}.tmp")
     try:

@@ -328,11 +328,11 @@ class LocalStore(Store):
             raise StoreError(f"{path}: cannot read: {error}") from error
         finally:
             os.close(dir_fd)
-        f = os.fdopen(fd, "rb")
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            f.close()
+        # Checked before fdopen, which refuses a folder with a bare IsADirectoryError naming the descriptor.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
             raise StoreError(f"{path}: not a regular file; the store reads only regular files")
-        return f
+        return os.fdopen(fd, "rb")
 
     def open_local(self, key: str) -> BinaryIO | None:
         return self._open_object(key)

@@ -86,6 +86,21 @@ def attempts(retries: Any) -> int:
     return max(1, retries)
 
 
+def _target_key(state: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    """Which tensors a pull writes: each name with its object and the address of its memory, so that a subscriber
+    knows a target other than the one it brought to its step (whose step it then checks before reporting it)."""
+    key = []
+    for name, tensor in state.items():
+        if _arrays.is_torch(tensor):
+            address = tensor.data_ptr()
+        elif hasattr(tensor, "__array_interface__"):
+            address = tensor.__array_interface__["data"][0]
+        else:
+            address = 0
+        key.append((name, id(tensor), address))
+    return tuple(key)
+
+
 class Subscriber:
     """Pulls a store's published steps into a state, verifying every file and signature on the way.
 
@@ -124,6 +139,7 @@ class Subscriber:
         self._at: Entry | None = None  # the entry of `step`, once a pull got there
         self._names: list[str] | None = None
         self._lock = threading.RLock()  # pulls take turns (one_at_a_time): each moves `step` and its target
+        self._target: tuple[tuple[str, int, int], ...] | None = None  # _target_key of the state `step` is of
 
     @property
     def retries(self) -> int:
@@ -476,6 +492,8 @@ class Subscriber:
 
     def _fetch(self, current_step: int | None, until: int | None, download: Download[T]) -> T | None:
         """``fetch``'s choice of target and way, each way read with ``download``; None when already there."""
+        if until is not None and (isinstance(until, bool) or not isinstance(until, int) or not 0 <= until < 2**64):
+            raise DeltaSyncError(f"until must be None or a step, an integer in [0, 2**64), not {until!r}")
         latest = self.latest_step()
         if latest is None:
             if current_step is None:
@@ -547,10 +565,22 @@ class Subscriber:
         digest is checked against the manifest, and a mismatch re-syncs from the newest anchor before raising
         IntegrityError."""
         _arrays.check_state(state, "state")
+        this_target = _target_key(state)
         deltas = self._fetch_to_apply(self.step, until)
         if not deltas:
             if self.step is None:
                 raise ChainError(f"{self.store.url}: nothing to pull")
+            if this_target != self._target:
+                # Not the target this subscriber brought to its step (a new or replaced one): it must hold that
+                # step, or be brought there, before the step is reported.
+                if not self._state_matches(state, {}):
+                    log.warning("the target does not hold step %d; re-syncing it from the newest anchor", self.step)
+                    known = self._apply_all(state, self._fetch_to_apply(None, self.step))
+                    if not self._state_matches(state, known):
+                        raise IntegrityError(
+                            f"state digest at step {self.step} does not match the manifest after a re-sync"
+                        )
+                self._target = this_target
             return self.step
         try:
             try:
@@ -573,12 +603,12 @@ class Subscriber:
             target = deltas[-1].step
             self.step = None
             known = self._apply_all(state, self._fetch_to_apply(None, target))
-        if self._state_matches(state, known):
-            return self._reached()
-        log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
-        known = self._apply_all(state, self._fetch_to_apply(None, self.step))
         if not self._state_matches(state, known):
-            raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
+            log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
+            known = self._apply_all(state, self._fetch_to_apply(None, self.step))
+            if not self._state_matches(state, known):
+                raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
+        self._target = this_target
         return self._reached()
 
     def _fetch_to_apply(self, current_step: int | None, until: int | None, *, defer: bool = True) -> list[Delta]:
