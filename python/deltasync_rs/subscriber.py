@@ -573,13 +573,7 @@ class Subscriber:
             if this_target != self._target:
                 # Not the target this subscriber brought to its step (a new or replaced one): it must hold that
                 # step, or be brought there, before the step is reported.
-                if not self._state_matches(state, {}):
-                    log.warning("the target does not hold step %d; re-syncing it from the newest anchor", self.step)
-                    known = self._apply_all(state, self._fetch_to_apply(None, self.step))
-                    if not self._state_matches(state, known):
-                        raise IntegrityError(
-                            f"state digest at step {self.step} does not match the manifest after a re-sync"
-                        )
+                self._hold_the_step(state, {})
                 self._target = this_target
             return self.step
         try:
@@ -603,13 +597,19 @@ class Subscriber:
             target = deltas[-1].step
             self.step = None
             known = self._apply_all(state, self._fetch_to_apply(None, target))
-        if not self._state_matches(state, known):
-            log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
-            known = self._apply_all(state, self._fetch_to_apply(None, self.step))
-            if not self._state_matches(state, known):
-                raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
+        self._hold_the_step(state, known)
         self._target = this_target
         return self._reached()
+
+    def _hold_the_step(self, state: Any, known: Mapping[str, bytes]) -> None:
+        """Makes sure ``state`` holds this subscriber's step (``_state_matches``): where its digest differs, it is
+        re-synced from the newest anchor, and IntegrityError raised if it still differs."""
+        if self._state_matches(state, known):
+            return
+        log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
+        known = self._apply_all(state, self._fetch_to_apply(None, self.step))
+        if not self._state_matches(state, known):
+            raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
 
     def _fetch_to_apply(self, current_step: int | None, until: int | None, *, defer: bool = True) -> list[Delta]:
         """``fetch``, for files applied at once: an anchor in a local store is applied straight from its file, and
