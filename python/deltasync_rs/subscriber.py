@@ -29,7 +29,7 @@ from ._core import file_piece_hashes
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
 from ._turns import one_at_a_time
-from .delta import Delta, load, state_digest_knowing
+from .delta import Delta, _check_step, load, state_digest_knowing
 from .errors import (
     BaseMismatchError,
     ChainError,
@@ -492,8 +492,7 @@ class Subscriber:
 
     def _fetch(self, current_step: int | None, until: int | None, download: Download[T]) -> T | None:
         """``fetch``'s choice of target and way, each way read with ``download``; None when already there."""
-        if until is not None and (isinstance(until, bool) or not isinstance(until, int) or not 0 <= until < 2**64):
-            raise DeltaSyncError(f"until must be None or a step, an integer in [0, 2**64), not {until!r}")
+        _check_step(until, "until")
         latest = self.latest_step()
         if latest is None:
             if current_step is None:
