@@ -499,15 +499,21 @@ class Attachment:
             return step
         if step == self.mirror.current_step:
             return step  # published already
-        self.mirror._live()  # a model the mirror cannot take is refused here, before the mirror could be torn
-        # The compact re-encoding waits for the publisher's upload thread: training goes on once the mirror moved.
-        self.publisher.publish_shared(step, self.mirror.tensors, lambda: self.mirror._step(step, defer=True))
+        _publish_step(self.publisher, self.mirror, step)
         return step
 
     def detach(self) -> None:
         """Removes the hook; later optimizer steps do no deltasync work."""
         if self._handle is not None:
             self._handle.remove()
+
+
+def _publish_step(publisher: Any, mirror: Mirror, step: int) -> None:
+    """Publishes ``mirror``'s next step through ``publisher``, which shares its tensors (``attach``, the Trainer
+    callback). A model the mirror cannot take is refused first, before the mirror could be torn; the encoding of
+    the delta waits for the publisher's upload thread, so training goes on once the mirror moved."""
+    mirror._live()
+    publisher.publish_shared(step, mirror.tensors, lambda: mirror._step(step, defer=True))
 
 
 def _told(outcome: list[Any], failure: Exception | None, accepted: tuple[str, ...], what: str) -> None:

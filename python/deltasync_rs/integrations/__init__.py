@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..errors import DeltaSyncError, at_least_one
-from ..torch import Mirror, _holds_dtensors
+from ..torch import Mirror, _holds_dtensors, _publish_step
 
 
 class DeltaSyncCallback(TrainerCallback):
@@ -79,10 +79,7 @@ class DeltaSyncCallback(TrainerCallback):
         if self._sharded is not None:  # on every process: the ranks gather their deltas
             self._sharded.sync(state.global_step)
             return
-        step = state.global_step
-        mirror = self.mirror
-        mirror._live()  # a model the mirror cannot take is refused here, before the mirror could be torn
-        self.publisher.publish_shared(step, mirror.tensors, lambda: mirror._step(step, defer=True))
+        _publish_step(self.publisher, self.mirror, state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.enabled and self.mirror is not None and state.is_world_process_zero:
