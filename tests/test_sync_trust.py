@@ -88,6 +88,34 @@ def test_entries_spliced_from_another_run_with_the_same_key_are_refused(tmp_path
         subscriber.entry(4)
 
 
+@pytest.mark.parametrize("key", [KEY, None])
+@pytest.mark.parametrize("new_steps", [2, 4, 6])
+def test_a_store_emptied_and_published_into_again_is_a_loud_error_for_a_subscriber_of_the_old_run(
+    tmp_path, key, new_steps
+):
+    """A trainer restarted from scratch into the same (emptied) store: a subscriber that followed the old run must
+    not go on reporting its old step as the store's newest, whether the new run has fewer, as many or more steps."""
+    store = ds.LocalStore(tmp_path / "store")
+    history = _publish(store, 4, key=key)
+    subscriber = ds.Subscriber(store, signing_key=key)
+    replica = _fresh(history[0])
+    assert subscriber.pull(replica) == 3
+    old_run = subscriber.run
+    for name in store.list():
+        store.delete([name])
+    new_history = _publish(store, new_steps, seed=1, key=key)
+    new_run = json.loads(store.get(RUN_KEY))["run"]
+    assert new_run != old_run
+    for call in (lambda: subscriber.pull(replica), subscriber.latest_step, lambda: subscriber.fetch(3)):
+        with pytest.raises(ds.RunChangedError, match=f"holds run {new_run!r}.*not run {old_run!r}.*step 3") as caught:
+            call()
+        assert isinstance(caught.value, ds.IntegrityError)
+    assert subscriber.step == 3
+    assert_states_equal(replica, history[3])  # nothing of the new run was written into it
+    assert ds.Subscriber(store, signing_key=key).pull(replica) == new_steps - 1
+    assert_states_equal(replica, new_history[new_steps - 1])
+
+
 def test_a_chain_cannot_be_spliced_past_a_republished_step(tmp_path):
     """A publisher resumed at step 1 republishes steps 2 and 3; the first run's entry 2 put back in the store must
     not be replayed before the second run's step 3, although both are signed, of this run, and name step 2."""

@@ -17,6 +17,12 @@ class IntegrityError(DeltaSyncError):
     """A file's digest, a signature, a run id, an entry's link to its base entry or a state digest does not match."""
 
 
+class RunChangedError(IntegrityError):
+    """The store now holds another run than the one a subscriber followed: its ``run.json`` and newest files name
+    a new run (the store was emptied and published into again, or replaced). The subscriber stays at its step; a
+    new Subscriber follows the new run."""
+
+
 class ChainError(DeltaSyncError):
     """No consistent chain of anchor and deltas leads to the requested step."""
 
@@ -36,5 +42,6 @@ __all__ = [
     "DeltaSyncError",
     "IntegrityError",
     "MissingObjectError",
+    "RunChangedError",
     "StoreError",
 ]

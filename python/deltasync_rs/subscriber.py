@@ -37,6 +37,7 @@ from .errors import (
     DeltaSyncError,
     IntegrityError,
     MissingObjectError,
+    RunChangedError,
     StoreError,
 )
 from .manifest import (
@@ -158,6 +159,8 @@ class Subscriber:
             except MissingObjectError:
                 if attempt + 1 == self.retries:
                     raise
+            except RunChangedError:
+                raise  # run.json was read again to tell: reading once more cannot undo it
             except (StoreError, IntegrityError, DeltaFormatError) as error:
                 if attempt + 1 == self.retries:
                     raise
@@ -202,10 +205,30 @@ class Subscriber:
         run = self.run
         if document.run != run and not self._run_confirmed:
             self._run = None
+        if document.run != run and self._run_confirmed:
+            self._check_run_changed(document.run, key)
         check_run(document.run, run, key)
         if isinstance(document, Entry) and run is not None:
             self._run_confirmed = True
         return document
+
+    def _check_run_changed(self, found: str | None, key: str) -> None:
+        """``key`` names run ``found``, not the run this subscriber confirmed: RunChangedError when run.json, read
+        again and verified, now names ``found`` too (the store was emptied and published into again, or replaced).
+        Otherwise (run.json unreadable or still naming our run) ``key`` alone disagrees, and the caller refuses it
+        as any other file of another run."""
+        try:
+            current = parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES), self._key)
+        except DeltaSyncError:
+            return
+        if found is None or current != found:
+            return
+        at = "nothing pulled yet" if self.step is None else f"it stays at step {self.step} of run {self._run!r}"
+        raise RunChangedError(
+            f"{self.store.url}: the store now holds run {found!r} ({RUN_KEY} and {key}), not run {self._run!r} "
+            f"that this subscriber followed ({at}): it was emptied and published into again, or replaced. "
+            "A new Subscriber follows the new run, starting from its anchor"
+        )
 
     def _pointer(self) -> Pointer | None:
         try:
@@ -224,6 +247,8 @@ class Subscriber:
         for step in listed_steps(self.store)[::-1][:_NEWEST_TRIES]:
             try:
                 return self.entry(step)
+            except RunChangedError:
+                raise
             except (DeltaFormatError, IntegrityError, StoreError) as problem:
                 log.warning("%s", problem)
                 error = error or problem
@@ -236,10 +261,14 @@ class Subscriber:
         or only lags behind them as it does between the publisher's two writes)."""
         try:
             pointer, problem = self._pointer(), None
+        except RunChangedError:
+            raise
         except (DeltaFormatError, IntegrityError, StoreError) as error:
             pointer, problem = None, error
         try:
             newest = self._newest_entry()
+        except RunChangedError:
+            raise
         except DeltaSyncError:
             if problem is not None:
                 raise problem from None
@@ -474,6 +503,8 @@ class Subscriber:
         for plan in plans:
             try:
                 return download(*plan())
+            except RunChangedError:
+                raise
             except (ChainError, StoreError, IntegrityError, DeltaFormatError) as error:
                 errors.append(error)
         detail = f": {errors[-1]}" if errors else " (the store holds no anchor)"
