@@ -383,11 +383,14 @@ def _digest_entries(state: Mapping[str, Tensor]) -> list[tuple[str, str, list[in
     return entries
 
 
-def _check_step(value: int | None, what: str) -> int | None:
-    if value is None:
+def _check_step(value: int | None, what: str, *, optional: bool = True) -> int | None:
+    """``value`` when it is a step number (an integer in [0, 2**64), not a bool), or None where ``optional``; else
+    DeltaSyncError naming the argument ``what``."""
+    if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
-        raise DeltaSyncError(f"{what} must be None or an integer in [0, 2**64), not {value!r}")
+        allowed = "None or an integer" if optional else "an integer"
+        raise DeltaSyncError(f"{what} must be {allowed} in [0, 2**64), not {value!r}")
     return value
 
 

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
 from ._turns import one_at_a_time
-from .delta import Delta, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
+from .delta import Delta, _check_step, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
 from .errors import (
     BaseMismatchError,
     DeltaFormatError,
@@ -125,11 +125,6 @@ def _published_state(state: Any, role: str) -> Mapping[str, Any]:
     if not state:
         raise DeltaSyncError(f"{role} holds no tensors: nothing to publish")
     return state
-
-
-def _check_step_value(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**64:
-        raise DeltaSyncError(f"step must be an integer in [0, 2**64), not {step!r}")
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -309,7 +304,7 @@ class Publisher:
         return self._mirror.step
 
     def _check_step(self, step: int) -> None:
-        _check_step_value(step)
+        _check_step(step, "step", optional=False)
         last = self._mirror.step if self._mirror.step is not None else self._last_step
         if last is not None and step <= last:
             raise DeltaSyncError(f"step {step} is not after the last published step {last}")
@@ -364,7 +359,7 @@ class Publisher:
         them afterwards, since every publish writes the new state into them."""
         self._check_open()
         _published_state(state, "state")
-        _check_step_value(step)
+        _check_step(step, "step", optional=False)
         if not self._mirror.is_empty:
             raise DeltaSyncError("resume must come before the first publish")
         if copy:
