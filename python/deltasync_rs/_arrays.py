@@ -78,6 +78,15 @@ def is_torch(x: Any) -> bool:
     return isinstance(x, _TENSOR_TYPE[0])
 
 
+def address(x: Any) -> int:
+    """The address of the first element of a torch tensor or numpy array (0 for anything else)."""
+    if is_torch(x):
+        return int(x.data_ptr())
+    if hasattr(x, "__array_interface__"):
+        return int(x.__array_interface__["data"][0])
+    return 0
+
+
 def is_array(x: Any) -> bool:
     return is_torch(x) or isinstance(x, np.ndarray)
 

@@ -250,12 +250,12 @@ class FilledAnchor(PartialAnchor):
                 if _arrays.is_torch(target):
                     if not _arrays.readable_in_place(target):
                         return self._whole()._apply(state, check_base=check_base, digest=digest)
-                    start, length = int(target.data_ptr()), target.numel() * target.element_size()
+                    start, length = _arrays.address(target), target.numel() * target.element_size()
                 else:
                     if not (target.flags.c_contiguous and target.flags.writeable):
                         return self._whole()._apply(state, check_base=check_base, digest=digest)
                     target = target.reshape(-1).view(np.uint8)
-                    start, length = int(target.__array_interface__["data"][0]), target.nbytes
+                    start, length = _arrays.address(target), target.nbytes
                 fills.append((self._offsets[names[index]][0], target))
                 spans.append((start, start + length))
                 written[names[index]] = None

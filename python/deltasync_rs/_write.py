@@ -284,7 +284,7 @@ class Writes:
                 span, disjoint = target.numel(), True
             else:
                 span, disjoint = _extent(shape, strides)
-            start, itemsize = int(target.data_ptr()), target.element_size()
+            start, itemsize = _arrays.address(target), target.element_size()
             layout: tuple[Any, ...] = (target.dtype, shape, strides)
             device = str(target.device)
         else:
@@ -294,7 +294,7 @@ class Writes:
             if any(stride % itemsize for stride in target.strides):
                 raise DeltaSyncError(f"target of tensor {name!r}: its strides are not whole elements")
             span, disjoint = _extent(target.shape, tuple(stride // itemsize for stride in target.strides))
-            start = int(target.__array_interface__["data"][0])
+            start = _arrays.address(target)
             start += sum(min(0, (n - 1) * stride) for n, stride in zip(target.shape, target.strides) if n)
             layout = (target.dtype, target.shape, target.strides)
             device = "cpu"

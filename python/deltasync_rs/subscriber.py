@@ -90,16 +90,7 @@ def attempts(retries: Any) -> int:
 def _target_key(state: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
     """Which tensors a pull writes: each name with its object and the address of its memory, so that a subscriber
     knows a target other than the one it brought to its step (whose step it then checks before reporting it)."""
-    key = []
-    for name, tensor in state.items():
-        if _arrays.is_torch(tensor):
-            address = tensor.data_ptr()
-        elif hasattr(tensor, "__array_interface__"):
-            address = tensor.__array_interface__["data"][0]
-        else:
-            address = 0
-        key.append((name, id(tensor), address))
-    return tuple(key)
+    return tuple((name, id(tensor), _arrays.address(tensor)) for name, tensor in state.items())
 
 
 class Subscriber:
