@@ -153,8 +153,10 @@ def test_a_set_but_empty_key_variable_is_an_error(tmp_path, monkeypatch):
 
 
 def test_deeply_nested_and_oversized_documents_are_format_errors(tmp_path):
-    with pytest.raises(ds.DeltaFormatError, match="nested"):
+    with pytest.raises(ds.DeltaFormatError, match="unbalanced brackets"):  # never closed: deep and cut short
         parse_document(b"[" * MAX_DOCUMENT_BYTES, LATEST_KEY, "deltasync-latest")
+    with pytest.raises(ds.DeltaFormatError, match="nested"):
+        parse_document(b"[" * 1000 + b"]" * 1000, LATEST_KEY, "deltasync-latest")
     with pytest.raises(ds.DeltaFormatError, match="nested"):
         parse_document(b'{"a":' * 40 + b"1" + b"}" * 40, LATEST_KEY, "deltasync-latest")
     brackets_in_strings = json.dumps({"format": "deltasync-latest", "version": 1, "pad": "[[[[" * 100}).encode()
@@ -173,6 +175,10 @@ def test_deeply_nested_and_oversized_documents_are_format_errors(tmp_path):
     assert not isinstance(caught.value, RecursionError)
     store.put(RUN_KEY, b"[" * 100_000)
     with pytest.raises(ds.DeltaFormatError, match="run.json"):
+        ds.Publisher(store)
+    # A document cut short says so, not that it nests too deep.
+    store.put(RUN_KEY, b'{"format": "deltasync-run", "version": 1, "run": "ab')
+    with pytest.raises(ds.DeltaFormatError, match=r"run\.json: not valid JSON: unbalanced brackets"):
         ds.Publisher(store)
 
 

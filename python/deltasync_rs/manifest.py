@@ -233,6 +233,9 @@ def parse_document(
     for _ in range(MAX_DEPTH):
         skeleton, removed = _INNERMOST.subn(b"", skeleton)
         if not removed:
+            # Brackets left that no pass could pair: a document cut short (or otherwise not JSON), not a deep one.
+            if _BRACKET.search(skeleton):
+                raise DeltaFormatError(f"{key}: not valid JSON: unbalanced brackets (a truncated document?)")
             break
     if _BRACKET.search(skeleton):
         raise DeltaFormatError(f"{key}: not JSON nested at most {MAX_DEPTH} deep")
