@@ -316,6 +316,80 @@ def test_attach_sync_publishes_the_step_it_is_given(tmp_path):
     assert_same(replica, bf16(model))
 
 
+def test_attach_sync_at_a_published_step_refuses_weights_changed_since(tmp_path):
+    """``sync()`` at the step the hook just published returns it while the weights are as published; an edit made
+    after the optimizer's step (a clamp) cannot go out as that step again: an error, never a silent no-op."""
+    model = tiny_gpt2(seed=6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    store = LocalStore(tmp_path / "store")
+    with ds.Publisher(store) as publisher:
+        attachment = ds_torch.attach(optimizer, model, publisher)
+        train_step(model, optimizer, seed=1)
+        assert attachment.sync() == 1  # the hook published step 1 and nothing changed since
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight.clamp_(-0.01, 0.01)
+        with pytest.raises(
+            ds.DeltaSyncError, match=r"step 1 is published already.*'transformer\.h\.0\.mlp\.c_fc\.weight'"
+        ):
+            attachment.sync()
+        assert attachment.sync(2) == 2
+    replica = {name: torch.zeros_like(t) for name, t in replica_of(attachment.mirror).items()}
+    replica["lm_head.weight"] = replica["transformer.wte.weight"]
+    assert ds.Subscriber(store).pull(replica) == 2
+    assert_same(replica, bf16(model))
+
+
+def test_attach_refuses_a_model_whose_tensors_changed_since_it_was_attached(tmp_path):
+    """Weights tied at attach are shipped once; untied later, or with a tensor added, the mirror would ship stale
+    or no values for them: the next step is refused, naming the tensor, before anything moves."""
+    for change, match in [
+        (lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(m.lm_head.weight.detach().clone())), "lm_head"),
+        (lambda m: m.register_parameter("extra", torch.nn.Parameter(torch.ones(3))), "extra"),
+    ]:
+        model = tiny_gpt2(seed=7)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with ds.Publisher(LocalStore(tmp_path / match), background=False) as publisher:
+            attachment = ds_torch.attach(optimizer, model, publisher)
+            assert attachment.mirror.aliases == {"lm_head.weight": "transformer.wte.weight"}
+            change(model)
+            before = {name: t.clone() for name, t in attachment.mirror.tensors.items()}
+            with pytest.raises(ds.DeltaSyncError, match=match):
+                train_step(model, optimizer, seed=1)
+            assert publisher.step == 0
+            assert_same(attachment.mirror.tensors, before)
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_tensors_no_delta_holds_are_refused_by_name_by_every_mirror(tmp_path, kind):
+    good = torch.ones(4, 4, dtype=torch.bfloat16)
+    bad = torch.empty(4, 4, dtype=torch.bfloat16, device="meta") if kind == "meta" else good.to_sparse()
+    with pytest.raises(ds.DeltaSyncError, match="'x'"):
+        ds.Publisher(tmp_path, background=False).publish(0, {"w": good, "x": bad})
+    with pytest.raises(ds.DeltaSyncError, match="'x'"):
+        ds_torch.Mirror({"w": good, "x": bad})
+    with pytest.raises(ds.DeltaSyncError, match="'x'"):
+        ds.Mirror({"w": good, "x": bad})
+
+
+def test_attach_and_the_torch_mirror_refuse_arguments_of_the_wrong_kind(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1)
+    publisher = ds.Publisher(tmp_path, background=False)
+    hooks = dict(optimizer._optimizer_step_post_hooks)
+    for args, match in [
+        ((optimizer, model, str(tmp_path)), "publisher must be"),
+        ((None, model, publisher), "optimizer must be"),
+        ((model, optimizer, publisher), "optimizer must be"),
+        ((optimizer, "model", publisher), "model must be"),
+    ]:
+        with pytest.raises(ds.DeltaSyncError, match=match):
+            ds_torch.attach(*args)
+    assert dict(optimizer._optimizer_step_post_hooks) == hooks and publisher.step is None
+    for options, match in [({"chunk_bytes": "64"}, "chunk_bytes"), ({"dtype": "bf16"}, "dtype")]:
+        with pytest.raises(ds.DeltaSyncError, match=match):
+            ds_torch.Mirror(model, **options)
+
+
 @pytest.mark.parametrize("codec", ["compact", "context"])
 def test_attach_leaves_the_encoding_to_the_upload_thread_and_publishes_the_mirror_step_bytes(
     tmp_path, monkeypatch, codec

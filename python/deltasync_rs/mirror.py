@@ -14,12 +14,11 @@ from .delta import Delta, _Deferred, _finish, check_codec, in_batches, state_dig
 from .errors import BaseMismatchError, DeltaSyncError
 
 
-def _host_copy(tensor: Any) -> Any:
+def _host_copy(name: str, tensor: Any) -> Any:
+    _arrays.describe(tensor, name)  # refuses what no delta can hold (sparse, meta, other dtypes), naming the tensor
     if _arrays.is_torch(tensor):
         return tensor.detach().to("cpu", copy=True).contiguous()
-    if isinstance(tensor, np.ndarray):
-        return np.array(tensor, copy=True, order="C")
-    raise DeltaSyncError(f"expected a torch.Tensor or numpy.ndarray, got {type(tensor).__name__}")
+    return np.array(tensor, copy=True, order="C")
 
 
 class Mirror:
@@ -47,7 +46,7 @@ class Mirror:
 
     def reset(self, state: Mapping[str, Any], *, step: int | None) -> None:
         """Replaces the mirror with a copy of ``state``."""
-        self._tensors = {name: _host_copy(tensor) for name, tensor in state.items()}
+        self._tensors = {name: _host_copy(name, tensor) for name, tensor in state.items()}
         self._read_only = False
         self.step = step
 

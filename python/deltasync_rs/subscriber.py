@@ -13,6 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from . import _arrays
@@ -55,7 +56,7 @@ from .manifest import (
     resolve_signing_key,
     step_of,
 )
-from .store import TEMP_PREFIX, Store, open_store
+from .store import TEMP_PREFIX, LocalStore, Store, open_store
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -693,7 +694,12 @@ class Subscriber:
             assert step is not None  # from no step, there is always a way or an error
             reached.append(step)
 
-        target = os.fspath(path)
+        if not isinstance(path, (str, os.PathLike)):
+            raise DeltaSyncError(f"pull_to_file: path must be a str or os.PathLike, not {type(path).__name__}")
+        target = os.fsdecode(os.fspath(path))
+        if isinstance(self.store, LocalStore) and Path(os.path.realpath(target)).is_relative_to(self.store.root):
+            # It would replace (or leave temporary files among) the very files it is rebuilt from.
+            raise DeltaSyncError(f"{target}: inside the store {self.store.url} being pulled; write it elsewhere")
         remove_stale_temps(target)
         write_atomically(target, write)
         return reached[0]

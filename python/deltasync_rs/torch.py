@@ -105,9 +105,9 @@ class Mirror:
         step: int | None = None,
         pin_memory: bool | None = None,
     ) -> None:
-        if not dtype.is_floating_point:
-            raise DeltaSyncError(f"the shipped dtype must be a floating-point dtype, not {dtype}")
-        if chunk_bytes < 64:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise DeltaSyncError(f"the shipped dtype must be a floating-point torch.dtype, not {dtype!r}")
+        if at_least_one(chunk_bytes, "chunk_bytes") < 64:
             raise DeltaSyncError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
@@ -132,10 +132,17 @@ class Mirror:
         self._shards: dict[str, tuple[tuple[int, ...], int]] = {}  # name -> (whole shape, flat offset)
         dtensor = _dtensor_type()
         plain: list[str] = []  # not DTensors: with sharded tensors beside them, every rank holds its own copy
-        for name, whole in _named_tensors(model).items():
+        named = _named_tensors(model)
+        # Every name of the source, mirrored or not (tied names, other ranks' tensors): a name that turns up later
+        # is one the mirror would never ship (_live).
+        self._names = frozenset(named)
+        for name, whole in named.items():
+            if not isinstance(whole, torch.Tensor):
+                raise DeltaSyncError(f"tensor {name!r}: expected a torch.Tensor, got {type(whole).__name__}")
             tensor, offset = _local_part(name, whole)
             if tensor is None:
                 continue
+            _arrays.describe(tensor, name)  # a dtype, layout (sparse) or meta tensor the mirror cannot hold
             if dtensor is None or not isinstance(whole, dtensor):
                 plain.append(name)
             if offset is not None:
@@ -217,6 +224,21 @@ class Mirror:
         missing = [name for name in self._tensors if name not in current]
         if missing:
             raise DeltaSyncError(f"tensors {missing[:5]} of the mirror are gone from the model")
+        new = [name for name in current if name not in self._names]
+        if new:
+            raise DeltaSyncError(
+                f"tensors {new[:5]} are new in the model since the mirror was made: it would never ship them; "
+                "make a new mirror (attach again) after changing the model's tensors"
+            )
+        for alias, first in self.aliases.items():
+            # Shipped once, under the first name: that holds only while both still share memory.
+            if alias not in current or _memory_key(_local_part(alias, current[alias])[0]) != _memory_key(
+                _local_part(first, current[first])[0]
+            ):
+                raise DeltaSyncError(
+                    f"tensor {alias!r} no longer shares memory with {first!r} (tied when the mirror was made, "
+                    "shipped as one): make a new mirror (attach again) after untying them"
+                )
         for name, mirror in self._tensors.items():
             if name in self._shards:
                 continue  # checked against the recorded sharding in _local, shape by shape
@@ -234,6 +256,19 @@ class Mirror:
         if local is None or (tuple(tensor.shape), offset) != self._shards[name]:
             raise DeltaSyncError(f"tensor {name!r}: its sharding changed since the mirror was made")
         return local
+
+    def _differing(self) -> list[str]:
+        """The mirrored tensors whose current weights (cast to the shipped dtype) differ from the mirror, bit for
+        bit; the mirror is not moved. One read of the model, chunk by chunk as ``step()`` reads it."""
+        differing = []
+        for name, tensor in self._live().items():
+            flat = self._tensors[name].view(-1)
+            for start, end, chunk in self._device_chunks(tensor, flat.dtype):
+                host = chunk.to("cpu").contiguous()
+                if not torch.equal(host.view(torch.uint8), flat[start:end].view(torch.uint8)):
+                    differing.append(name)
+                    break
+        return differing
 
     def step(self, step: int | None = None) -> Delta:
         """Copies the current weights to the CPU chunk by chunk, compares them with the mirror and moves the mirror
@@ -498,7 +533,15 @@ class Attachment:
                 self._gather_and_publish(step)
             return step
         if step == self.mirror.current_step:
-            return step  # published already
+            # Published already, unless the weights changed since (an edit after the optimizer's step): those
+            # changes cannot go out as the same step again.
+            changed = self.mirror._differing()
+            if changed:
+                raise DeltaSyncError(
+                    f"step {step} is published already, and tensors {changed[:5]} changed since: sync them as a "
+                    f"later step (sync(step={step + 1}); the hook's next publishes then raise until its count passes it)"
+                )
+            return step
         _publish_step(self.publisher, self.mirror, step)
         return step
 
@@ -569,6 +612,19 @@ def attach(
     rank 0 and ``None`` elsewhere: each rank mirrors and diffs only its shards, with positions in the whole
     tensor's index space, and rank 0 joins the ranks' deltas into one delta and one manifest entry per step.
     Rank 0's publisher keeps a whole CPU copy, for anchors."""
+    if not hasattr(optimizer, "register_step_post_hook"):
+        raise DeltaSyncError(
+            f"attach(optimizer, model, publisher): optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
+        )
+    if not isinstance(model, (torch.nn.Module, Mapping)):
+        raise DeltaSyncError(
+            f"attach(optimizer, model, publisher): model must be a torch.nn.Module, not {type(model).__name__}"
+        )
+    if publisher is not None and not hasattr(publisher, "publish_shared"):
+        raise DeltaSyncError(
+            "attach(optimizer, model, publisher): publisher must be a deltasync_rs.Publisher (None on the ranks "
+            f"other than 0 with FSDP2), not {type(publisher).__name__}"
+        )
     return Attachment(
         optimizer, model, publisher, sync_every=sync_every, dtype=dtype, chunk_bytes=chunk_bytes, start_step=start_step
     )
