@@ -232,9 +232,9 @@ class Mirror:
             )
         for alias, first in self.aliases.items():
             # Shipped once, under the first name: that holds only while both still share memory.
-            if alias not in current or _memory_key(_local_part(alias, current[alias])[0]) != _memory_key(
-                _local_part(first, current[first])[0]
-            ):
+            mine = _local_part(alias, current[alias])[0] if alias in current else None
+            theirs = _local_part(first, current[first])[0]
+            if mine is None or theirs is None or _memory_key(mine) != _memory_key(theirs):
                 raise DeltaSyncError(
                     f"tensor {alias!r} no longer shares memory with {first!r} (tied when the mirror was made, "
                     "shipped as one): make a new mirror (attach again) after untying them"
