@@ -155,6 +155,17 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
                 name = next(name for name in attachment.mirror.shards if attachment.mirror.tensors[name].numel())
                 attachment.mirror.tensors[name].view(torch.int16).view(-1)[0] += 1
         attachment.sync()  # step 5, after the publishes at 2 and 4
+        if scenario == "edited":
+            attachment.sync()  # published already, and unchanged: nothing to do, on every rank
+            if rank == 1:  # an edit after the step, in rank 1's shards only
+                with torch.no_grad():
+                    next(p for p in model.parameters() if p.to_local().numel()).to_local().mul_(0.5)
+            try:
+                attachment.sync()
+                raised.append("sync of the edited step 5 did not raise")
+            except ds.DeltaSyncError as error:
+                raised.append(str(error))
+            attachment.sync(6)
         if scenario == "resume":
             # A new publisher picks the run up from the store, as after a restart of rank 0's process.
             attachment.detach()

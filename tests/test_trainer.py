@@ -620,6 +620,18 @@ def test_fsdp2_a_shard_that_left_the_published_state_is_caught_and_re_anchored(t
     assert not ds.sync.verify_store(LocalStore(store))
 
 
+def test_fsdp2_sync_at_a_published_step_refuses_an_edit_on_any_rank_on_every_rank(tmp_path):
+    """One rank's shards edited after step 5 was published: ``sync()`` at step 5 raises on both ranks (neither is
+    left waiting in a collective), and ``sync(6)`` publishes the edit."""
+    store, whole, raised = _run_fsdp_workers(tmp_path, "compact", "edited")
+    for report in raised:
+        assert "step 5 is published already" in report and "sync(step=6)" in report, report
+    assert [e.step for e in ds.sync.log_entries(LocalStore(store))][-2:] == [5, 6]
+    state = {name: torch.zeros_like(t) for name, t in whole.items()}
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 6
+    assert_same(state, whole)
+
+
 def test_fsdp2_a_resumed_publisher_attaches_again_and_a_misplaced_one_is_refused_on_every_rank(tmp_path):
     """After a restart, a publisher resumed at the store's step 5 attaches to the sharded model again (rank 0 checks
     that the gathered weights are the state it resumed, and publishes nothing for it) and its next publish is a

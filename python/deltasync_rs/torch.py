@@ -531,19 +531,40 @@ class Attachment:
             # step that failed on another rank (then every rank syncs again, together).
             if step != self._agreed:
                 self._gather_and_publish(step)
+            else:
+                self._refuse_edits_since(step)
             return step
         if step == self.mirror.current_step:
-            # Published already, unless the weights changed since (an edit after the optimizer's step): those
-            # changes cannot go out as the same step again.
-            changed = self.mirror._differing()
-            if changed:
-                raise DeltaSyncError(
-                    f"step {step} is published already, and tensors {changed[:5]} changed since: sync them as a "
-                    f"later step (sync(step={step + 1}); the hook's next publishes then raise until its count passes it)"
-                )
+            self._refuse_edits_since(step)
             return step
         _publish_step(self.publisher, self.mirror, step)
         return step
+
+    def _refuse_edits_since(self, step: int) -> None:
+        """``step`` is published already: fine while the weights are as published, an error where they changed
+        since (an edit after the optimizer's step), since those changes cannot go out as the same step again.
+        Sharded, every rank checks its own shards and all raise together."""
+        if self._group is None:
+            changed = self.mirror._differing()
+        else:
+            import torch.distributed as dist
+
+            mine: Any
+            try:
+                mine = self.mirror._differing()
+            except Exception as error:  # the other ranks still gather, and learn of it
+                mine = f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            failures = [part for part in everyone if isinstance(part, str)]
+            if failures:
+                raise DeltaSyncError(f"step {step}: {'; '.join(failures)}")
+            changed = sorted({name for part in everyone for name in part})
+        if changed:
+            raise DeltaSyncError(
+                f"step {step} is published already, and tensors {changed[:5]} changed since: sync them as a later "
+                f"step (sync(step={step + 1}); the hook's next publishes then raise until its count passes it)"
+            )
 
     def detach(self) -> None:
         """Removes the hook; later optimizer steps do no deltasync work."""
