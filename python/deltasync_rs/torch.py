@@ -522,7 +522,9 @@ class Attachment:
         """Publishes the current weights now, as ``step`` (by default ``base + optimizer steps seen``: the step the
         hook would give them); returns that step. The hook keeps its own numbering, so a step given here that is
         ahead of it makes the hook's next publishes raise (not after the last published step) until it catches up.
-        With FSDP2, call it on every rank, with the same step."""
+        At the step published last it returns at once when the weights are still as published, and raises when
+        they were changed since (that step cannot be published twice: give a later one). With FSDP2, call it on
+        every rank, with the same step."""
         return self._sync(self._base + self.steps if step is None else step)
 
     def _sync(self, step: int) -> int:
