@@ -201,6 +201,32 @@ def test_worker_extension_pulls_in_order(published_store):
     assert _bits_equal(_params(model), states[3])
 
 
+def test_worker_extension_follows_a_store_published_into_again_by_a_new_run_from_its_anchor(published_store):
+    """The store emptied and a new run published into it (a trainer restarted from scratch): the new run's delta
+    4 names its own step 3, not the one the worker holds, so the worker takes the new run's anchor instead of
+    applying that delta onto the old run's weights (which left a mix of the two runs, silently)."""
+    import shutil
+
+    model, states, store = published_store
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    assert worker.deltasync_pull(store) == 3
+    _, other = _tiny_states(steps=5)
+    for state in other:
+        for tensor in state.values():
+            tensor.mul_(1.5)
+    shutil.rmtree(store)
+    with ds.Publisher(store, anchor_every=10, values="abs", background=False) as publisher:
+        for step, state in enumerate(other):
+            publisher.publish(step, state)
+    assert worker.deltasync_pull(store) == 5
+    assert _bits_equal(_params(model), other[5])
+    assert worker.deltasync_pull(store) == 5  # and on from there as usual
+    # A step set by hand has no entry to check against: the way on from it is taken as before.
+    worker.deltasync_set_step(5)
+    assert worker._deltasync_tracker().entry is None
+
+
 def test_worker_extension_rejects_a_broken_chain_before_writing(tmp_path):
     model, states = _tiny_states()
     worker = ds_vllm.DeltaSyncWorkerExtension()

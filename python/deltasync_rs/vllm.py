@@ -502,7 +502,20 @@ class _StepTracker:
     """Applies deltas in order to one model and tracks the step it is at (None: unknown, only anchors apply)."""
 
     def __init__(self, current_step: int | None = None) -> None:
-        self.current_step = current_step
+        self._step = current_step
+        #: The manifest entry of ``current_step`` when a pull brought the model there: the next pull's first delta
+        #: must name that very entry as its base, not another entry of that step number (a store emptied and
+        #: published into again by a new run has its own step 3). None when the step came any other way.
+        self.entry: Any = None
+
+    @property
+    def current_step(self) -> int | None:
+        return self._step
+
+    @current_step.setter
+    def current_step(self, step: int | None) -> None:
+        self._step = step
+        self.entry = None  # set by hand or reached by other deltas: no entry is known for it
 
     def apply(
         self, model: torch.nn.Module, deltas: Sequence[Delta], *, path: str = "auto", check_base: bool = False
@@ -537,10 +550,14 @@ class _StepTracker:
         # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
         subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
+        if self.entry is not None and self.entry.step == self.current_step:
+            # The way on from this step must start from the very entry the model holds; where it does not (another
+            # run's step of that number), the subscriber takes the newest anchor instead.
+            subscriber._at = self.entry
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
         deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, self.current_step, until)
         try:
-            return self.apply(model, deltas, path=path, check_base=check_base)
+            step = self.apply(model, deltas, path=path, check_base=check_base)
         except DeltaFormatError as error:
             # As in Subscriber.pull: nothing of the delta with the malformed stream was written (the step is the one
             # before it). Read the way on again with every file checked first, which takes a way around the file.
@@ -548,7 +565,15 @@ class _StepTracker:
                 "%s; reading the way from step %s again with every stream checked first", error, self.current_step
             )
             deltas, _ = _agreed(lambda at, to: subscriber.fetch(at, until=to), self.current_step, until)
-            return self.apply(model, deltas, path=path, check_base=check_base)
+            step = self.apply(model, deltas, path=path, check_base=check_base)
+        if deltas and step is not None:
+            try:
+                self.entry = subscriber.entry(step)  # read (and verified) on the way there: cached
+            except DeltaSyncError as error:  # the weights are at the step all the same; only the link is unknown
+                log.warning(
+                    "step %d: its entry did not read back (%s); the next pull cannot check its link", step, error
+                )
+        return step
 
 
 def _agreed(
