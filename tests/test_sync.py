@@ -120,6 +120,27 @@ def test_anchors_are_whole_and_cadence_never_drops_a_delta(tmp_path):
     assert subscriber.entry(0).delta is None and subscriber.entry(0).anchor is not None
 
 
+def test_steps_of_more_than_twelve_digits_are_published_and_ordered_by_number(tmp_path):
+    """Steps are keyed with at least 12 digits: a millisecond timestamp as the step (13 digits) or a step near 2**64
+    is read like any other, and ordered by number (a key of 13 digits sorts before one of 12 as text)."""
+    store = ds.LocalStore(tmp_path)
+    state, history = _state(), {}
+    steps = [999_999_999_999, 1_700_000_000_000, 1_700_000_000_001, 2**64 - 1]
+    with ds.Publisher(store, anchor_every=2, keep_anchors=10, background=False) as publisher:
+        for step in steps:
+            _train_step(state, step % 1000)
+            publisher.publish(step, state)
+            history[step] = {k: v.clone() for k, v in state.items()}
+    assert [e.step for e in ds.sync.log_entries(store)] == steps
+    for step in steps:
+        replica = _fresh(state)
+        assert ds.Subscriber(store).pull(replica, until=step) == step
+        assert_states_equal(replica, history[step])
+    assert not ds.sync.verify_store(store)
+    for key in ("manifest/step_0001700000000000.json", "manifest/step_18446744073709551616.json"):
+        assert ds.sync.step_of(key) is None  # not a key a publisher writes: a leading zero, a step past 2**64 - 1
+
+
 def test_several_optimizer_steps_between_publishes(tmp_path):
     store = ds.LocalStore(tmp_path)
     state = _state()

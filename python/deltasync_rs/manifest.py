@@ -31,7 +31,9 @@ LATEST_KEY = "latest.json"
 RUN_KEY = "run.json"
 MAX_DOCUMENT_BYTES = 1 << 20
 MAX_DEPTH = 32
-_STEP_KEY = re.compile(r"^(manifest|deltas|anchors)/step_(\d{12})\.(json|safetensors|pieces)$")
+#: Step numbers are written with at least 12 digits (zero-padded), up to 20 for steps up to 2**64 - 1: a key with
+#: more than 12 digits and a leading zero is not one a publisher writes.
+_STEP_KEY = re.compile(r"^(manifest|deltas|anchors)/step_(\d{12}|[1-9]\d{12,19})\.(json|safetensors|pieces)$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -159,7 +161,8 @@ class Pieces:
 
 def step_of(key: str) -> int | None:
     match = _STEP_KEY.match(key)
-    return int(match.group(2)) if match else None
+    step = int(match.group(2)) if match else None
+    return step if step is not None and step < 2**64 else None
 
 
 def listed_steps(store: Store) -> list[int]:
