@@ -237,19 +237,26 @@ def test_a_refused_local_anchor_leaves_no_descriptor_open(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-def test_an_output_inside_the_local_store_being_pulled_is_refused(tmp_path):
+def test_an_output_among_the_local_store_files_being_pulled_is_refused(tmp_path):
     """``deltasync pull -o`` onto one of the store's own files (its only anchor, say) would replace the file it
-    is rebuilt from: refused before anything is written, and the store still verifies."""
+    is rebuilt from: refused before anything is written, and the store still verifies. Beside them, in the store's
+    folder, is allowed."""
     store = tmp_path / "store"
     _publish(store, _states(3), anchor_every=10)
     (tmp_path / "link").symlink_to(store / "anchors")
     anchor = store / anchor_key(0)
     before = anchor.read_bytes()
-    for target in (anchor, store / "new.safetensors", tmp_path / "link" / "x.safetensors"):
-        with pytest.raises(ds.DeltaSyncError, match="inside the store"):
+    for target in (
+        anchor,
+        store / "manifest" / "x.safetensors",
+        tmp_path / "link" / "x.safetensors",
+        store / "run.json",
+    ):
+        with pytest.raises(ds.DeltaSyncError, match="one of the files of the store"):
             ds.Subscriber(store).pull_to_file(target)
-    assert anchor.read_bytes() == before and not (store / "new.safetensors").exists()
+    assert anchor.read_bytes() == before and not (store / "manifest" / "x.safetensors").exists()
     assert not ds.sync.verify_store(ds.LocalStore(store))
+    assert ds.Subscriber(store).pull_to_file(store / "model.safetensors") == 2
     for bad in (None, 3):
         with pytest.raises(ds.DeltaSyncError, match="path must be"):
             ds.Subscriber(store).pull_to_file(bad)

@@ -181,6 +181,9 @@ def test_bad_publishes_are_refused(tmp_path):
                 publisher.publish(step, _state())
         with pytest.raises(ds.DeltaSyncError, match="state holds no tensors: nothing to publish"):
             publisher.publish(6, {})
+        with pytest.raises(ds.DeltaSyncError, match="publish_delta takes a deltasync_rs.Delta"):
+            publisher.publish_delta(6, "deltas/step_000000000006.safetensors")
+        assert publisher.step == 5
     with ds.Publisher(store, background=False) as publisher:  # a new publisher continues after the store's last step
         with pytest.raises(ds.DeltaSyncError, match="after the last published step 5"):
             publisher.publish(4, _state())
@@ -189,6 +192,15 @@ def test_bad_publishes_are_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ds.ChainError, match="nothing has been published"):
         ds.Subscriber(tmp_path / "empty").pull(_state())
+    # Options are checked when the subscriber is made, not at the first failed read (which they would hide).
+    for options, match in [
+        ({"retry_delay": "x"}, "retry_delay must be a number of seconds"),
+        ({"retry_delay": -1}, "retry_delay must be a number of seconds"),
+        ({"anchor_ranges": 5}, "anchor_ranges must be None or a function"),
+        ({"check_base": "no"}, "check_base must be True or False"),
+    ]:
+        with pytest.raises(ds.DeltaSyncError, match=match):
+            ds.Subscriber(store, **options)
 
 
 def test_signed_store_rejects_unsigned_and_tampered_files(tmp_path):
@@ -808,7 +820,7 @@ def test_a_pull_with_nothing_new_checks_a_target_it_did_not_bring_there(tmp_path
 
 
 def test_bad_until_and_outputs_are_refused_before_any_work(tmp_path):
-    store = ds.LocalStore(tmp_path)
+    store = ds.LocalStore(tmp_path / "store")
     history = _publish_run(store, 2)
     subscriber = ds.Subscriber(store)
     for bad in ("1", 1.0, True, -1, 2**64):

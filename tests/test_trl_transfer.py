@@ -203,6 +203,20 @@ def test_a_server_error_is_raised_after_the_publish(setup):
     assert_states_equal(engine.state, export(model))
 
 
+def test_options_of_the_wrong_kind_are_refused_when_the_transfer_is_made(tmp_path):
+    with ds.Publisher(tmp_path, background=False) as publisher:
+        for arguments, options, match in [
+            (("",), {}, "server_url must be"),
+            ((None,), {}, "server_url must be"),
+            (("127.0.0.1:8000",), {}, "server_url must be"),
+            (("http://127.0.0.1:9",), {"timeout": "5"}, "timeout must be a number of seconds"),
+            (("http://127.0.0.1:9",), {"update_timeout": 0}, "update_timeout must be a number of seconds, above 0"),
+            (("http://127.0.0.1:9",), {"dtype": "bf16"}, "dtype"),
+        ]:
+            with pytest.raises(ds.DeltaSyncError, match=match):
+                DeltaSyncWeightTransfer(publisher, *arguments, **options)
+
+
 def test_a_sync_that_leaves_out_a_tensor_is_refused_and_the_next_one_is_an_anchor(setup):
     """A sync that streamed part of the weights into the mirror and then failed publishes nothing; the next full
     sync is published as an anchor (no delta from the half-moved mirror), and the server ends with the model."""

@@ -13,6 +13,22 @@ def at_least_one(value: Any, name: str) -> int:
     return value
 
 
+def flag(value: Any, name: str) -> bool:
+    """``value`` when it is True or False; else DeltaSyncError naming the option ``name``."""
+    if not isinstance(value, bool):
+        raise DeltaSyncError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
+def seconds(value: Any, name: str, *, positive: bool = False) -> float:
+    """``value`` as a float when it is a number of seconds (not a bool; at least 0, or above 0 with ``positive``);
+    else DeltaSyncError naming the option ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 if positive else value >= 0):
+        least = "above 0" if positive else "at least 0"
+        raise DeltaSyncError(f"{name} must be a number of seconds, {least}, not {value!r}")
+    return float(value)
+
+
 class IntegrityError(DeltaSyncError):
     """A file's digest, a signature, a run id, an entry's link to its base entry or a state digest does not match."""
 

@@ -32,6 +32,8 @@ from .errors import (
     MissingObjectError,
     StoreError,
     at_least_one,
+    flag,
+    seconds,
 )
 from .manifest import (
     DEFAULT_PIECE_BYTES,
@@ -112,12 +114,6 @@ def _piece_size(value: Any, name: str) -> int | None:
         raise DeltaSyncError(str(error)) from None
 
 
-def _flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise DeltaSyncError(f"{name} must be True or False, not {value!r}")
-    return value
-
-
 def _published_state(state: Any, role: str) -> Mapping[str, Any]:
     """``state`` (``_arrays.check_state``), or DeltaSyncError where it holds no tensor: there is nothing to publish,
     and no reader could read an anchor of nothing."""
@@ -125,12 +121,6 @@ def _published_state(state: Any, role: str) -> Mapping[str, Any]:
     if not state:
         raise DeltaSyncError(f"{role} holds no tensors: nothing to publish")
     return state
-
-
-def _seconds(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise DeltaSyncError(f"{name} must be a number of seconds, at least 0, not {value!r}")
-    return float(value)
 
 
 class Publisher:
@@ -180,12 +170,12 @@ class Publisher:
     )
     piece_hash = _Option(check_piece_hash, 'The hash of each anchor piece: "blake3" (the default) or "sha256".')
     whole_sha256 = _Option(
-        _flag,
+        flag,
         "Whether an anchor with pieces also gets its whole-file SHA-256 (for readers of sync protocol version 1); "
         "anchors without pieces always do.",
     )
     exit_timeout = _Option(
-        lambda value, name: _seconds(value, name),
+        seconds,
         "How long, in seconds, uploads still pending at interpreter exit are waited for (a number, at least 0).",
     )
     retries = _Option(
@@ -221,7 +211,7 @@ class Publisher:
         self.keep_anchors = keep_anchors
         self.retries = retries
         self.exit_timeout = exit_timeout
-        _flag(background, "background")
+        flag(background, "background")
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise DeltaSyncError(f"max_pending must be an integer of at least 1, not {max_pending!r}")
         self.store = open_store(store)
@@ -392,6 +382,10 @@ class Publisher:
         self._check_open()
         self._raise_errors()
         self._check_step(step)
+        if not isinstance(delta, Delta):
+            raise DeltaSyncError(
+                f"publish_delta takes a deltasync_rs.Delta (ds.load reads one), not {type(delta).__name__}"
+            )
         if self._mirror.is_empty:
             raise DeltaSyncError("publish a full state first: the publisher has no state to apply a delta to")
         if delta.base_step is None:

@@ -40,6 +40,8 @@ from .errors import (
     MissingObjectError,
     RunChangedError,
     StoreError,
+    flag,
+    seconds,
 )
 from .manifest import (
     LATEST_KEY,
@@ -94,6 +96,18 @@ def _target_key(state: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
     return tuple((name, id(tensor), _arrays.address(tensor)) for name, tensor in state.items())
 
 
+def _store_object(store: LocalStore, path: str) -> bool:
+    """Whether ``path`` is (or would be) one of the sync protocol's files in the local ``store``: its pointer, its
+    run id, or anything under its anchors/, deltas/ or manifest/ folders."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(store.root):
+        return False
+    parts = real.relative_to(store.root).parts
+    return bool(parts) and (
+        parts[0] in ("anchors", "deltas", "manifest") or parts == (LATEST_KEY,) or parts == (RUN_KEY,)
+    )
+
+
 class Subscriber:
     """Pulls a store's published steps into a state, verifying every file and signature on the way.
 
@@ -119,11 +133,15 @@ class Subscriber:
         check_base: bool = True,
         anchor_ranges: NeededRanges | None = None,
     ) -> None:
+        if anchor_ranges is not None and not callable(anchor_ranges):
+            raise DeltaSyncError(
+                f"anchor_ranges must be None or a function of an anchor's tensors, not {type(anchor_ranges).__name__}"
+            )
         self.store = open_store(store, create=False)
         self.anchor_ranges = anchor_ranges
-        self.check_base = check_base
+        self.check_base = flag(check_base, "check_base")
         self.retries = retries
-        self.retry_delay = retry_delay
+        self.retry_delay = seconds(retry_delay, "retry_delay")
         self.step: int | None = None
         self._key = resolve_signing_key(signing_key)
         self._run: str | None = None
@@ -697,9 +715,11 @@ class Subscriber:
         if not isinstance(path, (str, os.PathLike)):
             raise DeltaSyncError(f"pull_to_file: path must be a str or os.PathLike, not {type(path).__name__}")
         target = os.fsdecode(os.fspath(path))
-        if isinstance(self.store, LocalStore) and Path(os.path.realpath(target)).is_relative_to(self.store.root):
+        if isinstance(self.store, LocalStore) and _store_object(self.store, target):
             # It would replace (or leave temporary files among) the very files it is rebuilt from.
-            raise DeltaSyncError(f"{target}: inside the store {self.store.url} being pulled; write it elsewhere")
+            raise DeltaSyncError(
+                f"{target}: one of the files of the store {self.store.url} being pulled; write it elsewhere"
+            )
         remove_stale_temps(target)
         write_atomically(target, write)
         return reached[0]

@@ -18,7 +18,7 @@ import torch
 from .. import _arrays
 from .._core import MirrorDiff
 from ..delta import Delta, _finish
-from ..errors import BaseMismatchError, DeltaSyncError
+from ..errors import BaseMismatchError, DeltaSyncError, seconds
 from ..torch import _dtensor_type
 
 log = logging.getLogger("deltasync_rs.trl")
@@ -71,8 +71,16 @@ class DeltaSyncWeightTransfer:
         update_timeout: float = 600.0,
         upload_timeout: float = 600.0,
     ) -> None:
-        if not dtype.is_floating_point:
-            raise DeltaSyncError(f"the shipped dtype must be a floating-point dtype, not {dtype}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise DeltaSyncError(f"the shipped dtype must be a floating-point torch.dtype, not {dtype!r}")
+        if not isinstance(server_url, str) or not server_url.startswith(("http://", "https://")):
+            raise DeltaSyncError(f"server_url must be the vLLM server's http:// or https:// URL, not {server_url!r}")
+        for value, name in (
+            (timeout, "timeout"),
+            (update_timeout, "update_timeout"),
+            (upload_timeout, "upload_timeout"),
+        ):
+            seconds(value, name, positive=True)
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise DeltaSyncError(f"start_step must be a non-negative integer, not {start_step!r}")
         self.publisher = publisher
