@@ -46,9 +46,9 @@ def s3_url(s3_endpoint, monkeypatch):
 def s3_store(url: str, endpoint: str):
     from deltasync_rs.store import FsspecStore
 
-    return FsspecStore(
-        url, endpoint_url=endpoint, key=S3_KEY, secret=S3_SECRET, skip_instance_cache=True, use_listings_cache=False
-    )
+    # s3fs's defaults otherwise (its listings cache on, as for a plain "s3://" URL); each store its own filesystem
+    # object, as a publisher and a subscriber in two processes have.
+    return FsspecStore(url, endpoint_url=endpoint, key=S3_KEY, secret=S3_SECRET, skip_instance_cache=True)
 
 
 @pytest.fixture(params=["local", "s3", "hf-standin"])

@@ -357,3 +357,29 @@ def test_local_get_range_refuses_links_and_devices(tmp_path):
     os.mkfifo(tmp_path / "s" / "anchors" / "step_000000000002.safetensors")
     with pytest.raises(ds.StoreError, match="not a regular file"):
         store.get_range("anchors/step_000000000002.safetensors", 0, 4)
+
+
+def test_a_long_lived_s3_subscriber_sees_objects_written_after_its_first_listing(s3_url, s3_endpoint):
+    """s3fs keeps the folder listings its ``find`` fills (a plain ``s3://`` URL has that cache on), and ``open``
+    looked files up there first: a subscriber that had listed ``anchors/`` once never saw a newer anchor, and
+    every pull failed once retention removed the old one. Each process has its own filesystem object."""
+    import torch
+
+    from tests.conftest import s3_store
+    from tests.test_sync import _fresh, _state, _train_step
+
+    state = _state()
+    subscriber = ds.Subscriber(s3_store(s3_url, s3_endpoint))
+    with ds.Publisher(s3_store(s3_url, s3_endpoint), anchor_every=2, keep_anchors=1, background=False) as publisher:
+        publisher.publish(0, state)
+        replica = _fresh(state)
+        assert subscriber.pull(replica) == 0
+        for step in range(1, 6):
+            _train_step(state, step)
+            publisher.publish(step, state)
+    assert subscriber.pull(replica) == 5
+    assert all(torch.equal(replica[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
+    assert subscriber.store.list("anchors/") == [
+        "anchors/step_000000000004.pieces",
+        "anchors/step_000000000004.safetensors",
+    ]

@@ -510,6 +510,19 @@ class FsspecStore(Store):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
+    def _read_path(self, key: str) -> str:
+        """The path of ``key``, with what the filesystem remembers of it and its folders forgotten: s3fs and gcsfs
+        keep the folder listings that ``find`` fills (``list``), and an ``open`` looks a file up there first, so a
+        long-lived reader would never see an object written after its first listing of that folder."""
+        path = self._path(key)
+        self._forget(path)
+        return path
+
+    def _forget(self, path: str) -> None:
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate(path)
+
     def put(self, key: str, data: bytes) -> None:
         try:
             self.fs.pipe_file(self._path(key), data)
@@ -536,7 +549,7 @@ class FsspecStore(Store):
 
     def get_file(self, key: str, out: Sink) -> int:
         try:
-            with self.fs.open(self._path(key), "rb", block_size=COPY_BYTES) as source:
+            with self.fs.open(self._read_path(key), "rb", block_size=COPY_BYTES) as source:
                 return _copy(source, out)
         except FileNotFoundError:
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
@@ -547,7 +560,7 @@ class FsspecStore(Store):
 
     def get(self, key: str) -> bytes:
         try:
-            return self.fs.cat_file(self._path(key))
+            return self.fs.cat_file(self._read_path(key))
         except FileNotFoundError:
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
         except Exception as error:
@@ -560,10 +573,10 @@ class FsspecStore(Store):
         _check_range(start, length)
         try:
             if length == 0:
-                if not self.fs.exists(self._path(key)):
+                if not self.fs.exists(self._read_path(key)):
                     raise FileNotFoundError(key)
                 return b""
-            data = self.fs.cat_file(self._path(key), start=start, end=start + length)
+            data = self.fs.cat_file(self._read_path(key), start=start, end=start + length)
         except FileNotFoundError:
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
         except Exception as error:
@@ -572,7 +585,7 @@ class FsspecStore(Store):
 
     def get_small(self, key: str, max_bytes: int) -> bytes:
         try:
-            data = self.fs.cat_file(self._path(key), start=0, end=max_bytes + 1)
+            data = self.fs.cat_file(self._read_path(key), start=0, end=max_bytes + 1)
         except FileNotFoundError:
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
         except Exception as error:
@@ -583,6 +596,7 @@ class FsspecStore(Store):
 
     def list(self, prefix: str = "") -> list[str]:
         base = f"{self.root}/{prefix}".rstrip("/")
+        self._forget(base)  # exists() would answer from a listing kept since an earlier call
         try:
             found = self.fs.find(base) if self.fs.exists(base) else []
         except FileNotFoundError:
