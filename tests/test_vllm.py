@@ -199,6 +199,14 @@ def test_worker_extension_pulls_in_order(published_store):
     assert worker.deltasync_pull(store) == 3  # up to date: nothing applied
     assert worker.deltasync_pull(store, "3") == 3  # the dev-mode HTTP route passes strings
     assert _bits_equal(_params(model), states[3])
+    for bad in ("abc", "1.5", "-1", True, 2**64):
+        with pytest.raises(ds.DeltaSyncError, match="step must be"):
+            worker.deltasync_pull(store, bad)
+        with pytest.raises(ds.DeltaSyncError, match="step must be"):
+            worker.deltasync_set_step(bad)
+    with pytest.raises(ds.DeltaSyncError, match="current_step must be"):
+        ds_vllm.apply_delta(model, ds.diff(states[3], states[3], values="abs"), current_step="3")
+    assert worker.deltasync_step() == 3 and _bits_equal(_params(model), states[3])
 
 
 def test_worker_extension_follows_a_store_published_into_again_by_a_new_run_from_its_anchor(published_store):

@@ -682,7 +682,39 @@ def check_tampered_anchor_pieces_refused(model, item: Prepared) -> None:
         )
 
 
+def check_ranks_refuse_together_what_one_rank_alone_can_see(model, item: Prepared) -> None:
+    """A tied model pulls an anchor whose lm_head differs from its embeddings in the last vocabulary row only: at
+    TP=2 only the last rank reads that row (each reads its own rows of the anchor), yet every rank must refuse, and
+    none write (rank 0 applied the anchor and moved on before, the group left at two steps). Untied: applied."""
+    import tempfile
+
+    import deltasync_rs as ds
+
+    state = _state(item, 2)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["lm_head.weight"][-1, :3] += 1
+    root = tempfile.mkdtemp(prefix="tied-anchor-")
+    with ds.Publisher(root, piece_bytes=1 << 10, background=False) as publisher:
+        publisher.publish(7, state)
+    if MODELS[item.name][1]["tie_word_embeddings"]:
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.DeltaSyncError,
+            lambda: _fresh_worker(model).deltasync_pull(root),
+            "are one parameter in vLLM",
+        )
+        return
+    assert _fresh_worker(model).deltasync_pull(root) == 7
+    applied = snapshot(model)
+    with torch.no_grad():
+        model.load_weights(list(state.items()))
+    bad = differing(model, applied)
+    assert not bad, f"differs from a dense reload: {bad[:5]}"
+
+
 CHECKS = [
+    check_ranks_refuse_together_what_one_rank_alone_can_see,
     check_anchor_pull_reads_only_this_ranks_shard,
     check_tampered_anchor_pieces_refused,
     check_diff_then_abs_match_dense_reload,

@@ -33,7 +33,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from . import _arrays, _vllm_cpu, _write
 from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 from ._ranged import AnchorTensor, PartialAnchor
-from .delta import Delta, load
+from .delta import Delta, _check_step, load
 
 log = logging.getLogger(__name__)
 
@@ -284,12 +284,15 @@ def apply_delta(
     """
     if not isinstance(delta, Delta):
         raise DeltaSyncError(f"apply_delta takes a deltasync_rs.Delta, not {type(delta).__name__}")
+    current_step = _check_step(current_step, "current_step")
     if path == "auto":
         path = "mapped" if is_mapped(model) else "loader"
-    # A `context` tensor split across ranks is placed with what every rank holds of it (deltasync_rs._context): the
-    # ranks exchange that once per delta, and a failure on any rank before it (its step included) is shared, so that
-    # all ranks raise together, none waits on another, and none writes.
-    exchange = path == "mapped" and _tensor_parallel() > 1 and any(i.positions == "context" for i in delta.tensors)
+    # At TP > 1 the ranks agree on every delta before any of them writes: each checks only its own shards (of a
+    # partial anchor, only the bytes it read), so one rank may refuse what another accepts, and a rank that wrote
+    # while another raised would leave the group at two steps (and, before a later `context` delta's exchange,
+    # waiting on a rank that left). A `context` tensor split across ranks is also placed with what every rank
+    # holds of it (deltasync_rs._context), exchanged in the same all-gather.
+    exchange = path == "mapped" and _tensor_parallel() > 1
     writes = _write.Writes(delta._raw)
 
     def stage() -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
@@ -686,6 +689,7 @@ class DeltaSyncWorkerExtension:
 
     def deltasync_set_step(self, step: int | None) -> int | None:
         """Declares the step the served weights are at (e.g. the trainer's step 0 checkpoint)."""
+        step = _step_argument(step, "step")
         self._deltasync_tracker().current_step = step
         return step
 
@@ -712,12 +716,21 @@ class DeltaSyncWorkerExtension:
         ``path`` and ``check_base`` are as for :func:`apply_delta`.
 
         ``step`` and ``check_base`` may be strings: vLLM's dev-mode ``/collective_rpc`` route passes only strings."""
-        if isinstance(step, str):
-            step = int(step) if step.strip() else None
+        step = _step_argument(step, "step")
         with torch.no_grad():
             return self._deltasync_tracker().pull(
                 self._deltasync_model(), store, step, signing_key, path=path, check_base=_flag(check_base)
             )
+
+
+def _step_argument(value: Any, name: str) -> int | None:
+    """A step argument: None, a step number, or (through vLLM's HTTP routes) its decimal string, "" for None."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text and not (text.isascii() and text.isdigit()):
+            raise DeltaSyncError(f"{name} must be a step number, not {value!r}")
+        value = int(text) if text else None
+    return _check_step(value, name)
 
 
 def _flag(value: Any) -> bool:
@@ -772,8 +785,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         """Sets the default store and key; ``current_step``, when given, declares the step the weights are at
         (otherwise the step the worker reached, through either way in, is kept)."""
         self.store, self.signing_key = init_info.store, init_info.signing_key
-        if init_info.current_step is not None:
-            self.tracker.current_step = init_info.current_step
+        current_step = _step_argument(init_info.current_step, "current_step")
+        if current_step is not None:
+            self.tracker.current_step = current_step
 
     def start_weight_update(self) -> None:
         pass  # in-place sparse updates need no layerwise reload
@@ -797,7 +811,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             store = update_info.store or self.store
             if store is None:
                 raise DeltaSyncError("update_info names no store and init_weight_transfer_engine set none")
-            self.tracker.pull(self.model, store, update_info.step, self.signing_key, path=path, check_base=check_base)
+            step = _step_argument(update_info.step, "step")
+            self.tracker.pull(self.model, store, step, self.signing_key, path=path, check_base=check_base)
 
     def shutdown(self) -> None:
         pass
