@@ -116,6 +116,99 @@ def test_a_store_emptied_and_published_into_again_is_a_loud_error_for_a_subscrib
     assert_states_equal(replica, new_history[new_steps - 1])
 
 
+def test_resuming_at_an_older_step_leaves_the_later_history_and_subscribers_follow_the_new_one(tmp_path, caplog):
+    """A trainer restarted from an older checkpoint: resume(step=4) on a store at step 9. The later steps are of a
+    history the run leaves: removed at resume (subscribers took the old step 9 for the newest, and retention removed
+    the new run's anchors as older than it). A subscriber that held the old step 3, republished since, re-syncs."""
+    store = ds.LocalStore(tmp_path)
+    state, old = _state(0), {}
+    with ds.Publisher(store, anchor_every=3, keep_anchors=1, signing_key=KEY, background=False) as publisher:
+        for step in range(10):
+            _train_step(state, step)
+            publisher.publish(step, state)
+            old[step] = {k: v.clone() for k, v in state.items()}
+    behind = ds.Subscriber(store, signing_key=KEY)
+    at_9 = _fresh(old[9])
+    assert behind.pull(at_9) == 9
+    state, new = {k: v.clone() for k, v in old[9].items()}, {}
+    with ds.Publisher(store, anchor_every=3, keep_anchors=1, signing_key=KEY, background=False) as publisher:
+        with caplog.at_level(logging.WARNING, logger="deltasync_rs.sync"):
+            publisher.resume(state, step=9)  # at the newest step: nothing to leave
+        assert not any("removing" in r.getMessage() for r in caplog.records)
+    pulled = ds.Subscriber(store, signing_key=KEY)
+    at_4 = _fresh(old[9])
+    # Back to step 4 of a run whose step 4 the store no longer has (retention removed it): resumed without an entry.
+    with ds.Publisher(store, anchor_every=3, keep_anchors=1, signing_key=KEY, background=False) as publisher:
+        state = {k: v.clone() for k, v in old[4].items()}
+        with caplog.at_level(logging.WARNING, logger="deltasync_rs.sync"):
+            publisher.resume(state, step=4)
+        assert any("removing the 1 later step(s) the store holds (9)" in r.getMessage() for r in caplog.records)
+        assert ds.sync.log_entries(store) == [] and LATEST_KEY not in store.list()
+        for step in (5, 6, 7):
+            _train_step(state, 500 + step)
+            publisher.publish(step, state)
+            new[step] = {k: v.clone() for k, v in state.items()}
+            assert pulled.pull(at_4) == step
+            assert_states_equal(at_4, new[step])
+    # Step 5 an anchor (step 4 has no entry left), kept: retention counts no anchor after the step just published.
+    assert [e.step for e in ds.sync.log_entries(store)] == [5, 6, 7]
+    assert not ds.sync.verify_store(store, signing_key=KEY)
+    # The subscriber that held the old step 9 stays there (a subscriber never moves back) until the new run passes
+    # it, then re-syncs from the new run's anchor.
+    assert behind.pull(at_9) == 9
+    with ds.Publisher(store, anchor_every=3, keep_anchors=1, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=7)
+        for step in (8, 9, 10):
+            _train_step(state, 500 + step)
+            publisher.publish(step, state)
+    assert behind.pull(at_9) == 10
+    assert_states_equal(at_9, state)
+
+
+def test_resume_refuses_a_state_that_is_not_the_published_step(tmp_path):
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 3)
+    wrong = {k: v.clone() for k, v in history[2].items()}
+    wrong["layer.weight"].view(-1)[0] += 1
+    publisher = ds.Publisher(store, signing_key=KEY, background=False)
+    with pytest.raises(
+        ds.IntegrityError, match=r"resume\(state, step=2\): the state is not the one published as step 2"
+    ):
+        publisher.resume(wrong, step=2)
+    assert publisher.step is None and [e.step for e in ds.sync.log_entries(store)] == [0, 1, 2]
+    publisher.resume(history[2], step=2)
+    publisher.publish(3, wrong)
+    publisher.close()
+    replica = _fresh(wrong)
+    assert ds.Subscriber(store, signing_key=KEY).pull(replica) == 3
+    assert_states_equal(replica, wrong)
+
+
+def test_a_subscriber_holding_a_step_published_again_re_syncs_at_once(tmp_path, caplog):
+    """resume(step=1) on a store at step 3, and steps 2 and 3 published again with other weights: a subscriber that
+    held the old step 3 pulls the new step 3 (it reported the old one, with only a log line, before), and the new
+    step 4 on the next pull (it raised ChainErrors for two pulls before, from entries cached of the old history)."""
+    store = ds.LocalStore(tmp_path)
+    old = _publish(store, 4)
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    replica = _fresh(old[3])
+    assert subscriber.pull(replica) == 3
+    state, new = {k: v.clone() for k, v in old[1].items()}, {}
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=1)
+        for step in (2, 3, 4):
+            _train_step(state, 300 + step)
+            publisher.publish(step, state)
+            new[step] = {k: v.clone() for k, v in state.items()}
+            if step == 3:
+                with caplog.at_level(logging.WARNING, logger="deltasync_rs.sync"):
+                    assert subscriber.pull(replica) == 3
+                assert_states_equal(replica, new[3])
+                assert any("published again" in r.getMessage() for r in caplog.records)
+    assert subscriber.pull(replica) == 4
+    assert_states_equal(replica, new[4])
+
+
 def test_a_chain_cannot_be_spliced_past_a_republished_step(tmp_path):
     """A publisher resumed at step 1 republishes steps 2 and 3; the first run's entry 2 put back in the store must
     not be replayed before the second run's step 3, although both are signed, of this run, and name step 2."""

@@ -352,16 +352,25 @@ class Publisher:
         _check_step(step, "step", optional=False)
         if not self._mirror.is_empty:
             raise DeltaSyncError("resume must come before the first publish")
+        try:
+            entry: Entry | None = self._reader.entry(step)
+        except DeltaSyncError as error:
+            log.warning("resuming at step %d without its entry (%s): the next publish is an anchor", step, error)
+            entry = None
+        if entry is not None and state_digest(state) != entry.state_digest:
+            # Deltas against it would not apply to what subscribers hold at that step.
+            raise IntegrityError(
+                f"{self.store.url}: resume(state, step={step}): the state is not the one published as step {step} "
+                f"(its state digest differs from {entry_key(step)}'s); publish it without resume instead (a "
+                "publisher's first publish is an anchor); nothing was changed"
+            )
         if copy:
             self._mirror.reset(state, step=step)
         else:
             self._mirror.share(dict(state), step=step)
         self._last_step = step
-        try:
-            self._base_entry = (step, self._reader.entry(step).sha256)
-        except DeltaSyncError as error:
-            log.warning("resuming at step %d without its entry (%s): the next publish is an anchor", step, error)
-            self._base_entry = None
+        self._base_entry = None if entry is None else (step, entry.sha256)
+        self._leave_steps_after(step, entry)
         # Keep the anchor cadence across publisher restarts: count the steps published since the newest anchor.
         anchors = [s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= step]
         newest = max(anchors, default=None)
@@ -370,6 +379,35 @@ class Publisher:
         else:
             entries = {s for k in self.store.list("manifest/") if (s := step_of(k)) is not None}
             self._since_anchor = sum(1 for s in entries if newest < s <= step)
+
+    def _leave_steps_after(self, step: int, entry: Entry | None) -> None:
+        """Resumed at ``step``: steps after it in the store are of a history this run leaves (a trainer restarted
+        from an older checkpoint). They are removed, so that no subscriber takes them for this run's newest steps
+        (nor retention this run's anchors for older ones): the pointer first (to ``step``'s entry, or gone), then
+        the entries, then their files."""
+        keys = [k for prefix in ("manifest/", "anchors/", "deltas/") for k in self.store.list(prefix)]
+        later = [k for k in keys if (s := step_of(k)) is not None and s > step]
+        if not later:
+            return
+        steps = sorted({s for k in later if k.startswith("manifest/") and (s := step_of(k)) is not None})
+        log.warning(
+            "%s: resumed at step %d; removing the %d later step(s) the store holds (%s), of a history this run leaves",
+            self.store.url,
+            step,
+            len(steps),
+            ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else ""),
+        )
+        blob = None
+        if entry is not None:
+            blob = self.store.get_small(entry_key(step), MAX_DOCUMENT_BYTES)
+            if hashlib.sha256(blob).hexdigest() != entry.sha256:
+                blob = None  # replaced since it was read: the pointer goes, the next publish writes it
+        if blob is not None:
+            self._put(LATEST_KEY, latest_document(step, blob, self.run, self._key))
+        else:
+            self.store.delete([LATEST_KEY])
+        self.store.delete(sorted(k for k in later if k.startswith("manifest/")))
+        self.store.delete(sorted(k for k in later if not k.startswith("manifest/")))
 
     @one_at_a_time
     def publish_delta(self, step: int, delta: Delta) -> None:
@@ -739,11 +777,13 @@ class Publisher:
         kinds = " + ".join(kind for kind, ref in (("delta", delta_ref), ("anchor", anchor_ref)) if ref)
         log.info("published step %d (%s) in %.2f s", step, kinds, time.perf_counter() - started)
         if anchor:
-            self._retain()
+            self._retain(step)
 
-    def _retain(self) -> None:
+    def _retain(self, step: int) -> None:
+        """After the anchor of ``step``: removes what comes before the oldest of the newest ``keep_anchors``
+        anchors up to ``step`` (never counting an anchor of a later step, which is not of this run's history)."""
         keys = self.store.list("anchors/") + self.store.list("deltas/") + self.store.list("manifest/")
-        anchors = sorted({s for k in keys if k.startswith("anchors/") and (s := step_of(k)) is not None})
+        anchors = sorted({s for k in keys if k.startswith("anchors/") and (s := step_of(k)) is not None and s <= step})
         if len(anchors) <= self.keep_anchors:
             return
         cutoff = anchors[-self.keep_anchors]

@@ -287,10 +287,25 @@ class Subscriber:
             if newest is None or pointer.step > newest.step:
                 problem = IntegrityError(f"{LATEST_KEY} names step {pointer.step}, which has no verified entry")
             elif pointer.step == newest.step and pointer.entry_sha256 != newest.sha256:
-                problem = IntegrityError(f"{LATEST_KEY}: its entry_sha256 does not match {entry_key(newest.step)}")
+                newest = self._read_again(newest)
+                if pointer.entry_sha256 != newest.sha256:
+                    problem = IntegrityError(f"{LATEST_KEY}: its entry_sha256 does not match {entry_key(newest.step)}")
         if newest is None and problem is not None:
             raise problem
         return (None if newest is None else newest.step), problem
+
+    def _read_again(self, cached: Entry) -> Entry:
+        """``cached``'s step's entry read from the store again: the store may have replaced it since it was cached
+        (a publisher resumed at an earlier step publishes that step again). ``cached`` when it does not read."""
+        self._entries.pop(cached.step, None)
+        try:
+            return self.entry(cached.step)
+        except RunChangedError:
+            raise
+        except DeltaSyncError as error:
+            log.warning("%s", error)
+            self._entries[cached.step] = cached
+            return cached
 
     def latest_step(self) -> int | None:
         """The newest published step this subscriber can verify, or None for an empty store. A `latest.json` that
@@ -465,24 +480,31 @@ class Subscriber:
     # -- planning ---------------------------------------------------------------------------------------------------
     def _walk_back(self, target: int, floor: int, stop: Callable[[Entry], bool]) -> list[Entry]:
         """Entries from ``target`` back to the first one where ``stop`` holds (never below ``floor``), oldest first;
-        each must be the very entry its successor names by SHA-256."""
-        chain: list[Entry] = []
-        step: int | None = target
-        while step is not None and step >= floor:
-            entry = self.entry(step)
-            if chain:
-                try:
-                    _check_link(entry, chain[-1])
-                except IntegrityError:
-                    self._entries.pop(step, None)  # it may have been replaced since: read it again next time
-                    raise
-            chain.append(entry)
-            if stop(entry):
-                return chain[::-1]
-            if entry.delta is None:
-                break
-            step = entry.base_step
-        raise ChainError(f"no chain of deltas from step {target} back to the required start")
+        each must be the very entry its successor names by SHA-256. Where two do not link, the entries cached may
+        be ones the store has replaced since (steps published again by a publisher resumed before them): the walk is
+        made once more with every entry read again."""
+        for fresh in (False, True):
+            chain: list[Entry] = []
+            step: int | None = target
+            while step is not None and step >= floor:
+                entry = self.entry(step)
+                if chain:
+                    try:
+                        _check_link(entry, chain[-1])
+                    except IntegrityError:
+                        self._entries.clear()
+                        if fresh:
+                            raise
+                        break
+                chain.append(entry)
+                if stop(entry):
+                    return chain[::-1]
+                if entry.delta is None:
+                    raise ChainError(f"no chain of deltas from step {target} back to the required start")
+                step = entry.base_step
+            else:
+                raise ChainError(f"no chain of deltas from step {target} back to the required start")
+        raise AssertionError("unreachable")
 
     def _fetch_to(self, current: int | None, target: int, download: Download[T]) -> T:
         """Downloads a verified way to ``target`` with ``download``: the missed deltas when ``current`` is on the
@@ -551,6 +573,14 @@ class Subscriber:
             except ChainError as error:
                 raise ChainError(f"{self.store.url}: step {until}: {error}") from error
         if current_step is not None and latest <= current_step:
+            if latest == current_step and self._at is not None and self._at.step == latest:
+                if self.entry(latest).sha256 != self._at.sha256:
+                    # The step held was published again since, with another entry (a publisher resumed before
+                    # it): the state held is not the store's step any more. Rebuilt from an anchor, never patched,
+                    # with every entry read again (those cached may be of the history published over).
+                    log.warning("step %d was published again since it was pulled; re-syncing from an anchor", latest)
+                    self._entries.clear()
+                    return self._fetch_to(None, latest, download)
             return None
         targets = [latest]
         last_error: Exception | None = None
