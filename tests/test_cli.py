@@ -518,3 +518,20 @@ def test_non_regular_inputs_are_refused_without_hanging(tmp_path, capsys, ckpts)
     assert not worker.is_alive(), "a command waits on a FIFO"
     assert results == [1, 1, 1, 1]
     assert capsys.readouterr().err.count("not a regular file") == 4
+
+
+def test_publish_refuses_to_resume_below_a_newest_step_it_cannot_rebuild(ckpts, tmp_path, capsys):
+    """The newest step's delta unreadable (a damaged file, or a read that failed): the rebuild reaches only an
+    older step, and resuming there would remove the newer steps. Refused, and the store left as it was."""
+    prev, curr, prev_path, curr_path = ckpts
+    store = tmp_path / "store"
+    for step, path in enumerate((prev_path, curr_path, prev_path)):
+        assert _run(capsys, "publish", path, "--store", store, "--step", step)[0] == 0
+    damaged = store / "deltas" / "step_000000000002.safetensors"
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    listed = sorted(p.relative_to(store) for p in store.rglob("*"))
+    rc, _, err = _run(capsys, "publish", curr_path, "--store", store, "--step", 3)
+    assert rc == 1 and "the newest step 2 could not be rebuilt (only step 1)" in err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == listed

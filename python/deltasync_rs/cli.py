@@ -186,6 +186,12 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             # Rebuild the last published state, so this step is a delta against it, in arrays that the publisher
             # then keeps as its mirror: the mapped checkpoint and one state in memory, never two.
             base, step = _rebuild(subscriber, args.store)
+            if step != latest:
+                # Resuming at an older step would leave the steps after it (Publisher.resume removes them).
+                raise DeltaSyncError(
+                    f"{args.store}: the newest step {latest} could not be rebuilt (only step {step}); nothing was "
+                    "written: try again, or publish with --anchor to start over from the checkpoint"
+                )
             only_store, only_checkpoint = sorted(base.keys() - state.keys()), sorted(state.keys() - base.keys())
             if only_store or only_checkpoint:
                 raise DeltaSyncError(
