@@ -193,6 +193,10 @@ def test_a_subscriber_holding_a_step_published_again_re_syncs_at_once(tmp_path, 
     subscriber = ds.Subscriber(store, signing_key=KEY)
     replica = _fresh(old[3])
     assert subscriber.pull(replica) == 3
+    fetcher = ds.Subscriber(store, signing_key=KEY)  # one that applies what fetch returns itself
+    fetched = _fresh(old[3])
+    for delta in fetcher.fetch(None):
+        delta.apply_(fetched)
     state, new = {k: v.clone() for k, v in old[1].items()}, {}
     with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
         publisher.resume(state, step=1)
@@ -205,6 +209,11 @@ def test_a_subscriber_holding_a_step_published_again_re_syncs_at_once(tmp_path, 
                     assert subscriber.pull(replica) == 3
                 assert_states_equal(replica, new[3])
                 assert any("published again" in r.getMessage() for r in caplog.records)
+                deltas = fetcher.fetch(3)
+                assert deltas[0].is_anchor and deltas[-1].step == 3
+                for delta in deltas:
+                    delta.apply_(fetched)
+                assert_states_equal(fetched, new[3])
     assert subscriber.pull(replica) == 4
     assert_states_equal(replica, new[4])
 

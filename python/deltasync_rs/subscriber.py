@@ -545,8 +545,15 @@ class Subscriber:
     def fetch(self, current_step: int | None, *, until: int | None = None) -> list[Delta]:
         """Verified deltas that bring a state at ``current_step`` (None: no state yet) to the newest step, or to step
         ``until`` exactly (a ChainError naming it when it is not published or cannot be reached): an anchor first
-        when needed, then deltas in order; [] when already there or past it (a subscriber never moves back)."""
-        return self._fetch(current_step, until, self._download) or []
+        when needed, then deltas in order; [] when already there or past it (a subscriber never moves back).
+
+        The entry of the step they reach is kept: a later ``fetch`` from that step requires its way on to start from
+        that very entry (not another entry of the same number, of a history published over it), and takes an anchor
+        otherwise, as ``pull`` does."""
+        deltas = self._fetch(current_step, until, self._download) or []
+        if deltas and deltas[-1].step is not None:
+            self._at = self.entry(deltas[-1].step)
+        return deltas
 
     def _fetch_checked_by_the_apply(self, current_step: int | None, until: int | None) -> list[Delta]:
         """``fetch``, for deltas that are applied at once: their bit-packed streams are checked as they are applied
