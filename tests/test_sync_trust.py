@@ -165,6 +165,40 @@ def test_resuming_at_an_older_step_leaves_the_later_history_and_subscribers_foll
     assert_states_equal(at_9, state)
 
 
+def test_a_resume_that_fails_part_way_changes_nothing_of_the_publisher_and_can_be_made_again(tmp_path):
+    """The removal of later steps fails (a store error): the publisher is left un-resumed (it was left resumed, with
+    the later steps still there, and refused a second resume). A resume that cannot check its state removes nothing
+    when the state is a later step's (a wrong step number), nor on an entry that did not read."""
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 5)
+    publisher = ds.Publisher(store, signing_key=KEY, background=False)
+    real_delete, calls = store.delete, []
+
+    def failing_once(keys):
+        calls.append(keys)
+        if len(calls) == 1:
+            raise ds.StoreError("a delete that failed")
+        real_delete(keys)
+
+    publisher.store.delete = failing_once
+    with pytest.raises(ds.StoreError, match="a delete that failed"):
+        publisher.resume(history[1], step=1)
+    assert publisher.step is None
+    publisher.resume(history[1], step=1)
+    assert [e.step for e in ds.sync.log_entries(store)] == [0, 1]
+    publisher.close()
+
+    other = ds.LocalStore(tmp_path / "other")
+    history = _publish(other, 5)
+    other.delete([entry_key(2)])
+    with pytest.raises(ds.IntegrityError, match="the state is the one published as step 4; resume at that step"):
+        ds.Publisher(other, signing_key=KEY, background=False).resume(history[4], step=2)
+    other.put(entry_key(1), b"{not json")
+    with pytest.raises(ds.DeltaSyncError, match=r"resume\(state, step=1\): its entry did not read"):
+        ds.Publisher(other, signing_key=KEY, background=False, retries=1).resume(history[1], step=1)
+    assert [e for e in other.list("manifest/")] == [entry_key(s) for s in (0, 1, 3, 4)]
+
+
 def test_resume_refuses_a_state_that_is_not_the_published_step(tmp_path):
     store = ds.LocalStore(tmp_path)
     history = _publish(store, 3)
@@ -216,6 +250,41 @@ def test_a_subscriber_holding_a_step_published_again_re_syncs_at_once(tmp_path, 
                 assert_states_equal(fetched, new[3])
     assert subscriber.pull(replica) == 4
     assert_states_equal(replica, new[4])
+
+
+def test_a_step_published_again_is_seen_through_until_and_a_pointer_left_behind(tmp_path):
+    """``pull(until=u)`` at or below the step held re-syncs a held step published again (it kept the old weights);
+    a publisher stopped between an entry and its pointer, resumed at that entry, sets the pointer to it, and a
+    subscriber holding the step as it was before re-syncs."""
+    store = ds.LocalStore(tmp_path)
+    old = _publish(store, 5)
+    holders = {until: ds.Subscriber(store, signing_key=KEY) for until in (3, 2)}
+    replicas = {until: _fresh(old[3]) for until in holders}
+    for until, holder in holders.items():
+        assert holder.pull(replicas[until], until=3) == 3
+    state = {k: v.clone() for k, v in old[1].items()}
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=1)
+        for step in (2, 3):
+            _train_step(state, 700 + step)
+            publisher.publish(step, state)
+    for until, holder in holders.items():
+        assert holder.pull(replicas[until], until=until) == 3
+        assert_states_equal(replicas[until], state)
+    # A pointer one step behind its newest entry (the publisher was stopped between the two writes).
+    lagging = ds.Subscriber(store, signing_key=KEY)
+    held = _fresh(state)
+    assert lagging.pull(held) == 3
+    again = _fresh(state)
+    assert ds.Subscriber(store, signing_key=KEY).pull(again, until=2) == 2
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume({k: v.clone() for k, v in again.items()}, step=2)
+        pointer = store.get(LATEST_KEY)  # names step 2
+        _train_step(again, 900)
+        publisher.publish(3, again)
+    store.put(LATEST_KEY, pointer)  # as if stopped before writing the pointer of the new step 3
+    assert lagging.pull(held) == 3
+    assert_states_equal(held, again)
 
 
 def test_a_chain_cannot_be_spliced_past_a_republished_step(tmp_path):

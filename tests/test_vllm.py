@@ -230,6 +230,13 @@ def test_worker_extension_follows_a_store_published_into_again_by_a_new_run_from
     assert worker.deltasync_pull(store) == 5
     assert _bits_equal(_params(model), other[5])
     assert worker.deltasync_pull(store) == 5  # and on from there as usual
+    # Emptied again, and the next run not yet past the step the worker holds: followed all the same.
+    shutil.rmtree(store)
+    with ds.Publisher(store, anchor_every=10, values="abs", background=False) as publisher:
+        for step, state in enumerate(states[:3]):
+            publisher.publish(step, state)
+    assert worker.deltasync_pull(store) == 2
+    assert _bits_equal(_params(model), states[2])
     # A step set by hand has no entry to check against: the way on from it is taken as before.
     worker.deltasync_set_step(5)
     assert worker._deltasync_tracker().entry is None

@@ -297,7 +297,15 @@ class Publisher:
         _check_step(step, "step", optional=False)
         last = self._mirror.step if self._mirror.step is not None else self._last_step
         if last is not None and step <= last:
-            raise DeltaSyncError(f"step {step} is not after the last published step {last}")
+            raise DeltaSyncError(
+                f"step {step} is not after the last published step {last}"
+                + (
+                    "; to go on from an earlier step (a trainer restarted from an older checkpoint), call "
+                    "resume(state, step=...) with that step's state first: it removes the later steps"
+                    if self._mirror.is_empty
+                    else ""
+                )
+            )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -352,25 +360,50 @@ class Publisher:
         _check_step(step, "step", optional=False)
         if not self._mirror.is_empty:
             raise DeltaSyncError("resume must come before the first publish")
+        keys = [k for prefix in ("manifest/", "anchors/", "deltas/") for k in self.store.list(prefix)]
+        later = [k for k in keys if (s := step_of(k)) is not None and s > step]
+        later_steps = sorted({s for k in later if k.startswith("manifest/") and (s := step_of(k)) is not None})
+        digest = state_digest(state)
         try:
             entry: Entry | None = self._reader.entry(step)
         except DeltaSyncError as error:
+            if later and not isinstance(error, MissingObjectError):
+                # Later steps are removed on resume: never on the strength of an entry that did not read.
+                raise DeltaSyncError(
+                    f"{self.store.url}: resume(state, step={step}): its entry did not read ({error}); nothing was "
+                    "changed: try again"
+                ) from error
             log.warning("resuming at step %d without its entry (%s): the next publish is an anchor", step, error)
             entry = None
-        if entry is not None and state_digest(state) != entry.state_digest:
+        if entry is not None and digest != entry.state_digest:
             # Deltas against it would not apply to what subscribers hold at that step.
             raise IntegrityError(
                 f"{self.store.url}: resume(state, step={step}): the state is not the one published as step {step} "
                 f"(its state digest differs from {entry_key(step)}'s); publish it without resume instead (a "
                 "publisher's first publish is an anchor); nothing was changed"
             )
+        if entry is None:
+            # Nothing to check the state against: at least it must not be a later step's (a wrong step number,
+            # which would remove the very steps the state comes from).
+            for later_step in later_steps:
+                try:
+                    same = self._reader.entry(later_step).state_digest == digest
+                except MissingObjectError:
+                    continue
+                if same:
+                    raise IntegrityError(
+                        f"{self.store.url}: resume(state, step={step}): the state is the one published as step "
+                        f"{later_step}; resume at that step (resuming at {step} removes the steps after it); "
+                        "nothing was changed"
+                    )
+        # The store first (a failure leaves this publisher as it was, to resume again), then the mirror.
+        self._leave_steps_after(step, entry, later, later_steps)
         if copy:
             self._mirror.reset(state, step=step)
         else:
             self._mirror.share(dict(state), step=step)
         self._last_step = step
         self._base_entry = None if entry is None else (step, entry.sha256)
-        self._leave_steps_after(step, entry)
         # Keep the anchor cadence across publisher restarts: count the steps published since the newest anchor.
         anchors = [s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= step]
         newest = max(anchors, default=None)
@@ -380,23 +413,22 @@ class Publisher:
             entries = {s for k in self.store.list("manifest/") if (s := step_of(k)) is not None}
             self._since_anchor = sum(1 for s in entries if newest < s <= step)
 
-    def _leave_steps_after(self, step: int, entry: Entry | None) -> None:
-        """Resumed at ``step``: steps after it in the store are of a history this run leaves (a trainer restarted
-        from an older checkpoint). They are removed, so that no subscriber takes them for this run's newest steps
-        (nor retention this run's anchors for older ones): the pointer first (to ``step``'s entry, or gone), then
-        the entries, then their files."""
-        keys = [k for prefix in ("manifest/", "anchors/", "deltas/") for k in self.store.list(prefix)]
-        later = [k for k in keys if (s := step_of(k)) is not None and s > step]
-        if not later:
-            return
-        steps = sorted({s for k in later if k.startswith("manifest/") and (s := step_of(k)) is not None})
-        log.warning(
-            "%s: resumed at step %d; removing the %d later step(s) the store holds (%s), of a history this run leaves",
-            self.store.url,
-            step,
-            len(steps),
-            ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else ""),
-        )
+    def _leave_steps_after(self, step: int, entry: Entry | None, later: list[str], steps: list[int]) -> None:
+        """Resumed at ``step``: the store's files of later ``steps`` (keys ``later``) are of a history this run
+        leaves (a trainer restarted from an older checkpoint). They are removed, so that no subscriber takes them
+        for this run's newest steps (nor retention this run's anchors for older ones): the pointer first, then the
+        entries, then their files. The pointer is set to ``step``'s entry even with nothing to remove: a publisher
+        stopped between its entry and its pointer left it a step behind, and a subscriber that holds the step as
+        it was before being published again learns of it from the pointer."""
+        if later:
+            log.warning(
+                "%s: resumed at step %d; removing the %d later step(s) the store holds (%s), of a history this run "
+                "leaves",
+                self.store.url,
+                step,
+                len(steps),
+                ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else ""),
+            )
         blob = None
         if entry is not None:
             blob = self.store.get_small(entry_key(step), MAX_DOCUMENT_BYTES)
@@ -404,7 +436,7 @@ class Publisher:
                 blob = None  # replaced since it was read: the pointer goes, the next publish writes it
         if blob is not None:
             self._put(LATEST_KEY, latest_document(step, blob, self.run, self._key))
-        else:
+        elif later:
             self.store.delete([LATEST_KEY])
         self.store.delete(sorted(k for k in later if k.startswith("manifest/")))
         self.store.delete(sorted(k for k in later if not k.startswith("manifest/")))

@@ -286,6 +286,10 @@ class Subscriber:
         if pointer is not None:
             if newest is None or pointer.step > newest.step:
                 problem = IntegrityError(f"{LATEST_KEY} names step {pointer.step}, which has no verified entry")
+            elif pointer.step < newest.step:
+                # Between a publisher's entry and its pointer (or a publisher stopped there): the newest entry may
+                # have been written over one cached, with no pointer naming it yet.
+                newest = self._read_again(newest)
             elif pointer.step == newest.step and pointer.entry_sha256 != newest.sha256:
                 newest = self._read_again(newest)
                 if pointer.entry_sha256 != newest.sha256:
@@ -574,21 +578,14 @@ class Subscriber:
                     f"{self.store.url}: step {until} is not published (the newest verified step is {latest})"
                 )
             if current_step is not None and until <= current_step:
-                return None
+                # Never back; but the step held, published again since, is rebuilt as it now is.
+                return self._rebuilt_if_published_again(current_step, latest, download, read_again=True)
             try:
                 return self._fetch_to(current_step, until, download)
             except ChainError as error:
                 raise ChainError(f"{self.store.url}: step {until}: {error}") from error
         if current_step is not None and latest <= current_step:
-            if latest == current_step and self._at is not None and self._at.step == latest:
-                if self.entry(latest).sha256 != self._at.sha256:
-                    # The step held was published again since, with another entry (a publisher resumed before
-                    # it): the state held is not the store's step any more. Rebuilt from an anchor, never patched,
-                    # with every entry read again (those cached may be of the history published over).
-                    log.warning("step %d was published again since it was pulled; re-syncing from an anchor", latest)
-                    self._entries.clear()
-                    return self._fetch_to(None, latest, download)
-            return None
+            return self._rebuilt_if_published_again(current_step, latest, download)
         targets = [latest]
         last_error: Exception | None = None
         tried = 0
@@ -605,6 +602,27 @@ class Subscriber:
                 if tried == 1:  # the newest step is unreachable: fall back to older published steps
                     targets = [s for s in listed_steps(self.store)[::-1] if s < target][:8]
         raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
+
+    def _rebuilt_if_published_again(
+        self, current_step: int, latest: int, download: Download[T], *, read_again: bool = False
+    ) -> T | None:
+        """None (nothing to fetch: a subscriber never moves back), unless the step held, ``current_step``, was
+        published again since it was pulled, with another entry (by a publisher resumed before it): the state held
+        is not the store's step any more, and is rebuilt from an anchor, never patched, with every entry read again
+        (those cached may be of the history published over). The newest step's entry is kept fresh by ``_newest``;
+        with ``read_again`` (an older step held: ``until`` at or below it) it is read again here."""
+        if latest < current_step or self._at is None or self._at.step != current_step:
+            return None
+        if read_again:
+            self._entries.pop(current_step, None)
+        try:
+            if self.entry(current_step).sha256 == self._at.sha256:
+                return None
+        except MissingObjectError:
+            return None  # gone (retention): nothing to compare with, nor to rebuild it from
+        log.warning("step %d was published again since it was pulled; re-syncing from an anchor", current_step)
+        self._entries.clear()
+        return self._fetch_to(None, current_step, download)
 
     def _download(
         self, anchor_entry: Entry | None, chain: list[Entry], *, fill: bool = False, defer: bool = False

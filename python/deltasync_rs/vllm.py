@@ -553,12 +553,26 @@ class _StepTracker:
         # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
         subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
-        if self.entry is not None and self.entry.step == self.current_step:
-            # The way on from this step must start from the very entry the model holds; where it does not (another
-            # run's step of that number), the subscriber takes the newest anchor instead.
-            subscriber._at = self.entry
+        start = self.current_step
+        if self.entry is not None and self.entry.step == start:
+            if self.entry.run is not None and subscriber.run not in (None, self.entry.run):
+                # The store holds another run now (emptied and published into again): its steps, even those
+                # before this one, are not this model's history. The new run is followed from its anchor.
+                log.warning(
+                    "%s holds run %s, not run %s of the step %d this worker holds; following the new run from its "
+                    "anchor",
+                    subscriber.store.url,
+                    subscriber.run,
+                    self.entry.run,
+                    start,
+                )
+                start = None
+            else:
+                # The way on from this step must start from the very entry the model holds; where it does not (a
+                # step published again), the subscriber takes an anchor instead.
+                subscriber._at = self.entry
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
-        deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, self.current_step, until)
+        deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, start, until)
         try:
             step = self.apply(model, deltas, path=path, check_base=check_base)
         except DeltaFormatError as error:
