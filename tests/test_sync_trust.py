@@ -287,6 +287,39 @@ def test_a_step_published_again_is_seen_through_until_and_a_pointer_left_behind(
     assert_states_equal(held, again)
 
 
+def test_until_at_a_held_step_published_again_and_gone_is_an_error(tmp_path):
+    """The held step 3 published again and already removed by retention: ``pull(until=3)`` cannot rebuild it, and
+    says so (it returned the old weights before); a pull to the newest step goes on."""
+    store = ds.LocalStore(tmp_path)
+    state = _state(0)
+    with ds.Publisher(store, anchor_every=1, keep_anchors=1, background=False) as publisher:
+        for step in range(4):
+            _train_step(state, step)
+            publisher.publish(step, state)
+        previous = {k: v.clone() for k, v in state.items()}
+    subscriber = ds.Subscriber(store)
+    replica = _fresh(state)
+    assert subscriber.pull(replica) == 3
+    state = _pulled_by_hand(previous)
+    with ds.Publisher(store, anchor_every=1, keep_anchors=1, background=False) as publisher:
+        publisher.resume({k: v.clone() for k, v in state.items()}, step=2)
+        for step in (3, 4):
+            _train_step(state, 900 + step)
+            publisher.publish(step, state)
+    with pytest.raises(ds.ChainError, match="step 3, held here, was published again since and is no longer in"):
+        subscriber.pull(replica, until=3)
+    assert_states_equal(replica, previous)
+    assert subscriber.pull(replica) == 4
+    assert_states_equal(replica, state)
+
+
+def _pulled_by_hand(step3):
+    """A state for step 2 that is not step 3's (the store keeps no entry of step 2 to check it against)."""
+    state = {k: v.clone() for k, v in step3.items()}
+    state["layer.weight"].view(-1)[:4] += 1
+    return state
+
+
 def test_a_chain_cannot_be_spliced_past_a_republished_step(tmp_path):
     """A publisher resumed at step 1 republishes steps 2 and 3; the first run's entry 2 put back in the store must
     not be replayed before the second run's step 3, although both are signed, of this run, and name step 2."""

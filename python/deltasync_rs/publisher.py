@@ -396,7 +396,16 @@ class Publisher:
                         f"{later_step}; resume at that step (resuming at {step} removes the steps after it); "
                         "nothing was changed"
                     )
-        # The store first (a failure leaves this publisher as it was, to resume again), then the mirror.
+        # Keep the anchor cadence across publisher restarts: count the steps published since the newest anchor.
+        anchors = [s for k in keys if k.startswith("anchors/") and (s := step_of(k)) is not None and s <= step]
+        newest = max(anchors, default=None)
+        if newest is None or entry is None:
+            since_anchor = self.anchor_every
+        else:
+            entries = {s for k in keys if k.startswith("manifest/") and (s := step_of(k)) is not None}
+            since_anchor = sum(1 for s in entries if newest < s <= step)
+        # The store first (a failure leaves this publisher as it was, to resume again), then the mirror: nothing
+        # after this reads the store.
         self._leave_steps_after(step, entry, later, later_steps)
         if copy:
             self._mirror.reset(state, step=step)
@@ -404,14 +413,7 @@ class Publisher:
             self._mirror.share(dict(state), step=step)
         self._last_step = step
         self._base_entry = None if entry is None else (step, entry.sha256)
-        # Keep the anchor cadence across publisher restarts: count the steps published since the newest anchor.
-        anchors = [s for k in self.store.list("anchors/") if (s := step_of(k)) is not None and s <= step]
-        newest = max(anchors, default=None)
-        if newest is None or self._base_entry is None:
-            self._since_anchor = self.anchor_every
-        else:
-            entries = {s for k in self.store.list("manifest/") if (s := step_of(k)) is not None}
-            self._since_anchor = sum(1 for s in entries if newest < s <= step)
+        self._since_anchor = since_anchor
 
     def _leave_steps_after(self, step: int, entry: Entry | None, later: list[str], steps: list[int]) -> None:
         """Resumed at ``step``: the store's files of later ``steps`` (keys ``later``) are of a history this run

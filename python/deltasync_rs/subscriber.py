@@ -619,7 +619,17 @@ class Subscriber:
             if self.entry(current_step).sha256 == self._at.sha256:
                 return None
         except MissingObjectError:
-            return None  # gone (retention): nothing to compare with, nor to rebuild it from
+            # Gone (retention): published again and gone, when the entry after it names another entry of it.
+            after = next((s for s in listed_steps(self.store) if s > current_step), None)
+            successor = None if after is None else self.entry(after)
+            if successor is None or successor.base_step != current_step or successor.run is None:
+                return None
+            if successor.base_entry_sha256 == self._at.sha256:
+                return None
+            raise ChainError(
+                f"{self.store.url}: step {current_step}, held here, was published again since and is no longer in "
+                f"the store; pull without until to reach the newest step (step {latest})"
+            ) from None
         log.warning("step %d was published again since it was pulled; re-syncing from an anchor", current_step)
         self._entries.clear()
         return self._fetch_to(None, current_step, download)
