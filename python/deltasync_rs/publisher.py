@@ -123,6 +123,10 @@ def _published_state(state: Any, role: str) -> Mapping[str, Any]:
     return state
 
 
+#: How many of the steps after a resumed step whose entry is gone ``resume`` compares the state with.
+_LATER_STEPS_CHECKED = 16
+
+
 class Publisher:
     """Publishes a training run's states to a store: an anchor first and every ``anchor_every`` publishes, and a
     delta against the last published state for every publish after the first (anchor steps get both, so no
@@ -384,8 +388,9 @@ class Publisher:
             )
         if entry is None:
             # Nothing to check the state against: at least it must not be a later step's (a wrong step number,
-            # which would remove the very steps the state comes from).
-            for later_step in later_steps:
+            # which would remove the very steps the state comes from). The newest ones are checked, a store read
+            # each: the state a caller holds is most likely the newest it published.
+            for later_step in later_steps[::-1][:_LATER_STEPS_CHECKED]:
                 try:
                     same = self._reader.entry(later_step).state_digest == digest
                 except MissingObjectError:
