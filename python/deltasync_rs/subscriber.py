@@ -184,15 +184,17 @@ class Subscriber:
         refused. None while the store has no run.json (nothing published yet, or a store written before run ids)."""
         if self._run is None:
             try:
-                self._run = self._retry(
-                    RUN_KEY, lambda: parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES), self._key)
-                )
+                self._run = self._retry(RUN_KEY, self._read_run)
             except MissingObjectError:
                 if self._key is not None:
                     raise IntegrityError(
                         f"{RUN_KEY} is missing, but a signing key is set: no entry can be bound to this store's run"
                     ) from None
         return self._run
+
+    def _read_run(self) -> str:
+        """The run id of the store's run.json, as it is now (read, parsed and verified)."""
+        return parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES), self._key)
 
     def entry(self, step: int) -> Entry:
         """The verified manifest entry of ``step``."""
@@ -228,7 +230,7 @@ class Subscriber:
         Otherwise (run.json unreadable or still naming our run) ``key`` alone disagrees, and the caller refuses it
         as any other file of another run."""
         try:
-            current = parse_run(self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES), self._key)
+            current = self._read_run()
         except DeltaSyncError:
             return
         if found is None or current != found:
@@ -622,14 +624,16 @@ class Subscriber:
             # Gone (retention): published again and gone, when the entry after it names another entry of it.
             after = next((s for s in listed_steps(self.store) if s > current_step), None)
             successor = None if after is None else self.entry(after)
-            if successor is None or successor.base_step != current_step or successor.run is None:
+            if successor is None or successor.base_step != current_step:
                 return None
-            if successor.base_entry_sha256 == self._at.sha256:
-                return None
-            raise ChainError(
-                f"{self.store.url}: step {current_step}, held here, was published again since and is no longer in "
-                f"the store; pull without until to reach the newest step (step {latest})"
-            ) from None
+            try:
+                _check_link(self._at, successor)
+            except IntegrityError:
+                raise ChainError(
+                    f"{self.store.url}: step {current_step}, held here, was published again since and is no longer "
+                    f"in the store; pull without until to reach the newest step (step {latest})"
+                ) from None
+            return None
         log.warning("step %d was published again since it was pulled; re-syncing from an anchor", current_step)
         self._entries.clear()
         return self._fetch_to(None, current_step, download)
