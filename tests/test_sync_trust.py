@@ -262,12 +262,7 @@ def test_a_step_published_again_is_seen_through_until_and_a_pointer_left_behind(
     replicas = {until: _fresh(old[3]) for until in holders}
     for until, holder in holders.items():
         assert holder.pull(replicas[until], until=3) == 3
-    state = {k: v.clone() for k, v in old[1].items()}
-    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
-        publisher.resume(state, step=1)
-        for step in (2, 3):
-            _train_step(state, 700 + step)
-            publisher.publish(step, state)
+    state = _published_again(store, old[1], at=1, steps=(2, 3), seed=700)
     for until, holder in holders.items():
         assert holder.pull(replicas[until], until=until) == 3
         assert_states_equal(replicas[until], state)
@@ -300,17 +295,26 @@ def test_until_at_a_held_step_published_again_and_gone_is_an_error(tmp_path):
     subscriber = ds.Subscriber(store)
     replica = _fresh(state)
     assert subscriber.pull(replica) == 3
-    state = _pulled_by_hand(previous)
-    with ds.Publisher(store, anchor_every=1, keep_anchors=1, background=False) as publisher:
-        publisher.resume({k: v.clone() for k, v in state.items()}, step=2)
-        for step in (3, 4):
-            _train_step(state, 900 + step)
-            publisher.publish(step, state)
+    state = _published_again(
+        store, _pulled_by_hand(previous), at=2, steps=(3, 4), seed=900, anchor_every=1, keep_anchors=1, signing_key=None
+    )
     with pytest.raises(ds.ChainError, match="step 3, held here, was published again since and is no longer in"):
         subscriber.pull(replica, until=3)
     assert_states_equal(replica, previous)
     assert subscriber.pull(replica) == 4
     assert_states_equal(replica, state)
+
+
+def _published_again(store, base, *, at, steps, seed, **options):
+    """A publisher resumed at step ``at`` from ``base`` (the state published as ``at``) publishes ``steps`` again,
+    each a training step on from the one before (``seed`` + step); returns the last state."""
+    state = {k: v.clone() for k, v in base.items()}
+    with ds.Publisher(store, background=False, **{"anchor_every": 100, "signing_key": KEY, **options}) as publisher:
+        publisher.resume(state, step=at)
+        for step in steps:
+            _train_step(state, seed + step)
+            publisher.publish(step, state)
+    return state
 
 
 def _pulled_by_hand(step3):
@@ -326,12 +330,7 @@ def test_a_chain_cannot_be_spliced_past_a_republished_step(tmp_path):
     store = ds.LocalStore(tmp_path)
     history = _publish(store, 4)
     first_entry, first_delta = store.get(entry_key(2)), store.get(delta_key(2))
-    state = {k: v.clone() for k, v in history[1].items()}
-    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
-        publisher.resume(state, step=1)
-        for step in (2, 3):
-            _train_step(state, 50 + step)
-            publisher.publish(step, state)
+    _published_again(store, history[1], at=1, steps=(2, 3), seed=50)
     store.put(entry_key(2), first_entry)
     store.put(delta_key(2), first_delta)
     subscriber = ds.Subscriber(store, signing_key=KEY)
