@@ -291,6 +291,38 @@ def test_attach_after_resume_shares_the_mirror(tmp_path):
     assert_same(replica, bf16(model))
 
 
+def test_attach_at_a_start_step_the_store_holds_as_the_model_resumes_there(tmp_path):
+    """A trainer restarted from its step-2 weights attaches with start_step=2 to a store holding steps 0-3: the
+    publisher resumes at 2 (the weights checked against step 2's entry), step 3 is removed, the next optimizer step
+    is published as 3 and a replica pulls it bit-exact. Weights the store does not hold as step 2 are refused."""
+    model = tiny_gpt2(seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    store = LocalStore(tmp_path / "store")
+    attachment = ds_torch.attach(optimizer, model, ds.Publisher(store, background=False))
+    saved = {}
+    for step in range(1, 4):
+        train_step(model, optimizer, seed=step)
+        saved[step] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    attachment.detach()
+    attachment.publisher.close()
+
+    restarted = tiny_gpt2(seed=3)
+    with pytest.raises(ds.IntegrityError, match="holds step 2 as another state"):
+        ds_torch.attach(torch.optim.AdamW(restarted.parameters()), restarted, ds.Publisher(store), start_step=2)
+    assert [e.step for e in ds.sync.log_entries(store)] == [0, 1, 2, 3]  # nothing removed
+    restarted.load_state_dict(saved[2])
+    optimizer = torch.optim.AdamW(restarted.parameters(), lr=1e-3)
+    publisher = ds.Publisher(store, background=False)
+    attachment = ds_torch.attach(optimizer, restarted, publisher, start_step=2)
+    assert publisher.step == 2 and [e.step for e in ds.sync.log_entries(store)] == [0, 1, 2]
+    train_step(restarted, optimizer, seed=99)
+    assert publisher.step == 3
+    replica = {n: torch.zeros_like(t) for n, t in bf16(restarted).items() if n != "lm_head.weight"}
+    assert ds.Subscriber(store).pull(replica) == 3
+    assert_same(replica, {n: t for n, t in bf16(restarted).items() if n != "lm_head.weight"})
+    publisher.close()
+
+
 def test_attach_sync_publishes_the_step_it_is_given(tmp_path):
     """``Attachment.sync(step)`` publishes the weights as that step (the Trainer callback passes its global step);
     without one, as the step the hook would have given them. A step not after the last published one is refused."""
@@ -459,6 +491,90 @@ def test_transformers_trainer_callback(tmp_path):
     disabled.on_train_begin(args, trainer.state, None, model=model)
     assert disabled.mirror is None
     publisher.close()
+
+
+def _train(tmp_path, publisher, callback_resume=True, learning_rate=1e-4, **kwargs):
+    """A transformers Trainer on a tiny GPT-2 (seed 5), saving a checkpoint every 2 steps, publishing every step
+    through a DeltaSyncCallback; ``kwargs`` go to ``train`` (``resume_from_checkpoint``)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (make setup installs it)")
+    from deltasync_rs.integrations import DeltaSyncCallback
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 512, (24, 16), generator=generator)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=learning_rate,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=2,
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    callback = DeltaSyncCallback(publisher, resume=callback_resume)
+    trainer = transformers.Trainer(model=tiny_gpt2(seed=5), args=args, train_dataset=rows, callbacks=[callback])
+    try:
+        trainer.train(**kwargs)
+    finally:
+        publisher.close()
+    return trainer
+
+
+def test_the_trainer_callback_resumes_where_the_trainer_resumes_from_a_checkpoint(tmp_path):
+    """``trainer.train(resume_from_checkpoint=...)`` from the checkpoint of step 4, which the callback published:
+    the publisher resumes at step 4 (the model's weights are checked against step 4's entry), the first run's steps
+    5 and 6 are removed and published again from the resumed run. Before, the callback published step 4 again and
+    was refused as a step not after the store's newest (6)."""
+    store = LocalStore(tmp_path / "store")
+    first = _train(tmp_path, ds.Publisher(store, anchor_every=3, keep_anchors=3))
+    assert [e.step for e in ds.sync.log_entries(store)] == list(range(7))
+    held = {n: torch.zeros_like(t) for n, t in bf16(first.model).items() if n != "lm_head.weight"}
+    assert ds.Subscriber(store).pull(held) == 6  # a replica at the first run's newest step
+
+    resumed = _train(
+        tmp_path,
+        ds.Publisher(store, anchor_every=3, keep_anchors=3),
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"),
+    )
+    entries = ds.sync.log_entries(store)
+    assert [(e.step, e.anchor is not None) for e in entries] == [
+        (0, True), (1, False), (2, False), (3, True), (4, False), (5, False), (6, True)
+    ]  # fmt: skip
+    state = {n: torch.zeros_like(t) for n, t in bf16(resumed.model).items() if n != "lm_head.weight"}
+    assert ds.Subscriber(store).pull(state) == 6
+    expected = {n: t for n, t in bf16(resumed.model).items() if n != "lm_head.weight"}
+    assert_same(state, expected)
+    assert ds.Subscriber(store).pull(held) == 6  # the replica at the old step 6 re-syncs (published again)
+    assert_same(held, expected)
+
+
+def test_the_trainer_callback_refuses_a_restart_it_cannot_prove(tmp_path):
+    """The store holds step 4 as other weights (another run's), or not at all: nothing is removed, and the
+    callback says so; with resume=False the store's newest step refuses it as before."""
+    store = LocalStore(tmp_path / "store")
+    _train(tmp_path, ds.Publisher(store))
+    before = sorted(p.name for p in (tmp_path / "store").rglob("*") if p.is_file())
+    other = tmp_path / "other"
+    _train(other, ds.Publisher(other / "store"), learning_rate=3e-4)
+    with pytest.raises(ds.IntegrityError, match="holds step 4 as another state"):
+        _train(tmp_path, ds.Publisher(store), resume_from_checkpoint=str(other / "out" / "checkpoint-4"))
+    with pytest.raises(ds.DeltaSyncError, match="not after the last published step 6"):
+        _train(
+            tmp_path,
+            ds.Publisher(store),
+            callback_resume=False,
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"),
+        )
+    for path in (tmp_path / "store" / "manifest").glob("*4.json"):
+        path.unlink()  # step 4's entry gone (as retention removes old steps)
+    with pytest.raises(ds.DeltaSyncError, match="not after the last published step 6"):
+        _train(tmp_path, ds.Publisher(store), resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    after = sorted(p.name for p in (tmp_path / "store").rglob("*") if p.is_file())
+    assert set(before) - set(after) <= {p for p in before if p.endswith("4.json")}
 
 
 def test_the_trainer_callback_publishes_an_fsdp2_model_from_every_rank(tmp_path):

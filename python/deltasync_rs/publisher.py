@@ -364,12 +364,26 @@ class Publisher:
         _check_step(step, "step", optional=False)
         if not self._mirror.is_empty:
             raise DeltaSyncError("resume must come before the first publish")
+        self._resume(state, step, copy=copy)
+
+    def _resume(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        *,
+        copy: bool,
+        shared: bool = False,
+        digest: str | None = None,
+        entry: Entry | None = None,
+    ) -> None:
+        """``resume``, its arguments checked; ``shared``: the mirror is ``state`` itself, a mapping the caller keeps
+        and moves (ds.torch.Mirror's tensors); ``digest`` and ``entry``: ``state``'s and step's, already read."""
         keys = [k for prefix in ("manifest/", "anchors/", "deltas/") for k in self.store.list(prefix)]
         later = [k for k in keys if (s := step_of(k)) is not None and s > step]
         later_steps = sorted({s for k in later if k.startswith("manifest/") and (s := step_of(k)) is not None})
-        digest = state_digest(state)
+        digest = digest or state_digest(state)
         try:
-            entry: Entry | None = self._reader.entry(step)
+            entry = entry or self._reader.entry(step)
         except DeltaSyncError as error:
             if later and not isinstance(error, MissingObjectError):
                 # Later steps are removed on resume: never on the strength of an entry that did not read.
@@ -415,10 +429,32 @@ class Publisher:
         if copy:
             self._mirror.reset(state, step=step)
         else:
-            self._mirror.share(dict(state), step=step)
+            self._mirror.share(state if shared else dict(state), step=step)
         self._last_step = step
         self._base_entry = None if entry is None else (step, entry.sha256)
         self._since_anchor = since_anchor
+
+    def _resume_at_published(self, step: int, tensors: Mapping[str, Any]) -> bool:
+        """``publish_shared(..., resume=True)``'s first call: resumes at ``step`` where the store holds it as
+        ``tensors``, the mirror shared. Whether it did; False where the store has no such step (nothing newer, or
+        its entry is gone: the caller's publish goes on and says what it finds)."""
+        _check_step(step, "step", optional=False)
+        if self._last_step is None or not 0 < step <= self._last_step:
+            return False  # step 0 is every run's start: a store's history is left only for a step it proves
+        try:
+            entry = self._reader.entry(step)
+        except MissingObjectError:
+            return False
+        digest = state_digest(tensors)
+        if digest != entry.state_digest:
+            raise IntegrityError(
+                f"{self.store.url}: the store holds step {step} as another state than the one to publish as step "
+                f"{step} (its state digest differs from {entry_key(step)}'s): the weights are not the checkpoint of "
+                "that step, or the store holds another run; nothing was changed"
+            )
+        log.info("%s: the store holds step %d as this state: resuming there", self.store.url, step)
+        self._resume(tensors, step, copy=False, shared=True, digest=digest, entry=entry)
+        return True
 
     def _leave_steps_after(self, step: int, entry: Entry | None, later: list[str], steps: list[int]) -> None:
         """Resumed at ``step``: the store's files of later ``steps`` (keys ``later``) are of a history this run
@@ -588,13 +624,17 @@ class Publisher:
         advance: Callable[[], Delta | _Deferred] | None = None,
         *,
         read_only: bool = False,
+        resume: bool = False,
     ) -> None:
         """Publishes from a mirror the caller keeps (ds.torch.Mirror), shared rather than copied.
 
         The first call (the publisher has no state yet) publishes ``tensors`` as ``step``; with ``read_only`` they
         may be read-only arrays (a mapped checkpoint, as ``deltasync publish`` of an anchor does), which the
         publisher then only reads: it publishes that step alone (later steps are refused), and the caller keeps
-        the arrays unchanged until ``flush`` or ``close`` returns. Later calls run
+        the arrays unchanged until ``flush`` or ``close`` returns. With ``resume``, a first call at a step the store
+        already holds as ``tensors`` (same state digest; a trainer restarted from the checkpoint of a step it
+        published) resumes there instead (:meth:`resume`: steps after it are removed) and publishes nothing; the
+        store holding that step as another state is an IntegrityError. Later calls run
         ``advance()`` only once the step is checked and earlier uploads are known good; it must move ``tensors`` to
         ``step`` and return the delta from the last published state. If the publisher holds its own copy (after
         ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
@@ -602,6 +642,8 @@ class Publisher:
         self._raise_errors()
         _published_state(tensors, "the shared mirror")
         if self._mirror.is_empty:
+            if resume and self._resume_at_published(step, tensors):
+                return
             self._check_step(step)
             self._mirror.share(tensors, step=step, read_only=read_only)
             self._enqueue(step, None)

@@ -12,7 +12,7 @@ import torch
 from . import _arrays
 from ._core import BaseMismatchError, DeltaSyncError, MirrorDiff
 from .delta import Delta, _Deferred, _finish, check_codec
-from .errors import at_least_one
+from .errors import at_least_one, flag
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -393,6 +393,7 @@ class Attachment:
         dtype: torch.dtype,
         chunk_bytes: int,
         start_step: int,
+        resume: bool = True,
     ) -> None:
         self.publisher = publisher
         self.sync_every = at_least_one(sync_every, "sync_every")
@@ -400,7 +401,7 @@ class Attachment:
         self._group: Any = None
         self._agreed: int | None = None  # sharded: the last step every rank was told was published
         if _holds_dtensors(model):
-            self._init_sharded(model, dtype, chunk_bytes, start_step)
+            self._init_sharded(model, dtype, chunk_bytes, start_step, resume)
         else:
             if publisher is None:
                 raise DeltaSyncError("attach needs a publisher")
@@ -409,11 +410,13 @@ class Attachment:
                 model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, codec=publisher.codec, step=base
             )
             self._base = base
-            publisher.publish_shared(base, self.mirror.tensors)
+            publisher.publish_shared(base, self.mirror.tensors, resume=resume)
         # Without an optimizer (DeltaSyncCallback), the caller calls _sync itself.
         self._handle = optimizer.register_step_post_hook(self._after_step) if optimizer is not None else None
 
-    def _init_sharded(self, model: torch.nn.Module, dtype: torch.dtype, chunk_bytes: int, start_step: int) -> None:
+    def _init_sharded(
+        self, model: torch.nn.Module, dtype: torch.dtype, chunk_bytes: int, start_step: int, resume: bool
+    ) -> None:
         """FSDP2 / DTensor: every rank mirrors its shards; rank 0 publishes. The first state is gathered to rank 0
         once; after that only each rank's delta travels (a gather of encoded deltas, never of weights). Every check
         is agreed on by all ranks, so that they raise together rather than leave one waiting in a collective."""
@@ -444,8 +447,9 @@ class Attachment:
         if parts is not None:
             try:
                 # The first publish of this publisher (an anchor of the gathered state, which it keeps without a
-                # copy), or, after Publisher.resume, a check that the model holds the state it resumed from.
-                self.publisher.publish_shared(self._base, self._whole_state(parts))
+                # copy; or, with resume, a resume where the store holds that step as this state), or, after
+                # Publisher.resume, a check that the model holds the state it resumed from.
+                self.publisher.publish_shared(self._base, self._whole_state(parts), resume=resume)
             except Exception as error:
                 outcome[0], failure = f"rank 0: {type(error).__name__}: {error}", error
         _told(outcome, failure, ("published",), "attach failed on rank 0")
@@ -623,11 +627,15 @@ def attach(
     dtype: torch.dtype = torch.bfloat16,
     chunk_bytes: int = 64 << 20,
     start_step: int = 0,
+    resume: bool = True,
 ) -> Attachment:
     """Publishes ``model``'s weights through ``publisher`` after every ``sync_every`` optimizer steps.
 
     The weights as they are now are published first (as ``start_step``, or the publisher's step after
-    ``resume``). Each later publish is the delta from the last *published* state, so the steps in between lose
+    ``Publisher.resume``). With ``resume`` (the default), where the store already holds ``start_step`` > 0 as
+    these weights (a trainer restarted from the checkpoint of a step it published), the publisher resumes there
+    instead: nothing is published for it, the store's later steps (a history the run leaves) are removed, and the
+    next publish is a delta; the store holding that step as other weights is an IntegrityError. Each later publish is the delta from the last *published* state, so the steps in between lose
     nothing. The publisher shares the mirror's memory rather than keeping a second copy. Call ``detach()`` on
     the returned object to stop.
 
@@ -649,5 +657,12 @@ def attach(
             f"other than 0 with FSDP2), not {type(publisher).__name__}"
         )
     return Attachment(
-        optimizer, model, publisher, sync_every=sync_every, dtype=dtype, chunk_bytes=chunk_bytes, start_step=start_step
+        optimizer,
+        model,
+        publisher,
+        sync_every=sync_every,
+        dtype=dtype,
+        chunk_bytes=chunk_bytes,
+        start_step=start_step,
+        resume=flag(resume, "resume"),
     )

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..errors import DeltaSyncError, at_least_one
+from ..errors import DeltaSyncError, at_least_one, flag
 from ..torch import Mirror, _holds_dtensors, _publish_step
 
 
@@ -18,6 +18,13 @@ class DeltaSyncCallback(TrainerCallback):
     """Publishes the model at the start of training and then every ``sync_every`` global steps (``on_step_end``),
     each time as the delta from the last published state. Only the main process publishes. With ``enabled=False``
     (or once ``enabled`` is set to False) it does nothing at all.
+
+    After ``trainer.train(resume_from_checkpoint=...)`` from the checkpoint of a step it published, it resumes the
+    publisher at that step (``resume=True``, the default; as ``ds.torch.attach`` does): nothing is published for it,
+    the store's later steps, a history the run leaves, are removed, and the next publish is a delta. A store that
+    holds that step as other weights is an IntegrityError; one that never held it (not a multiple of
+    ``sync_every``, or removed by retention) is refused as a step not after the store's newest: call
+    ``publisher.resume`` yourself then, or publish into a new store.
 
     An FSDP2 (DTensor) model is published as ``ds.torch.attach`` does: every process mirrors and diffs its own
     shards and the main process joins them (its ``publisher`` publishes; the other processes' are not used, and may
@@ -31,12 +38,14 @@ class DeltaSyncCallback(TrainerCallback):
         dtype: torch.dtype = torch.bfloat16,
         chunk_bytes: int = 64 << 20,
         enabled: bool = True,
+        resume: bool = True,
     ) -> None:
         self.publisher = publisher
         self.sync_every = at_least_one(sync_every, "sync_every")
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
         self.enabled = enabled
+        self.resume = flag(resume, "resume")
         self.mirror: Mirror | None = None
         self._sharded: Any = None  # for an FSDP2 model: a ds.torch Attachment without an optimizer hook
 
@@ -55,6 +64,7 @@ class DeltaSyncCallback(TrainerCallback):
                 dtype=self.dtype,
                 chunk_bytes=self.chunk_bytes,
                 start_step=state.global_step,
+                resume=self.resume,
             )
             self.mirror = self._sharded.mirror
             return
@@ -71,7 +81,7 @@ class DeltaSyncCallback(TrainerCallback):
             codec=self.publisher.codec,
             step=step,
         )
-        self.publisher.publish_shared(step, self.mirror.tensors)
+        self.publisher.publish_shared(step, self.mirror.tensors, resume=self.resume)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.enabled or self.mirror is None or state.global_step % self.sync_every:
