@@ -279,6 +279,12 @@ class Writes:
                 raise DeltaSyncError(f"target of tensor {name!r}: {target.layout} tensors cannot be written in place")
             if target.is_meta:
                 raise DeltaSyncError(f"target of tensor {name!r}: a meta tensor has no data to write")
+            if target.is_neg() or target.is_conj():
+                # Its memory holds other values than it shows (torch negates or conjugates them as it reads).
+                raise DeltaSyncError(
+                    f"target of tensor {name!r}: a view with torch's lazy negation or conjugation bit cannot be "
+                    "written in place; write into a tensor of its own (resolve_neg() / resolve_conj())"
+                )
             shape, strides = tuple(target.shape), target.stride()
             if target.is_contiguous():  # the usual target, and the cheap case at 100k tensors
                 span, disjoint = target.numel(), True
