@@ -81,6 +81,82 @@ def test_the_handmade_rans_file_is_valid():
     assert target.view(torch.int16).tolist() == [0, 1, 0, 0, -1, 0, 0, 0]
 
 
+def _within(seconds: float, call):
+    """``call()``'s result or error, failing the test if it is still running after ``seconds`` (left running in a
+    daemon thread: the core releases the GIL while it decodes)."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            out["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still decoding after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+# A `rans` table of one token (0: a difference of 0x8000) at frequency 4096, both states 2^23: every value decodes from
+# no bits at all, so the stream holds any number of them. And one of tokens 0 and 1 at 4095 and 1: a value takes
+# about 1/2840 of a bit.
+FREE_RANS = bytes([0x00, 0x80, 0x20]) + (1 << 23).to_bytes(4, "little") * 2
+NEAR_FREE_RANS = bytes([0x01, 0xFF, 0x1F, 0x01]) + (1 << 23).to_bytes(4, "little") * 2
+
+
+@pytest.mark.parametrize("check", ["load", "apply"])
+def test_declared_counts_no_stream_can_hold_are_refused_at_once(check):
+    """A 400-byte file declaring 2^50 changes kept every load decoding for days: its `rans` values take no bits,
+    and the loader decoded the declared count before it looked at the positions, or at any target. The positions
+    bound the count (a `varint` code takes a byte, a `rice` code a bit) and a `rans` stream bounds it by its table;
+    a stream of values that take no bits is checked without decoding them (found by an adversarial helper)."""
+    huge = 1 << 50
+    varint = craft(
+        meta(record(shape=(huge,), changed=huge, values="rans")), {"w:pos": u8(b"\x00"), "w:val": u8(FREE_RANS)}
+    )
+    with pytest.raises(ds.DeltaFormatError, match="position stream of 1 bytes cannot hold"):
+        _within(30, lambda: ds.load(varint, check=check))
+    rice = craft(
+        meta(record(shape=(huge,), changed=huge, positions="rice", values="rans")),
+        {"w:pos": u8(b"\x00\x00"), "w:val": u8(FREE_RANS)},
+    )
+    with pytest.raises(ds.DeltaFormatError, match="position stream of 2 bytes cannot hold"):
+        _within(30, lambda: ds.load(rice, check=check))
+    near = craft(
+        meta(record(shape=(huge,), changed=huge, positions="all", values="rans")), {"w:val": u8(NEAR_FREE_RANS)}
+    )
+    with pytest.raises(ds.DeltaFormatError, match="value stream of 12 bytes cannot hold"):
+        _within(30, lambda: ds.load(near, check=check))
+    free = craft(meta(record(shape=(huge,), changed=huge, positions="all", values="rans")), {"w:val": u8(FREE_RANS)})
+    delta = _within(30, lambda: ds.load(free, check=check))  # valid: 2^50 sign flips
+    target = torch.arange(8, dtype=torch.int16).view(torch.bfloat16)
+    with pytest.raises(ds.BaseMismatchError):
+        delta.apply_(target)
+    assert target.view(torch.int16).tolist() == list(range(8))
+    small = craft(meta(record(changed=8, positions="all", values="rans")), {"w:val": u8(FREE_RANS)})
+    _within(30, lambda: ds.load(small, check=check)).apply_(target)
+    assert target.view(torch.int16).tolist() == [i - (1 << 15) for i in range(8)]  # token 0: 0x8000, a sign flip
+
+
+def test_a_target_with_a_lazy_negation_bit_is_refused_by_name():
+    """A view whose memory holds the negated values (``complex.conj().imag``) raised torch's own RuntimeError at
+    apply; written in place it would take the new bits negated."""
+    target = torch.randn(8, dtype=torch.complex64).conj().imag
+    assert target.is_neg()
+    base = target.clone()
+    new = base.clone()
+    new[0] += 1
+    with pytest.raises(ds.DeltaSyncError, match="target of tensor 'w': a view with torch's lazy negation"):
+        ds.diff({"w": base}, {"w": new}).apply_({"w": target})
+    assert torch.equal(target, base)
+
+
 def test_the_handmade_compact_file_is_valid():
     delta = ds.load(VALID_COMPACT)
     assert [(t.positions, t.values) for t in delta.tensors] == [("rice", "diffbits")]

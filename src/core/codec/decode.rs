@@ -243,10 +243,26 @@ impl<'a> EncodedTensor<'a> {
         Ok(())
     }
 
+    /// The element count, once `changed` is known to fit in it and in the position stream: a `varint` code takes
+    /// at least a byte, a `rice` code at least a bit. So no check reads a value stream for more changes than its
+    /// positions can hold (a `rans` value may take no bits at all: `rans::RansReader::most_values`).
     fn check_changed(&self) -> Result<u64, String> {
         let numel = self.numel_or_max();
         if self.changed > numel {
             return Err(format!("changed={} exceeds the {numel} elements", self.changed));
+        }
+        let bits = self.positions.len() as u64;
+        let most = match self.positions_codec {
+            PositionCodec::Varint => Some(bits),
+            PositionCodec::Rice => Some(bits.saturating_mul(8)),
+            PositionCodec::Context | PositionCodec::All => None,
+        };
+        if let Some(most) = most.filter(|&most| self.changed > most) {
+            return Err(format!(
+                "position stream of {} bytes cannot hold changed={} (at most {most})",
+                self.positions.len(),
+                self.changed
+            ));
         }
         Ok(numel)
     }
@@ -442,10 +458,19 @@ impl<'a> EncodedTensor<'a> {
             return Ok(numel.checked_sub(1));
         }
         if self.positions_codec == PositionCodec::All {
-            // `all` positions with a value codec other than `abs`: the walk states what is wrong.
-            let mut last = None;
-            self.for_each_change(|position, _| last = Some(position))?;
-            return Ok(last);
+            // `all` positions with a value codec other than `abs`: the walk's rules, without walking every
+            // element (a `rans` stream of values that take no bits may declare any number).
+            self.check_pairing()?;
+            let numel = self.numel.ok_or("positions 'all' need a known shape")?;
+            if self.changed != numel {
+                return Err(format!("positions 'all' but changed={} for {numel} elements", self.changed));
+            }
+            if !self.positions.is_empty() {
+                return Err("positions 'all' with a position stream".to_owned());
+            }
+            let (values, codec) = (self.values, self.values_codec);
+            with_width!(self.width, W => check_values::<W>(values, codec, numel))?;
+            return Ok(numel.checked_sub(1));
         }
         self.check_streams()
     }

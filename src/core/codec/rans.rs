@@ -465,6 +465,29 @@ impl<'a> RansReader<'a> {
         result
     }
 
+    /// The most values the rest of the stream can hold, or None where a value takes no bits (a table of one
+    /// token without low bits, at frequency `PROB_SCALE`: every value is that token and nothing is read).
+    ///
+    /// Decoding a token of frequency `f` from a state `x = PROB_SCALE q + s` (q >= 2^11, as x >= STATE_LOW) leaves
+    /// `f q + s - start`, at least `(PROB_SCALE - f) q` less: `log2 x` falls by more than `(PROB_SCALE - f) /
+    /// PROB_SCALE` bits, and low bits take one bit each or more. Each of the two states holds at most 31 bits and
+    /// gains 8 per byte shifted in, so with `f_max` the largest frequency the stream holds at most
+    /// `(62 + 8 bytes) PROB_SCALE / (PROB_SCALE - f_max)` values (`PROB_SCALE - f_max` taken as 1 for a lone token
+    /// with low bits). A check can refuse a larger count before decoding (a hostile file declaring 2^50 values of a
+    /// near-free table would otherwise keep it decoding for days).
+    pub fn most_values(&self) -> Option<u64> {
+        let Some(model) = self.model.as_deref() else {
+            return Some(0); // an empty stream
+        };
+        let (token, &f_max) = model.freq.iter().enumerate().max_by_key(|(_, &f)| f).expect("a table");
+        if f_max == PROB_SCALE && (token as u64) < DIRECT {
+            return None;
+        }
+        let budget = 62 + 8 * (self.bytes.len() - self.at) as u128;
+        let most = budget * u128::from(PROB_SCALE) / u128::from((PROB_SCALE - f_max).max(1)) + 1;
+        Some(u64::try_from(most).unwrap_or(u64::MAX))
+    }
+
     /// True when every byte has been read and the state is back where the encoder started.
     pub fn is_exhausted(&self) -> bool {
         self.at == self.bytes.len() && (self.model.is_none() || (self.state == STATE_LOW && self.other == STATE_LOW))
@@ -521,6 +544,16 @@ pub fn check_rans<const W: usize>(bytes: &[u8], changed: u64) -> Result<(), Stri
     let mut reader = RansReader::new(bytes, W)?;
     let mut batch = [0u64; 256];
     let mut left = changed;
+    if changed > 0 {
+        match reader.most_values() {
+            // Values that take no bits: decoding them would change nothing, however many.
+            None => left = 0,
+            Some(most) if changed > most => {
+                return Err(format!("value stream of {} bytes cannot hold {changed} values", bytes.len()))
+            }
+            Some(_) => {}
+        }
+    }
     while left > 0 {
         let n = left.min(batch.len() as u64) as usize;
         reader.read_values::<W>(&mut batch[..n])?;
@@ -554,6 +587,33 @@ mod tests {
             }
         }
         encode(&[&tokens], &normalise(&histogram))
+    }
+
+    #[test]
+    fn most_values_bounds_what_the_encoder_writes_and_refuses_more() {
+        // Skewed to the limit: one value of another token among many (f_max = 4095), and a lone token.
+        for (n, odd) in [(1usize, None), (3, None), (200_000, None), (200_000, Some(7usize)), (5, Some(0))] {
+            let differences: Vec<u64> = (0..n).map(|i| if Some(i) == odd { 0xfffe } else { 1 }).collect();
+            let stream = encode_differences::<2>(&differences);
+            let reader = RansReader::new(&stream, 2).unwrap();
+            match reader.most_values() {
+                None => assert!(odd.is_none(), "a lone token without low bits takes no bits"),
+                Some(most) => assert!(most >= n as u64, "{n} values, bound {most}"),
+            }
+            check_rans::<2>(&stream, n as u64).unwrap();
+            // One more: a free stream holds any number; any other is found short.
+            assert_eq!(check_rans::<2>(&stream, n as u64 + 1).is_err(), reader.most_values().is_some());
+        }
+        // A near-free table whose stream holds only its states: refused at once for a count it cannot hold.
+        let near = [0x01, 0xff, 0x1f, 0x01, 0, 0, 0x80, 0, 0, 0, 0x80, 0];
+        let most = RansReader::new(&near, 2).unwrap().most_values().unwrap();
+        assert!(most < 1 << 20, "{most}");
+        let error = check_rans::<2>(&near, 1 << 50).unwrap_err();
+        assert!(error.contains("cannot hold"), "{error}");
+        // A free table: any count is checked without decoding.
+        let free = [0x00, 0x80, 0x20, 0, 0, 0x80, 0, 0, 0, 0x80, 0];
+        check_rans::<2>(&free, 1 << 50).unwrap();
+        assert_eq!(RansReader::new(&[], 2).unwrap().most_values(), Some(0));
     }
 
     fn decode<const W: usize>(stream: &[u8], n: usize) -> Result<Vec<u64>, String> {
