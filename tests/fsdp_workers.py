@@ -2,7 +2,7 @@
 
 Scenarios (the fifth argument): "ok"; "drift", rank 1's mirror changed behind deltasync's back after the publish
 of step 2; "fail", rank 1's step 4 raising after it wrote part of its mirror; "resume", a new publisher resumed
-from the store at step 5 and attached again, publishing step 7; "misuse", a publisher passed on rank 1 too; "callback", a
+from the store at step 5 and attached again, publishing step 7; "restart", the same resumed by attach(start_step=5); "misuse", a publisher passed on rank 1 too; "callback", a
 transformers DeltaSyncCallback on every rank instead of attach. Each rank writes what its syncs (or attach) raised to OUT.rank<N>.txt."""
 
 from __future__ import annotations
@@ -166,17 +166,21 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
             except ds.DeltaSyncError as error:
                 raised.append(str(error))
             attachment.sync(6)
-        if scenario == "resume":
-            # A new publisher picks the run up from the store, as after a restart of rank 0's process.
+        if scenario in ("resume", "restart"):
+            # A new publisher picks the run up from the store, as after a restart of rank 0's process: resumed by
+            # hand from a pull ("resume"), or by attach at the step the store holds as the model ("restart").
             attachment.detach()
             shapes = full_state(model)  # a collective: on every rank
             if rank == 0:
                 publisher.close()
                 publisher = ds.Publisher(store, anchor_every=100, codec=codec)
-                pulled = {name: torch.zeros_like(t) for name, t in shapes.items()}
-                assert ds.Subscriber(store).pull(pulled) == 5
-                publisher.resume(pulled, step=5)
-            attachment = ds_torch.attach(optimizer, model, publisher, sync_every=2)
+                if scenario == "resume":
+                    pulled = {name: torch.zeros_like(t) for name, t in shapes.items()}
+                    assert ds.Subscriber(store).pull(pulled) == 5
+                    publisher.resume(pulled, step=5)
+            attachment = ds_torch.attach(
+                optimizer, model, publisher, sync_every=2, start_step=5 if scenario == "restart" else 0
+            )
             for _ in (6, 7):
                 backward(model, generator)
                 optimizer.step()

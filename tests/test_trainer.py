@@ -748,11 +748,13 @@ def test_fsdp2_sync_at_a_published_step_refuses_an_edit_on_any_rank_on_every_ran
     assert_same(state, whole)
 
 
-def test_fsdp2_a_resumed_publisher_attaches_again_and_a_misplaced_one_is_refused_on_every_rank(tmp_path):
-    """After a restart, a publisher resumed at the store's step 5 attaches to the sharded model again (rank 0 checks
-    that the gathered weights are the state it resumed, and publishes nothing for it) and its next publish is a
-    delta from step 5. A publisher passed on a rank other than 0 is refused by every rank at once."""
-    store, whole, raised = _run_fsdp_workers(tmp_path, "compact", "resume")
+@pytest.mark.parametrize("scenario", ["resume", "restart"])
+def test_fsdp2_a_resumed_publisher_attaches_again_and_a_misplaced_one_is_refused_on_every_rank(tmp_path, scenario):
+    """After a restart, a publisher resumed at the store's step 5 (by hand, or by attach(start_step=5) where the
+    store holds step 5 as the gathered weights) attaches to the sharded model again (rank 0 checks that the gathered
+    weights are the state it resumed, and publishes nothing for it) and its next publish is a delta from step 5. A
+    publisher passed on a rank other than 0 is refused by every rank at once."""
+    store, whole, raised = _run_fsdp_workers(tmp_path, "compact", scenario)
     assert raised == ["", ""]
     entries = ds.sync.log_entries(LocalStore(store))
     assert [(e.step, e.base_step, e.anchor is not None) for e in entries] == [
@@ -765,6 +767,8 @@ def test_fsdp2_a_resumed_publisher_attaches_again_and_a_misplaced_one_is_refused
     state = {name: torch.zeros_like(t) for name, t in whole.items()}
     assert ds.Subscriber(LocalStore(store)).pull(state) == 7
     assert_same(state, whole)
+    if scenario == "restart":
+        return
     misuse = tmp_path / "misuse"
     misuse.mkdir()
     _, _, raised = _run_fsdp_workers(misuse, "varint", "misuse", expect_output=False)
