@@ -535,3 +535,31 @@ def test_publish_refuses_to_resume_below_a_newest_step_it_cannot_rebuild(ckpts, 
     rc, _, err = _run(capsys, "publish", curr_path, "--store", store, "--step", 3)
     assert rc == 1 and "the newest step 2 could not be rebuilt (only step 1)" in err
     assert sorted(p.relative_to(store) for p in store.rglob("*")) == listed
+
+
+def test_publish_resume_at_an_older_step_continues_from_it_and_removes_the_later_steps(ckpts, tmp_path, capsys):
+    """A trainer restarted from the checkpoint of step 1 publishes its step 2 with --resume-at 1: step 1's state is
+    rebuilt and checked, the old steps 2 and 3 (a history the run leaves) are removed, and step 2 is a delta from
+    step 1 that pulls bit-exact. Before, a step not after the store's newest was refused with no way on but a new
+    store. Bad combinations are refused with the store left as it was."""
+    prev, curr, prev_path, curr_path = ckpts
+    store, out = tmp_path / "store", tmp_path / "out.safetensors"
+    for step, path in enumerate((prev_path, curr_path, prev_path, curr_path)):
+        assert _run(capsys, "publish", path, "--store", store, "--step", step)[0] == 0
+    listed = sorted(p.relative_to(store) for p in store.rglob("*"))
+    for argv, message in [
+        (("--step", 2, "--resume-at", 2), "--step 2 is not after --resume-at 2"),
+        (("--step", 9, "--resume-at", 7), "--resume-at 7: the store's newest step is 3"),
+        (("--step", 2, "--resume-at", 1, "--anchor"), "--resume-at and --anchor"),
+    ]:
+        rc, _, err = _run(capsys, "publish", prev_path, "--store", store, *argv)
+        assert rc == 1 and message in err, err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == listed
+
+    rc, out_text, err = _run(capsys, "publish", prev_path, "--store", store, "--step", 2, "--resume-at", 1)
+    assert rc == 0, err
+    entries = ds.sync.log_entries(str(store))
+    assert [(e.step, e.base_step) for e in entries] == [(0, None), (1, 0), (2, 1)]
+    assert entries[-1].delta is not None and entries[-1].anchor is None
+    assert _run(capsys, "pull", "--store", store, "-o", out)[0] == 0
+    assert_states_equal(dict(sorted(load_file(out).items())), dict(sorted(prev.items())))

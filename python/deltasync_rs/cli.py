@@ -182,7 +182,24 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     ) as publisher:
         subscriber = Subscriber(publisher.store)
         latest = subscriber.latest_step()
-        if latest is not None and not args.anchor:
+        if args.resume_at is not None:
+            if args.anchor:
+                raise DeltaSyncError(
+                    "--resume-at and --anchor: give one (--resume-at publishes a delta from that step)"
+                )
+            if latest is None or args.resume_at > latest:
+                raise DeltaSyncError(
+                    f"{args.store}: --resume-at {args.resume_at}: the store's newest step is {latest}; nothing was written"
+                )
+            if args.step <= args.resume_at:
+                raise DeltaSyncError(f"--step {args.step} is not after --resume-at {args.resume_at}")
+            # A restart from an older checkpoint: that step's state rebuilt and resumed (its digest checked against
+            # its entry); the steps after it, a history the run leaves, are removed; then this step, a delta.
+            base, step = _rebuild(subscriber, args.store, until=args.resume_at)
+            publisher.resume(base, step=step, copy=False)
+            del base
+            publisher.publish(args.step, state)
+        elif latest is not None and not args.anchor:
             # Rebuild the last published state, so this step is a delta against it, in arrays that the publisher
             # then keeps as its mirror: the mapped checkpoint and one state in memory, never two.
             base, step = _rebuild(subscriber, args.store)
@@ -212,10 +229,10 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rebuild(subscriber: Subscriber, store: str) -> tuple[dict[str, np.ndarray], int]:
-    """The newest published state rebuilt from an anchor and the deltas after it into new arrays (a publisher's
-    mirror), checked against that step's state digest; with its step."""
-    deltas = subscriber.fetch(None)
+def _rebuild(subscriber: Subscriber, store: str, until: int | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """The newest published state (or step ``until``'s) rebuilt from an anchor and the deltas after it into new
+    arrays (a publisher's mirror), checked against that step's state digest; with its step."""
+    deltas = subscriber.fetch(None, until=until)
     state = {}
     for t in deltas[0].tensors:  # an anchor: every tensor whole, with its shape
         if t.shape is None:
@@ -374,6 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
         "training steps; needs --values diff, and readers holding whole tensors)",
     )
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
+    p.add_argument(
+        "--resume-at",
+        type=_step_number,
+        default=None,
+        metavar="STEP",
+        help="a restart from the checkpoint of an older step: continue from STEP's published state (rebuilt and "
+        "checked), removing the store's later steps, a history the run leaves; --step must be after it",
+    )
     p.add_argument(
         "--whole-sha256",
         action="store_true",
