@@ -404,3 +404,19 @@ def test_a_fresh_pull_holds_little_beyond_its_target(tmp_path, private_tmp):
     )
     assert run.returncode == 0, run.stderr
     assert int(run.stdout.split()[-1]) < 64 << 20, run.stdout
+
+
+def test_a_tensor_named_with_the_packed_layouts_prefix_but_not_reserved_is_pulled(tmp_path):
+    """docs/format.md §4 reserves `__deltasync_records__` and `__deltasync_streams__`, and the writer refuses just
+    those: a tensor named `__deltasync_x` was published, then every pull of a local store refused its anchor as
+    a delta's stream (found by an adversarial helper). Names the writer refuses stay refused."""
+    state = {"__deltasync_x": torch.arange(10, dtype=torch.float32), "w": torch.ones(3, dtype=torch.bfloat16)}
+    with ds.Publisher(tmp_path / "store", background=False) as publisher:
+        publisher.publish(0, state)
+        state["__deltasync_x"][3] += 1
+        publisher.publish(1, state)
+    pulled = {name: torch.zeros_like(t) for name, t in state.items()}
+    assert ds.Subscriber(tmp_path / "store").pull(pulled) == 1
+    assert all(torch.equal(pulled[name], state[name]) for name in state)
+    with pytest.raises(ds.DeltaSyncError, match="__deltasync_records__"):
+        ds.Publisher(tmp_path / "other", background=False).publish(0, {"__deltasync_records__": torch.ones(2)})

@@ -349,7 +349,8 @@ def _checked_header(fd: int, key: str, step: int, pieces: Pieces) -> tuple[list[
             raise DeltaFormatError(f"{key}: tensor {t.name!r} has dtype {t.dtype!r}, which no state holds")
         if t.end - t.start != _arrays.WIDTHS[t.dtype] * math.prod(t.shape):  # no numpy dtype: ml_dtypes loads slowly
             raise DeltaFormatError(f"{key}: tensor {t.name!r} takes {t.end - t.start} bytes, not its shape's")
-        if t.name.endswith((":pos", ":val")) or t.name.startswith("__deltasync_"):
+        # The names docs/format.md §4 reserves (the writer refuses them), and no more: `__deltasync_x` is a tensor.
+        if t.name.endswith((":pos", ":val")) or t.name in ("__deltasync_records__", "__deltasync_streams__"):
             raise DeltaFormatError(f"{key}: tensor {t.name!r} is a delta's stream; an anchor holds whole tensors")
     # The tensors tile the data (as safetensors requires): every byte after the header lies in one, so copying every
     # tensor checks every piece of the file, the header's included.
