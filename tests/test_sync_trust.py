@@ -684,3 +684,128 @@ def test_a_stream_the_apply_finds_malformed_sends_the_pull_around_it(tmp_path, c
             assert_states_equal(replica, history[1])  # nothing of step 2 written
     assert seen["deferred"] == 1 and seen["checked"] >= 1, seen
     assert "again with every stream checked first" in caplog.text
+
+
+def test_a_removal_stopped_part_way_leaves_a_history_without_gaps_and_a_resume_at_an_unreachable_step_anchors(
+    tmp_path, caplog
+):
+    """resume(step=1) on a store at step 5 stops after removing one entry: the newest went first, so the entries
+    left (0-4) are still reached from the anchor and a restart at step 4 continues with deltas (before, the oldest
+    went first: entries 3 and 4 stayed with 2 gone, a restart at 4 was accepted and its steps reached no subscriber
+    until the next anchor). And a resume at a step whose way back to an anchor is cut all the same publishes an
+    anchor next (found by an adversarial helper)."""
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 6)
+    publisher = ds.Publisher(store, signing_key=KEY, background=False)
+    real_delete = store.delete
+
+    def one_then_fail(keys):
+        real_delete(keys[:1])
+        raise ds.StoreError("stopped")
+
+    publisher.store.delete = one_then_fail
+    with pytest.raises(ds.StoreError, match="stopped"):
+        publisher.resume(history[1], step=1)
+    publisher.close()
+    del store.delete
+    assert [e.step for e in ds.sync.log_entries(store)] == [0, 1, 2, 3, 4]
+    state = {k: v.clone() for k, v in history[4].items()}
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=4)
+        _train_step(state, 900)
+        publisher.publish(5, state)
+    assert ds.sync.log_entries(store)[-1].anchor is None  # a delta: step 4 is reached from the anchor
+    replica = _fresh(state)
+    assert ds.Subscriber(store, signing_key=KEY).pull(replica) == 5
+    assert_states_equal(replica, state)
+
+    store.delete([entry_key(2)])  # the way from step 5 back to the anchor cut
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        with caplog.at_level(logging.WARNING, logger="deltasync_rs.sync"):
+            publisher.resume(state, step=5)
+        _train_step(state, 901)
+        publisher.publish(6, state)
+    assert "step 5 cannot be reached from an anchor" in caplog.text
+    assert ds.sync.log_entries(store)[-1].anchor is not None
+    replica = _fresh(state)
+    assert ds.Subscriber(store, signing_key=KEY).pull(replica) == 6
+    assert_states_equal(replica, state)
+
+
+def test_a_step_another_publisher_published_meanwhile_is_not_written_over(tmp_path):
+    """Two publishers on one store, both at step 0, both publishing step 1: the second is refused, with the first's
+    files and entry left as they were (both said "published" before, and the second's files replaced the first's).
+    A subscriber pulls the first's step 1 bit-exact (found by an adversarial helper)."""
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 1)
+    first = ds.Publisher(store, signing_key=KEY, background=False)
+    second = ds.Publisher(store, signing_key=KEY, background=False)
+    ours, theirs = ({k: v.clone() for k, v in history[0].items()} for _ in range(2))
+    _train_step(ours, 1)
+    _train_step(theirs, 2)
+    first.resume(history[0], step=0)
+    second.resume(history[0], step=0)
+    first.publish(1, ours)
+    listed = {k: store.get(k) for k in store.list("manifest/") + store.list("deltas/")}
+    with pytest.raises(ds.DeltaSyncError, match="step 1 was published meanwhile by another publisher"):
+        second.publish(1, theirs)
+    assert {k: store.get(k) for k in store.list("manifest/") + store.list("deltas/")} == listed
+    replica = _fresh(ours)
+    assert ds.Subscriber(store, signing_key=KEY).pull(replica) == 1
+    assert_states_equal(replica, ours)
+    first.close()
+    second.close()
+
+
+def test_the_cli_refuses_a_step_published_after_it_read_the_store_s_newest(tmp_path, capsys, monkeypatch):
+    """`deltasync publish` read step 0 as the newest and rebuilt it; meanwhile another publisher published step 1.
+    It refuses, and step 1 stays (its resume at step 0 removed step 1 as a history left before, and both commands
+    said they published; found by an adversarial helper)."""
+    from safetensors.torch import save_file
+
+    import deltasync_rs.cli as cli
+
+    store = tmp_path / "store"
+    history = _publish(ds.LocalStore(store), 1, key=None)
+    ckpt = tmp_path / "ckpt.safetensors"
+    later = {k: v.clone() for k, v in history[0].items()}
+    _train_step(later, 5)
+    save_file(later, ckpt)
+    rebuild = cli._rebuild
+
+    def another_publisher_meanwhile(subscriber, url, until=None):
+        rebuilt = rebuild(subscriber, url, until)
+        with ds.Publisher(store, background=False) as other:
+            other.resume(history[0], step=0)
+            other.publish(1, later)
+        return rebuilt
+
+    monkeypatch.setattr(cli, "_rebuild", another_publisher_meanwhile)
+    assert main(["publish", str(ckpt), "--store", str(store), "--step", "2"]) == 1
+    assert "step 0 is no longer the store's newest: step 1 was published meanwhile" in capsys.readouterr().err
+    assert [e.step for e in ds.sync.log_entries(str(store))] == [0, 1]
+
+
+def test_a_subscriber_holding_a_step_the_store_left_says_so_once_and_holds_it(tmp_path, caplog):
+    """resume(step=1) on a store at step 3 removes steps 2 and 3: a subscriber at step 3 holds it (moving back on
+    entries gone is what a rollback of a signed store would ask) but says so, once; the next step published past
+    it brings it onto the new history."""
+    store = ds.LocalStore(tmp_path)
+    old = _publish(store, 4)
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    replica = _fresh(old[3])
+    assert subscriber.pull(replica) == 3
+    state = {k: v.clone() for k, v in old[1].items()}
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=1)
+        _train_step(state, 700)
+        publisher.publish(2, state)
+        with caplog.at_level(logging.WARNING, logger="deltasync_rs.sync"):
+            assert subscriber.pull(replica) == 3
+            assert subscriber.pull(replica) == 3
+        assert caplog.text.count("step 3, held here, is no longer in the store") == 1
+        for step in (3, 4):
+            _train_step(state, 700 + step)
+            publisher.publish(step, state)
+    assert subscriber.pull(replica) == 4
+    assert_states_equal(replica, state)

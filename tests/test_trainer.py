@@ -323,6 +323,23 @@ def test_attach_at_a_start_step_the_store_holds_as_the_model_resumes_there(tmp_p
     publisher.close()
 
 
+def test_attach_at_step_0_resumes_where_the_store_holds_only_step_0_as_the_model(tmp_path):
+    """A trainer that stopped right after attach published step 0, run again unchanged: nothing to leave, so it
+    resumes (it was refused as a step not after the store's newest). A store with later steps is left alone."""
+    model = tiny_gpt2(seed=3)
+    store = LocalStore(tmp_path / "store")
+    ds_torch.attach(torch.optim.AdamW(model.parameters()), model, ds.Publisher(store, background=False)).detach()
+    publisher = ds.Publisher(store, background=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ds_torch.attach(optimizer, model, publisher)
+    assert publisher.step == 0
+    train_step(model, optimizer, seed=1)
+    publisher.close()
+    assert [e.step for e in ds.sync.log_entries(store)] == [0, 1]
+    with pytest.raises(ds.DeltaSyncError, match="not after the last published step 1"):
+        ds_torch.attach(torch.optim.AdamW(model.parameters()), model, ds.Publisher(store, background=False))
+
+
 def test_attach_sync_publishes_the_step_it_is_given(tmp_path):
     """``Attachment.sync(step)`` publishes the weights as that step (the Trainer callback passes its global step);
     without one, as the step the hook would have given them. A step not after the last published one is refused."""
@@ -493,7 +510,7 @@ def test_transformers_trainer_callback(tmp_path):
     publisher.close()
 
 
-def _train(tmp_path, publisher, callback_resume=True, learning_rate=1e-4, **kwargs):
+def _train(tmp_path, publisher, callback_resume=True, learning_rate=1e-4, close=True, **kwargs):
     """A transformers Trainer on a tiny GPT-2 (seed 5), saving a checkpoint every 2 steps, publishing every step
     through a DeltaSyncCallback; ``kwargs`` go to ``train`` (``resume_from_checkpoint``)."""
     transformers = pytest.importorskip("transformers")
@@ -520,7 +537,8 @@ def _train(tmp_path, publisher, callback_resume=True, learning_rate=1e-4, **kwar
     try:
         trainer.train(**kwargs)
     finally:
-        publisher.close()
+        if close:
+            publisher.close()
     return trainer
 
 
@@ -550,6 +568,20 @@ def test_the_trainer_callback_resumes_where_the_trainer_resumes_from_a_checkpoin
     assert_same(state, expected)
     assert ds.Subscriber(store).pull(held) == 6  # the replica at the old step 6 re-syncs (published again)
     assert_same(held, expected)
+
+
+def test_the_trainer_callback_kept_across_trainings_says_to_make_a_new_publisher(tmp_path):
+    """The same callback and open publisher (a notebook) trained again from the checkpoint of step 4: the publisher
+    is at step 6, so it cannot resume; it says so instead of "the shared mirror does not hold the last published
+    state"."""
+    transformers = pytest.importorskip("transformers")
+    store = LocalStore(tmp_path / "store")
+    publisher = ds.Publisher(store)
+    trainer = _train(tmp_path, publisher, close=False)
+    with pytest.raises(ds.DeltaSyncError, match="before this publisher's step 6: .* pass a new Publisher"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    publisher.close()
+    assert isinstance(trainer, transformers.Trainer)
 
 
 def test_the_trainer_callback_refuses_a_restart_it_cannot_prove(tmp_path):

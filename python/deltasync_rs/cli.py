@@ -216,7 +216,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
                     f"store: {only_store[:5]}, only in the checkpoint: {only_checkpoint[:5]}); publish it with "
                     "--anchor to start over from it"
                 )
-            publisher.resume(base, step=step, copy=False)
+            publisher._continue(base, step)
             del base
             publisher.publish(args.step, state)
         else:

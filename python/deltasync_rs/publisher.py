@@ -26,6 +26,7 @@ from ._turns import one_at_a_time
 from .delta import Delta, _check_step, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
 from .errors import (
     BaseMismatchError,
+    ChainError,
     DeltaFormatError,
     DeltaSyncError,
     IntegrityError,
@@ -375,12 +376,20 @@ class Publisher:
         shared: bool = False,
         digest: str | None = None,
         entry: Entry | None = None,
+        newest: bool = False,
     ) -> None:
         """``resume``, its arguments checked; ``shared``: the mirror is ``state`` itself, a mapping the caller keeps
-        and moves (ds.torch.Mirror's tensors); ``digest`` and ``entry``: ``state``'s and step's, already read."""
+        and moves (ds.torch.Mirror's tensors); ``digest`` and ``entry``: ``state``'s and step's, already read;
+        ``newest``: the caller read ``step`` as the store's newest and goes on after it (``deltasync publish``),
+        so steps after it are not a history to leave but another publisher's, and are refused, nothing removed."""
         keys = [k for prefix in ("manifest/", "anchors/", "deltas/") for k in self.store.list(prefix)]
         later = [k for k in keys if (s := step_of(k)) is not None and s > step]
         later_steps = sorted({s for k in later if k.startswith("manifest/") and (s := step_of(k)) is not None})
+        if newest and later_steps:
+            raise DeltaSyncError(
+                f"{self.store.url}: step {step} is no longer the store's newest: step {later_steps[-1]} was "
+                "published meanwhile (by another publisher: a store takes one at a time); nothing was changed"
+            )
         digest = digest or state_digest(state)
         try:
             entry = entry or self._reader.entry(step)
@@ -415,14 +424,16 @@ class Publisher:
                         f"{later_step}; resume at that step (resuming at {step} removes the steps after it); "
                         "nothing was changed"
                     )
-        # Keep the anchor cadence across publisher restarts: count the steps published since the newest anchor.
-        anchors = [s for k in keys if k.startswith("anchors/") and (s := step_of(k)) is not None and s <= step]
-        newest = max(anchors, default=None)
-        if newest is None or entry is None:
-            since_anchor = self.anchor_every
-        else:
-            entries = {s for k in keys if k.startswith("manifest/") and (s := step_of(k)) is not None}
-            since_anchor = sum(1 for s in entries if newest < s <= step)
+        # Keep the anchor cadence across publisher restarts, and make sure subscribers can reach this step: the way
+        # back from it to an anchor, each entry the one its successor names (the subscribers' own walk). Where there
+        # is none (an entry on the way gone: a removal that stopped part way), the next publish is an anchor, so that
+        # the steps after this one are not out of every subscriber's reach until the next anchor.
+        since_anchor = self.anchor_every
+        if entry is not None:
+            try:
+                since_anchor = len(self._reader._walk_back(step, 0, lambda e: e.anchor is not None)) - 1
+            except (ChainError, MissingObjectError, IntegrityError) as error:
+                log.warning("step %d cannot be reached from an anchor (%s): the next publish is an anchor", step, error)
         # The store first (a failure leaves this publisher as it was, to resume again), then the mirror: nothing
         # after this reads the store.
         self._leave_steps_after(step, entry, later, later_steps)
@@ -434,13 +445,24 @@ class Publisher:
         self._base_entry = None if entry is None else (step, entry.sha256)
         self._since_anchor = since_anchor
 
+    @one_at_a_time
+    def _continue(self, state: Mapping[str, Any], step: int) -> None:
+        """``resume(state, step=step, copy=False)`` for a caller that read ``step`` as the store's newest and
+        rebuilt its state (``deltasync publish``): where a later step has appeared since, it is another
+        publisher's, and this raises instead of removing it."""
+        self._check_open()
+        if not self._mirror.is_empty:
+            raise DeltaSyncError("resume must come before the first publish")
+        self._resume(state, step, copy=False, newest=True)
+
     def _resume_at_published(self, step: int, tensors: Mapping[str, Any]) -> bool:
         """``publish_shared(..., resume=True)``'s first call: resumes at ``step`` where the store holds it as
         ``tensors``, the mirror shared. Whether it did; False where the store has no such step (nothing newer, or
         its entry is gone: the caller's publish goes on and says what it finds)."""
         _check_step(step, "step", optional=False)
-        if self._last_step is None or not 0 < step <= self._last_step:
-            return False  # step 0 is every run's start: a store's history is left only for a step it proves
+        # Step 0 is every run's start: a store's history after it is left only for a later step the state proves.
+        if self._last_step is None or step > self._last_step or (step == 0 and self._last_step != 0):
+            return False
         try:
             entry = self._reader.entry(step)
         except MissingObjectError:
@@ -481,7 +503,11 @@ class Publisher:
             self._put(LATEST_KEY, latest_document(step, blob, self.run, self._key))
         elif later:
             self.store.delete([LATEST_KEY])
-        self.store.delete(sorted(k for k in later if k.startswith("manifest/")))
+        # Newest first, so that a removal stopped part way leaves the store a history with no gap: every entry
+        # left is reached from an anchor as before.
+        self.store.delete(
+            sorted((k for k in later if k.startswith("manifest/")), key=lambda k: step_of(k) or 0, reverse=True)
+        )
         self.store.delete(sorted(k for k in later if not k.startswith("manifest/")))
 
     @one_at_a_time
@@ -740,6 +766,24 @@ class Publisher:
     def _put(self, key: str, blob: bytes) -> None:
         self._retrying(key, lambda: self.store.put(key, blob))
 
+    def _put_entry(self, step: int, blob: bytes) -> None:
+        """Writes step's entry where the store has none (``Store.create``: atomic on a local folder and S3); one
+        already there is this publisher's own only when it is ``blob`` (a write that landed, then failed)."""
+        key = entry_key(step)
+
+        def create() -> None:
+            if not self.store.create(key, blob) and self.store.get_small(key, MAX_DOCUMENT_BYTES) != blob:
+                raise self._published_elsewhere(step)
+
+        self._retrying(key, create)
+
+    def _published_elsewhere(self, step: int) -> DeltaSyncError:
+        return DeltaSyncError(
+            f"{self.store.url}: step {step} was published meanwhile by another publisher ({entry_key(step)} is in "
+            "the store, not this publisher's): this publisher's step is not published; a store takes one "
+            "publisher at a time"
+        )
+
     def _put_file(self, key: str, path: str) -> None:
         self._retrying(key, lambda: self.store.put_file(key, path))
 
@@ -824,6 +868,10 @@ class Publisher:
         finally:
             self._mirror_free.set()
         try:
+            # One publisher per store: a step another one published meanwhile is not written over (its files would
+            # no longer match its entry). Checked again, atomically where the store can, as the entry is written.
+            if self.store.exists(entry_key(step)):
+                raise self._published_elsewhere(step)
             if delta is not None:
                 blob = delta.to_bytes()
                 delta_ref = file_ref(delta_key(step), blob)
@@ -852,7 +900,7 @@ class Publisher:
             base_entry_sha256=base_entry,
         )
         entry_blob = entry.to_json(self._key)
-        self._put(entry_key(step), entry_blob)
+        self._put_entry(step, entry_blob)
         self._base_entry = (step, hashlib.sha256(entry_blob).hexdigest())
         self._put(LATEST_KEY, latest_document(step, entry_blob, self.run, self._key))
         kinds = " + ".join(kind for kind, ref in (("delta", delta_ref), ("anchor", anchor_ref)) if ref)

@@ -148,6 +148,7 @@ class Subscriber:
         self._run_confirmed = False  # an entry carried the run read from run.json
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._at: Entry | None = None  # the entry of `step`, once a pull got there
+        self._gone_warned: int | None = None  # the held step last said to be gone from the store
         self._names: list[str] | None = None
         self._lock = threading.RLock()  # pulls take turns (one_at_a_time): each moves `step` and its target
         self._target: tuple[tuple[str, int, int], ...] | None = None  # _target_key of the state `step` is of
@@ -606,14 +607,40 @@ class Subscriber:
         raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
 
     def _rebuilt_if_published_again(
-        self, current_step: int, latest: int, download: Download[T], *, read_again: bool = False
+        self,
+        current_step: int,
+        latest: int,
+        download: Download[T],
+        *,
+        read_again: bool = False,
     ) -> T | None:
         """None (nothing to fetch: a subscriber never moves back), unless the step held, ``current_step``, was
         published again since it was pulled, with another entry (by a publisher resumed before it): the state held
         is not the store's step any more, and is rebuilt from an anchor, never patched, with every entry read again
         (those cached may be of the history published over). The newest step's entry is kept fresh by ``_newest``;
         with ``read_again`` (an older step held: ``until`` at or below it) it is read again here."""
-        if latest < current_step or self._at is None or self._at.step != current_step:
+        if self._at is None or self._at.step != current_step:
+            return None
+        if latest < current_step:
+            # Ahead of the store's newest: a pointer that lags (the held step still listed), or a history the run
+            # left (a publisher resumed at an older step removed it). Held even so, and said once: moving back on
+            # the strength of entries gone is what an attacker who deletes newer entries of a signed store (and
+            # replays an older pointer) would have subscribers do; the next step published past it brings the
+            # state onto the store's history again (re-synced from an anchor: it names another entry of the step
+            # it follows, or none).
+            if self._gone_warned != current_step:
+                self._entries.pop(current_step, None)
+                try:
+                    self.entry(current_step)
+                except MissingObjectError:
+                    self._gone_warned = current_step
+                    log.warning(
+                        "%s: step %d, held here, is no longer in the store, whose newest step is %d (a publisher "
+                        "resumed at an older step left that history?); held until a later step is published",
+                        self.store.url,
+                        current_step,
+                        latest,
+                    )
             return None
         if read_again:
             self._entries.pop(current_step, None)

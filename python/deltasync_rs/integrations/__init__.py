@@ -72,6 +72,13 @@ class DeltaSyncCallback(TrainerCallback):
             return
         if model is None:
             raise DeltaSyncError("DeltaSyncCallback needs the model: the Trainer passes it to on_train_begin")
+        if self.publisher.step is not None and state.global_step < self.publisher.step:
+            # The same publisher kept across trainings (a notebook): it is past the step training starts from.
+            raise DeltaSyncError(
+                f"the trainer starts at step {state.global_step}, before this publisher's step {self.publisher.step}: "
+                "a publisher goes on from its own last step only; close it and pass a new Publisher on the store "
+                f"(it resumes at step {state.global_step} where the store holds it as the model's weights)"
+            )
         step = self.publisher.step if self.publisher.step is not None else state.global_step
         self.mirror = Mirror(
             model,
