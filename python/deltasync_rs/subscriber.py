@@ -607,12 +607,7 @@ class Subscriber:
         raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
 
     def _rebuilt_if_published_again(
-        self,
-        current_step: int,
-        latest: int,
-        download: Download[T],
-        *,
-        read_again: bool = False,
+        self, current_step: int, latest: int, download: Download[T], *, read_again: bool = False
     ) -> T | None:
         """None (nothing to fetch: a subscriber never moves back), unless the step held, ``current_step``, was
         published again since it was pulled, with another entry (by a publisher resumed before it): the state held
