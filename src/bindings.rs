@@ -619,9 +619,17 @@ impl RawDelta {
             }
             _ => None,
         };
-        let count = usize::try_from(tensor.changed).map_err(|_| DeltaSyncError::new_err("too many changes"))?;
-        let positions_len = if tensor.is_dense() { 0 } else { count * 8 };
-        let out = PyByteArray::new_with(py, positions_len + count * tensor.width(), |_| Ok(()))?;
+        let too_many = || {
+            DeltaSyncError::new_err(format!(
+                "tensor {:?}: {} changes do not fit in memory",
+                tensor.name, tensor.changed
+            ))
+        };
+        let count = usize::try_from(tensor.changed).map_err(|_| too_many())?;
+        let positions_len = if tensor.is_dense() { Some(0) } else { count.checked_mul(8) };
+        let len = positions_len.zip(count.checked_mul(tensor.width())).and_then(|(p, v)| p.checked_add(v));
+        let (positions_len, len) = positions_len.zip(len).ok_or_else(too_many)?;
+        let out = PyByteArray::new_with(py, len, |_| Ok(()))?;
         // SAFETY: the bytearray is fresh and private to this call, and is not resized while borrowed.
         let bytes = unsafe { out.as_bytes_mut() };
         let slice = RawSlice { ptr: bytes.as_mut_ptr(), len: bytes.len() };

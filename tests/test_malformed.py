@@ -144,6 +144,39 @@ def test_declared_counts_no_stream_can_hold_are_refused_at_once(check):
     assert target.view(torch.int16).tolist() == [i - (1 << 15) for i in range(8)]  # token 0: 0x8000, a sign flip
 
 
+def test_small_hostile_files_are_refused_in_time_and_memory_in_proportion_to_them():
+    """Found by an adversarial helper: a TRL patch of 30,000 empty pairs and one stray tensor took minutes to name
+    the stray (each name was looked up against every pair); `Delta.decoded` of a record declaring 2^60 free values
+    panicked on a size that wrapped; the no-base read of a `context` record declaring 2^40 changes aborted the
+    process allocating 8 TB. Each is now a DeltaSyncError."""
+    header = {"__metadata__": {"format": "sparse_weight_patch", "sparse": "True"}}
+    for i in range(30_000):
+        header[f"t{i}.indices"] = {"dtype": "I32", "shape": [0], "data_offsets": [0, 0]}
+        header[f"t{i}.values"] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    header["stray"] = {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with pytest.raises(ds.DeltaFormatError, match='tensor "stray" is not part of an index/value pair'):
+        _within(60, lambda: ds.load(struct.pack("<Q", len(encoded)) + encoded))
+
+    wide = craft(
+        meta(record(dtype="U64", shape=(1 << 60,), changed=1 << 60, positions="all", values="rans")),
+        {"w:val": u8(FREE_RANS)},
+    )
+    with pytest.raises(ds.DeltaSyncError, match="do not fit in memory"):
+        ds.load(wide)._raw.decode(0)
+    # One class listed by its unchanged elements (none), so any count passes without the base.
+    positions = bytes([127, 1]) + bytes(15)
+    context = craft(
+        meta(
+            dict(record(shape=(1 << 40,), changed=1 << 40, positions="context", values="rans"), base="0123456789abcdef")
+        ),
+        {"w:pos": u8(positions), "w:val": u8(FREE_RANS)},
+    )
+    with pytest.raises(ds.DeltaSyncError, match="do not fit in memory"):
+        ds.load(context)._raw.context_parts(0)
+
+
 def test_a_target_with_a_lazy_negation_bit_is_refused_by_name():
     """A view whose memory holds the negated values (``complex.conj().imag``) raised torch's own RuntimeError at
     apply; written in place it would take the new bits negated."""

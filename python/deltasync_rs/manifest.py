@@ -214,10 +214,17 @@ def verify_signature(document: Mapping[str, Any], key: bytes | None, what: str) 
         raise IntegrityError(f"{what} has a bad signature")
 
 
-# A JSON string, read possessively so that no input backtracks; brackets inside strings do not nest.
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+# A JSON string, read possessively so that no input backtracks; brackets inside strings do not nest. One that never
+# closes runs to the end of the document (a lone backslash included): every quote that starts a string is then read
+# once, where a string that could fail would be tried again from each quote inside it (quadratic: a 1 MiB document
+# of `\"` took hours).
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.?)*+(?:"|\Z)', re.DOTALL)
 _INNERMOST = re.compile(rb"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
 _BRACKET = re.compile(rb"[\[\]{}]")
+
+
+#: The Unix time of 10000-01-01: an entry's `created` is below it (time.localtime refuses larger ones).
+_YEAR_10000 = 253402300800
 
 
 def _reject_constant(name: str) -> None:
@@ -370,8 +377,10 @@ class Entry:
             created = float(_field(document, "created", (int, float), key))
         except OverflowError:
             created = math.inf
-        if not math.isfinite(created):
-            raise DeltaFormatError(f"{key}: the field 'created' is not a finite number")
+        if not math.isfinite(created) or not 0 <= created < _YEAR_10000:
+            raise DeltaFormatError(
+                f"{key}: the field 'created' is not a Unix time (a finite number from 0 to year 9999)"
+            )
         entry = cls(
             step=step,
             base_step=_optional_count(document, "base_step", key),

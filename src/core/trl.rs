@@ -142,11 +142,14 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
             used += 2;
         }
         if used != header.tensors.len() {
-            let stray = header.tensors.keys().find(|k| {
-                !jobs.iter().any(|job| {
-                    LAYOUTS.iter().any(|(i, v)| **k == format!("{}{i}", job.0) || **k == format!("{}{v}", job.0))
+            // Every name a pair took, once (a name looked up against every pair was quadratic in the pairs).
+            let paired: std::collections::HashSet<String> = jobs
+                .iter()
+                .flat_map(|job| {
+                    LAYOUTS.iter().flat_map(move |(i, v)| [format!("{}{i}", job.0), format!("{}{v}", job.0)])
                 })
-            });
+                .collect();
+            let stray = header.tensors.keys().find(|k| !paired.contains(k.as_str()));
             return Err(bad(format!(
                 "tensor {:?} is not part of an index/value pair",
                 stray.map_or("?", |s| s.as_str())

@@ -92,7 +92,7 @@ pub fn by_group<const W: usize>(bytes: &[u8], changed: u64) -> Result<([u8; CLAS
     let groups = read_groups(bytes, changed)?;
     let mut out = Vec::with_capacity(groups.streams.len());
     for (group, (&count, stream)) in groups.counts.iter().zip(&groups.streams).enumerate() {
-        let mut values = vec![0u64; usize::try_from(count).map_err(|_| "too many values".to_owned())?];
+        let mut values = super::zeroed_values(count)?;
         if count > 0 {
             let fail = |e: String| format!("rans_classes group {group}: {e}");
             let mut reader = RansReader::new(stream, W).map_err(fail)?;

@@ -104,6 +104,19 @@ fn read_header(bytes: &[u8], field: Exponent) -> Result<Header, String> {
 
 /// Reads every class's listed ranks, each checked to be below `numel` and above the previous one.
 fn read_ranks(bytes: &[u8], header: &Header, numel: u64) -> Result<Vec<Vec<u64>>, String> {
+    let mut ranks = vec![Vec::new(); CLASSES];
+    walk_ranks(bytes, header, numel, |class, rank| ranks[class].push(rank))?;
+    Ok(ranks)
+}
+
+/// Checks every class's listed ranks as `read_ranks` does, keeping none: memory in proportion to nothing, where a
+/// stream of one-bit codes would have taken 64 times its size.
+fn check_ranks(bytes: &[u8], header: &Header, numel: u64) -> Result<(), String> {
+    walk_ranks(bytes, header, numel, |_, _| {})
+}
+
+/// Visits every class's listed ranks in order, `visit(class, rank)`, each checked as `read_ranks` says.
+fn walk_ranks(bytes: &[u8], header: &Header, numel: u64, mut visit: impl FnMut(usize, u64)) -> Result<(), String> {
     let total = header.listed.iter().fold(0u64, |sum, &n| sum.saturating_add(n));
     // Every code takes at least one bit: a declared count is checked against the bits there are before anything
     // is allocated for it.
@@ -112,25 +125,22 @@ fn read_ranks(bytes: &[u8], header: &Header, numel: u64) -> Result<Vec<Vec<u64>>
         return Err(format!("context stream lists {total} ranks for {numel} elements in {available} bits of codes"));
     }
     let mut bits = BitReader::new(&bytes[header.bits_from..]);
-    let mut ranks = Vec::with_capacity(CLASSES);
     for class in 0..CLASSES {
         let count = header.listed[class];
         if count > numel {
             return Err(format!("context stream: class {class} lists {count} ranks for {numel} elements"));
         }
-        let mut list = Vec::with_capacity(count as usize);
         let mut next = 0u64;
         for _ in 0..count {
             let gap = read_gap(&mut bits, header.k[class]).map_err(|e| format!("class {class}'s rank {e}"))?;
             let rank = super::next_position(&mut next, gap, numel).map_err(|e| format!("class {class}'s {e}"))?;
-            list.push(rank);
+            visit(class, rank);
         }
-        ranks.push(list);
     }
     if !bits.is_exhausted() {
         return Err("position stream has bytes after the last change".to_owned());
     }
-    Ok(ranks)
+    Ok(())
 }
 
 /// A `context` stream read without the base (docs/format.md §5.2): what a reader that holds only part of the base,
@@ -151,18 +161,26 @@ pub struct Listed {
 pub fn listed(bytes: &[u8], field: Exponent, changed: u64, numel: u64) -> Result<Listed, String> {
     let header = read_header(bytes, field)?;
     let ranks = read_ranks(bytes, &header, numel)?;
-    // No overflow: read_ranks bounds the sum by the stream's bits.
+    check_count(&header, changed)?;
+    Ok(Listed { reference: header.reference, complement: header.complement, ranks })
+}
+
+/// The changes the header lists against the record's `changed`, once its ranks are read (which bounds their sum
+/// by the stream's bits: no overflow).
+fn check_count(header: &Header, changed: u64) -> Result<(), String> {
     let listed_changes: u64 = (0..CLASSES).filter(|&c| !header.complement[c]).map(|c| header.listed[c]).sum();
     let exact = !header.complement.iter().any(|&c| c);
     if listed_changes > changed || (exact && listed_changes != changed) {
         return Err(format!("context stream lists {listed_changes} changes but the record says changed={changed}"));
     }
-    Ok(Listed { reference: header.reference, complement: header.complement, ranks })
+    Ok(())
 }
 
 /// Checks what can be checked of a `context` stream without the base (`listed`).
 pub fn check(bytes: &[u8], field: Exponent, changed: u64, numel: u64) -> Result<(), String> {
-    listed(bytes, field, changed, numel).map(|_| ())
+    let header = read_header(bytes, field)?;
+    check_ranks(bytes, &header, numel)?;
+    check_count(&header, changed)
 }
 
 /// The classes of up to 64 consecutive elements of the base, as one mask per class: bit `i` of `masks[c]` is set

@@ -217,7 +217,7 @@ impl<'a> EncodedTensor<'a> {
     /// All `changed` values of a value stream other than `rans_classes`, in change order, checked to its end.
     fn values_in_order<const W: usize>(&self) -> Result<Vec<u64>, String> {
         let mut reader = ValueReader::<W>::new(self.values, self.values_codec)?;
-        let mut out = vec![0u64; usize::try_from(self.changed).map_err(|_| "too many changes".to_owned())?];
+        let mut out = super::zeroed_values(self.changed)?;
         match reader.rans.as_mut() {
             Some(rans) => rans.read_values::<W>(&mut out)?,
             None => {

@@ -60,6 +60,17 @@ use serde::{Deserialize, Serialize};
 /// The position after a gap: `next_allowed + gap`, which must lie below `numel`; moves `next_allowed` past it.
 /// Every position codec decodes through this one check.
 #[inline(always)]
+/// `count` zeroed values, or an error where they cannot be allocated: a record's declared count, before any target
+/// bounds it, must never abort the process (a failed allocation does, in Rust).
+pub fn zeroed_values(count: u64) -> Result<Vec<u64>, String> {
+    let too_many = || format!("{count} values do not fit in memory");
+    let n = usize::try_from(count).map_err(|_| too_many())?;
+    let mut values = Vec::new();
+    values.try_reserve_exact(n).map_err(|_| too_many())?;
+    values.resize(n, 0);
+    Ok(values)
+}
+
 pub fn next_position(next_allowed: &mut u64, gap: u64, numel: u64) -> Result<u64, String> {
     let position = next_allowed
         .checked_add(gap)
