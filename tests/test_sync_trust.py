@@ -809,3 +809,142 @@ def test_a_subscriber_holding_a_step_the_store_left_says_so_once_and_holds_it(tm
             publisher.publish(step, state)
     assert subscriber.pull(replica) == 4
     assert_states_equal(replica, state)
+
+
+def test_documents_that_would_take_hours_or_a_traceback_are_format_errors(tmp_path, capsys):
+    """Found by an adversarial helper: a store document of a quote and 500,000 escaped quotes took the nesting
+    check hours (a string that never closes was tried again from each quote inside it), even with a signing key,
+    since the check comes before the signature; an entry whose `created` is 1e300 made `deltasync log` print a
+    traceback."""
+    import deltasync_rs.manifest as manifest
+
+    (tmp_path / "latest.json").write_bytes(b'"' + b'\\"' * ((MAX_DOCUMENT_BYTES - 1) // 2))
+    # In a process of its own: the regular expression engine holds the GIL, so no thread could time it out.
+    check = textwrap.dedent(
+        """
+        import sys
+        import deltasync_rs as ds
+        from deltasync_rs.manifest import parse_document
+        try:
+            parse_document(open(sys.argv[1], "rb").read(), "latest.json", "deltasync-latest")
+        except ds.DeltaFormatError as error:
+            print(error)
+        """
+    )
+    parsed = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path / "latest.json")], capture_output=True, text=True, timeout=120
+    )
+    assert "not valid JSON" in parsed.stdout, parsed.stderr
+    (tmp_path / "latest.json").unlink()
+    store = ds.LocalStore(tmp_path)
+    _publish(store, 1, key=None)
+    document = json.loads(store.get(entry_key(0)))
+    document["created"] = 1e300
+    store.put(entry_key(0), json.dumps(document).encode())
+    assert main(["log", "--store", str(tmp_path)]) == 1
+    assert "the field 'created' is not a Unix time" in capsys.readouterr().err
+    assert manifest._YEAR_10000 == 253402300800
+
+
+def test_a_subscriber_re_reads_a_newest_entry_no_pointer_confirms(tmp_path):
+    """Found by an adversarial helper: resume at step 5, which the store never held (the pointer goes), then step 6
+    published again with other weights and its pointer write failing: a subscriber holding the old step 6 reported
+    it, with the old weights, until a later step came (its cached entry 6 was never read again)."""
+    store = ds.LocalStore(tmp_path)
+    state = _state(0)
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        for step in (0, 2, 4, 6):
+            _train_step(state, step)
+            publisher.publish(step, state)
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    replica = _fresh(state)
+    assert subscriber.pull(replica) == 6
+    restarted = {k: v.clone() for k, v in state.items()}
+    _train_step(restarted, 55)
+    publisher = ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False)
+    publisher.resume(restarted, step=5)  # no entry of step 5: the pointer is removed
+    _train_step(restarted, 66)
+    real_put = store.put
+
+    def no_pointer(key, data):
+        if key == LATEST_KEY:
+            raise ds.StoreError("the pointer write failed")
+        real_put(key, data)
+
+    store.put = no_pointer
+    with pytest.raises(ds.StoreError, match="the pointer write failed"):
+        publisher.publish(6, restarted)
+    del store.put
+    publisher.close()
+    assert subscriber.pull(replica) == 6
+    assert_states_equal(replica, restarted)
+
+
+def test_the_cli_s_resume_at_the_newest_leaves_later_files_without_entries(tmp_path):
+    """`deltasync publish` resumes at the newest step it read; a later step's files without an entry are another
+    publisher's being written (or a stopped one's): left alone, where they were removed as a history left."""
+    store = ds.LocalStore(tmp_path)
+    history = _publish(store, 2)
+    orphan = delta_key(2)
+    store.put(orphan, b"another publisher's step 2, being written")
+    publisher = ds.Publisher(store, signing_key=KEY, background=False)
+    publisher._continue({k: v.clone() for k, v in history[1].items()}, 1)
+    publisher.close()
+    assert store.get(orphan) == b"another publisher's step 2, being written"
+
+
+@pytest.mark.parametrize("replayed", [1, 2])
+def test_a_replayed_pointer_does_not_hide_a_held_step_published_again(tmp_path, replayed):
+    """Found by an adversarial helper: a subscriber at step 1, step 1 published again after a resume at 0, and an
+    older signed pointer (of step 1, or of step 2, which the store no longer has) put back: the subscriber reported
+    step 1 with the old weights (the pointer matched the entry it had cached, so it was never read again)."""
+    store = ds.LocalStore(tmp_path)
+    pointers = {}
+    old = _publish(store, 3, pointers=pointers)
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    replica = _fresh(old[1])
+    assert subscriber.pull(replica, until=1) == 1
+    state = {k: v.clone() for k, v in old[0].items()}
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=0)
+        _train_step(state, 4242)
+        publisher.publish(1, state)
+    store.put(LATEST_KEY, pointers[replayed])
+    assert subscriber.pull(replica) == 1
+    assert_states_equal(replica, state)
+
+
+def test_pull_until_after_a_resume_reads_cached_entries_again(tmp_path):
+    """Found by an adversarial helper: a subscriber that had read entries 2 and 3 (pull_to_file(until=3)) kept
+    them after a resume at 1 published 2-4 again: every pull(until=3) walked the old entries and failed their
+    files' checks, a ChainError each time, while a fresh subscriber pulled step 3."""
+    store = ds.LocalStore(tmp_path)
+    old = _publish(store, 5)
+    subscriber = ds.Subscriber(store, signing_key=KEY, retry_delay=0)
+    replica = _fresh(old[1])
+    assert subscriber.pull(replica, until=1) == 1
+    subscriber.pull_to_file(tmp_path.parent / f"{tmp_path.name}.safetensors", until=3)
+    state, new = {k: v.clone() for k, v in old[1].items()}, {}
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume(state, step=1)
+        for step in (2, 3, 4):
+            _train_step(state, 500 + step)
+            publisher.publish(step, state)
+            new[step] = {k: v.clone() for k, v in state.items()}
+    assert subscriber.pull(replica, until=3) == 3
+    assert_states_equal(replica, new[3])
+
+
+def test_a_held_step_of_a_store_left_empty_is_said_once(tmp_path, caplog):
+    """A resume at a step retention removed empties the store of its later steps: a subscriber holding one of them
+    says so once (it said nothing: the warning needed a newest step)."""
+    store = ds.LocalStore(tmp_path)
+    old = _publish(store, 3)
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    replica = _fresh(old[2])
+    assert subscriber.pull(replica) == 2
+    store.delete([LATEST_KEY] + [entry_key(step) for step in (2, 1, 0)])  # what such a resume removes
+    with caplog.at_level(logging.WARNING, logger="deltasync_rs.sync"):
+        assert subscriber.pull(replica) == 2
+        assert subscriber.pull(replica) == 2
+    assert caplog.text.count("step 2, held here, is no longer in the store, which holds no step") == 1

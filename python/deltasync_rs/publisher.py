@@ -385,11 +385,15 @@ class Publisher:
         keys = [k for prefix in ("manifest/", "anchors/", "deltas/") for k in self.store.list(prefix)]
         later = [k for k in keys if (s := step_of(k)) is not None and s > step]
         later_steps = sorted({s for k in later if k.startswith("manifest/") and (s := step_of(k)) is not None})
-        if newest and later_steps:
-            raise DeltaSyncError(
-                f"{self.store.url}: step {step} is no longer the store's newest: step {later_steps[-1]} was "
-                "published meanwhile (by another publisher: a store takes one at a time); nothing was changed"
-            )
+        if newest:
+            if later_steps:
+                raise DeltaSyncError(
+                    f"{self.store.url}: step {step} is no longer the store's newest: step {later_steps[-1]} was "
+                    "published meanwhile (by another publisher: a store takes one at a time); nothing was changed"
+                )
+            # Later files without entries: a publisher stopped before their entries, or one writing them now. Not
+            # a history to leave: left alone (a step published over them replaces them).
+            later = []
         digest = digest or state_digest(state)
         try:
             entry = entry or self._reader.entry(step)

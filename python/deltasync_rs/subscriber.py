@@ -286,7 +286,11 @@ class Subscriber:
             if problem is not None:
                 raise problem from None
             raise
-        if pointer is not None:
+        if pointer is None and newest is not None:
+            # Nothing confirms the cached newest entry (no pointer: a publisher resumed at a step without an entry
+            # removed it, then stopped between an entry and its pointer): it may have been written over since.
+            newest = self._read_again(newest)
+        elif pointer is not None:
             if newest is None or pointer.step > newest.step:
                 problem = IntegrityError(f"{LATEST_KEY} names step {pointer.step}, which has no verified entry")
             elif pointer.step < newest.step:
@@ -574,6 +578,14 @@ class Subscriber:
         if latest is None:
             if current_step is None:
                 raise ChainError(f"{self.store.url}: nothing has been published yet")
+            if self._gone_warned != current_step:
+                self._gone_warned = current_step
+                log.warning(
+                    "%s: step %d, held here, is no longer in the store, which holds no step (a publisher resumed "
+                    "at an older step left that history?); held until a later step is published",
+                    self.store.url,
+                    current_step,
+                )
             return None
         if until is not None:
             if until > latest:
@@ -582,9 +594,14 @@ class Subscriber:
                 )
             if current_step is not None and until <= current_step:
                 # Never back; but the step held, published again since, is rebuilt as it now is.
-                return self._rebuilt_if_published_again(current_step, latest, download, read_again=True)
+                return self._rebuilt_if_published_again(current_step, latest, download)
             try:
-                return self._fetch_to(current_step, until, download)
+                try:
+                    return self._fetch_to(current_step, until, download)
+                except ChainError:
+                    # Entries cached may be of a history published over since (a resume): read every one again.
+                    self._entries.clear()
+                    return self._fetch_to(current_step, until, download)
             except ChainError as error:
                 raise ChainError(f"{self.store.url}: step {until}: {error}") from error
         if current_step is not None and latest <= current_step:
@@ -602,18 +619,19 @@ class Subscriber:
                 last_error = error
                 tried += 1
                 log.warning("no usable chain to step %d: %s", target, error)
-                if tried == 1:  # the newest step is unreachable: fall back to older published steps
-                    targets = [s for s in listed_steps(self.store)[::-1] if s < target][:8]
+                if tried == 1:
+                    # Entries cached may be of a history published over since (a resume): the newest step once more
+                    # with every entry read again, then older published steps.
+                    self._entries.clear()
+                    targets = [target] + [s for s in listed_steps(self.store)[::-1] if s < target][:8]
         raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
 
-    def _rebuilt_if_published_again(
-        self, current_step: int, latest: int, download: Download[T], *, read_again: bool = False
-    ) -> T | None:
+    def _rebuilt_if_published_again(self, current_step: int, latest: int, download: Download[T]) -> T | None:
         """None (nothing to fetch: a subscriber never moves back), unless the step held, ``current_step``, was
         published again since it was pulled, with another entry (by a publisher resumed before it): the state held
         is not the store's step any more, and is rebuilt from an anchor, never patched, with every entry read again
-        (those cached may be of the history published over). The newest step's entry is kept fresh by ``_newest``;
-        with ``read_again`` (an older step held: ``until`` at or below it) it is read again here."""
+        (those cached may be of the history published over). The held step's entry is read again here, at every
+        pull that finds nothing newer."""
         if self._at is None or self._at.step != current_step:
             return None
         if latest < current_step:
@@ -637,8 +655,9 @@ class Subscriber:
                         latest,
                     )
             return None
-        if read_again:
-            self._entries.pop(current_step, None)
+        # Read again whatever the pointer says: a replayed pointer names the entry cached, and a pointer write that
+        # failed leaves none to say the step was published again (one small read per pull that finds nothing new).
+        self._entries.pop(current_step, None)
         try:
             if self.entry(current_step).sha256 == self._at.sha256:
                 return None
