@@ -904,11 +904,7 @@ def test_a_replayed_pointer_does_not_hide_a_held_step_published_again(tmp_path, 
     subscriber = ds.Subscriber(store, signing_key=KEY)
     replica = _fresh(old[1])
     assert subscriber.pull(replica, until=1) == 1
-    state = {k: v.clone() for k, v in old[0].items()}
-    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
-        publisher.resume(state, step=0)
-        _train_step(state, 4242)
-        publisher.publish(1, state)
+    state = _published_again(store, old[0], at=0, steps=(1,), seed=4242)
     store.put(LATEST_KEY, pointers[replayed])
     assert subscriber.pull(replica) == 1
     assert_states_equal(replica, state)
@@ -924,15 +920,11 @@ def test_pull_until_after_a_resume_reads_cached_entries_again(tmp_path):
     replica = _fresh(old[1])
     assert subscriber.pull(replica, until=1) == 1
     subscriber.pull_to_file(tmp_path.parent / f"{tmp_path.name}.safetensors", until=3)
-    state, new = {k: v.clone() for k, v in old[1].items()}, {}
-    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
-        publisher.resume(state, step=1)
-        for step in (2, 3, 4):
-            _train_step(state, 500 + step)
-            publisher.publish(step, state)
-            new[step] = {k: v.clone() for k, v in state.items()}
+    _published_again(store, old[1], at=1, steps=(2, 3, 4), seed=500)
+    fresh = _fresh(old[1])
+    assert ds.Subscriber(store, signing_key=KEY).pull(fresh, until=3) == 3
     assert subscriber.pull(replica, until=3) == 3
-    assert_states_equal(replica, new[3])
+    assert_states_equal(replica, fresh)
 
 
 def test_a_held_step_of_a_store_left_empty_is_said_once(tmp_path, caplog):

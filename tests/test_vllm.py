@@ -242,6 +242,41 @@ def test_worker_extension_follows_a_store_published_into_again_by_a_new_run_from
     assert worker._deltasync_tracker().entry is None
 
 
+def test_a_worker_pull_that_fails_part_way_keeps_the_entry_of_the_step_it_reached(published_store, monkeypatch):
+    """A pull from step 1 applies delta 2, then fails on delta 3 (a refused delta, a device out of memory): the
+    worker is at step 2. The trainer restarts from step 1, and steps 2-4 are published again with other weights.
+    The next pull must see that the worker's step 2 is not the store's step 2: it lost the entry of step 2 and
+    applied the new deltas 3 and 4 onto the old step 2's weights, reporting step 4 (found by an adversarial
+    helper)."""
+    model, states, store = published_store
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    assert worker.deltasync_pull(store, 1) == 1
+    real_apply, calls = ds_vllm.apply_delta, []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ds.DeltaSyncError("refused")
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(ds_vllm, "apply_delta", failing_second)
+    with pytest.raises(ds.DeltaSyncError, match="refused"):
+        worker.deltasync_pull(store)
+    monkeypatch.setattr(ds_vllm, "apply_delta", real_apply)
+    assert worker.deltasync_step() == 2 and worker._deltasync_tracker().entry.step == 2
+    _, other = _tiny_states(steps=4)
+    for state in other:
+        for tensor in state.values():
+            tensor.mul_(1.5)
+    with ds.Publisher(store, anchor_every=10, values="abs", background=False) as publisher:
+        publisher.resume(states[1], step=1)
+        for step in (2, 3, 4):
+            publisher.publish(step, other[step])
+    assert worker.deltasync_pull(store) == 4
+    assert _bits_equal(_params(model), other[4])
+
+
 def test_worker_extension_rejects_a_broken_chain_before_writing(tmp_path):
     model, states = _tiny_states()
     worker = ds_vllm.DeltaSyncWorkerExtension()

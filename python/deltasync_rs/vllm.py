@@ -521,8 +521,18 @@ class _StepTracker:
         self.entry = None  # set by hand or reached by other deltas: no entry is known for it
 
     def apply(
-        self, model: torch.nn.Module, deltas: Sequence[Delta], *, path: str = "auto", check_base: bool = False
+        self,
+        model: torch.nn.Module,
+        deltas: Sequence[Delta],
+        *,
+        path: str = "auto",
+        check_base: bool = False,
+        entries: Callable[[int], Any] | None = None,
     ) -> int | None:
+        """Applies ``deltas`` in order, the step moving with each; with ``entries`` (a pull's subscriber's
+        ``entry``, which read and verified them on the way) the entry of each step reached is kept too, so that a
+        pull that fails part way leaves the model at a step whose entry is known, and the next pull's way on must
+        start from it."""
         if deltas:
             _check_chain(deltas[0], self.current_step)
         for delta in deltas:
@@ -536,6 +546,15 @@ class _StepTracker:
             )
             if delta.step is not None:
                 self.current_step = delta.step
+                if entries is not None:
+                    try:
+                        self.entry = entries(delta.step)  # read (and verified) on the way there: cached
+                    except DeltaSyncError as error:  # the weights are at the step all the same
+                        log.warning(
+                            "step %d: its entry did not read back (%s); the next pull cannot check its link",
+                            delta.step,
+                            error,
+                        )
         return self.current_step
 
     def pull(
@@ -574,22 +593,17 @@ class _StepTracker:
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
         deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, start, until)
         try:
-            step = self.apply(model, deltas, path=path, check_base=check_base)
+            step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         except DeltaFormatError as error:
             # As in Subscriber.pull: nothing of the delta with the malformed stream was written (the step is the one
             # before it). Read the way on again with every file checked first, which takes a way around the file.
             log.warning(
                 "%s; reading the way from step %s again with every stream checked first", error, self.current_step
             )
+            if self.entry is not None and self.entry.step == self.current_step:
+                subscriber._at = self.entry
             deltas, _ = _agreed(lambda at, to: subscriber.fetch(at, until=to), self.current_step, until)
-            step = self.apply(model, deltas, path=path, check_base=check_base)
-        if deltas and step is not None:
-            try:
-                self.entry = subscriber.entry(step)  # read (and verified) on the way there: cached
-            except DeltaSyncError as error:  # the weights are at the step all the same; only the link is unknown
-                log.warning(
-                    "step %d: its entry did not read back (%s); the next pull cannot check its link", step, error
-                )
+            step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         return step
 
 
