@@ -754,8 +754,8 @@ impl RawDelta {
 #[pyo3(signature = (prev, curr, values = "diff", progress = None, codec = "compact"))]
 fn diff_files(
     py: Python<'_>,
-    prev: PathBuf,
-    curr: PathBuf,
+    prev: Vec<PathBuf>,
+    curr: Vec<PathBuf>,
     values: &str,
     progress: Option<Py<PyAny>>,
     codec: &str,
@@ -783,17 +783,18 @@ fn diff_files(
     Ok(RawDelta { delta: result.map_err(to_py)? })
 }
 
-/// Writes `base` with `delta` applied to `out`, atomically; checks everything before writing.
+/// Writes each file of `base` (one file, or a sharded checkpoint's files) with `delta` applied to the path at the same
+/// index of `outs`, all renamed into place once all are written; checks everything before writing.
 #[pyfunction]
-fn apply_file(
+fn apply_files(
     py: Python<'_>,
-    base: PathBuf,
+    base: Vec<PathBuf>,
     delta: PyRef<'_, RawDelta>,
-    out: PathBuf,
+    outs: Vec<PathBuf>,
     check_base: bool,
 ) -> PyResult<()> {
     let delta = &delta.delta;
-    py.detach(|| files::apply_file(&base, delta, &out, check_base)).map_err(to_py)
+    py.detach(|| files::apply_files(&base, delta, &outs, check_base)).map_err(to_py)
 }
 
 /// Writes the anchor of tensors given as (name, dtype, shape, bytes) into the existing file at `path`, straight
@@ -1133,7 +1134,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mirror::DeferredDelta>()?;
     m.add_function(wrap_pyfunction!(mirror::join_shards, m)?)?;
     m.add_function(wrap_pyfunction!(diff_files, m)?)?;
-    m.add_function(wrap_pyfunction!(apply_file, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_files, m)?)?;
     m.add_function(wrap_pyfunction!(state_digest, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(combine_hashes, m)?)?;

@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension module `deltasync_rs._core`."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from os import PathLike
 from typing import Any, final
 
@@ -16,7 +16,7 @@ __all__ = [
     "DeferredDelta",
     "RawDelta",
     "__version__",
-    "apply_file",
+    "apply_files",
     "range_identities",
     "base_identity",
     "base_identity_from_blocks",
@@ -120,13 +120,15 @@ class DeferredDelta:
     def __len__(self) -> int: ...
 
 def diff_files(
-    prev: str | PathLike[str],
-    curr: str | PathLike[str],
+    prev: Sequence[str | PathLike[str]],
+    curr: Sequence[str | PathLike[str]],
     values: str = "diff",
     progress: Callable[[int, int], object] | None = None,
     codec: str = "compact",
 ) -> RawDelta: ...
-def apply_file(base: str | PathLike[str], delta: RawDelta, out: str | PathLike[str], check_base: bool) -> None: ...
+def apply_files(
+    base: Sequence[str | PathLike[str]], delta: RawDelta, outs: Sequence[str | PathLike[str]], check_base: bool
+) -> None: ...
 def state_digest(entries: list[tuple[str, str, list[int], Buffer]]) -> str: ...
 def write_anchor(
     path: str | PathLike[str],

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import struct
 import sys
 import time
@@ -12,8 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import __version__, _arrays
-from ._core import DeltaSyncError, RawDelta, apply_file, diff_files
-from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file
+from ._core import DeltaSyncError, RawDelta, apply_files, diff_files
+from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file, write_atomically
+from ._sharded import CheckpointFiles, checkpoint_files
 from .delta import Delta, load, state_digest
 from .errors import IntegrityError
 from .sync import Publisher, Subscriber, entry_key, log_entries, verify_store
@@ -47,13 +50,12 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     if args.format == "trl" and args.values != "abs":
         raise DeltaSyncError("--format trl needs --values abs: TRL files hold new absolute values, not differences")
     start = time.perf_counter()
-    for path in (args.prev, args.curr):
-        require_regular_file(path)
+    prev, curr = checkpoint_files(args.prev), checkpoint_files(args.curr)
     if args.format == "trl" and args.codec == "context":
         raise DeltaSyncError(
             "--format trl stores positions as TRL does; --codec context applies to deltasync files only"
         )
-    refuse_overwriting_inputs(args.output, [args.prev, args.curr])
+    refuse_overwriting_inputs(args.output, prev.files + curr.files)
     remove_stale_temps(args.output)
     bar = _progress_bar("diff")
 
@@ -63,7 +65,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
     try:
-        delta = Delta(diff_files(args.prev, args.curr, args.values, progress, args.codec))
+        delta = Delta(diff_files(prev.files, curr.files, args.values, progress, args.codec))
     finally:
         if bar is not None:
             bar.close()
@@ -80,17 +82,60 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    for path in (args.base, args.delta):
-        require_regular_file(path)
-    refuse_overwriting_inputs(args.output, [args.delta])  # BASE itself may be replaced: it keeps its mode
-    remove_stale_temps(args.output)
+    base = checkpoint_files(args.base)
+    require_regular_file(args.delta)
     delta = load(args.delta)
-    apply_file(args.base, delta._raw, args.output, not args.no_check_base)
+    made = base.index is not None and not os.path.isdir(args.output)
+    outputs = _outputs_for(base, args.output)
+    for output in outputs:
+        refuse_overwriting_inputs(output, [args.delta])  # BASE itself may be replaced: it keeps its mode
+        remove_stale_temps(output)
+    try:
+        apply_files(base.files, delta._raw, outputs, not args.no_check_base)
+    except BaseException:
+        if made:  # the folder made for a sharded output, left empty by a refused delta
+            with contextlib.suppress(OSError):
+                os.rmdir(args.output)
+        raise
+    if base.index is not None:
+        index = os.path.join(args.output, os.path.basename(base.index))
+        if not (os.path.exists(index) and os.path.samefile(index, base.index)):
+            with open(base.index, "rb") as source:
+                text = source.read()
+
+            def write_index(temp: str) -> None:
+                with open(temp, "wb") as file:
+                    file.write(text)
+
+            write_atomically(index, write_index)
     print(
         f"{args.output}: applied {_count(delta.num_changed, 'change')} to {_count(len(delta), 'tensor')} "
         f"in {time.perf_counter() - start:.2f} s"
     )
     return 0
+
+
+def _outputs_for(base: CheckpointFiles, output: str) -> list[str]:
+    """Where ``apply`` writes each file of ``base``: OUTPUT itself for a single file; for a sharded checkpoint,
+    OUTPUT is a folder (made if missing, and may be BASE's own) that gets each shard under its own name and the
+    index."""
+    if base.index is None:
+        if os.path.isdir(output):
+            raise DeltaSyncError(f"{output}: a folder; -o names the checkpoint file to write")
+        return [output]
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise DeltaSyncError(
+            f"{output}: not a folder; a sharded checkpoint ({base.index}) is written as a folder of shards"
+        )
+    outputs = [os.path.join(output, os.path.basename(file)) for file in base.files]
+    for path in outputs:  # checked before any shard is written: a rename onto a folder would fail half way
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise DeltaSyncError(f"{path}: exists and is not a file; nothing was written")
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as error:
+        raise DeltaSyncError(f"{output}: cannot make the folder: {error}") from error
+    return outputs
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -140,12 +185,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _load_checkpoint(path: str) -> dict[str, np.ndarray]:
-    """A safetensors checkpoint as read-only numpy arrays mapped from the file (bf16 and fp8 through ml_dtypes),
-    without torch: its pages are the page cache's, which the kernel can drop and read again, so a checkpoint larger
-    than the memory left beside the publisher's mirror still publishes. The file must not change meanwhile."""
+    """A checkpoint (one safetensors file, or a sharded checkpoint's files: see ``_sharded``) as read-only numpy
+    arrays mapped from its files (bf16 and fp8 through ml_dtypes), without torch: their pages are the page cache's,
+    which the kernel can drop and read again, so a checkpoint larger than the memory left beside the publisher's
+    mirror still publishes. The files must not change meanwhile."""
+    state: dict[str, np.ndarray] = {}
+    for file in checkpoint_files(path).files:
+        for name, array in _load_file(file).items():
+            if name in state:
+                raise DeltaSyncError(f"{file}: tensor {name!r} is also in another file of the checkpoint {path}")
+            state[name] = array
+    return state
+
+
+def _load_file(path: str) -> dict[str, np.ndarray]:
+    """One safetensors file as read-only numpy arrays mapped from it."""
     from safetensors import safe_open
 
-    require_regular_file(path)
     try:
         with safe_open(path, framework="np") as checkpoint:  # validates the header: sizes, offsets, overlaps
             names = list(checkpoint.keys())
@@ -344,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("diff", help="write the delta between two checkpoints (memory-mapped, streamed)")
-    p.add_argument("prev", help="the older .safetensors checkpoint")
-    p.add_argument("curr", help="the newer .safetensors checkpoint")
+    p.add_argument("prev", help="the older checkpoint: a .safetensors file, or a sharded checkpoint's index or folder")
+    p.add_argument("curr", help="the newer checkpoint, as PREV")
     p.add_argument("-o", "--output", required=True, help="the delta file to write")
     p.add_argument(
         "--values",
@@ -365,9 +421,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_diff)
 
     p = commands.add_parser("apply", help="write BASE with DELTA applied")
-    p.add_argument("base", help="the checkpoint the delta was made against")
+    p.add_argument(
+        "base",
+        help="the checkpoint the delta was made against: a .safetensors file, or a sharded checkpoint's index or folder",
+    )
     p.add_argument("delta", help="a deltasync or TRL delta file")
-    p.add_argument("-o", "--output", required=True, help="the checkpoint to write (may be BASE itself)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the checkpoint to write (may be BASE itself); for a sharded BASE, the folder to write its shards and index in",
+    )
     p.add_argument(
         "--no-check-base",
         action="store_true",
@@ -377,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_apply)
 
     p = commands.add_parser("publish", help="publish a checkpoint as a step: a delta against the last published step")
-    p.add_argument("checkpoint", help="a .safetensors checkpoint")
+    p.add_argument("checkpoint", help="a .safetensors file, or a sharded checkpoint's index or folder")
     p.add_argument("--store", required=True, help="a folder, s3://..., gs://... or hf://buckets/ORG/NAME/PREFIX")
     p.add_argument("--step", required=True, type=_step_number, help="the step number to publish it as")
     p.add_argument("--anchor-every", type=int, default=10, help="write a full anchor every N publishes")

@@ -1,7 +1,7 @@
 //! Whole-file operations for the CLI: diff two safetensors checkpoints and apply a delta to one,
 //! memory-mapping the inputs and working in bounded batches of tensors.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapMut};
 use rayon::prelude::*;
@@ -12,7 +12,7 @@ use crate::core::delta::Delta;
 use crate::core::diff::{diff_with, DiffInput};
 use crate::core::dtype;
 use crate::core::error::{Error, Result};
-use crate::core::format::{read_header, write_atomically, Header};
+use crate::core::format::{persist, read_header, write_temp};
 
 /// Bytes of the newer checkpoint compared per batch. Mapped pages are released chunk by chunk as they are compared
 /// (and again per batch), so this bounds the encoded streams held per `diff` call, not the mapped pages.
@@ -30,83 +30,150 @@ fn release(map: &Mmap, range: std::ops::Range<usize>) {
     let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
 }
 
-/// Tensor names of a checkpoint in file order.
-fn names_in_order(header: &Header) -> Vec<String> {
-    let mut names: Vec<String> = header.tensors.keys().cloned().collect();
-    names.sort_by_key(|name| header.tensors[name].2.start);
-    names
+/// Where one tensor of a checkpoint lies: the file it is in (an index into the checkpoint's files), its dtype, its
+/// shape and its byte range in that file.
+#[derive(Clone)]
+struct Located {
+    file: usize,
+    dtype: safetensors::Dtype,
+    shape: Vec<u64>,
+    range: std::ops::Range<usize>,
 }
 
-/// Diffs two safetensors checkpoints tensor by tensor; every tensor of each must match the other.
-/// `progress(done, total)` is called with bytes of the newer checkpoint compared so far; returning false stops.
+/// A checkpoint of one or more safetensors files (a sharded checkpoint: every tensor in exactly one of them), each
+/// memory-mapped, with every tensor located.
+struct Checkpoint<'a> {
+    paths: &'a [PathBuf],
+    maps: Vec<Mmap>,
+    tensors: std::collections::HashMap<String, Located>,
+}
+
+impl<'a> Checkpoint<'a> {
+    fn open(paths: &'a [PathBuf]) -> Result<Self> {
+        if paths.is_empty() {
+            return Err(Error::invalid("a checkpoint needs at least one file"));
+        }
+        let mut maps = Vec::with_capacity(paths.len());
+        let mut tensors = std::collections::HashMap::new();
+        for (file, path) in paths.iter().enumerate() {
+            let map = map(path)?;
+            let header = read_header(&map, &path.display().to_string())?;
+            for (name, (dtype, shape, range)) in header.tensors {
+                let located = Located { file, dtype, shape, range };
+                if let Some(other) = tensors.insert(name.clone(), located) {
+                    return Err(Error::format(
+                        &path.display().to_string(),
+                        format!(
+                            "tensor {name:?} is also in {}: a checkpoint holds each tensor once",
+                            paths[other.file].display()
+                        ),
+                    ));
+                }
+            }
+            maps.push(map);
+        }
+        Ok(Checkpoint { paths, maps, tensors })
+    }
+
+    /// The checkpoint's name in messages: its file, or its first file and how many others.
+    fn describe(&self) -> String {
+        match self.paths {
+            [one] => one.display().to_string(),
+            [first, rest @ ..] => format!("{} (and {} more files)", first.display(), rest.len()),
+            [] => String::new(),
+        }
+    }
+
+    /// Tensor names in file order (files in the order given, tensors by offset).
+    fn names_in_order(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort_by_key(|name| {
+            let t = &self.tensors[name];
+            (t.file, t.range.start)
+        });
+        names
+    }
+
+    fn bytes(&self, tensor: &Located) -> &[u8] {
+        &self.maps[tensor.file][tensor.range.clone()]
+    }
+
+    fn release(&self, tensor: &Located, bytes: std::ops::Range<usize>) {
+        release(&self.maps[tensor.file], tensor.range.start + bytes.start..tensor.range.start + bytes.end);
+    }
+}
+
+/// Diffs two safetensors checkpoints (each one file, or the files of a sharded checkpoint) tensor by tensor; every
+/// tensor of each must match the other. `progress(done, total)` is called with bytes of the newer checkpoint
+/// compared so far; returning false stops.
 pub fn diff_files(
-    prev: &Path,
-    curr: &Path,
+    prev: &[PathBuf],
+    curr: &[PathBuf],
     values_codec: ValueCodec,
     codec: Codec,
     progress: &mut dyn FnMut(u64, u64) -> bool,
 ) -> Result<Delta> {
-    let (prev_map, curr_map) = (map(prev)?, map(curr)?);
-    let prev_header = read_header(&prev_map, &prev.display().to_string())?;
-    let curr_header = read_header(&curr_map, &curr.display().to_string())?;
-    if let Some(missing) = prev_header.tensors.keys().find(|k| !curr_header.tensors.contains_key(*k)) {
+    let (prev, curr) = (Checkpoint::open(prev)?, Checkpoint::open(curr)?);
+    if let Some(missing) = prev.tensors.keys().find(|k| !curr.tensors.contains_key(*k)) {
         return Err(Error::mismatch(format!(
             "tensor {missing:?} is in {} but not in {}",
-            prev.display(),
-            curr.display()
+            prev.describe(),
+            curr.describe()
         )));
     }
     // Check every pair before comparing any, so a mismatch fails fast.
-    let mut pairs = Vec::with_capacity(curr_header.tensors.len());
-    for name in names_in_order(&curr_header) {
-        let (dtype, shape, curr_range) = curr_header.tensors[&name].clone();
-        let (prev_dtype, prev_shape, prev_range) = prev_header.tensors.get(&name).cloned().ok_or_else(|| {
-            Error::mismatch(format!("tensor {name:?} is in {} but not in {}", curr.display(), prev.display()))
+    let mut pairs = Vec::with_capacity(curr.tensors.len());
+    for name in curr.names_in_order() {
+        let new = curr.tensors[&name].clone();
+        let old = prev.tensors.get(&name).cloned().ok_or_else(|| {
+            Error::mismatch(format!("tensor {name:?} is in {} but not in {}", curr.describe(), prev.describe()))
         })?;
-        if prev_dtype != dtype || prev_shape != shape {
+        if old.dtype != new.dtype || old.shape != new.shape {
             return Err(Error::mismatch(format!(
-                "tensor {name:?}: {} {prev_shape:?} in {}, {} {shape:?} in {}",
-                dtype::name_of(prev_dtype),
-                prev.display(),
-                dtype::name_of(dtype),
-                curr.display()
+                "tensor {name:?}: {} {:?} in {}, {} {:?} in {}",
+                dtype::name_of(old.dtype),
+                old.shape,
+                prev.paths[old.file].display(),
+                dtype::name_of(new.dtype),
+                new.shape,
+                curr.paths[new.file].display()
             )));
         }
-        pairs.push((name, dtype, shape, prev_range, curr_range));
+        pairs.push((name, old, new));
     }
-    let total: u64 = pairs.iter().map(|p| p.4.len() as u64).sum();
+    let total: u64 = pairs.iter().map(|p| p.2.range.len() as u64).sum();
     let mut done = 0u64;
     let mut tensors = Vec::with_capacity(pairs.len());
     let mut start = 0;
     while start < pairs.len() {
         let mut end = start;
         let mut batch_bytes = 0;
-        while end < pairs.len() && (end == start || batch_bytes + pairs[end].4.len() <= BATCH_BYTES) {
-            batch_bytes += pairs[end].4.len();
+        while end < pairs.len() && (end == start || batch_bytes + pairs[end].2.range.len() <= BATCH_BYTES) {
+            batch_bytes += pairs[end].2.range.len();
             end += 1;
         }
         let batch: Vec<DiffInput<'_>> = pairs[start..end]
             .iter()
-            .map(|(name, dtype, shape, prev_range, curr_range)| DiffInput {
+            .map(|(name, old, new)| DiffInput {
                 name: name.clone(),
-                dtype: *dtype,
-                shape: shape.clone(),
-                old: &prev_map[prev_range.clone()],
-                new: &curr_map[curr_range.clone()],
+                dtype: new.dtype,
+                shape: new.shape.clone(),
+                old: prev.bytes(old),
+                new: curr.bytes(new),
             })
             .collect();
         // Hand each chunk's pages back as soon as it is compared, so that resident memory stays near
         // threads x chunk even for a tensor larger than the batch.
         let batch_pairs = &pairs[start..end];
         let compared = |index: usize, bytes: std::ops::Range<usize>| {
-            let (_, _, _, prev_range, curr_range) = &batch_pairs[index];
-            release(&prev_map, prev_range.start + bytes.start..prev_range.start + bytes.end);
-            release(&curr_map, curr_range.start + bytes.start..curr_range.start + bytes.end);
+            let (_, old, new) = &batch_pairs[index];
+            prev.release(old, bytes.clone());
+            curr.release(new, bytes);
         };
         tensors.extend(diff_with(&batch, values_codec, codec, &compared)?);
-        for (_, _, _, prev_range, curr_range) in &pairs[start..end] {
-            release(&prev_map, prev_range.clone());
-            release(&curr_map, curr_range.clone());
+        for (_, old, new) in batch_pairs {
+            prev.release(old, 0..old.range.len());
+            curr.release(new, 0..new.range.len());
         }
         done += batch_bytes as u64;
         if !progress(done, total) {
@@ -117,45 +184,63 @@ pub fn diff_files(
     Ok(Delta { tensors, packed: codec != Codec::Varint, ..Default::default() })
 }
 
-/// Writes `base` with `delta` applied to `out`, atomically. Everything is checked before a byte is written; with
-/// `check_base`, also that every tensor of `base` is the exact base its record names (docs/format.md §3.1).
-pub fn apply_file(base: &Path, delta: &Delta, out: &Path, check_base: bool) -> Result<()> {
-    let base_map = map(base)?;
-    let header = read_header(&base_map, &base.display().to_string())?;
+/// Writes each file of `base` (one file, or the files of a sharded checkpoint) with `delta` applied to the path at
+/// the same index of `outs`. Everything is checked before a byte is written; with `check_base`, also that every
+/// tensor of `base` is the exact base its record names (docs/format.md §3.1). Every output is written to a
+/// temporary file beside it first and renamed into place only once all of them are written, so a failed write
+/// (a full disk) leaves every output as it was.
+pub fn apply_files(base: &[PathBuf], delta: &Delta, outs: &[PathBuf], check_base: bool) -> Result<()> {
+    if outs.len() != base.len() {
+        return Err(Error::invalid(format!("{} outputs given for {} checkpoint files", outs.len(), base.len())));
+    }
+    let checkpoint = Checkpoint::open(base)?;
     let mut targets = Vec::with_capacity(delta.tensors.len());
     for tensor in &delta.tensors {
-        let (dtype, shape, range) = header.tensors.get(&tensor.name).cloned().ok_or_else(|| {
-            Error::mismatch(format!("tensor {:?} is in the delta but not in {}", tensor.name, base.display()))
+        let located = checkpoint.tensors.get(&tensor.name).cloned().ok_or_else(|| {
+            Error::mismatch(format!("tensor {:?} is in the delta but not in {}", tensor.name, checkpoint.describe()))
         })?;
-        check_target(tensor, dtype, Some(&shape), range.len())?;
-        targets.push((tensor, range));
+        check_target(tensor, located.dtype, Some(&located.shape), located.range.len())?;
+        targets.push((tensor, located));
     }
     if check_base {
         let bases: Vec<(usize, &[u8])> =
-            targets.iter().enumerate().map(|(index, (_, range))| (index, &base_map[range.clone()])).collect();
+            targets.iter().enumerate().map(|(index, (_, located))| (index, checkpoint.bytes(located))).collect();
         crate::core::base::check_bases(delta, &bases)?;
     }
     // `context` positions are decoded from the base (checked against its identity) before anything is written.
     let decoded: Vec<Option<crate::core::codec::decode::ContextChanges>> = crate::core::pool::install(|| {
         targets
             .par_iter()
-            .map(|(tensor, range)| tensor.context_changes(&base_map[range.clone()]))
+            .map(|(tensor, located)| tensor.context_changes(checkpoint.bytes(located)))
             .collect::<Result<_>>()
     })?;
-    drop(base_map);
-    write_atomically(out, |file| {
-        // An in-kernel copy (copy_file_range where the filesystem has it), then patch the copy through a mapping,
-        // handing each tensor's pages back once written so resident memory stays small.
-        std::io::copy(&mut std::fs::File::open(base)?, file)?;
-        // SAFETY: the temporary file is ours alone until it is renamed into place.
-        let mut out_map = unsafe { MmapMut::map_mut(&*file) }?;
-        for ((tensor, range), decoded) in targets.iter().zip(&decoded) {
-            apply_tensor(tensor, &mut out_map[range.clone()], decoded.as_ref()).map_err(std::io::Error::other)?;
-            // SAFETY: a shared file mapping keeps written pages in the page cache; dropping them from this
-            // process loses nothing.
-            let _ =
-                unsafe { out_map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
-        }
-        out_map.flush()
-    })
+    drop(checkpoint);
+    let mut written = Vec::with_capacity(base.len());
+    for (file, (source, out)) in base.iter().zip(outs).enumerate() {
+        written.push(write_temp(out, |temp| {
+            // An in-kernel copy (copy_file_range where the filesystem has it), then patch the copy through a
+            // mapping, handing each tensor's pages back once written so resident memory stays small.
+            std::io::copy(&mut std::fs::File::open(source)?, temp)?;
+            let mine: Vec<_> = targets.iter().zip(&decoded).filter(|((_, located), _)| located.file == file).collect();
+            if mine.is_empty() {
+                return Ok(());
+            }
+            // SAFETY: the temporary file is ours alone until it is renamed into place.
+            let mut out_map = unsafe { MmapMut::map_mut(&*temp) }?;
+            for ((tensor, located), decoded) in mine {
+                let range = located.range.clone();
+                apply_tensor(tensor, &mut out_map[range.clone()], decoded.as_ref()).map_err(std::io::Error::other)?;
+                // SAFETY: a shared file mapping keeps written pages in the page cache; dropping them from this
+                // process loses nothing.
+                let _ = unsafe {
+                    out_map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len())
+                };
+            }
+            out_map.flush()
+        })?);
+    }
+    for (temp, out) in written.into_iter().zip(outs) {
+        persist(temp, out)?;
+    }
+    Ok(())
 }

@@ -298,6 +298,16 @@ pub fn to_bytes(delta: &Delta) -> Result<Vec<u8>> {
 /// half a file. The result has the mode of the file it replaces, or for a new file 0o666 less the umask, as
 /// any plain `open` would give (the temp file alone would be 0o600).
 pub fn write_atomically(path: &Path, write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>) -> Result<()> {
+    persist(write_temp(path, write)?, path)
+}
+
+/// The first half of `write_atomically`: `write` fills a new temporary file beside `path` (with `path`'s mode where
+/// it exists), which is synced to disk and handed back, to be renamed over `path` by `persist`. Dropped instead, it
+/// is removed.
+pub fn write_temp(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<tempfile::NamedTempFile> {
     let dir = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
@@ -312,6 +322,11 @@ pub fn write_atomically(path: &Path, write: impl FnOnce(&mut std::fs::File) -> s
     }
     write(temp.as_file_mut()).map_err(|e| Error::io(path, e))?;
     temp.as_file().sync_all().map_err(|e| Error::io(path, e))?;
+    Ok(temp)
+}
+
+/// Renames a temporary file written by `write_temp` over `path`.
+pub fn persist(temp: tempfile::NamedTempFile, path: &Path) -> Result<()> {
     temp.persist(path).map_err(|e| Error::io(path, e.error))?;
     Ok(())
 }

@@ -1,0 +1,234 @@
+"""The `deltasync` command on Hugging Face sharded checkpoints (``save_pretrained`` above ``max_shard_size``: a
+folder of shards and ``model.safetensors.index.json``), as a trainer writes them: diff, apply (a folder of shards
+out, all or nothing), publish and pull, and the layouts it refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deltasync_rs.cli import main
+from tests.helpers import assert_states_equal, bits
+
+transformers = pytest.importorskip("transformers")
+
+INDEX = "model.safetensors.index.json"
+
+
+def _run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _merged(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / INDEX).read_text())
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        state |= load_file(folder / shard)
+    assert sorted(state) == sorted(index["weight_map"])
+    return dict(sorted(state.items()))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A tiny Llama saved sharded in bf16 before and after one real AdamW step (4+ shards), and its states."""
+    root = tmp_path_factory.mktemp("sharded")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    folders = []
+    for step in range(2):
+        if step:
+            ids = torch.randint(0, 256, (2, 16))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+        folder = root / f"checkpoint-{step}"
+        model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="60KB", safe_serialization=True)
+        model.float()
+        folders.append(folder)
+    assert len({p.name for p in folders[0].glob("*.safetensors")}) >= 4
+    return folders[0], folders[1], _merged(folders[0]), _merged(folders[1])
+
+
+def test_diff_and_apply_of_sharded_checkpoints_write_a_sharded_checkpoint(sharded, tmp_path, capsys):
+    """The folder or its index names a sharded checkpoint; apply writes every shard under its own name and the
+    index into the output folder, which transformers loads as the newer checkpoint."""
+    prev_dir, curr_dir, prev, curr = sharded
+    for prev_arg, curr_arg in [(prev_dir, curr_dir), (prev_dir / INDEX, curr_dir / INDEX)]:
+        delta = tmp_path / "d.safetensors"
+        rc, out, err = _run(capsys, "diff", prev_arg, curr_arg, "-o", delta)
+        assert rc == 0, err
+        changed = sum(int((bits(prev[n]) != bits(curr[n])).sum()) for n in curr)
+        assert f"{changed} of" in out and changed > 0
+        out_dir = tmp_path / "out"
+        rc, _, err = _run(capsys, "apply", prev_arg, delta, "-o", out_dir)
+        assert rc == 0, err
+        assert sorted(p.name for p in out_dir.iterdir()) == sorted(p.name for p in curr_dir.glob("*.safetensors*"))
+        assert (out_dir / INDEX).read_bytes() == (prev_dir / INDEX).read_bytes()
+        assert_states_equal(_merged(out_dir), curr)
+        (out_dir / "config.json").write_bytes((curr_dir / "config.json").read_bytes())  # not a checkpoint file
+        reloaded = transformers.LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
+        for name, tensor in reloaded.state_dict().items():
+            assert torch.equal(bits(tensor), bits(curr[name])), name
+        for shard in prev_dir.glob("*.safetensors"):  # each output shard: the base shard's layout, patched
+            assert len((out_dir / shard.name).read_bytes()) == len(shard.read_bytes())
+        for shard in out_dir.iterdir():
+            shard.unlink()
+        out_dir.rmdir()
+
+
+def test_apply_in_place_to_a_sharded_checkpoint_then_refuses_a_second_application(sharded, tmp_path, capsys):
+    prev_dir, curr_dir, _, curr = sharded
+    work = tmp_path / "work"
+    work.mkdir()
+    for file in prev_dir.iterdir():
+        (work / file.name).write_bytes(file.read_bytes())
+    delta = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
+    assert _run(capsys, "apply", work, delta, "-o", work)[0] == 0
+    assert_states_equal(_merged(work), curr)
+    before = {p.name: p.read_bytes() for p in work.iterdir()}
+    rc, _, err = _run(capsys, "apply", work, delta, "-o", work)
+    assert rc == 1 and "base" in err, err
+    assert {p.name: p.read_bytes() for p in work.iterdir()} == before
+
+
+def test_publish_sharded_checkpoints_and_pull_the_newest(sharded, tmp_path, capsys):
+    prev_dir, curr_dir, prev, curr = sharded
+    store, out = tmp_path / "store", tmp_path / "pulled.safetensors"
+    assert _run(capsys, "publish", prev_dir, "--store", store, "--step", 0)[0] == 0
+    rc, text, err = _run(capsys, "publish", curr_dir / INDEX, "--store", store, "--step", 1)
+    assert rc == 0 and "deltas/step_000000000001" in text, err
+    for step, expected in [(0, prev), (1, curr)]:
+        assert _run(capsys, "pull", "--store", store, "--step", step, "-o", out)[0] == 0
+        assert_states_equal(dict(sorted(load_file(out).items())), expected)
+
+
+def test_a_shard_write_that_fails_leaves_every_shard_as_it_was(tmp_path):
+    """Shards are written to temporary files first and renamed only once all are written: a write that fails (a
+    file size limit here, a full disk in life) on a later shard leaves the earlier shards as they were."""
+    g = torch.Generator().manual_seed(3)
+    prev = {"a.weight": torch.randn(8, 8, generator=g), "b.weight": torch.randn(256, 256, generator=g)}
+    curr = {name: t + 1 for name, t in prev.items()}
+    delta = tmp_path / "d.safetensors"
+    for name, state in [("prev", prev), ("curr", curr)]:
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({"a.weight": state["a.weight"]}, folder / "model-00001-of-00002.safetensors")
+        save_file({"b.weight": state["b.weight"]}, folder / "model-00002-of-00002.safetensors")
+        weight_map = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}
+        (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert main(["diff", str(tmp_path / "prev"), str(tmp_path / "curr"), "-o", str(delta)]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "prev").iterdir()}
+
+    def limit_file_size() -> None:  # the small shard fits, the large one does not
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    prev_dir = str(tmp_path / "prev")
+    done = subprocess.run(
+        [sys.executable, "-m", "deltasync_rs.cli", "apply", prev_dir, str(delta), "-o", prev_dir],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "model-00002-of-00002.safetensors" in done.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "prev").iterdir()} == before
+
+
+def test_layouts_that_are_not_one_checkpoint_are_refused(sharded, tmp_path, capsys):
+    prev_dir, curr_dir, _, _ = sharded
+    delta = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
+
+    def copy(name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in prev_dir.iterdir():
+            (folder / file.name).write_bytes(file.read_bytes())
+        return folder
+
+    def rewrite_index(folder: Path, change) -> None:
+        index = json.loads((folder / INDEX).read_text())
+        change(index["weight_map"])
+        (folder / INDEX).write_text(json.dumps(index))
+
+    no_index = copy("no-index")
+    (no_index / INDEX).unlink()
+    missing_shard = copy("missing-shard")
+    first = sorted(missing_shard.glob("*.safetensors"))[0]
+    first.unlink()
+    unlisted = copy("unlisted")
+    # a tensor whose shard holds others too (a shard the index never names is not part of the checkpoint, as for
+    # transformers: Mistral's repositories keep a consolidated.safetensors beside the shards)
+    rewrite_index(unlisted, lambda m: m.pop(next(n for n in sorted(m) if list(m.values()).count(m[n]) > 1)))
+    listed_elsewhere = copy("listed-elsewhere")
+    shards = sorted({*json.loads((prev_dir / INDEX).read_text())["weight_map"].values()})
+    rewrite_index(
+        listed_elsewhere, lambda m: m.update({n: next(s for s in shards if s != m[n]) for n in sorted(m)[:1]})
+    )
+    escaping = copy("escaping")
+    rewrite_index(escaping, lambda m: m.update({sorted(m)[0]: "../x.safetensors"}))
+    not_an_index = copy("not-an-index")
+    (not_an_index / INDEX).write_text("[1, 2]")
+    two_indexes = copy("two-indexes")
+    (two_indexes / "other.safetensors.index.json").write_text((prev_dir / INDEX).read_text())
+    cases = [
+        (no_index, ".safetensors files"),
+        (missing_shard, f"{first.name}: no such file"),
+        (unlisted, "not in the index"),
+        (listed_elsewhere, "which does not hold it"),
+        (escaping, "not a .safetensors file beside the index"),
+        (not_an_index, "not a sharded checkpoint's index"),
+        (two_indexes, "2 checkpoint indexes"),
+    ]
+    for folder, message in cases:
+        listed = {p.name: p.read_bytes() for p in folder.iterdir()}
+        for argv in (
+            ["diff", folder, curr_dir, "-o", tmp_path / "x.safetensors"],
+            ["apply", folder, delta, "-o", folder],
+            ["publish", folder, "--store", tmp_path / f"store-{folder.name}", "--step", 0],
+        ):
+            rc, out, err = _run(capsys, *argv)
+            assert rc == 1 and message in err, (argv, err)
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == listed
+        assert not (tmp_path / "x.safetensors").exists()
+        assert not (tmp_path / f"store-{folder.name}").exists()
+
+    # A sharded base writes a folder; a single-file base, a file.
+    single = tmp_path / "single.safetensors"
+    save_file(_merged(prev_dir), single)
+    rc, _, err = _run(capsys, "apply", prev_dir, delta, "-o", single)
+    assert rc == 1 and "not a folder" in err
+    rc, _, err = _run(capsys, "apply", single, delta, "-o", tmp_path)
+    assert rc == 1 and "a folder" in err
+    # A delta that does not fit leaves no output folder behind.
+    other = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(3)}, other)
+    rc, _, err = _run(capsys, "diff", other, other, "-o", tmp_path / "x.safetensors")
+    assert rc == 0
+    rc, _, err = _run(capsys, "apply", prev_dir, tmp_path / "x.safetensors", "-o", tmp_path / "new")
+    assert rc == 1 and '"x"' in err, err
+    assert not (tmp_path / "new").exists()
+    assert os.path.exists(prev_dir / INDEX)
