@@ -563,3 +563,59 @@ def test_publish_resume_at_an_older_step_continues_from_it_and_removes_the_later
     assert entries[-1].delta is not None and entries[-1].anchor is None
     assert _run(capsys, "pull", "--store", store, "-o", out)[0] == 0
     assert_states_equal(dict(sorted(load_file(out).items())), dict(sorted(prev.items())))
+
+
+def test_publish_dtype_casts_float_checkpoints_as_torch_does(tmp_path, capsys):
+    """A trainer that keeps float32 weights saves float32 checkpoints, where nearly every element changes each step;
+    --dtype bfloat16 publishes the bf16 weights an engine serves, cast as torch's .to() casts them (every bit
+    pattern but NaNs), integer tensors kept, and a float64 tensor refused by name with nothing written."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    store, out = tmp_path / "store", tmp_path / "out.safetensors"
+    expected = []
+    for step in range(3):
+        if step:
+            model(torch.randn(4, 64)).square().mean().backward()
+            optimizer.step()
+        state = {name: p.detach().clone() for name, p in model.state_dict().items()}
+        state["counter"] = torch.tensor([step, 7], dtype=torch.int64)
+        path = tmp_path / f"step{step}.safetensors"
+        save_file(state, path)
+        rc, _, err = _run(capsys, "publish", path, "--store", store, "--step", step, "--dtype", "bfloat16")
+        assert rc == 0, err
+        expected.append({n: (t if n == "counter" else t.to(torch.bfloat16)) for n, t in state.items()})
+    entry = ds.Subscriber(str(store)).entry(2)
+    assert 0 < entry.num_changed < 0.2 * sum(t.numel() for t in expected[2].values())  # float32: nearly all
+    for step in range(3):
+        assert _run(capsys, "pull", "--store", store, "--step", step, "-o", out)[0] == 0
+        pulled = load_file(out)
+        assert sorted(pulled) == sorted(expected[step])
+        for name in pulled:
+            assert pulled[name].dtype == expected[step][name].dtype, name
+            assert torch.equal(bits(pulled[name]), bits(expected[step][name])), (step, name)
+
+    # Every bit pattern of each source dtype but NaN, to each target, as torch casts it.
+    from deltasync_rs._arrays import numpy_dtype
+    from deltasync_rs.cli import _cast
+
+    g = torch.Generator().manual_seed(2)
+    every_half = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    sources = {
+        (torch.float32, "F32"): torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int32),
+        (torch.float16, "F16"): every_half,
+        (torch.bfloat16, "BF16"): every_half,
+    }
+    for (source, source_name), patterns in sources.items():
+        values = patterns.view(source)
+        kept = ~torch.isnan(values.float())
+        array = patterns.numpy().view(numpy_dtype(source_name))
+        for target, name in [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")]:
+            cast = torch.from_numpy(_cast({"x": array}, name, "p")["x"].view(f"int{target.itemsize * 8}"))
+            assert torch.equal(cast[kept], bits(values.to(target))[kept]), (source, target)
+
+    wide = tmp_path / "wide.safetensors"
+    save_file({"w": torch.zeros(3, dtype=torch.float64)}, wide)
+    rc, _, err = _run(capsys, "publish", wide, "--store", tmp_path / "store2", "--step", 0, "--dtype", "bfloat16")
+    assert rc == 1 and "tensor 'w' is float64" in err, err
+    assert not (tmp_path / "store2").exists()

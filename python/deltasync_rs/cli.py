@@ -225,8 +225,38 @@ def _load_file(path: str) -> dict[str, np.ndarray]:
     return state
 
 
+#: --dtype's choices: the safetensors names of the dtypes a checkpoint's floating-point tensors may be cast to.
+_CAST_TO = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+#: The dtypes --dtype casts from: the numpy name and how it rounds to each target exactly as torch's ``.to()`` does
+#: (round to nearest, ties to even; float64 would round twice through numpy, so it is refused rather than cast).
+_CAST_FROM = ("float32", "float16", "bfloat16")
+
+
+def _cast(state: dict[str, np.ndarray], dtype: str, path: str) -> dict[str, np.ndarray]:
+    """The checkpoint's floating-point tensors cast to ``dtype`` (in memory; the others kept mapped), bit for bit as
+    torch's ``.to(dtype)`` casts them but for NaN payloads (torch's own differ from kernel to kernel), so that a trainer saving float32 weights publishes the bf16 weights an engine
+    serves: a float32 checkpoint changes nearly every element each step, its bf16 rounding about 1%."""
+    target = _arrays.numpy_dtype(_CAST_TO[dtype])
+    out = {}
+    for name, array in state.items():
+        kind = array.dtype.name
+        if array.dtype == target or array.dtype.kind not in "fV" or kind.startswith("float8"):
+            out[name] = array  # integers, bools and fp8 are kept as they are
+            continue
+        if kind not in _CAST_FROM:
+            raise DeltaSyncError(
+                f"{path}: tensor {name!r} is {kind}: --dtype casts float32, float16 and bfloat16 tensors only "
+                "(cast it as your engine does, then publish)"
+            )
+        with np.errstate(all="ignore"):  # values beyond the target's range become infinities, as with torch
+            out[name] = array.astype(target)
+    return out
+
+
 def _cmd_publish(args: argparse.Namespace) -> int:
     state = _load_checkpoint(args.checkpoint)
+    if args.dtype is not None:
+        state = _cast(state, args.dtype, args.checkpoint)
     with Publisher(
         args.store,
         anchor_every=args.anchor_every,
@@ -453,6 +483,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="compact",
         help="compact (the default), varint (byte-aligned, read by version-1 readers too) or context (smallest on "
         "training steps; needs --values diff, and readers holding whole tensors)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_CAST_TO),
+        default=None,
+        help="cast the checkpoint's float32, float16 and bfloat16 tensors to this dtype first, as torch's .to() does "
+        "(a trainer's float32 weights published as the bf16 an engine serves; the cast state is held in memory)",
     )
     p.add_argument("--anchor", action="store_true", help="publish an anchor, without reading the store's last state")
     p.add_argument(
