@@ -294,6 +294,35 @@ def test_bad_step_numbers_are_refused(states, step):
     assert delta.step == 3
 
 
+@pytest.mark.parametrize("step", [-1, 2**64, 1.5, True, "3"])
+def test_a_bad_step_leaves_a_mirror_where_it_was(states, step):
+    """A step refused after the scan had moved the mirror to the new state with its step unchanged: the next
+    delta then held none of that step's changes (found by an adversarial helper). Refused before the scan now, in
+    the constructors too (they named `base_step`, later, for a step never given as one)."""
+    import deltasync_rs.torch as dst
+
+    prev, curr = states
+    changed = ds.diff(prev, curr).num_changed
+    mirror = ds.Mirror(prev, step=0)
+    with pytest.raises(ds.DeltaSyncError, match="step"):
+        mirror.advance(curr, step=step)
+    assert mirror.step == 0 and mirror.advance(curr, step=1).num_changed == changed
+
+    model = torch.nn.Linear(8, 4)
+    tracked = dst.Mirror(model, step=0)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.raises(ds.DeltaSyncError, match="step"):
+        tracked.step(step)
+    assert tracked.current_step == 0 and tracked.step(1).num_changed == 32
+
+    for make in (lambda: ds.Mirror(prev, step=step), lambda: dst.Mirror(model, step=step)):
+        with pytest.raises(ds.DeltaSyncError, match="step must be"):
+            make()
+    with pytest.raises(ds.DeltaSyncError, match="step must be"):
+        ds.Mirror().share(prev, step=step)
+
+
 def test_metadata_reserved_keys(states):
     prev, curr = states
     with pytest.raises(ds.DeltaSyncError, match="reserved"):

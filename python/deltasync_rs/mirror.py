@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _arrays
 from ._core import MirrorDiff
-from .delta import Delta, _Deferred, _finish, check_codec, in_batches, state_digest
+from .delta import Delta, _check_step, _Deferred, _finish, check_codec, in_batches, state_digest
 from .errors import BaseMismatchError, DeltaSyncError
 
 
@@ -46,6 +46,7 @@ class Mirror:
 
     def reset(self, state: Mapping[str, Any], *, step: int | None) -> None:
         """Replaces the mirror with a copy of ``state``."""
+        _check_step(step, "step")
         self._tensors = {name: _host_copy(name, tensor) for name, tensor in state.items()}
         self._read_only = False
         self.step = step
@@ -55,6 +56,7 @@ class Mirror:
         the state at the mirror's step (as ds.torch.Mirror does). With ``read_only``, read-only arrays (a mapped
         checkpoint) are taken too, and the mirror is then only read (an anchor, a digest): moving it to another
         step is refused."""
+        _check_step(step, "step")
         has_read_only = False
         for name, tensor in tensors.items():
             frozen = read_only and isinstance(tensor, np.ndarray) and not tensor.flags.writeable
@@ -87,7 +89,7 @@ class Mirror:
     ) -> Delta | _Deferred:
         """``advance``; with ``defer`` the encoding of the changes waits: the delta is returned as a ``_Deferred``,
         to be completed from this mirror before it moves again (a publisher's upload thread)."""
-        kinds = self._check_advance(state, values=values, codec=codec)
+        kinds = self._check_advance(state, step=step, values=values, codec=codec)
         builder = MirrorDiff(values, codec, defer)
 
         def entries():
@@ -105,12 +107,18 @@ class Mirror:
         self.step = step
         return delta
 
-    def _check_advance(self, state: Mapping[str, Any], *, values: str, codec: str) -> dict[str, tuple[str, Any]]:
+    def _check_advance(
+        self, state: Mapping[str, Any], *, step: int | None, values: str, codec: str
+    ) -> dict[str, tuple[str, Any]]:
         """What ``advance`` checks before its first write (it raises those errors with the mirror untouched): each
         tensor's (dtype name, shape)."""
         if self.is_empty:
             raise DeltaSyncError("the mirror is empty: reset it with a first state before advancing it")
         self._check_writable()
+        # Checked before the mirror moves: a step refused after the scan would leave the mirror at the new state
+        # with its step unchanged, and the next delta would lose this step's changes.
+        _check_step(step, "step")
+        _check_step(self.step, "the mirror's step")
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
         check_codec(codec, values=values, mirror=True)

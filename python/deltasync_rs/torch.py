@@ -11,7 +11,7 @@ import torch
 
 from . import _arrays
 from ._core import BaseMismatchError, DeltaSyncError, MirrorDiff
-from .delta import Delta, _Deferred, _finish, check_codec
+from .delta import Delta, _check_step, _Deferred, _finish, check_codec
 from .errors import at_least_one, flag
 
 log = logging.getLogger("deltasync_rs.sync")
@@ -117,7 +117,7 @@ class Mirror:
         self.chunk_bytes = chunk_bytes
         self.values = values
         self.codec = codec
-        self.current_step = step
+        self.current_step = _check_step(step, "step")
         #: For a sharded mirror, after each ``step()``: (name, first element, elements, base identity) of each shard,
         #: what this mirror held over that range of the whole tensor before the step (hashed by the step's own
         #: scan), for the rank that joins the shards to check against the state it published
@@ -281,6 +281,10 @@ class Mirror:
         """``step``; with ``defer`` the encoding of whole tensors' changes waits (the compact re-encoding, the choice
         to store a tensor whole): the mirror moves, and the ``_Deferred`` returned is completed from it later, before
         it moves again (a publisher's upload thread, off the training step's path)."""
+        # Checked before the mirror moves: a step refused after the scan would leave the mirror at the new weights
+        # with its step unchanged, and the next delta would lose this step's changes.
+        _check_step(step, "step")
+        _check_step(self.current_step, "the mirror's current_step")
         live = self._live()
         self.last_bases = []
         builder = MirrorDiff(self.values, self.codec, defer)
