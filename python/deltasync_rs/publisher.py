@@ -329,7 +329,7 @@ class Publisher:
             self._enqueue(step, None)
             return
         # A state the mirror cannot take is refused here, before the mirror could be torn (_advance).
-        self._mirror._check_advance(state, values=self.values, codec=self.codec)
+        self._mirror._check_advance(state, step=step, values=self.values, codec=self.codec)
         self._wait_for_mirror()
         delta = self._advance(
             step, lambda: self._mirror._advance(state, step=step, values=self.values, codec=self.codec, defer=True)
