@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,18 +85,16 @@ def test_diff_and_apply_of_sharded_checkpoints_write_a_sharded_checkpoint(sharde
         out_dir = tmp_path / "out"
         rc, _, err = _run(capsys, "apply", prev_arg, delta, "-o", out_dir)
         assert rc == 0, err
-        assert sorted(p.name for p in out_dir.iterdir()) == sorted(p.name for p in curr_dir.glob("*.safetensors*"))
+        # the shards, the index and the base folder's other files (config.json: transformers loads the folder)
+        assert sorted(p.name for p in out_dir.iterdir()) == sorted(p.name for p in prev_dir.iterdir())
         assert (out_dir / INDEX).read_bytes() == (prev_dir / INDEX).read_bytes()
         assert_states_equal(_merged(out_dir), curr)
-        (out_dir / "config.json").write_bytes((curr_dir / "config.json").read_bytes())  # not a checkpoint file
         reloaded = transformers.LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
         for name, tensor in reloaded.state_dict().items():
             assert torch.equal(bits(tensor), bits(curr[name])), name
         for shard in prev_dir.glob("*.safetensors"):  # each output shard: the base shard's layout, patched
             assert len((out_dir / shard.name).read_bytes()) == len(shard.read_bytes())
-        for shard in out_dir.iterdir():
-            shard.unlink()
-        out_dir.rmdir()
+        shutil.rmtree(out_dir)
 
 
 def test_apply_in_place_to_a_sharded_checkpoint_then_refuses_a_second_application(sharded, tmp_path, capsys):
@@ -220,7 +221,7 @@ def test_layouts_that_are_not_one_checkpoint_are_refused(sharded, tmp_path, caps
     single = tmp_path / "single.safetensors"
     save_file(_merged(prev_dir), single)
     rc, _, err = _run(capsys, "apply", prev_dir, delta, "-o", single)
-    assert rc == 1 and "not a folder" in err
+    assert rc == 1 and "exists; a sharded checkpoint is written as a new folder" in err
     rc, _, err = _run(capsys, "apply", single, delta, "-o", tmp_path)
     assert rc == 1 and "a folder" in err
     # A delta that does not fit leaves no output folder behind.
@@ -232,3 +233,104 @@ def test_layouts_that_are_not_one_checkpoint_are_refused(sharded, tmp_path, caps
     assert rc == 1 and '"x"' in err, err
     assert not (tmp_path / "new").exists()
     assert os.path.exists(prev_dir / INDEX)
+
+
+def test_a_new_folder_gets_the_base_folders_files_but_other_weights(sharded, tmp_path, capsys):
+    """A sharded output is a new folder put in place at once: the shards, the index and the base folder's other
+    files (tokenizer, config), not other weight files (which would stay at the base's step beside the new
+    shards); an existing folder that is not empty, and not the base's own, is refused."""
+    prev_dir, curr_dir, _, curr = sharded
+    base = tmp_path / "base"
+    shutil.copytree(prev_dir, base)
+    (base / "tokenizer.json").write_text("{}")
+    (base / "pytorch_model.bin").write_bytes(b"stale")
+    (base / "consolidated.safetensors").write_bytes(b"stale")
+    (base / "sub").mkdir()
+    delta = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    rc, _, err = _run(capsys, "apply", base, delta, "-o", occupied)
+    assert rc == 1 and "exists" in err and (occupied / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in occupied.iterdir()) == ["keep.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out in (tmp_path / "fresh", empty):
+        rc, _, err = _run(capsys, "apply", base, delta, "-o", out)
+        assert rc == 0, err
+        expected = sorted(p.name for p in prev_dir.iterdir()) + ["tokenizer.json"]
+        assert sorted(p.name for p in out.iterdir()) == sorted(expected)
+        assert_states_equal(_merged(out), curr)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deltasync-")]
+
+
+def test_in_place_swaps_the_whole_folder_at_once_and_keeps_everything_else(sharded, tmp_path, capsys, monkeypatch):
+    """In place, the new shards are written into a new folder beside the base's, with everything else of the
+    base folder (hard links), and the two folders are swapped in one step: a reader never sees shards of both
+    steps. Before, the shards were renamed into place one by one (a kill or a failed rename between two left a
+    mix, which --no-check-base then patched twice; found by an adversarial helper). A swap that fails leaves the
+    base folder as it was, and no staging folder behind."""
+    import deltasync_rs._sharded as sharded_module
+
+    prev_dir, curr_dir, _, curr = sharded
+    work = tmp_path / "work"
+    shutil.copytree(prev_dir, work)
+    (work / "notes").mkdir()
+    (work / "notes" / "a.txt").write_text("kept")
+    (work / "pytorch_model.bin").write_bytes(b"kept too")
+    delta = work / "d.safetensors"  # a delta file kept in the checkpoint's own folder
+    assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
+    os.chmod(work, 0o750)
+    before = {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}
+
+    def failing(a, b):
+        raise OSError(5, "Input/output error (injected)", b)
+
+    monkeypatch.setattr(sharded_module, "_exchange", failing)
+    rc, _, err = _run(capsys, "apply", work, delta, "-o", work)
+    assert rc == 1 and "injected" in err and "left as it was" in err
+    assert {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deltasync-")]
+    monkeypatch.undo()
+
+    inode = os.stat(work).st_ino
+    rc, _, err = _run(capsys, "apply", work, delta, "-o", work)
+    assert rc == 0, err
+    assert os.stat(work).st_ino != inode  # a new folder in the same place
+    assert_states_equal(_merged(work), curr)
+    assert (work / "notes" / "a.txt").read_text() == "kept" and (work / "pytorch_model.bin").read_bytes() == b"kept too"
+    assert (work / "d.safetensors").read_bytes() == before["d.safetensors"]
+    assert stat.S_IMODE(os.stat(work).st_mode) == 0o750
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deltasync-")]
+
+
+def test_a_staging_folder_left_by_a_killed_run_is_removed_later(sharded, tmp_path, capsys):
+    prev_dir, curr_dir, _, curr = sharded
+    stale, fresh = tmp_path / ".deltasync-1-aa.tmp", tmp_path / ".deltasync-2-bb.tmp"
+    for folder in (stale, fresh):
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    delta = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
+    assert _run(capsys, "apply", prev_dir, delta, "-o", tmp_path / "out")[0] == 0
+    assert not stale.exists() and fresh.exists()
+
+
+def test_a_folder_with_an_index_and_the_file_transformers_loads_first_is_refused(sharded, tmp_path, capsys):
+    """transformers loads model.safetensors and ignores an index beside it (a folder saved single-file, then
+    sharded): which is the checkpoint is not clear, so a folder holding both is refused; either one given by name
+    is used (found by an adversarial helper)."""
+    prev_dir, curr_dir, prev, _ = sharded
+    both = tmp_path / "both"
+    shutil.copytree(prev_dir, both)
+    save_file({"x": torch.zeros(2)}, both / "model.safetensors")
+    store = tmp_path / "store"
+    rc, _, err = _run(capsys, "publish", both, "--store", store, "--step", 0)
+    assert rc == 1 and "both model.safetensors and model.safetensors.index.json" in err
+    assert not store.exists()
+    assert _run(capsys, "publish", both / INDEX, "--store", store, "--step", 0)[0] == 0
+    rc, _, err = _run(capsys, "diff", prev_dir, curr_dir, "-o", curr_dir / INDEX)
+    assert rc == 1 and "also the input" in err

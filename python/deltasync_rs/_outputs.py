@@ -18,8 +18,8 @@ def require_regular_file(path: str) -> None:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         raise DeltaSyncError(f"{path}: no such file") from None
-    except OSError as error:
-        raise DeltaSyncError(f"{path}: cannot read: {error}") from error
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+        raise DeltaSyncError(f"{path!r}: cannot read: {error}") from None
     if not stat.S_ISREG(mode):
         raise DeltaSyncError(f"{path}: not a regular file")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import struct
@@ -15,8 +14,8 @@ import numpy as np
 
 from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_files, diff_files
-from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file, write_atomically
-from ._sharded import CheckpointFiles, checkpoint_files
+from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file
+from ._sharded import checkpoint_files, write_folder
 from .delta import Delta, load, state_digest
 from .errors import IntegrityError
 from .sync import Publisher, Subscriber, entry_key, log_entries, verify_store
@@ -55,7 +54,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         raise DeltaSyncError(
             "--format trl stores positions as TRL does; --codec context applies to deltasync files only"
         )
-    refuse_overwriting_inputs(args.output, prev.files + curr.files)
+    indexes = [c.index for c in (prev, curr) if c.index is not None]
+    refuse_overwriting_inputs(args.output, prev.files + curr.files + indexes)
     remove_stale_temps(args.output)
     bar = _progress_bar("diff")
 
@@ -85,57 +85,21 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     base = checkpoint_files(args.base)
     require_regular_file(args.delta)
     delta = load(args.delta)
-    made = base.index is not None and not os.path.isdir(args.output)
-    outputs = _outputs_for(base, args.output)
-    for output in outputs:
-        refuse_overwriting_inputs(output, [args.delta])  # BASE itself may be replaced: it keeps its mode
-        remove_stale_temps(output)
-    try:
-        apply_files(base.files, delta._raw, outputs, not args.no_check_base)
-    except BaseException:
-        if made:  # the folder made for a sharded output, left empty by a refused delta
-            with contextlib.suppress(OSError):
-                os.rmdir(args.output)
-        raise
-    if base.index is not None:
-        index = os.path.join(args.output, os.path.basename(base.index))
-        if not (os.path.exists(index) and os.path.samefile(index, base.index)):
-            with open(base.index, "rb") as source:
-                text = source.read()
-
-            def write_index(temp: str) -> None:
-                with open(temp, "wb") as file:
-                    file.write(text)
-
-            write_atomically(index, write_index)
+    check_base = not args.no_check_base
+    if base.index is None:
+        if os.path.isdir(args.output):
+            raise DeltaSyncError(f"{args.output}: a folder; -o names the checkpoint file to write")
+        refuse_overwriting_inputs(args.output, [args.delta])  # BASE itself may be replaced: it keeps its mode
+        remove_stale_temps(args.output)
+        apply_files(base.files, delta._raw, [args.output], check_base)
+    else:
+        # A folder of shards, written beside the output and put in its place at once (the base's own: swapped).
+        write_folder(base, args.output, lambda shards: apply_files(base.files, delta._raw, shards, check_base))
     print(
         f"{args.output}: applied {_count(delta.num_changed, 'change')} to {_count(len(delta), 'tensor')} "
         f"in {time.perf_counter() - start:.2f} s"
     )
     return 0
-
-
-def _outputs_for(base: CheckpointFiles, output: str) -> list[str]:
-    """Where ``apply`` writes each file of ``base``: OUTPUT itself for a single file; for a sharded checkpoint,
-    OUTPUT is a folder (made if missing, and may be BASE's own) that gets each shard under its own name and the
-    index."""
-    if base.index is None:
-        if os.path.isdir(output):
-            raise DeltaSyncError(f"{output}: a folder; -o names the checkpoint file to write")
-        return [output]
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise DeltaSyncError(
-            f"{output}: not a folder; a sharded checkpoint ({base.index}) is written as a folder of shards"
-        )
-    outputs = [os.path.join(output, os.path.basename(file)) for file in base.files]
-    for path in outputs:  # checked before any shard is written: a rename onto a folder would fail half way
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise DeltaSyncError(f"{path}: exists and is not a file; nothing was written")
-    try:
-        os.makedirs(output, exist_ok=True)
-    except OSError as error:
-        raise DeltaSyncError(f"{output}: cannot make the folder: {error}") from error
-    return outputs
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -460,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--output",
         required=True,
-        help="the checkpoint to write (may be BASE itself); for a sharded BASE, the folder to write its shards and index in",
+        help="the checkpoint to write (may be BASE itself); for a sharded BASE, a new folder (or BASE's own) that gets "
+        "the shards, the index and BASE's other files, all at once",
     )
     p.add_argument(
         "--no-check-base",
