@@ -323,6 +323,33 @@ def test_a_bad_step_leaves_a_mirror_where_it_was(states, step):
         ds.Mirror().share(prev, step=step)
 
 
+def test_tensor_indexes_and_thread_counts_are_checked(states, tmp_path):
+    """decoded(-1) decoded the last tensor, decoded(True) the second, decoded(99) raised a bare IndexError;
+    set_num_threads("2") a TypeError from inside and True meant one thread; a numpy-only program got KeyError
+    'torch' from decoded (found by an adversarial helper)."""
+    prev, curr = states
+    delta = ds.diff(prev, curr)
+    for call in (delta.decoded, delta.holds_differences, delta.base_identity):
+        for bad in (-1, len(delta), True, "0", 1.0):
+            with pytest.raises(ds.DeltaSyncError, match="index must be an integer from 0 to"):
+                call(bad)
+    positions, values = delta.decoded(len(delta) - 1)
+    assert values is not None
+    for bad in ("2", True, 2.0):
+        with pytest.raises(ds.DeltaSyncError, match="number of threads must be an integer"):
+            ds.set_num_threads(bad)
+    with pytest.warns(RuntimeWarning, match="more threads than this machine"):
+        ds.set_num_threads(2**70)
+    ds.set_num_threads(0)
+    path = tmp_path / "d.safetensors"
+    delta.save(path)
+    script = f"import deltasync_rs as ds, sys; p, v = ds.load({str(path)!r}).decoded(0); print(type(v).__module__)"
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "torch", done.stderr
+
+
 def test_metadata_reserved_keys(states):
     prev, curr = states
     with pytest.raises(ds.DeltaSyncError, match="reserved"):

@@ -9,6 +9,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -849,3 +850,25 @@ def test_a_store_file_replaced_by_a_folder_is_a_store_error_and_another_way_is_t
     with pytest.raises(ds.ChainError, match="step_000000000005.safetensors: not a regular file"):
         subscriber.pull(replica)
     assert_states_equal(replica, history[4])
+
+
+def test_entry_and_fetch_check_their_steps_and_delete_takes_a_list(tmp_path):
+    """entry("1") raised a ValueError from a format string and entry(-1) read a key of a negative step; fetch("0") a
+    TypeError from inside; Store.delete("abc") deleted a, b and c (found by an adversarial helper)."""
+    store = str(tmp_path / "s")
+    with ds.Publisher(store) as publisher:
+        publisher.publish(0, {"w": np.zeros(4, np.float32)})
+        publisher.publish(1, {"w": np.ones(4, np.float32)})
+    subscriber = ds.Subscriber(store)
+    for bad in ("1", -1, 1.5, True, None):
+        with pytest.raises(ds.DeltaSyncError, match="step must be"):
+            subscriber.entry(bad)
+    for bad in ("0", -1, 1.5, True):
+        with pytest.raises(ds.DeltaSyncError, match="current_step must be"):
+            subscriber.fetch(bad)
+    objects = ds.open_store(store)
+    for key in ("a", "b", "c", "abc"):
+        objects.put(key, b"x")
+    with pytest.raises(ds.DeltaSyncError, match="delete takes a list of keys"):
+        objects.delete("abc")
+    assert all(objects.exists(key) for key in ("a", "b", "c", "abc"))

@@ -168,6 +168,25 @@ def test_mirror_advance_is_all_or_nothing():
     assert (delta.num_changed, delta.step, delta.base_step) == (4, 1, 0) and mirror.tensors["a"].all()
 
 
+def test_the_callback_checks_its_arguments_when_made(tmp_path):
+    """A string for the publisher failed at the first step of training with an AttributeError, `enabled="no"` (true)
+    published, a bad dtype or chunk size waited for on_train_begin (found by an adversarial helper)."""
+    pytest.importorskip("transformers")
+    from deltasync_rs.integrations import DeltaSyncCallback
+
+    with ds.Publisher(str(tmp_path / "s")) as publisher:
+        for kwargs, message in [
+            (dict(publisher="store/"), "publisher must be a deltasync_rs.Publisher"),
+            (dict(publisher=publisher, enabled="no"), "enabled must be True or False"),
+            (dict(publisher=publisher, dtype="bf16"), "dtype must be a floating-point torch.dtype"),
+            (dict(publisher=publisher, dtype=torch.int8), "dtype must be a floating-point torch.dtype"),
+            (dict(publisher=publisher, chunk_bytes=8), "chunk_bytes must be at least 64"),
+        ]:
+            with pytest.raises(ds.DeltaSyncError, match=message):
+                DeltaSyncCallback(**kwargs)
+        DeltaSyncCallback(None)  # the other ranks of an FSDP2 run may pass None
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2", None])
 def test_sync_every_is_an_integer_of_at_least_one_for_attach_and_the_callback(bad):
     """Both ways of publishing from training refuse a bad ``sync_every`` alike, before anything is attached."""

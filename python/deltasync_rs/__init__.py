@@ -8,6 +8,8 @@ ds.load("step_000042.safetensors").apply_(state)
 
 # torch stays out of this module: `deltasync_rs.torch` is our submodule, which shadows a module-level
 # `import torch` here once it is imported (docs/architecture.md, "Two names shadowed by our own modules").
+from typing import TYPE_CHECKING, Any
+
 from ._core import (
     FORMAT_VERSION,
     BaseMismatchError,
@@ -95,9 +97,11 @@ def set_num_threads(n: int) -> None:
     """
     import warnings
 
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise DeltaSyncError(f"the number of threads must be an integer, not {n!r}")
     if n < 0:
         raise ValueError(f"the number of threads must be 0 or more, not {n}")
-    _core_set_num_threads(n)
+    _core_set_num_threads(min(n, 1 << 16))  # more than the machine has is capped below (and warned about)
     if n > 0 and get_num_threads() < n:
         warnings.warn(
             f"set_num_threads({n}) is more threads than this machine can use; using {get_num_threads()}",
@@ -106,7 +110,11 @@ def set_num_threads(n: int) -> None:
         )
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # for type checkers: the lazily imported submodules below, with their types
+    from . import integrations, torch  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
     # `ds.torch` and `ds.integrations` import torch (or transformers) on first use, not with the package.
     if name in ("torch", "integrations"):
         import importlib

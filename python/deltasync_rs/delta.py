@@ -179,15 +179,27 @@ class Delta:
         whole as new values); ``values`` has the integer type of the element width and holds bit patterns: the new
         bits for ``values="abs"``, the wrapping bit-pattern difference for ``values="diff"`` (see docs/format.md).
         """
-        return _write.decode(self._raw, index, device=device, base=base)
+        try:
+            import torch  # noqa: F401  (decoded returns torch tensors; a numpy-only program may not have imported it)
+        except ImportError:
+            raise DeltaSyncError("Delta.decoded returns torch tensors, and torch is not installed") from None
+        return _write.decode(self._raw, self._index(index), device=device, base=base)
 
     def holds_differences(self, index: int) -> bool:
         """True when tensor ``index``'s values are bit-pattern differences to add to the base, not new bits."""
-        return self._raw.holds_differences(index)
+        return self._raw.holds_differences(self._index(index))
 
     def base_identity(self, index: int) -> str | None:
         """The identity of the base tensor ``index`` was diffed against (docs/format.md §3), or None if unrecorded."""
-        return self._raw.base_identity(index)
+        return self._raw.base_identity(self._index(index))
+
+    def _index(self, index: int) -> int:
+        """``index`` when it is the index of one of the delta's tensors (0 to len - 1; not a bool, not negative)."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self):
+            raise DeltaSyncError(
+                f"index must be an integer from 0 to {len(self) - 1} (the delta's tensors), not {index!r}"
+            )
+        return index
 
     def _resolve_targets(self, state: State, names: list[str]) -> list[tuple[int, Tensor]]:
         if _arrays.is_array(state):

@@ -157,6 +157,12 @@ def remove_stale_temps(dir_fd: int) -> int:
     return removed
 
 
+def _check_keys(keys: Any) -> None:
+    """Refuses one key given where a list of keys is meant: a string would be deleted letter by letter."""
+    if isinstance(keys, (str, bytes)):
+        raise DeltaSyncError(f"delete takes a list of keys, not one key {keys!r}: delete([{keys!r}])")
+
+
 #: Bytes read and written at a time when an object is streamed to or from a file.
 COPY_BYTES = 8 << 20
 
@@ -408,6 +414,7 @@ class LocalStore(Store):
             os.close(fd)
 
     def delete(self, keys: builtins.list[str]) -> None:
+        _check_keys(keys)
         for key in keys:
             folder, name = self._split(key)
             try:
@@ -607,6 +614,7 @@ class FsspecStore(Store):
         return sorted(path[offset:] for path in found if path.startswith(self.root + "/"))
 
     def delete(self, keys: builtins.list[str]) -> None:
+        _check_keys(keys)
         paths = [self._path(key) for key in keys]
         if not paths:
             return
@@ -714,6 +722,7 @@ class HFBucketStore(Store):
         return sorted(key for key in own if key.startswith(prefix))
 
     def delete(self, keys: builtins.list[str]) -> None:
+        _check_keys(keys)
         if not keys:
             return
         try:

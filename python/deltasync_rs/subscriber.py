@@ -199,6 +199,7 @@ class Subscriber:
 
     def entry(self, step: int) -> Entry:
         """The verified manifest entry of ``step``."""
+        _check_step(step, "step", optional=False)
         cached = self._entries.get(step)
         if cached is not None:
             self._entries.move_to_end(step)
@@ -573,6 +574,7 @@ class Subscriber:
 
     def _fetch(self, current_step: int | None, until: int | None, download: Download[T]) -> T | None:
         """``fetch``'s choice of target and way, each way read with ``download``; None when already there."""
+        _check_step(current_step, "current_step")
         _check_step(until, "until")
         latest = self.latest_step()
         if latest is None:
@@ -711,9 +713,10 @@ class Subscriber:
     @one_at_a_time
     def pull(self, state: Any, *, until: int | None = None) -> int:
         """Brings ``state`` (a mapping of tensors, modified in place) to the newest step (or to step ``until``) and
-        returns that step. Each delta is applied all-or-nothing; when ``state`` holds every published tensor, its
-        digest is checked against the manifest, and a mismatch re-syncs from the newest anchor before raising
-        IntegrityError."""
+        returns the step it holds then. A subscriber never moves back: one already past ``until`` stays at its step
+        and returns it (compare the result with ``until``). Each delta is applied all-or-nothing; when ``state``
+        holds every published tensor, its digest is checked against the manifest, and a mismatch re-syncs from the
+        newest anchor before raising IntegrityError."""
         _arrays.check_state(state, "state")
         this_target = _target_key(state)
         deltas = self._fetch_to_apply(self.step, until)

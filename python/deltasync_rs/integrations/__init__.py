@@ -40,11 +40,23 @@ class DeltaSyncCallback(TrainerCallback):
         enabled: bool = True,
         resume: bool = True,
     ) -> None:
-        self.publisher = publisher
+        from ..publisher import Publisher
+
+        # Checked here, not at the first step of training: a publisher that is not one, or `enabled="no"` (true),
+        # would otherwise surface as an AttributeError in on_train_begin, or not at all.
+        if publisher is not None and not isinstance(publisher, Publisher):
+            raise DeltaSyncError(
+                f"publisher must be a deltasync_rs.Publisher (or None), not {type(publisher).__name__}"
+            )
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise DeltaSyncError(f"dtype must be a floating-point torch.dtype, not {dtype!r}")
+        if at_least_one(chunk_bytes, "chunk_bytes") < 64:
+            raise DeltaSyncError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
+        self.publisher: Any = publisher
         self.sync_every = at_least_one(sync_every, "sync_every")
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
-        self.enabled = enabled
+        self.enabled = flag(enabled, "enabled")
         self.resume = flag(resume, "resume")
         self.mirror: Mirror | None = None
         self._sharded: Any = None  # for an FSDP2 model: a ds.torch Attachment without an optimizer hook
