@@ -559,6 +559,22 @@ def check_loader_path_rejects_diff(model, item: Prepared) -> None:
     )
 
 
+def check_loader_path_rejects_context_positions(model, item: Prepared) -> None:
+    """`context` positions decode only against the base, which the loader path does not hold: said so, with the
+    codecs that work (it was a DeltaFormatError that a pull reads as a malformed stream; found by an adversarial
+    helper)."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.DeltaSyncError,
+        lambda: apply_delta(model, _delta(item, 1, "abs", "context"), current_step=0, path="loader"),
+        "codec='compact' or 'varint'",
+    )
+
+
 def check_unmapped_architecture_falls_back(model, item: Prepared) -> None:
     import deltasync_rs as ds
     from deltasync_rs.vllm import apply_delta, is_mapped
@@ -731,6 +747,7 @@ CHECKS = [
     check_lm_head_alone,
     check_loader_path_abs,
     check_loader_path_rejects_diff,
+    check_loader_path_rejects_context_positions,
     check_unmapped_architecture_falls_back,
     check_worker_extension_applies_files,
 ]

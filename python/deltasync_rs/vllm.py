@@ -453,6 +453,12 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
                 "loader, which needs new values: publish it with values=\"abs\" (ds.diff(..., values='abs') or "
                 "Publisher(..., values='abs')); nothing was written"
             )
+        if info.positions == "context":
+            raise DeltaSyncError(
+                f"tensor {info.name!r}: its positions are coded against the base tensor (codec 'context'), which "
+                "the path through vLLM's loader does not hold: publish it with codec='compact' or 'varint'; nothing "
+                "was written"
+            )
         if info.shape is None:
             raise DeltaSyncError(f"tensor {info.name!r}: the delta records no shape, which vLLM's loader needs")
         dtype = _TORCH_DTYPES.get(info.dtype)
@@ -460,6 +466,13 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
             raise DeltaSyncError(f"tensor {info.name!r}: vLLM's loader takes floating-point patches, not {info.dtype}")
         target = _loader_target(model, params, info.name)
         if target is None:
+            if any(".experts." in name for name in params):  # FusedMoE's w13_weight / w2_weight (names vary)
+                raise DeltaSyncError(
+                    f"tensor {info.name!r}: {type(model).__name__} has no parameter of that name: its mixture-of-"
+                    "experts layers are fused (FusedMoE: all experts in one parameter), whose expert weights "
+                    "deltasync_rs.vllm does not map "
+                    "(docs/vllm.md, Limits); nothing was written"
+                )
             raise BaseMismatchError(f"tensor {info.name!r}: {type(model).__name__} has no parameter for it")
         _vllm_cpu.check_model(model, info.name)
         touched[id(target)] = target
