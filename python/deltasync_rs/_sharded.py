@@ -12,13 +12,12 @@ import os
 import shutil
 import stat
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._outputs import require_regular_file
 from .errors import DeltaFormatError, DeltaSyncError
-from .store import STALE_TEMP_SECONDS, TEMP_PREFIX
+from .store import TEMP_PREFIX, stale_temps
 
 #: Suffixes of what a folder may hold: a sharded checkpoint's index, or a single-file checkpoint.
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -209,21 +208,8 @@ def write_folder(base: CheckpointFiles, output: str, write_shards: Callable[[lis
 def remove_stale_folders(parent: str) -> None:
     """Removes the folders ``write_folder`` left in ``parent`` when killed (named ``.deltasync-*.tmp``, untouched
     for STALE_TEMP_SECONDS): a new checkpoint not yet in place, or an old one swapped out and not yet removed."""
-    cutoff = time.time() - STALE_TEMP_SECONDS
-    try:
-        with os.scandir(parent) as entries:
-            stale = [
-                e.path
-                for e in entries
-                if e.name.startswith(TEMP_PREFIX)
-                and e.name.endswith(".tmp")
-                and e.is_dir(follow_symlinks=False)
-                and e.stat(follow_symlinks=False).st_mtime < cutoff
-            ]
-    except OSError:
-        return
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
+    for name in stale_temps(parent, folders=True):
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def _link_or_copy(source: str, destination: str) -> None:

@@ -130,25 +130,30 @@ STALE_TEMP_SECONDS = 15 * 60
 _NO_LINK_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
-def remove_stale_temps(dir_fd: int) -> int:
-    """Removes the ``.deltasync-*.tmp`` files directly in a folder (given as a descriptor) untouched for
-    STALE_TEMP_SECONDS: a writer killed mid-write (``kill -9``, a lost machine) leaves one behind, and nothing else
-    would ever remove it. Links and non-regular files are left alone. Returns how many were removed."""
+def stale_temps(folder: int | str, *, folders: bool = False) -> list[str]:
+    """The names of the ``.deltasync-*.tmp`` files (with ``folders``, folders) directly in ``folder`` (a path or a
+    descriptor) untouched for STALE_TEMP_SECONDS; never links. [] where the folder cannot be read."""
     cutoff = time.time() - STALE_TEMP_SECONDS
-    removed = 0
     try:
-        with os.scandir(dir_fd) as entries:
-            stale = [
+        with os.scandir(folder) as entries:
+            return [
                 e.name
                 for e in entries
                 if e.name.startswith(TEMP_PREFIX)
                 and e.name.endswith(".tmp")
-                and e.is_file(follow_symlinks=False)
+                and (e.is_dir(follow_symlinks=False) if folders else e.is_file(follow_symlinks=False))
                 and e.stat(follow_symlinks=False).st_mtime < cutoff
             ]
     except OSError:
-        return 0
-    for name in stale:
+        return []
+
+
+def remove_stale_temps(dir_fd: int) -> int:
+    """Removes the ``.deltasync-*.tmp`` files directly in a folder (given as a descriptor) untouched for
+    STALE_TEMP_SECONDS: a writer killed mid-write (``kill -9``, a lost machine) leaves one behind, and nothing else
+    would ever remove it. Links and non-regular files are left alone. Returns how many were removed."""
+    removed = 0
+    for name in stale_temps(dir_fd):
         try:
             os.unlink(name, dir_fd=dir_fd)
             removed += 1
