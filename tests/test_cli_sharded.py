@@ -9,7 +9,6 @@ import os
 import resource
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -97,20 +96,15 @@ def test_diff_and_apply_of_sharded_checkpoints_write_a_sharded_checkpoint(sharde
         shutil.rmtree(out_dir)
 
 
-def test_apply_in_place_to_a_sharded_checkpoint_then_refuses_a_second_application(sharded, tmp_path, capsys):
+def test_a_delta_applied_to_its_result_is_refused(sharded, tmp_path, capsys):
     prev_dir, curr_dir, _, curr = sharded
-    work = tmp_path / "work"
-    work.mkdir()
-    for file in prev_dir.iterdir():
-        (work / file.name).write_bytes(file.read_bytes())
     delta = tmp_path / "d.safetensors"
     assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
-    assert _run(capsys, "apply", work, delta, "-o", work)[0] == 0
-    assert_states_equal(_merged(work), curr)
-    before = {p.name: p.read_bytes() for p in work.iterdir()}
-    rc, _, err = _run(capsys, "apply", work, delta, "-o", work)
+    assert _run(capsys, "apply", prev_dir, delta, "-o", tmp_path / "once")[0] == 0
+    assert_states_equal(_merged(tmp_path / "once"), curr)
+    rc, _, err = _run(capsys, "apply", tmp_path / "once", delta, "-o", tmp_path / "twice")
     assert rc == 1 and "base" in err, err
-    assert {p.name: p.read_bytes() for p in work.iterdir()} == before
+    assert not (tmp_path / "twice").exists()
 
 
 def test_publish_sharded_checkpoints_and_pull_the_newest(sharded, tmp_path, capsys):
@@ -125,8 +119,8 @@ def test_publish_sharded_checkpoints_and_pull_the_newest(sharded, tmp_path, caps
 
 
 def test_a_shard_write_that_fails_leaves_every_shard_as_it_was(tmp_path):
-    """Shards are written to temporary files first and renamed only once all are written: a write that fails (a
-    file size limit here, a full disk in life) on a later shard leaves the earlier shards as they were."""
+    """A write that fails (a file size limit here, a full disk in life) on a later shard leaves no output folder
+    and no staging folder, and the base as it was."""
     g = torch.Generator().manual_seed(3)
     prev = {"a.weight": torch.randn(8, 8, generator=g), "b.weight": torch.randn(256, 256, generator=g)}
     curr = {name: t + 1 for name, t in prev.items()}
@@ -145,9 +139,9 @@ def test_a_shard_write_that_fails_leaves_every_shard_as_it_was(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
-    prev_dir = str(tmp_path / "prev")
+    prev_dir, out = str(tmp_path / "prev"), tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "deltasync_rs.cli", "apply", prev_dir, str(delta), "-o", prev_dir],
+        [sys.executable, "-m", "deltasync_rs.cli", "apply", prev_dir, str(delta), "-o", str(out)],
         capture_output=True,
         text=True,
         preexec_fn=limit_file_size,
@@ -156,6 +150,7 @@ def test_a_shard_write_that_fails_leaves_every_shard_as_it_was(tmp_path):
     assert done.returncode == 1, done.stderr
     assert "model-00002-of-00002.safetensors" in done.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "prev").iterdir()} == before
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".deltasync-")]
 
 
 def test_layouts_that_are_not_one_checkpoint_are_refused(sharded, tmp_path, capsys):
@@ -265,58 +260,43 @@ def test_a_new_folder_gets_the_base_folders_files_but_other_weights(sharded, tmp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deltasync-")]
 
 
-def test_in_place_swaps_the_whole_folder_at_once_and_keeps_everything_else(sharded, tmp_path, capsys, monkeypatch):
-    """In place, the new shards are written into a new folder beside the base's, with everything else of the
-    base folder (hard links), and the two folders are swapped in one step: a reader never sees shards of both
-    steps. Before, the shards were renamed into place one by one (a kill or a failed rename between two left a
-    mix, which --no-check-base then patched twice; found by an adversarial helper). A swap that fails leaves the
-    base folder as it was, and no staging folder behind."""
-    import deltasync_rs._sharded as sharded_module
-
-    prev_dir, curr_dir, _, curr = sharded
+def test_a_sharded_checkpoint_is_not_patched_in_place(sharded, tmp_path, capsys):
+    """Shards renamed into place one by one let a reader (or a kill between two renames) see shards of two steps,
+    which --no-check-base then patched twice; swapping whole folders lost what others wrote into the old folder and
+    what could not be linked across (found by adversarial helpers). In place is refused, nothing written."""
+    prev_dir, curr_dir, _, _ = sharded
     work = tmp_path / "work"
     shutil.copytree(prev_dir, work)
-    (work / "notes").mkdir()
-    (work / "notes" / "a.txt").write_text("kept")
-    (work / "pytorch_model.bin").write_bytes(b"kept too")
-    delta = work / "d.safetensors"  # a delta file kept in the checkpoint's own folder
+    delta = tmp_path / "d.safetensors"
     assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
-    os.chmod(work, 0o750)
-    before = {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}
-
-    def failing(a, b):
-        raise OSError(5, "Input/output error (injected)", b)
-
-    monkeypatch.setattr(sharded_module, "_exchange", failing)
-    rc, _, err = _run(capsys, "apply", work, delta, "-o", work)
-    assert rc == 1 and "injected" in err and "left as it was" in err
-    assert {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()} == before
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deltasync-")]
-    monkeypatch.undo()
-
-    inode = os.stat(work).st_ino
-    rc, _, err = _run(capsys, "apply", work, delta, "-o", work)
-    assert rc == 0, err
-    assert os.stat(work).st_ino != inode  # a new folder in the same place
-    assert_states_equal(_merged(work), curr)
-    assert (work / "notes" / "a.txt").read_text() == "kept" and (work / "pytorch_model.bin").read_bytes() == b"kept too"
-    assert (work / "d.safetensors").read_bytes() == before["d.safetensors"]
-    assert stat.S_IMODE(os.stat(work).st_mode) == 0o750
+    before = {p.name: p.read_bytes() for p in work.iterdir()}
+    for base, out in [(work, work), (work / INDEX, work), (work, tmp_path / "link")]:
+        if out.name == "link":
+            out.symlink_to(work)
+        rc, _, err = _run(capsys, "apply", base, delta, "-o", out)
+        assert rc == 1 and "not patched in place" in err, err
+    assert {p.name: p.read_bytes() for p in work.iterdir()} == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deltasync-")]
 
 
 def test_a_staging_folder_left_by_a_killed_run_is_removed_later(sharded, tmp_path, capsys):
     prev_dir, curr_dir, _, curr = sharded
-    stale, fresh = tmp_path / ".deltasync-1-aa.tmp", tmp_path / ".deltasync-2-bb.tmp"
-    for folder in (stale, fresh):
+    # a dead process's old folder goes; a recent one, a live process's (checking a large base for longer than
+    # the limit before it writes) and folders of other names stay
+    stale = tmp_path / ".deltasync-4999999-0123456789ab.tmp"
+    fresh = tmp_path / ".deltasync-4999998-0123456789ab.tmp"
+    live = tmp_path / f".deltasync-{os.getpid()}-0123456789ab.tmp"
+    other = tmp_path / ".deltasync-cache.tmp"
+    for folder in (stale, fresh, live, other):
         folder.mkdir()
         (folder / "model-00001-of-00002.safetensors").write_bytes(b"half")
     old = time.time() - 3600
-    os.utime(stale, (old, old))
+    for folder in (stale, live, other):
+        os.utime(folder, (old, old))
     delta = tmp_path / "d.safetensors"
     assert _run(capsys, "diff", prev_dir, curr_dir, "-o", delta)[0] == 0
     assert _run(capsys, "apply", prev_dir, delta, "-o", tmp_path / "out")[0] == 0
-    assert not stale.exists() and fresh.exists()
+    assert not stale.exists() and fresh.exists() and live.exists() and other.exists()
 
 
 def test_a_folder_with_an_index_and_the_file_transformers_loads_first_is_refused(sharded, tmp_path, capsys):

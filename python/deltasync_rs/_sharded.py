@@ -5,12 +5,10 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import json
 import os
+import re
 import shutil
-import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,25 +142,32 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 
 
 def write_folder(base: CheckpointFiles, output: str, write_shards: Callable[[list[str]], None]) -> None:
-    """Writes the sharded checkpoint ``base`` with its shards rewritten into the folder ``output``, all at once:
-    a new folder beside ``output`` gets every shard (``write_shards(paths)``), the index, and the base folder's other
-    files, and then takes ``output``'s place in one rename. ``output`` is a path that does not exist (or an empty
-    folder), which gets the base folder's files but other weights (``WEIGHT_SUFFIXES``); or the base folder itself,
-    in place, whose every other entry is kept (hard links where the filesystem allows) and which is swapped with
-    the new folder in one ``renameat2(RENAME_EXCHANGE)`` (Linux). A reader sees the old folder or the new one,
-    never shards of both; a run killed part way leaves the base folder as it was."""
+    """Writes the sharded checkpoint ``base`` with its shards rewritten into the new folder ``output`` (a path that
+    does not exist yet, or an empty folder), all at once: a staging folder beside it gets every shard
+    (``write_shards(paths)``), the index and the base folder's other files (not other weights:
+    ``WEIGHT_SUFFIXES``), and then takes ``output``'s place in one rename. A reader sees no folder or the whole
+    checkpoint; a run killed part way leaves a staging folder, removed by a later run.
+
+    Not in place: replacing a folder of shards at once would mean swapping whole folders, which loses what others
+    write into the old one meanwhile, and whatever of it cannot be linked across (mounts, immutable files)."""
     assert base.index is not None
     base_folder = os.path.dirname(os.path.abspath(base.index))
     target = os.path.realpath(output)
-    in_place = os.path.isdir(target) and os.path.samefile(target, base_folder)
-    if not in_place and os.path.lexists(output) and not (os.path.isdir(output) and not os.listdir(output)):
+    if os.path.isdir(target) and os.path.samefile(target, base_folder):
+        raise DeltaSyncError(
+            f"{output}: a sharded checkpoint is not patched in place, where a reader could see shards of two steps: "
+            "-o a new folder (then swap the two folders yourself); nothing was written"
+        )
+    if os.path.lexists(output) and not (os.path.isdir(output) and not os.listdir(output)):
         raise DeltaSyncError(
             f"{output}: exists; a sharded checkpoint is written as a new folder (a path that does not exist yet, or "
-            "an empty folder), or in place (-o the base's own folder)"
+            "an empty folder); nothing was written"
         )
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):
         raise DeltaSyncError(f"{output}: its parent folder {parent} does not exist")
+    if os.path.isdir(target) and os.stat(target).st_dev != os.stat(parent).st_dev:
+        raise DeltaSyncError(f"{output}: a mount point, which a folder cannot be renamed onto: -o a folder inside it")
     remove_stale_folders(parent)
     staging = os.path.join(parent, f"{TEMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}.tmp")
     try:
@@ -170,35 +175,21 @@ def write_folder(base: CheckpointFiles, output: str, write_shards: Callable[[lis
     except OSError as error:
         raise DeltaSyncError(f"{output}: cannot write beside it: {error}") from error
     try:
-        shards = [os.path.join(staging, os.path.basename(file)) for file in base.files]
-        write_shards(shards)
-        if in_place:  # the shards keep their modes
-            for source, shard in zip(base.files, shards):
-                os.chmod(shard, stat.S_IMODE(os.stat(source).st_mode))
+        write_shards([os.path.join(staging, os.path.basename(file)) for file in base.files])
         shutil.copyfile(base.index, os.path.join(staging, os.path.basename(base.index)))
         rewritten = {os.path.basename(file) for file in base.files} | {os.path.basename(base.index)}
         with os.scandir(base_folder) as entries:
-            others = [e for e in entries if e.name not in rewritten and not e.name.startswith(TEMP_PREFIX)]
-        for entry in others:
-            destination = os.path.join(staging, entry.name)
-            if in_place:  # everything else kept as it is
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.copytree(entry.path, destination, symlinks=True, copy_function=_link_or_copy)
-                else:
-                    _link_or_copy(entry.path, destination)
-            elif entry.is_file() and not entry.name.endswith(WEIGHT_SUFFIXES):
-                shutil.copy2(entry.path, destination)
-        if in_place:
-            os.chmod(staging, stat.S_IMODE(os.stat(base_folder).st_mode))
+            others = [
+                e.path
+                for e in entries
+                if e.name not in rewritten and e.is_file() and not e.name.endswith(WEIGHT_SUFFIXES)
+            ]
+        for path in others:
+            shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
         _sync_folder(staging)
-        if in_place:
-            _exchange(staging, target)  # staging now holds the old folder, removed below
-        else:
-            os.rename(staging, target)
+        os.rename(staging, target)
     except OSError as error:
-        raise DeltaSyncError(
-            f"{output}: cannot write the checkpoint's folder: {error}; it was left as it was"
-        ) from None
+        raise DeltaSyncError(f"{output}: cannot write the checkpoint's folder: {error}; nothing was written") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     with contextlib.suppress(OSError):
@@ -206,19 +197,28 @@ def write_folder(base: CheckpointFiles, output: str, write_shards: Callable[[lis
 
 
 def remove_stale_folders(parent: str) -> None:
-    """Removes the folders ``write_folder`` left in ``parent`` when killed (named ``.deltasync-*.tmp``, untouched
-    for STALE_TEMP_SECONDS): a new checkpoint not yet in place, or an old one swapped out and not yet removed."""
+    """Removes the staging folders ``write_folder`` left in ``parent`` when killed (``.deltasync-<pid>-<hex>.tmp``,
+    untouched for STALE_TEMP_SECONDS, of a process that is gone: a live apply may spend longer than that checking a
+    large base before it writes into its folder). Folders of any other name are left alone."""
     for name in stale_temps(parent, folders=True):
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        match = _STAGING.fullmatch(name)
+        if match is not None and not _alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
-def _link_or_copy(source: str, destination: str) -> None:
-    """A hard link of ``source`` (a symbolic link itself, not its target) at ``destination``, or a copy where the
-    filesystem links no files."""
+#: The name of a staging folder: the process that made it, and 12 random hex digits.
+_STAGING = re.compile(re.escape(TEMP_PREFIX) + r"([1-9][0-9]{0,9})-[0-9a-f]{12}\.tmp")
+
+
+def _alive(pid: int) -> bool:
+    """True when process ``pid`` is running on this machine."""
     try:
-        os.link(source, destination, follow_symlinks=False)
-    except OSError:
-        shutil.copy2(source, destination, follow_symlinks=False)
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _sync_folder(path: str) -> None:
@@ -227,16 +227,3 @@ def _sync_folder(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _exchange(a: str, b: str) -> None:
-    """Swaps the two paths in one step (Linux's ``renameat2`` with ``RENAME_EXCHANGE``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
-        raise OSError(errno.ENOSYS, "renameat2 is not available: write the checkpoint to a new folder instead")
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"{os.strerror(code)} (swapping the new folder into place)", b)

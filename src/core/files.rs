@@ -18,11 +18,13 @@ use crate::core::format::{persist, read_header, write_temp};
 /// (and again per batch), so this bounds the encoded streams held per `diff` call, not the mapped pages.
 const BATCH_BYTES: usize = 256 << 20;
 
-fn map(path: &Path) -> Result<Mmap> {
+/// The file at `path`, opened, and a read-only mapping of it.
+fn open_and_map(path: &Path) -> Result<(std::fs::File, Mmap)> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: the mapping is read-only; a concurrent writer truncating the file would be a caller error
     // and is the same hazard every safetensors mmap reader accepts.
-    unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    Ok((file, map))
 }
 
 fn release(map: &Mmap, range: std::ops::Range<usize>) {
@@ -44,6 +46,9 @@ struct Located {
 /// memory-mapped, with every tensor located.
 struct Checkpoint<'a> {
     paths: &'a [PathBuf],
+    /// The files as opened: an output is copied from the very file checked, even where its path has been
+    /// replaced since (another apply of the same delta, in place, that finished first).
+    files: Vec<std::fs::File>,
     maps: Vec<Mmap>,
     tensors: std::collections::HashMap<String, Located>,
 }
@@ -53,10 +58,10 @@ impl<'a> Checkpoint<'a> {
         if paths.is_empty() {
             return Err(Error::invalid("a checkpoint needs at least one file"));
         }
-        let mut maps = Vec::with_capacity(paths.len());
+        let (mut files, mut maps) = (Vec::with_capacity(paths.len()), Vec::with_capacity(paths.len()));
         let mut tensors = std::collections::HashMap::new();
         for (file, path) in paths.iter().enumerate() {
-            let map = map(path)?;
+            let (opened, map) = open_and_map(path)?;
             let header = read_header(&map, &path.display().to_string())?;
             for (name, (dtype, shape, range)) in header.tensors {
                 let located = Located { file, dtype, shape, range };
@@ -70,9 +75,10 @@ impl<'a> Checkpoint<'a> {
                     ));
                 }
             }
+            files.push(opened);
             maps.push(map);
         }
-        Ok(Checkpoint { paths, maps, tensors })
+        Ok(Checkpoint { paths, files, maps, tensors })
     }
 
     /// The checkpoint's name in messages: its file, or its first file and how many others.
@@ -214,13 +220,14 @@ pub fn apply_files(base: &[PathBuf], delta: &Delta, outs: &[PathBuf], check_base
             .map(|(tensor, located)| tensor.context_changes(checkpoint.bytes(located)))
             .collect::<Result<_>>()
     })?;
-    drop(checkpoint);
+    let Checkpoint { files: sources, maps, .. } = checkpoint;
+    drop(maps);
     let mut written = Vec::with_capacity(base.len());
-    for (file, (source, out)) in base.iter().zip(outs).enumerate() {
+    for (file, (mut source, out)) in sources.into_iter().zip(outs).enumerate() {
         written.push(write_temp(out, |temp| {
             // An in-kernel copy (copy_file_range where the filesystem has it), then patch the copy through a
             // mapping, handing each tensor's pages back once written so resident memory stays small.
-            std::io::copy(&mut std::fs::File::open(source)?, temp)?;
+            std::io::copy(&mut source, temp)?;
             let mine: Vec<_> = targets.iter().zip(&decoded).filter(|((_, located), _)| located.file == file).collect();
             if mine.is_empty() {
                 return Ok(());
