@@ -242,6 +242,36 @@ def test_worker_extension_follows_a_store_published_into_again_by_a_new_run_from
     assert worker._deltasync_tracker().entry is None
 
 
+def test_a_pull_after_vllm_put_other_weights_in_place_starts_from_an_anchor(published_store):
+    """vLLM reloaded the weights (reload_weights, a wake-up from a level-2 sleep) after the worker pulled step 1:
+    the tracker still said 1, and the next pull applied the deltas after it onto the reloaded weights, which then
+    held no step at all, silently (found by an adversarial helper). The tracker's sample of the weights it left
+    shows the change: the pull starts from an anchor, explicit files are refused with nothing written. Weights
+    written back as they were (the same step reloaded) are still at the step."""
+    model, states, store = published_store
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(get_model=lambda: model)  # a runner that wraps its model: unwrapped
+    assert worker.deltasync_pull(store, 1) == 1
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in states[0].items():  # vLLM's loaders write through .data: no version bump
+            params[name].data.copy_(tensor)
+    assert worker.deltasync_pull(store) == 3
+    assert _bits_equal(_params(model), states[3])
+    with torch.no_grad():  # one parameter of one layer reloaded
+        params["proj"].data.copy_(states[0]["proj"])
+    before = _params(model)
+    delta_file = ds.diff(states[3], states[3], values="abs", step=4, base_step=3)
+    with pytest.raises(ds.BaseMismatchError, match="step is unknown"):
+        worker.deltasync_apply([delta_file])
+    assert _bits_equal(_params(model), before) and worker.deltasync_step() is None
+    assert worker.deltasync_pull(store) == 3  # from the anchor
+    assert _bits_equal(_params(model), states[3])
+    with torch.no_grad():  # the same weights written again: nothing to forget
+        params["proj"].data.copy_(states[3]["proj"])
+    assert worker.deltasync_apply([delta_file]) == 4
+
+
 def test_a_worker_pull_that_fails_part_way_keeps_the_entry_of_the_step_it_reached(published_store, monkeypatch):
     """A pull from step 1 applies delta 2, then fails on delta 3 (a refused delta, a device out of memory): the
     worker is at step 2. The trainer restarts from step 1, and steps 2-4 are published again with other weights.

@@ -611,6 +611,32 @@ def check_worker_extension_applies_files(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
+def check_weights_reloaded_by_vllm_are_noticed(model, item: Prepared) -> None:
+    """vLLM put the step-0 checkpoint back in place (reload_weights runs the model's load_weights) after the worker
+    reached step 1: its step tracker still said 1, and the next delta of differences was applied onto step 0's
+    weights, silently, at any TP (found by an adversarial helper). The tracker samples the weights it leaves and
+    notices: the files are refused on every rank with nothing written, and the step is forgotten."""
+    import deltasync_rs as ds
+
+    worker = _fresh_worker(model)
+    load_state(model, item, 0)
+    assert worker.deltasync_set_step(0) == 0
+    assert worker.deltasync_apply([item.path("delta_1_diff.safetensors")]) == 1
+    load_state(model, item, 0)  # what vLLM's reload_weights does
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,
+        lambda: worker.deltasync_apply([item.path("delta_2_diff.safetensors")]),
+        "step is unknown",
+    )
+    assert worker.deltasync_step() is None
+    # Declared again, it goes on from there.
+    assert worker.deltasync_set_step(0) == 0
+    assert worker.deltasync_apply([item.path("delta_1_diff.safetensors"), item.path("delta_2_diff.safetensors")]) == 2
+    _assert_equal_to_reload(model, item, 2)
+
+
 def _fresh_worker(model):
     """A worker extension on ``model`` that knows no step (the model's step tracker outlives the checks)."""
     from types import SimpleNamespace
@@ -750,6 +776,7 @@ CHECKS = [
     check_loader_path_rejects_context_positions,
     check_unmapped_architecture_falls_back,
     check_worker_extension_applies_files,
+    check_weights_reloaded_by_vllm_are_noticed,
 ]
 
 

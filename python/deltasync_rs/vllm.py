@@ -514,8 +514,20 @@ def _load_all(sources: Iterable[Source]) -> list[Delta]:
     return deltas
 
 
+#: Elements of each parameter a step tracker samples to notice weights written by something other than deltasync.
+MARK_SAMPLES = 4096
+
+
 class _StepTracker:
-    """Applies deltas in order to one model and tracks the step it is at (None: unknown, only anchors apply)."""
+    """Applies deltas in order to one model and tracks the step it is at (None: unknown, only anchors apply).
+
+    The step is bookkeeping: vLLM can put other weights in place (``reload_weights``, a wake-up from a level-2 sleep
+    reloading the checkpoint, any ``load_weights`` call), and deltas of differences applied onto those would give
+    weights of no step at all. So whenever the weights are known to be at the step (after each apply, or when the
+    step is declared), the tracker keeps a sample of every parameter (``MARK_SAMPLES`` elements in runs spread over
+    it, their bits), and before the next apply compares it with the weights: where they changed, the step is forgotten (a pull
+    starts from an anchor; explicit files are refused). A reload to a checkpoint a step or more away changes about 1%
+    of a parameter's elements or more, so one of 4,096 sampled elements catches it all but surely."""
 
     def __init__(self, current_step: int | None = None) -> None:
         self._step = current_step
@@ -523,6 +535,9 @@ class _StepTracker:
         #: must name that very entry as its base, not another entry of that step number (a store emptied and
         #: published into again by a new run has its own step 3). None when the step came any other way.
         self.entry: Any = None
+        #: Each parameter's sampled positions and their bits when the weights were last known at the step.
+        self._marks: dict[str, tuple[int, torch.Tensor, torch.Tensor]] | None = None
+        self._indexes: dict[tuple[str, int, Any], torch.Tensor] = {}
 
     @property
     def current_step(self) -> int | None:
@@ -532,6 +547,60 @@ class _StepTracker:
     def current_step(self, step: int | None) -> None:
         self._step = step
         self.entry = None  # set by hand or reached by other deltas: no entry is known for it
+        self._marks = None
+
+    def mark(self, model: torch.nn.Module) -> None:
+        """Samples the weights, which are at ``current_step`` now."""
+        marks = {}
+        for name, param in _params(model).items():
+            flat = param.detach().reshape(-1)
+            numel = flat.numel()
+            if numel == 0:
+                continue
+            index = self._indexes.get((name, numel, flat.device))  # the same positions as last time
+            if index is None:
+                index = self._indexes[(name, numel, flat.device)] = _mark_index(numel, flat.device)
+            marks[name] = (numel, index, _bits(flat[index]).clone())
+        self._marks = marks
+
+    def changed_outside(self, model: torch.nn.Module) -> list[str]:
+        """The parameters whose sampled bits are not those of the last mark (the weights were written by something
+        other than this tracker since), or that came, went or changed size; [] when unmarked. One comparison of
+        every sample at once (one device synchronisation), each parameter's only where they differ."""
+        if self._marks is None or self._step is None:
+            return []
+        params = {n: p.detach().reshape(-1) for n, p in _params(model).items() if p.numel()}
+        changed = sorted(set(self._marks) ^ set(params))
+        changed += [n for n, (numel, _, _) in self._marks.items() if n in params and params[n].numel() != numel]
+        if changed:
+            return sorted(set(changed))
+        by_device: dict[Any, list[str]] = {}
+        for name in self._marks:
+            by_device.setdefault(params[name].device, []).append(name)
+        for names in by_device.values():
+            now = torch.cat([_bits(params[n][self._marks[n][1]]).reshape(-1).view(torch.uint8) for n in names])
+            then = torch.cat([self._marks[n][2].reshape(-1).view(torch.uint8) for n in names])
+            if not torch.equal(now, then):
+                changed += [n for n in names if not torch.equal(_bits(params[n][self._marks[n][1]]), self._marks[n][2])]
+        return changed
+
+    def forget_if_changed(self, model: torch.nn.Module, *, together: bool) -> list[str]:
+        """Forgets the step (and its entry) where the weights changed outside deltasync since the last mark; with
+        ``together`` at TP > 1 every rank forgets where any rank's weights changed. Returns this rank's changed
+        parameters."""
+        changed = self.changed_outside(model)
+        anyone = bool(changed)
+        if together and _tensor_parallel() > 1:
+            anyone = any(_all_gather(bool(changed)))
+        if anyone:
+            log.warning(
+                "the weights at step %s changed since deltasync wrote them (%s: reloaded by vLLM?); the step is "
+                "forgotten, and the next pull starts from an anchor",
+                self._step,
+                ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "") if changed else "on another rank",
+            )
+            self.current_step = None
+        return changed
 
     def apply(
         self,
@@ -546,8 +615,32 @@ class _StepTracker:
         ``entry``, which read and verified them on the way) the entry of each step reached is kept too, so that a
         pull that fails part way leaves the model at a step whose entry is known, and the next pull's way on must
         start from it."""
+        changed = self.changed_outside(model) if deltas else []
+        if changed:
+            step, self.current_step = self.current_step, None
+            raise BaseMismatchError(
+                f"the weights changed since deltasync brought them to step {step} ({', '.join(changed[:3])}"
+                f"{' ...' if len(changed) > 3 else ''}: reloaded by vLLM?): deltas of differences would apply onto "
+                "other weights; the step is forgotten: apply an anchor, or pull; nothing was written"
+            )
         if deltas:
             _check_chain(deltas[0], self.current_step)
+        try:
+            self._apply_all(model, deltas, path=path, check_base=check_base, entries=entries)
+        finally:
+            if deltas and self.current_step is not None:
+                self.mark(model)  # the weights are at the step reached, whatever stopped the way there
+        return self.current_step
+
+    def _apply_all(
+        self,
+        model: torch.nn.Module,
+        deltas: Sequence[Delta],
+        *,
+        path: str,
+        check_base: bool,
+        entries: Callable[[int], Any] | None,
+    ) -> None:
         for delta in deltas:
             if self.current_step is None and not delta.is_anchor and delta.base_step is not None:
                 raise BaseMismatchError(
@@ -568,7 +661,6 @@ class _StepTracker:
                             delta.step,
                             error,
                         )
-        return self.current_step
 
     def pull(
         self,
@@ -585,6 +677,7 @@ class _StepTracker:
         # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
         subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
+        self.forget_if_changed(model, together=True)  # weights put in place by vLLM: from an anchor
         start = self.current_step
         if self.entry is not None and self.entry.step == start:
             if self.entry.run is not None and subscriber.run not in (None, self.entry.run):
@@ -699,6 +792,26 @@ def _tensor_parallel() -> int:
         return 1
 
 
+#: A parameter's sampled elements come in runs of this many consecutive ones (two cache lines of bf16), spread over
+#: it: a reload that changes 1% of the elements is caught as surely, with 64 times fewer cache misses.
+MARK_RUN = 64
+
+
+def _mark_index(numel: int, device: Any) -> torch.Tensor:
+    """The positions a step tracker samples of a parameter of ``numel`` elements: all of a small one, else
+    ``MARK_SAMPLES`` in runs of ``MARK_RUN`` spread evenly over it, the last run ending at its last element."""
+    if numel <= MARK_SAMPLES:
+        return torch.arange(numel, device=device)
+    runs = MARK_SAMPLES // MARK_RUN
+    starts = torch.linspace(0, numel - MARK_RUN, runs, device=device, dtype=torch.float64).to(torch.int64)
+    return (starts[:, None] + torch.arange(MARK_RUN, device=device)[None, :]).reshape(-1)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating-point tensor's bit patterns (NaNs compare equal to themselves); other tensors as they are."""
+    return tensor.view(_write.int_dtype(tensor.element_size())) if tensor.is_floating_point() else tensor
+
+
 def _tracker_for(model: torch.nn.Module) -> _StepTracker:
     """The step tracker of one worker's model, shared by the worker extension and the weight-transfer engine, so
     that updates through either way see the step the other reached."""
@@ -722,7 +835,10 @@ class DeltaSyncWorkerExtension:
     model_runner: Any  # the vLLM worker's, once this class is mixed into it
 
     def _deltasync_model(self) -> torch.nn.Module:
-        return self.model_runner.model
+        # get_model() unwraps what the runner wraps the model in (CUDAGraphWrapper with full CUDA graphs), as the
+        # weight-transfer engine's model is: one model, one step tracker, either way in.
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def deltasync_step(self) -> int | None:
         """The step this worker's weights are at (None until an anchor or ``deltasync_set_step``)."""
@@ -731,7 +847,10 @@ class DeltaSyncWorkerExtension:
     def deltasync_set_step(self, step: int | None) -> int | None:
         """Declares the step the served weights are at (e.g. the trainer's step 0 checkpoint)."""
         step = _step_argument(step, "step")
-        self._deltasync_tracker().current_step = step
+        tracker = self._deltasync_tracker()
+        tracker.current_step = step
+        if step is not None:
+            tracker.mark(self._deltasync_model())  # the weights as declared: checked before the next apply
         return step
 
     def deltasync_apply(self, sources: Sequence[Source], path: str = "auto", check_base: Any = False) -> int | None:
@@ -740,6 +859,7 @@ class DeltaSyncWorkerExtension:
         if isinstance(sources, (str, bytes, bytearray, memoryview, os.PathLike, Delta)):
             sources = [sources]
         tracker = self._deltasync_tracker()
+        tracker.forget_if_changed(self._deltasync_model(), together=True)  # then refused together, unless anchors
         # At TP > 1 every rank loads the same files and must be at the same step: checked together, before any apply.
         deltas, _ = _together(lambda: _load_all(sources), tracker.current_step, "load the delta files")
         with torch.no_grad():
@@ -829,6 +949,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         current_step = _step_argument(init_info.current_step, "current_step")
         if current_step is not None:
             self.tracker.current_step = current_step
+            self.tracker.mark(self.model)
 
     def start_weight_update(self) -> None:
         pass  # in-place sparse updates need no layerwise reload
@@ -846,6 +967,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             path, check_base = update_info.path, _flag(update_info.check_base)
             if update_info.paths is not None:
                 paths = update_info.paths
+                self.tracker.forget_if_changed(self.model, together=True)
                 deltas, _ = _together(lambda: _load_all(paths), self.tracker.current_step, "load the delta files")
                 self.tracker.apply(self.model, deltas, path=path, check_base=check_base)
                 return
