@@ -272,6 +272,24 @@ def test_a_pull_after_vllm_put_other_weights_in_place_starts_from_an_anchor(publ
     assert worker.deltasync_apply([delta_file]) == 4
 
 
+def test_the_worker_extension_reaches_the_model_behind_a_wrapper(published_store):
+    """vLLM's GPU runner wraps its model for full CUDA graphs (CUDAGraphWrapper, not a module; get_model() unwraps
+    it): the extension took the wrapper for the model, sent a mapped model down the loader path and kept a step
+    tracker apart from the weight-transfer engine's (found by an adversarial helper)."""
+    model, states, store = published_store
+
+    class Wrapper:  # as vLLM's CUDAGraphWrapper: a callable that is not a module
+        def unwrap(self):
+            return model
+
+    for runner in (SimpleNamespace(model=Wrapper()), SimpleNamespace(model=Wrapper(), get_model=lambda: model)):
+        worker = ds_vllm.DeltaSyncWorkerExtension()
+        worker.model_runner = runner
+        assert worker._deltasync_model() is model
+    assert worker.deltasync_pull(store, 2) == 2
+    assert ds_vllm._tracker_for(model).current_step == 2 and _bits_equal(_params(model), states[2])
+
+
 def test_a_worker_pull_that_fails_part_way_keeps_the_entry_of_the_step_it_reached(published_store, monkeypatch):
     """A pull from step 1 applies delta 2, then fails on delta 3 (a refused delta, a device out of memory): the
     worker is at step 2. The trainer restarts from step 1, and steps 2-4 are published again with other weights.

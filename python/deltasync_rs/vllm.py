@@ -838,7 +838,10 @@ class DeltaSyncWorkerExtension:
         # get_model() unwraps what the runner wraps the model in (CUDAGraphWrapper with full CUDA graphs), as the
         # weight-transfer engine's model is: one model, one step tracker, either way in.
         runner = self.model_runner
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        while not isinstance(model, torch.nn.Module) and callable(getattr(model, "unwrap", None)):
+            model = model.unwrap()  # a runner without get_model holding a wrapper
+        return model
 
     def deltasync_step(self) -> int | None:
         """The step this worker's weights are at (None until an anchor or ``deltasync_set_step``)."""
