@@ -93,7 +93,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         remove_stale_temps(args.output)
         apply_files(base.files, delta._raw, [args.output], check_base)
     else:
-        # A folder of shards, written beside the output and put in its place at once (the base's own: swapped).
+        # A new folder of shards, written beside the output and put in its place at once.
         write_folder(base, args.output, lambda shards: apply_files(base.files, delta._raw, shards, check_base))
     print(
         f"{args.output}: applied {_count(delta.num_changed, 'change')} to {_count(len(delta), 'tensor')} "
@@ -191,15 +191,16 @@ def _load_file(path: str) -> dict[str, np.ndarray]:
 
 #: --dtype's choices: the safetensors names of the dtypes a checkpoint's floating-point tensors may be cast to.
 _CAST_TO = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-#: The dtypes --dtype casts from: the numpy name and how it rounds to each target exactly as torch's ``.to()`` does
-#: (round to nearest, ties to even; float64 would round twice through numpy, so it is refused rather than cast).
+#: The dtypes --dtype casts from (numpy names), which numpy rounds to each target exactly as torch's ``.to()`` does
+#: (to nearest, ties to even); float64 would round twice through numpy, so it is refused rather than cast.
 _CAST_FROM = ("float32", "float16", "bfloat16")
 
 
 def _cast(state: dict[str, np.ndarray], dtype: str, path: str) -> dict[str, np.ndarray]:
     """The checkpoint's floating-point tensors cast to ``dtype`` (in memory; the others kept mapped), bit for bit as
-    torch's ``.to(dtype)`` casts them but for NaN payloads (torch's own differ from kernel to kernel), so that a trainer saving float32 weights publishes the bf16 weights an engine
-    serves: a float32 checkpoint changes nearly every element each step, its bf16 rounding about 1%."""
+    torch's ``.to(dtype)`` casts them but for NaN payloads (torch's own differ from kernel to kernel), so that a
+    trainer saving float32 weights publishes the bf16 weights an engine serves: a float32 checkpoint changes nearly
+    every element each step, its bf16 rounding about 1%."""
     target = _arrays.numpy_dtype(_CAST_TO[dtype])
     out = {}
     for name, array in state.items():
