@@ -33,17 +33,16 @@ class CheckpointFiles:
     files: list[str]
     index: str | None = None
 
-    @property
-    def sharded(self) -> bool:
-        return self.index is not None
-
 
 def checkpoint_files(path: str) -> CheckpointFiles:
     """Resolves ``path``: a ``.safetensors`` file; a sharded checkpoint's ``*.safetensors.index.json``; or a folder
     holding exactly one of those (an index, or else a single ``.safetensors`` file). A sharded checkpoint's index
     must name, for every tensor in its shards, the shard that holds it, and nothing else."""
     if os.path.isdir(path):
-        names = sorted(os.listdir(path))
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as error:
+            raise DeltaSyncError(f"{path}: cannot read the folder: {error}") from None
         indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
         singles = [n for n in names if n.endswith(FILE_SUFFIX)]
         if len(indexes) > 1:
