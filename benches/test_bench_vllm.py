@@ -161,3 +161,22 @@ def test_dense_load_weights_of_changed_tensors(benchmark, vllm_bench, pedantic_o
 
     benchmark.pedantic(load, setup=lambda: _reset(model, prev), **pedantic_opts)
     _assert_expected(model, expected)
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_worker_apply_with_the_step_trackers_sample(benchmark, vllm_bench, pedantic_opts):
+    """What a worker's apply adds to apply_delta: its step tracker compares its sample of every parameter before
+    the apply (weights vLLM may have put in place) and takes a new one after (docs/vllm.md §4)."""
+    from deltasync_rs.vllm import _StepTracker
+
+    model, vllm_config, prev, _, delta, expected = vllm_bench
+    _info(benchmark, delta)
+
+    def setup():
+        _reset(model, prev)
+        tracker = _StepTracker(0)
+        tracker.mark(model)
+        return (tracker,), {}
+
+    benchmark.pedantic(lambda tracker: tracker.apply(model, [delta]), setup=setup, **pedantic_opts)
+    _assert_expected(model, expected)
