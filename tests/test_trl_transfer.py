@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -27,13 +28,17 @@ SYNC_ROUTES = [
 
 
 class Engine:
-    """The server's weights and step, which outlive its HTTP listener (a network outage, not a restart)."""
+    """The server's weights and step, which outlive its HTTP listener (a network outage, not a restart). Its weight
+    updates behave as vLLM 0.33's worker's: a start is refused while one is active, an update ends it on an error,
+    a finish without one is refused; an update's store, where it names one, is the store pulled."""
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         self.state = state
         self.subscriber: ds.Subscriber | None = None
         self.calls: list[tuple[str, dict | None]] = []
         self.fail_updates = False
+        self.update_seconds = 0.0
+        self.active = False
 
     def handle(self, route: str, body: dict | None) -> int:
         self.calls.append((route, body))
@@ -42,10 +47,25 @@ class Engine:
             step = self.subscriber.step if self.subscriber else None
             self.subscriber = ds.Subscriber(info["store"])
             self.subscriber.step = info.get("current_step", step)
+        elif route == "/start_weight_update":
+            if self.active:
+                return 500  # "start_weight_update called while a weight update is already active"
+            self.active = True
         elif route == "/update_weights":
-            if self.fail_updates:
+            if not self.active:
                 return 500
-            self.subscriber.pull(self.state, until=body["update_info"]["step"])
+            info = body["update_info"]
+            if self.fail_updates or (self.subscriber is None and not info.get("store")):
+                self.active = False
+                return 500
+            if self.subscriber is None:
+                self.subscriber = ds.Subscriber(info["store"])
+            time.sleep(self.update_seconds)
+            self.subscriber.pull(self.state, until=info["step"])
+        elif route == "/finish_weight_update":
+            if not self.active:
+                return 500
+            self.active = False
         return 200
 
 
@@ -125,7 +145,8 @@ def test_each_sync_brings_the_server_to_the_trainers_bf16_weights(setup):
         sync(transfer, model)
         assert [route for route, _ in engine.calls] == SYNC_ROUTES
         assert engine.calls[1][1] == {"is_checkpoint_format": True}
-        assert engine.calls[2][1] == {"update_info": {"step": step}}  # the step, nothing else, crosses over
+        # the step and the store's URL (for a server restarted since its init), nothing else, cross over
+        assert engine.calls[2][1] == {"update_info": {"step": step, "store": publisher.store.url}}
         assert_states_equal(engine.state, export(model))
         assert transfer.step == transfer.server_step == step and not transfer.behind
     assert [e.step for e in ds.Subscriber(publisher.store).fetch(0)] == [1, 2, 3]  # deltas, not anchors
@@ -264,3 +285,52 @@ def test_the_transfer_ships_the_publishers_codec(tmp_path, codec):
             assert publisher.store.get(ds.sync.delta_key(1)) == want.to_bytes()
     finally:
         server.stop()
+
+
+def test_an_update_that_outlives_its_timeout_does_not_block_the_next_syncs(setup, caplog):
+    """The server went on with an update after the transfer stopped waiting for it: its update stayed active, and
+    vLLM refused every later start, so no sync ever went through again (found by an adversarial helper). The next
+    sync finishes the update left open first."""
+    model, optimizer, engine, server, publisher, transfer = setup
+    sync(transfer, model)
+    transfer.update_timeout = 0.5
+    engine.update_seconds = 1.5
+    train_step(model, optimizer)
+    with caplog.at_level(logging.WARNING, logger="deltasync_rs"):
+        sync(transfer, model)
+    assert "out of reach" in caplog.text
+    engine.update_seconds = 0.0
+    time.sleep(1.5)  # the server has finished its pull by now; its update is still active
+    for _ in range(2):
+        train_step(model, optimizer)
+        sync(transfer, model)
+        assert transfer.server_step == transfer.step and not transfer.behind
+        assert_states_equal(engine.state, export(model))
+
+
+def test_a_restarted_server_is_brought_up_to_date_by_the_next_sync(setup, tmp_path):
+    """A server restarted between two syncs has no store (its init is gone): every update named only the step, so
+    every later sync failed (found by an adversarial helper). Each update names the store, and a server error makes
+    the next sync send the init again."""
+    model, optimizer, engine, server, publisher, transfer = setup
+    sync(transfer, model)
+    port = int(server.url.rsplit(":", 1)[1])
+    server.stop()
+    restarted = Engine({name: torch.zeros_like(t) for name, t in export(model).items()})
+    server2 = Server(restarted, port)
+    try:
+        train_step(model, optimizer)
+        sync(transfer, model)
+        assert_states_equal(restarted.state, export(model))
+        restarted.subscriber = None  # and a restart the transfer could not tell from a plain error
+        restarted.fail_updates = True
+        train_step(model, optimizer)
+        with pytest.raises(ServerError):
+            sync(transfer, model)
+        restarted.fail_updates = False
+        train_step(model, optimizer)
+        sync(transfer, model)
+        assert [route for route, _ in restarted.calls].count("/init_weight_transfer_engine") == 1
+        assert_states_equal(restarted.state, export(model))
+    finally:
+        server2.stop()

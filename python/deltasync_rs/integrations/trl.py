@@ -94,6 +94,8 @@ class DeltaSyncWeightTransfer:
         self.server_step = server_step  # the last step the server is known to hold
         self._next_step = start_step
         self._engine_ready = False
+        #: A ``/start_weight_update`` was sent and its ``/finish_weight_update`` not answered.
+        self._update_open = False
         self._declared_step = server_step  # sent as current_step until an init_weight_transfer_engine succeeds
         self._tensors: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, Any] = {}  # flat uint8 views of the mirror, which the core writes in place
@@ -200,18 +202,26 @@ class DeltaSyncWeightTransfer:
         try:
             if not self._engine_ready:
                 self._init_engine()
-            self._post("/start_weight_update", {"is_checkpoint_format": True})
+            self._start_update()
             try:
-                self._post("/update_weights", {"update_info": {"step": step}}, self.update_timeout)
+                # The store in every update too: a server restarted since its init still knows where to pull from.
+                self._post(
+                    "/update_weights", {"update_info": {"step": step, "store": self.store_url}}, self.update_timeout
+                )
             except ServerError:
-                try:
+                try:  # vLLM's worker ends the update itself on an error: this is for other servers
                     self._post("/finish_weight_update", None)
+                    self._update_open = False
                 except (ServerError, _Unreachable) as cleanup:
-                    log.warning("finish_weight_update after a failed update: %s", cleanup)
+                    log.debug("finish_weight_update after a failed update: %s", cleanup)
                 raise
             self._post("/finish_weight_update", None)
+            self._update_open = False
             self.server_step = step
             self._post("/reset_prefix_cache", None)
+        except ServerError:
+            self._engine_ready = False  # a server restarted since its init answers errors: init it again next time
+            raise
         except _Unreachable as reason:
             self._engine_ready = False  # a restarted server needs the store again
             log.warning(
@@ -222,6 +232,32 @@ class DeltaSyncWeightTransfer:
                 reason,
                 self.server_step,
             )
+
+    def _start_update(self) -> None:
+        """``/start_weight_update``. An update a sync left open (its ``/update_weights`` timed out while the server
+        went on with it, or its ``/finish_weight_update`` was out of reach) is finished first, and a start refused
+        is tried once more after a finish: vLLM refuses to start an update while one is active, and every later
+        sync failed."""
+        if self._update_open:
+            self._finish_left_open()
+        try:
+            self._post("/start_weight_update", {"is_checkpoint_format": True})
+        except ServerError:
+            if not self._finish_left_open():
+                raise
+            self._post("/start_weight_update", {"is_checkpoint_format": True})
+        self._update_open = True
+
+    def _finish_left_open(self) -> bool:
+        """Finishes an update a sync may have left active; False where the server had none."""
+        try:
+            self._post("/finish_weight_update", None)
+        except ServerError as error:
+            log.debug("finish_weight_update of an update left open: %s", error)
+            return False
+        finally:
+            self._update_open = False
+        return True
 
     def _init_engine(self) -> None:
         info: dict[str, Any] = {"store": self.store_url}
