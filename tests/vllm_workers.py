@@ -338,6 +338,23 @@ def check_ranks_pull_to_the_same_step(model, item: Prepared) -> None:
         Subscriber._fetch_checked_by_the_apply = fetch
     assert worker.deltasync_pull(store) == 2
     _assert_equal_to_reload(model, item, 2)
+    if tp > 1:  # the store's run unreadable on one rank (read before the fetch): every rank raises, none waits
+        worker.deltasync_set_step(None)
+        assert worker.deltasync_pull(store, 1) == 1  # a pull keeps the entry of step 1, whose run is read next
+        run = Subscriber.run
+
+        def run_fails_on_rank_1(self):
+            if rank == 1:
+                raise ds.StoreError("run.json unreadable on rank 1")
+            return run.fget(self)
+
+        Subscriber.run = property(run_fails_on_rank_1)
+        try:
+            why = "run.json unreadable" if rank == 1 else "rank 1 could not check its weights"
+            _expect_untouched(model, snapshot(model), ds.DeltaSyncError, lambda: worker.deltasync_pull(store), why)
+        finally:
+            Subscriber.run = run
+        assert worker.deltasync_pull(store) == 2
     if tp > 1:  # a file one rank cannot load: every rank raises, none applies
         worker.deltasync_set_step(0)
         files = [item.path("delta_1_diff.safetensors" if rank == 0 else "missing.safetensors")]

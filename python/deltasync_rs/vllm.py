@@ -584,15 +584,22 @@ class _StepTracker:
                 changed += [n for n in names if not torch.equal(_bits(params[n][self._marks[n][1]]), self._marks[n][2])]
         return changed
 
-    def forget_if_changed(self, model: torch.nn.Module, *, together: bool) -> list[str]:
+    def forget_if_changed(
+        self, model: torch.nn.Module, *, together: bool, also: Callable[[], Any] | None = None
+    ) -> Any:
         """Forgets the step (and its entry) where the weights changed outside deltasync since the last mark; with
-        ``together`` at TP > 1 every rank forgets where any rank's weights changed. Returns this rank's changed
-        parameters."""
-        changed = self.changed_outside(model)
-        anyone = bool(changed)
-        if together and _tensor_parallel() > 1:
-            anyone = any(_all_gather(bool(changed)))
-        if anyone:
+        ``together`` at TP > 1 every rank forgets where any rank's weights changed. ``also()`` (a read of the store
+        a pull needs) runs in the same step, so that a rank it fails on fails every rank, as none is left waiting
+        in a later all-gather. Returns what ``also()`` returned."""
+
+        def work() -> tuple[list[str], Any]:
+            return self.changed_outside(model), (also() if also is not None else None)
+
+        if together:
+            (changed, extra), flags = _together(work, self._step, "check its weights", lambda done: bool(done[0]))
+        else:
+            (changed, extra), flags = work(), []
+        if changed or any(flags):
             log.warning(
                 "the weights at step %s changed since deltasync wrote them (%s: reloaded by vLLM?); the step is "
                 "forgotten, and the next pull starts from an anchor",
@@ -600,7 +607,7 @@ class _StepTracker:
                 ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "") if changed else "on another rank",
             )
             self.current_step = None
-        return changed
+        return extra
 
     def apply(
         self,
@@ -625,11 +632,7 @@ class _StepTracker:
             )
         if deltas:
             _check_chain(deltas[0], self.current_step)
-        try:
-            self._apply_all(model, deltas, path=path, check_base=check_base, entries=entries)
-        finally:
-            if deltas and self.current_step is not None:
-                self.mark(model)  # the weights are at the step reached, whatever stopped the way there
+        self._apply_all(model, deltas, path=path, check_base=check_base, entries=entries)
         return self.current_step
 
     def _apply_all(
@@ -652,6 +655,9 @@ class _StepTracker:
             )
             if delta.step is not None:
                 self.current_step = delta.step
+                # After each delta applied whole: one that failed after writing (a repack that raised) leaves the
+                # sample of the step before, which the weights no longer match, so the next pull takes an anchor.
+                self.mark(model)
                 if entries is not None:
                     try:
                         self.entry = entries(delta.step)  # read (and verified) on the way there: cached
@@ -677,17 +683,23 @@ class _StepTracker:
         # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
         subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
-        self.forget_if_changed(model, together=True)  # weights put in place by vLLM: from an anchor
+        held = self.entry
+
+        def run() -> Any:  # the store's run, where the entry held names one
+            return subscriber.run if held is not None and held.run is not None else None
+
+        # Weights put in place by vLLM: from an anchor. The run is read in the same step on every rank.
+        store_run = self.forget_if_changed(model, together=True, also=run)
         start = self.current_step
         if self.entry is not None and self.entry.step == start:
-            if self.entry.run is not None and subscriber.run not in (None, self.entry.run):
+            if self.entry.run is not None and store_run not in (None, self.entry.run):
                 # The store holds another run now (emptied and published into again): its steps, even those
                 # before this one, are not this model's history. The new run is followed from its anchor.
                 log.warning(
                     "%s holds run %s, not run %s of the step %d this worker holds; following the new run from its "
                     "anchor",
                     subscriber.store.url,
-                    subscriber.run,
+                    store_run,
                     self.entry.run,
                     start,
                 )
