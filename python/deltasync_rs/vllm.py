@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+import numpy as np
 import torch
 import vllm  # noqa: F401  (the real vllm package: absolute import, see docs/architecture.md, "Two names shadowed by our own modules")
 from vllm.distributed.weight_transfer.base import (
@@ -536,8 +537,8 @@ class _StepTracker:
         #: published into again by a new run has its own step 3). None when the step came any other way.
         self.entry: Any = None
         #: Each parameter's sampled positions and their bits when the weights were last known at the step.
-        self._marks: dict[str, tuple[int, torch.Tensor, torch.Tensor]] | None = None
-        self._indexes: dict[tuple[str, int, Any], torch.Tensor] = {}
+        self._marks: dict[str, tuple[int, Any, Any]] | None = None
+        self._indexes: dict[tuple[str, int, Any], Any] = {}
 
     @property
     def current_step(self) -> int | None:
@@ -552,36 +553,37 @@ class _StepTracker:
     def mark(self, model: torch.nn.Module) -> None:
         """Samples the weights, which are at ``current_step`` now."""
         marks = {}
-        for name, param in _params(model).items():
-            flat = param.detach().reshape(-1)
-            numel = flat.numel()
-            if numel == 0:
-                continue
-            index = self._indexes.get((name, numel, flat.device))  # the same positions as last time
+        for name, flat in _sampled_parameters(model).items():
+            key = (name, flat.numel(), flat.device)
+            index = self._indexes.get(key)  # the same positions as last time
             if index is None:
-                index = self._indexes[(name, numel, flat.device)] = _mark_index(numel, flat.device)
-            marks[name] = (numel, index, _bits(flat[index]).clone())
+                index = self._indexes[key] = _mark_index(flat.numel(), flat.device)
+            marks[name] = (flat.numel(), index, _sample(flat, index))
         self._marks = marks
 
     def changed_outside(self, model: torch.nn.Module) -> list[str]:
         """The parameters whose sampled bits are not those of the last mark (the weights were written by something
-        other than this tracker since), or that came, went or changed size; [] when unmarked. One comparison of
-        every sample at once (one device synchronisation), each parameter's only where they differ."""
+        other than this tracker since), or that came, went or changed size; [] when unmarked. On a device, one
+        comparison of every sample at once (one synchronisation), each parameter's only where they differ."""
         if self._marks is None or self._step is None:
             return []
-        params = {n: p.detach().reshape(-1) for n, p in _params(model).items() if p.numel()}
+        params = _sampled_parameters(model)
         changed = sorted(set(self._marks) ^ set(params))
         changed += [n for n, (numel, _, _) in self._marks.items() if n in params and params[n].numel() != numel]
         if changed:
             return sorted(set(changed))
-        by_device: dict[Any, list[str]] = {}
-        for name in self._marks:
-            by_device.setdefault(params[name].device, []).append(name)
-        for names in by_device.values():
-            now = torch.cat([_bits(params[n][self._marks[n][1]]).reshape(-1).view(torch.uint8) for n in names])
-            then = torch.cat([self._marks[n][2].reshape(-1).view(torch.uint8) for n in names])
-            if not torch.equal(now, then):
-                changed += [n for n in names if not torch.equal(_bits(params[n][self._marks[n][1]]), self._marks[n][2])]
+        on_devices: dict[Any, list[str]] = {}
+        for name, (_, index, then) in self._marks.items():
+            if isinstance(then, np.ndarray):
+                if not np.array_equal(_sample(params[name], index), then):
+                    changed.append(name)
+            else:
+                on_devices.setdefault(params[name].device, []).append(name)
+        for names in on_devices.values():
+            now = [_sample(params[n], self._marks[n][1]) for n in names]
+            joined = torch.cat([t.reshape(-1).view(torch.uint8) for t in now])
+            if not torch.equal(joined, torch.cat([self._marks[n][2].reshape(-1).view(torch.uint8) for n in names])):
+                changed += [n for n, t in zip(names, now) if not torch.equal(t, self._marks[n][2])]
         return changed
 
     def forget_if_changed(
@@ -617,12 +619,14 @@ class _StepTracker:
         path: str = "auto",
         check_base: bool = False,
         entries: Callable[[int], Any] | None = None,
+        checked: bool = False,
     ) -> int | None:
         """Applies ``deltas`` in order, the step moving with each; with ``entries`` (a pull's subscriber's
         ``entry``, which read and verified them on the way) the entry of each step reached is kept too, so that a
         pull that fails part way leaves the model at a step whose entry is known, and the next pull's way on must
-        start from it."""
-        changed = self.changed_outside(model) if deltas else []
+        start from it. ``checked``: the caller compared the weights with the sample just before
+        (``forget_if_changed``)."""
+        changed = self.changed_outside(model) if deltas and not checked else []
         if changed:
             step, self.current_step = self.current_step, None
             raise BaseMismatchError(
@@ -711,7 +715,7 @@ class _StepTracker:
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
         deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, start, until)
         try:
-            step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
+            step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry, checked=True)
         except DeltaFormatError as error:
             # As in Subscriber.pull: nothing of the delta with the malformed stream was written (the step is the one
             # before it). Read the way on again with every file checked first, which takes a way around the file.
@@ -809,14 +813,39 @@ def _tensor_parallel() -> int:
 MARK_RUN = 64
 
 
-def _mark_index(numel: int, device: Any) -> torch.Tensor:
+def _mark_index(numel: int, device: Any) -> Any:
     """The positions a step tracker samples of a parameter of ``numel`` elements: all of a small one, else
-    ``MARK_SAMPLES`` in runs of ``MARK_RUN`` spread evenly over it, the last run ending at its last element."""
+    ``MARK_SAMPLES`` in runs of ``MARK_RUN`` spread evenly over it, the last run ending at its last element. A
+    numpy array for a parameter in host memory (numpy's gathers run on the calling thread: torch's small parallel
+    ones took 100x longer on a busy host), else a tensor on its device."""
     if numel <= MARK_SAMPLES:
-        return torch.arange(numel, device=device)
-    runs = MARK_SAMPLES // MARK_RUN
-    starts = torch.linspace(0, numel - MARK_RUN, runs, device=device, dtype=torch.float64).to(torch.int64)
-    return (starts[:, None] + torch.arange(MARK_RUN, device=device)[None, :]).reshape(-1)
+        index = np.arange(numel, dtype=np.int64)
+    else:
+        starts = np.linspace(0, numel - MARK_RUN, MARK_SAMPLES // MARK_RUN).astype(np.int64)
+        index = (starts[:, None] + np.arange(MARK_RUN, dtype=np.int64)[None, :]).reshape(-1)
+    return index if device.type == "cpu" else torch.from_numpy(index).to(device)
+
+
+def _sampled_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a step tracker samples, flat: each memory once (a CPU-backend layer's kept weight is also a
+    registered parameter; tied weights are one), under the first name it has."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for name, param in _params(model).items():
+        if param.numel() == 0:
+            continue
+        memory = (param.device, param.data_ptr(), param.numel(), param.dtype)
+        if memory not in seen:
+            seen.add(memory)
+            out[name] = param.detach().reshape(-1)
+    return out
+
+
+def _sample(flat: torch.Tensor, index: Any) -> Any:
+    """The bits of ``flat`` at ``index``: a numpy array for a parameter in host memory, else a tensor."""
+    if isinstance(index, np.ndarray):
+        return _bits(flat).numpy()[index]
+    return _bits(flat[index]).clone()
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
