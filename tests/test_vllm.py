@@ -272,6 +272,22 @@ def test_a_pull_after_vllm_put_other_weights_in_place_starts_from_an_anchor(publ
     assert worker.deltasync_apply([delta_file]) == 4
 
 
+def test_the_step_trackers_sample_skips_what_holds_no_data_and_shared_memory():
+    """A parameter on the meta device (a layer never materialised) has no data to sample, and would make every
+    comparison raise; tied weights are one memory, sampled once."""
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.randn(10, 3).to(torch.bfloat16))
+    model.tied = model.a
+    model.b = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    model.c = torch.nn.Parameter(torch.zeros(0))
+    tracker = ds_vllm._StepTracker(1)
+    tracker.mark(model)
+    assert sorted(tracker._marks) == ["a"] and tracker.changed_outside(model) == []
+    with torch.no_grad():
+        model.a.data[2, 1] += 1
+    assert tracker.changed_outside(model) == ["a"]
+
+
 def test_the_worker_extension_reaches_the_model_behind_a_wrapper(published_store):
     """vLLM's GPU runner wraps its model for full CUDA graphs (CUDAGraphWrapper, not a module; get_model() unwraps
     it): the extension took the wrapper for the model, sent a mapped model down the loader path and kept a step

@@ -828,11 +828,11 @@ def _mark_index(numel: int, device: Any) -> Any:
 
 def _sampled_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The parameters a step tracker samples, flat: each memory once (a CPU-backend layer's kept weight is also a
-    registered parameter; tied weights are one), under the first name it has."""
+    registered parameter; tied weights are one), under the first name it has; none on the meta device."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[Any, ...]] = set()
     for name, param in _params(model).items():
-        if param.numel() == 0:
+        if param.numel() == 0 or param.device.type == "meta":  # no data to sample (a layer not materialised)
             continue
         memory = (param.device, param.data_ptr(), param.numel(), param.dtype)
         if memory not in seen:
