@@ -178,5 +178,9 @@ def test_worker_apply_with_the_step_trackers_sample(benchmark, vllm_bench, pedan
         tracker.mark(model)
         return (tracker,), {}
 
-    benchmark.pedantic(lambda tracker: tracker.apply(model, [delta]), setup=setup, **pedantic_opts)
+    def apply(tracker):
+        tracker.forget_if_changed(model, together=False)
+        return tracker.apply(model, [delta])
+
+    benchmark.pedantic(apply, setup=setup, **pedantic_opts)
     _assert_expected(model, expected)

@@ -619,21 +619,12 @@ class _StepTracker:
         path: str = "auto",
         check_base: bool = False,
         entries: Callable[[int], Any] | None = None,
-        checked: bool = False,
     ) -> int | None:
         """Applies ``deltas`` in order, the step moving with each; with ``entries`` (a pull's subscriber's
         ``entry``, which read and verified them on the way) the entry of each step reached is kept too, so that a
         pull that fails part way leaves the model at a step whose entry is known, and the next pull's way on must
-        start from it. ``checked``: the caller compared the weights with the sample just before
-        (``forget_if_changed``)."""
-        changed = self.changed_outside(model) if deltas and not checked else []
-        if changed:
-            step, self.current_step = self.current_step, None
-            raise BaseMismatchError(
-                f"the weights changed since deltasync brought them to step {step} ({', '.join(changed[:3])}"
-                f"{' ...' if len(changed) > 3 else ''}: reloaded by vLLM?): deltas of differences would apply onto "
-                "other weights; the step is forgotten: apply an anchor, or pull; nothing was written"
-            )
+        start from it. Every caller compares the weights with the sample first (``forget_if_changed``), all ranks
+        together."""
         if deltas:
             _check_chain(deltas[0], self.current_step)
         self._apply_all(model, deltas, path=path, check_base=check_base, entries=entries)
@@ -715,7 +706,7 @@ class _StepTracker:
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
         deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, start, until)
         try:
-            step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry, checked=True)
+            step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         except DeltaFormatError as error:
             # As in Subscriber.pull: nothing of the delta with the malformed stream was written (the step is the one
             # before it). Read the way on again with every file checked first, which takes a way around the file.
