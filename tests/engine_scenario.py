@@ -201,6 +201,12 @@ def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[d
         assert llm.collective_rpc("deltasync_pull", args=(store,)) == [3] * TP  # the newest step, agreed by the ranks
         llm.reset_prefix_cache()
         followed[3] = generate(llm)
+        try:  # a step never published: refused by every rank, and vLLM reads each later call's own replies
+            llm.collective_rpc("deltasync_pull", args=(store, 99))
+        except Exception as error:  # noqa: BLE001  (the worker's error comes back wrapped by vLLM)
+            refused = f"{type(error).__name__}: {error}"
+        assert llm.collective_rpc("deltasync_step") == [3] * TP
+        assert llm.collective_rpc("deltasync_set_step", args=(3,)) == [3] * TP
     else:
         assert llm.collective_rpc("deltasync_pull", kwargs={"store": store, "step": 3, "path": "loader"}) == [3] * TP
         llm.reset_prefix_cache()

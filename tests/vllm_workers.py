@@ -367,6 +367,28 @@ def check_ranks_pull_to_the_same_step(model, item: Prepared) -> None:
             lambda: worker.deltasync_apply([item.path("delta_2_diff.safetensors")]),
         ):
             _expect_untouched(model, snapshot(model), ds.BaseMismatchError, call, "ranks are at different steps")
+    if tp > 1:  # under vLLM's multiprocess executor, which reads the replies in rank order, the last rank alone raises
+        from types import SimpleNamespace
+
+        for backend in ("mp", "external_launcher"):
+            parallel = SimpleNamespace(distributed_executor_backend=backend, pipeline_parallel_size=1, nnodes=1)
+            worker.vllm_config = SimpleNamespace(parallel_config=parallel)
+            raises = backend != "mp" or rank == tp - 1
+            for at, call, why in (
+                (1 + rank, lambda: worker.deltasync_pull(store), "ranks are at different steps"),  # decided together
+                (0, lambda: worker.deltasync_apply([item.path("missing.safetensors")]), "missing.safetensors"),
+                (0, lambda: worker.deltasync_pull(store, "x"), "must be a step number"),  # the same arguments
+                (5, lambda: worker.deltasync_apply([item.path("delta_1_diff.safetensors")]), "applies to step 0"),
+            ):
+                worker.deltasync_set_step(at)
+                before = snapshot(model)
+                if raises:
+                    _expect_untouched(model, before, ds.DeltaSyncError, call, why)
+                else:
+                    assert call() is None, backend
+                    assert not differing(model, before)
+                assert worker.deltasync_step() == at
+        del worker.vllm_config
 
 
 def check_context_applies_bit_exactly(model, item: Prepared) -> None:

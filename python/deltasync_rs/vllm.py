@@ -8,6 +8,7 @@ weight-transfer engine (``vllm.general_plugins`` entry point ``register``) run i
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -262,6 +263,24 @@ def _check_chain(delta: Delta, current_step: int | None) -> None:
             f"delta for step {delta.step} applies to step {delta.base_step}, "
             f"but the model is at step {current_step}; nothing was written"
         )
+
+
+def _unknown_step(delta: Delta) -> BaseMismatchError:
+    return BaseMismatchError(
+        f"delta for step {delta.step} applies to step {delta.base_step}, but this "
+        "worker's step is unknown: apply an anchor first or set the step"
+    )
+
+
+def _load_onto(sources: Sequence[Source], current_step: int | None) -> list[Delta]:
+    """The delta files, loaded, whose first must apply to ``current_step`` (at TP > 1 in ``_together``, so that
+    every rank refuses together what one refuses)."""
+    deltas = _load_all(sources)
+    if deltas:
+        _check_chain(deltas[0], current_step)
+        if current_step is None and not deltas[0].is_anchor and deltas[0].base_step is not None:
+            raise _unknown_step(deltas[0])
+    return deltas
 
 
 def apply_delta(
@@ -641,10 +660,7 @@ class _StepTracker:
     ) -> None:
         for delta in deltas:
             if self.current_step is None and not delta.is_anchor and delta.base_step is not None:
-                raise BaseMismatchError(
-                    f"delta for step {delta.step} applies to step {delta.base_step}, but this "
-                    "worker's step is unknown: apply an anchor first or set the step"
-                )
+                raise _unknown_step(delta)
             apply_delta(
                 model, delta, current_step=self.current_step, path=path, check_base=check_base and not delta.is_anchor
             )
@@ -742,7 +758,9 @@ def _agreed(
         if len(set(reached)) == 1:
             return deltas, until
         until = min(reached, key=lambda step: -1 if step is None else step)
-    raise DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
+    raise _on_every_rank(
+        DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
+    )
 
 
 def _together(
@@ -760,6 +778,7 @@ def _together(
         mine: tuple[Any, ...] = ("ok", current_step, summary(result))
     except Exception as error:
         _all_gather(("failed", current_step, (type(error).__name__, f"{type(error).__name__}: {error}")))
+        _on_every_rank(error)  # the others raise too, having gathered that this rank failed
         raise
     everyone = _all_gather(mine)
     for rank, (status, _, detail) in enumerate(everyone):
@@ -769,14 +788,70 @@ def _together(
             kind = {"DeltaFormatError": DeltaFormatError, "BaseMismatchError": BaseMismatchError}.get(
                 detail[0], DeltaSyncError
             )
-            raise kind(f"tensor-parallel rank {rank} could not {what} ({detail[1]}); nothing was applied")
+            raise _on_every_rank(
+                kind(f"tensor-parallel rank {rank} could not {what} ({detail[1]}); nothing was applied")
+            )
     if len({start for _, start, _ in everyone}) > 1:
-        raise BaseMismatchError(
-            "the tensor-parallel ranks are at different steps "
-            f"({', '.join(f'rank {r}: {start}' for r, (_, start, _) in enumerate(everyone))}); set the step "
-            "(deltasync_set_step) or pull from an anchor; none applied"
+        raise _on_every_rank(
+            BaseMismatchError(
+                "the tensor-parallel ranks are at different steps "
+                f"({', '.join(f'rank {r}: {start}' for r, (_, start, _) in enumerate(everyone))}); set the step "
+                "(deltasync_set_step) or pull from an anchor; none applied"
+            )
         )
     return result, [detail for _, _, detail in everyone]
+
+
+_EVERY_RANK = "_deltasync_on_every_rank"
+
+
+def _on_every_rank(error: BaseException) -> BaseException:
+    """Marks ``error`` as one that every tensor-parallel rank raises in the same call (decided together, or from
+    arguments and state they share), which ``_one_reply_per_failure`` may then let the last rank alone raise."""
+    setattr(error, _EVERY_RANK, True)
+    return error
+
+
+def _one_reply_per_failure(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker extension method called by ``collective_rpc``: where every rank raises the same refusal, only the
+    rank whose reply vLLM reads last raises it, and the others return None (logging it).
+
+    vLLM's multiprocess executor reads the workers' replies in rank order and raises at the first failure, leaving
+    the later ranks' replies unread: the next call then returned the previous call's replies (a
+    ``deltasync_set_step(5)`` answered ``[5, 2]``), or raised the previous call's error. With the last rank alone
+    raising, every reply is read and the caller still gets the error. A failure that not every rank shares still
+    raises wherever it happens. Only under that executor (``distributed_executor_backend="mp"``, one node, no
+    pipeline stages); under any other (``external_launcher``, where each process reads only its own worker's reply,
+    Ray, uni) every rank raises."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            if getattr(error, _EVERY_RANK, False) and _replies_before_the_last(getattr(self, "vllm_config", None)):
+                log.error("%s: %s (raised by the last tensor-parallel rank)", method.__name__, error)
+                return None
+            raise
+
+    return call
+
+
+def _replies_before_the_last(vllm_config: Any) -> bool:
+    """True on a worker whose ``collective_rpc`` reply vLLM's multiprocess executor reads before the last one's."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if (
+        parallel is None
+        or getattr(parallel, "distributed_executor_backend", None) != "mp"
+        or getattr(parallel, "pipeline_parallel_size", 1) != 1
+        or getattr(parallel, "nnodes", 1) != 1
+        or _tensor_parallel() <= 1
+    ):
+        return False
+    from vllm.distributed import parallel_state
+
+    group = parallel_state.get_tp_group()
+    return bool(group.rank_in_group < group.world_size - 1)
 
 
 def _all_gather(mine: Any) -> list[Any]:
@@ -879,6 +954,7 @@ class DeltaSyncWorkerExtension:
         """The step this worker's weights are at (None until an anchor or ``deltasync_set_step``)."""
         return self._deltasync_tracker().current_step
 
+    @_one_reply_per_failure
     def deltasync_set_step(self, step: int | None) -> int | None:
         """Declares the step the served weights are at (e.g. the trainer's step 0 checkpoint)."""
         step = _step_argument(step, "step")
@@ -888,6 +964,7 @@ class DeltaSyncWorkerExtension:
             tracker.mark(self._deltasync_model())  # the weights as declared: checked before the next apply
         return step
 
+    @_one_reply_per_failure
     def deltasync_apply(self, sources: Sequence[Source], path: str = "auto", check_base: Any = False) -> int | None:
         """Applies delta files (paths or bytes) in order; each is all-or-nothing. Returns the new step.
         ``path`` and ``check_base`` are as for :func:`apply_delta`."""
@@ -896,10 +973,13 @@ class DeltaSyncWorkerExtension:
         tracker = self._deltasync_tracker()
         tracker.forget_if_changed(self._deltasync_model(), together=True)  # then refused together, unless anchors
         # At TP > 1 every rank loads the same files and must be at the same step: checked together, before any apply.
-        deltas, _ = _together(lambda: _load_all(sources), tracker.current_step, "load the delta files")
+        deltas, _ = _together(
+            lambda: _load_onto(sources, tracker.current_step), tracker.current_step, "load the delta files"
+        )
         with torch.no_grad():
             return tracker.apply(self._deltasync_model(), deltas, path=path, check_base=_flag(check_base))
 
+    @_one_reply_per_failure
     def deltasync_pull(
         self,
         store: Any,
@@ -924,16 +1004,19 @@ def _step_argument(value: Any, name: str) -> int | None:
     if isinstance(value, str):
         text = value.strip()
         if text and not (text.isascii() and text.isdigit()):
-            raise DeltaSyncError(f"{name} must be a step number, not {value!r}")
+            raise _on_every_rank(DeltaSyncError(f"{name} must be a step number, not {value!r}"))
         value = int(text) if text else None
-    return _check_step(value, name)
+    try:
+        return _check_step(value, name)
+    except DeltaSyncError as error:  # every rank has the same arguments
+        raise _on_every_rank(error) from None
 
 
 def _flag(value: Any) -> bool:
     """A boolean argument that may arrive as a string through vLLM's HTTP routes."""
     if isinstance(value, str):
         if value.strip().lower() not in ("", "0", "false", "1", "true"):
-            raise DeltaSyncError(f"expected a boolean, not {value!r}")
+            raise _on_every_rank(DeltaSyncError(f"expected a boolean, not {value!r}"))
         return value.strip().lower() in ("1", "true")
     return bool(value)
 
@@ -1003,7 +1086,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             if update_info.paths is not None:
                 paths = update_info.paths
                 self.tracker.forget_if_changed(self.model, together=True)
-                deltas, _ = _together(lambda: _load_all(paths), self.tracker.current_step, "load the delta files")
+                deltas, _ = _together(
+                    lambda: _load_onto(paths, self.tracker.current_step),
+                    self.tracker.current_step,
+                    "load the delta files",
+                )
                 self.tracker.apply(self.model, deltas, path=path, check_base=check_base)
                 return
             store = update_info.store or self.store
