@@ -288,6 +288,30 @@ def test_a_drifted_replica_is_refused_by_the_base_check_before_any_write(tmp_pat
         assert ("not the base" in warnings) == check_base and "re-syncing" in warnings
 
 
+def test_a_pull_refused_for_the_targets_dtype_leaves_the_subscriber_at_its_step(tmp_path):
+    """A pull into a target of the wrong dtype or shape was taken for drift: the subscriber forgot its step for an
+    anchor re-sync, which the same target refused, and was left at no step, from which a later pull moved the state
+    back to an older step (found by an adversarial helper)."""
+    state = {"a": torch.zeros(4, dtype=torch.bfloat16), "b": torch.zeros(3)}
+    with ds.Publisher(tmp_path, background=False) as publisher:
+        for step in range(3):
+            state["a"][step] += 1
+            state["b"][step] += 1
+            publisher.publish(step, state)
+    subscriber = ds.Subscriber(tmp_path)
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    assert subscriber.pull(target, until=1) == 1
+    held = {name: tensor.clone() for name, tensor in target.items()}
+    for wrong in ({"a": target["a"], "b": target["b"].double()}, {"a": target["a"], "b": torch.zeros(4)}):
+        with pytest.raises(ds.BaseMismatchError, match='"b"'):
+            subscriber.pull(wrong, until=2)
+        assert subscriber.step == 1
+        assert_states_equal(target, held)
+    assert subscriber.pull(target, until=0) == 1  # never back
+    assert_states_equal(target, held)
+    assert subscriber.pull(target) == 2
+
+
 def test_fault_injection_soak(tmp_path):
     report = soak(300, tmp_path, seed=7)
     print(report)

@@ -747,9 +747,16 @@ class Subscriber:
             # The state is not the base the next delta was made against (changed behind our back): nothing of that
             # delta was written, and the newest anchor brings the state back onto the chain.
             log.warning("%s; re-syncing from the newest anchor", error)
-            target = deltas[-1].step
+            target, held = deltas[-1].step, self.step
             self.step = None
-            known = self._apply_all(state, self._fetch_to_apply(None, target))
+            try:
+                known = self._apply_all(state, self._fetch_to_apply(None, target))
+            except BaseException:
+                if self.step is None:
+                    # Nothing was applied (a target of another dtype or shape is refused by the anchor too): the
+                    # state is as it was, so the subscriber is still where it was, and never moves back from there.
+                    self.step = held
+                raise
         self._hold_the_step(state, known)
         self._target = this_target
         return self._reached()
