@@ -146,6 +146,39 @@ def test_tied_targets_written_once_and_partial_overlaps_refused():
         halves.apply_({"x": base[:40], "y": base[20:60]})
 
 
+@pytest.mark.parametrize("codec", ["varint", "compact", "context"])
+def test_check_base_checks_every_name_of_a_tied_target(codec):
+    """Tied targets are written once, under one name, but each name's record has its own base: with check_base the
+    other name's base went unchecked, so a target that was the base of one name only took the changes meant for
+    the other, silently (found by an adversarial helper)."""
+    torch.manual_seed(3)
+    embed = (torch.randn(64, 48) * 0.02).to(torch.bfloat16)
+    head = embed.clone()
+    head.view(torch.int16)[::7, ::5] += 1  # another base
+    new_embed, new_head = embed.clone(), head.clone()
+    for tensor in (new_embed, new_head):
+        tensor.view(torch.int16)[3, :4] += 1  # the same change to both
+    delta = ds.diff({"embed": embed, "head": head}, {"embed": new_embed, "head": new_head}, codec=codec)
+    for order in (("embed", "head"), ("head", "embed")):
+        shared = embed.clone()
+        with pytest.raises(ds.BaseMismatchError, match="head"):
+            delta.apply_({name: shared for name in order}, check_base=True)
+        assert_bits_equal(shared, embed)
+    # Tensors the delta leaves alone are checked as well: a target tying them holds the base of one only.
+    other, new_other = torch.zeros(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    quiet = ds.diff(
+        {"embed": embed, "head": head, "other": other}, {"embed": embed, "head": head, "other": new_other}, codec=codec
+    )
+    shared, written = embed.clone(), other.clone()
+    with pytest.raises(ds.BaseMismatchError, match="head"):
+        quiet.apply_({"embed": shared, "head": shared, "other": written}, check_base=True)
+    assert_bits_equal(shared, embed)
+    assert_bits_equal(written, other)
+    tied = ds.diff({"embed": embed, "head": embed}, {"embed": new_embed, "head": new_embed}, codec=codec)
+    tied.apply_({"embed": shared, "head": shared}, check_base=True)  # one base: accepted, written once
+    assert_bits_equal(shared, new_embed)
+
+
 def test_many_targets_are_checked_for_overlap_in_one_sort():
     n = 20000
     prev = {f"t{i}": torch.zeros(3) for i in range(n)}

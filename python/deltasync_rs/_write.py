@@ -240,11 +240,12 @@ class Writes:
             dtype, shape = _arrays.describe(target, name)
             self._raw.check_target(index, dtype, list(shape))
             described.append(self._memory(index, target, name))
-        kept = self._without_aliases(described)
+        kept, aliases = self._without_aliases(described)
         in_core = [self._changed(m.index) > 0 and self._writable_in_core(m.target) for m in kept]
         if check_base:
-            # The core checks its own targets as it writes them (commit); the others are checked here, first.
-            self._check_base([memory for memory, core in zip(kept, in_core) if not core])
+            # The core checks its own targets as it writes them (commit); the others are checked here, first, and
+            # so is every name of a tied target that is not written (its record may name another base).
+            self._check_base([memory for memory, core in zip(kept, in_core) if not core] + aliases)
             self._check_in_core = True
         else:
             self.check_context_bases([(m.index, m.target) for m, core in zip(kept, in_core) if not core])
@@ -311,9 +312,10 @@ class Writes:
             )
         return _Memory(index, target, device, start, start + span * itemsize, layout)
 
-    def _without_aliases(self, targets: list[_Memory]) -> list[_Memory]:
+    def _without_aliases(self, targets: list[_Memory]) -> tuple[list[_Memory], list[_Memory]]:
         """Targets that are one memory with one layout (tied weights) are written once, when their changes agree;
-        any other overlap is refused. One sort and one sweep, so 100k tensors cost milliseconds, not minutes."""
+        any other overlap is refused. Returns the targets to write and the other names of tied ones. One sort and
+        one sweep, so 100k tensors cost milliseconds, not minutes."""
         aliases: set[int] = set()
         ordered = sorted((t for t in targets if t.end > t.start), key=lambda t: (t.device, t.start, -t.end))
         reach: _Memory | None = None  # the target reaching furthest so far on this device
@@ -333,7 +335,7 @@ class Writes:
                 continue
             if reach is None or reach.device != memory.device or memory.end > reach.end:
                 reach = memory
-        return [t for t in targets if id(t) not in aliases]
+        return [t for t in targets if id(t) not in aliases], [t for t in targets if id(t) in aliases]
 
     def _check_base(self, targets: list[_Memory]) -> None:
         """Every target holds the base its tensor was diffed against (its base identity: computed by the core for
