@@ -323,6 +323,32 @@ def test_a_bad_step_leaves_a_mirror_where_it_was(states, step):
         ds.Mirror().share(prev, step=step)
 
 
+@pytest.mark.parametrize("swap", ["meta", "sparse_coo", "sparse_csr"])
+def test_a_tensor_without_dense_data_is_refused_before_the_torch_mirror_moves(swap):
+    """A model tensor swapped for a meta or sparse one after the mirror was made: the step raised a bare torch error
+    naming nothing after it had copied the tensors before it into the mirror, so the next delta lacked their
+    changes (found by an adversarial helper). Refused first now, naming it, with nothing moved."""
+    import deltasync_rs.torch as dst
+
+    source = {"a": torch.zeros(8), "b": torch.zeros(4, 4)}
+    mirror = dst.Mirror(source, step=0)
+    source["a"] += 1
+    good = source["b"]
+    source["b"] = {
+        "meta": lambda: torch.zeros(4, 4, device="meta"),
+        "sparse_coo": lambda: good.to_sparse(),
+        "sparse_csr": lambda: good.to_sparse_csr(),
+    }[swap]()
+    with pytest.raises(ds.DeltaSyncError, match="'b'"):
+        mirror.step(1)
+    assert mirror.current_step == 0
+    source["b"] = good
+    delta = mirror.step(1)
+    target = {"a": torch.zeros(8, dtype=torch.bfloat16), "b": torch.zeros(4, 4, dtype=torch.bfloat16)}
+    delta.apply_(target, check_base=True)
+    assert torch.equal(target["a"], torch.ones(8, dtype=torch.bfloat16))
+
+
 def test_tensor_indexes_and_thread_counts_are_checked(states, tmp_path):
     """decoded(-1) decoded the last tensor, decoded(True) the second, decoded(99) raised a bare IndexError;
     set_num_threads("2") a TypeError from inside and True meant one thread; a numpy-only program got KeyError

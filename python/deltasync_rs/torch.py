@@ -247,7 +247,14 @@ class Mirror:
                     f"tensor {name!r}: the model now holds {current[name].dtype}{list(current[name].shape)}, "
                     f"the mirror {mirror.dtype}{list(mirror.shape)}"
                 )
-        return {name: self._local(name, current[name]) for name in self._tensors}
+        live = {name: self._local(name, current[name]) for name in self._tensors}
+        for name, tensor in live.items():
+            # Checked before anything moves: the step copies tensor by tensor, so one that cannot be read found
+            # part way would leave the mirror holding the new bits of the tensors before it.
+            if tensor.is_meta or tensor.layout != torch.strided:
+                kind = "a meta tensor" if tensor.is_meta else f"a {tensor.layout} tensor"
+                raise DeltaSyncError(f"tensor {name!r}: the model now holds {kind}, which has no dense data to copy")
+        return live
 
     def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name not in self._shards:
