@@ -168,6 +168,51 @@ def test_loader_path_rejects_unknown_names_and_nan_before_writing():
     assert _bits_equal(_params(model), states[0])
 
 
+class _IndexAssigningLM(TinyCustomLM):
+    """A loader that writes by index assignment, as DBRX's and MiniCPM's expert loaders do, not by the final copy_
+    through which vLLM's sparse patches keep the elements they leave unchanged (NaN in the patch)."""
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data[...] = tensor
+        return {name for name, _ in weights}
+
+
+def test_loader_path_refuses_a_loader_that_writes_the_unchanged_marks():
+    """Such a loader wrote NaN into every element a sparse patch left unchanged, silently; now refused, restored."""
+    model, states = _tiny_states()
+    model.__class__ = _IndexAssigningLM
+    with pytest.raises(ds.DeltaSyncError, match="wrote NaN into.*restored"):
+        ds_vllm.apply_delta(model, ds.diff(states[0], states[1], values="abs"))
+    assert _bits_equal(_params(model), states[0])
+    ds_vllm.apply_delta(model, ds.anchor(states[1]))  # dense patches hold no marks: written as they are
+    assert _bits_equal(_params(model), states[1])
+
+
+class MLAAttention(torch.nn.Module):
+    """Named as vLLM's: it derives W_UK/W_UV from kv_b_proj's weight when the model loads."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_b_proj = torch.nn.Linear(6, 4, bias=False).to(torch.bfloat16).requires_grad_(False)
+
+
+def test_loader_path_refuses_weights_that_vllm_derives_others_from():
+    """MLA attention's W_UK/W_UV are computed from kv_b_proj once, at load: an update of kv_b_proj in place left
+    them stale (a risk an adversarial helper named). Refused before anything is written; other tensors apply."""
+    model = TinyCustomLM()
+    model.attn = MLAAttention()
+    prev = _params(model)
+    curr = {name: (tensor.float() + 0.5).to(torch.bfloat16) for name, tensor in prev.items()}
+    with pytest.raises(ds.DeltaSyncError, match="'attn.kv_b_proj.weight'.*MLAAttention"):
+        ds_vllm.apply_delta(model, ds.diff(prev, curr, values="abs"))
+    assert _bits_equal(_params(model), prev)
+    curr["attn.kv_b_proj.weight"] = prev["attn.kv_b_proj.weight"]
+    ds_vllm.apply_delta(model, ds.diff(prev, curr, values="abs"))
+    assert _bits_equal(_params(model), curr)
+
+
 def test_mapped_path_refuses_unmapped_architecture():
     model, states = _tiny_states()
     with pytest.raises(ds.DeltaSyncError, match="path='loader'"):

@@ -460,6 +460,7 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
 
     params = _params(model)
     device = next(iter(params.values())).device
+    derived = _derived_weights(model)
     dense, sparse, touched = [], [], {}
     for index, info in enumerate(delta.tensors):
         if delta.holds_differences(index):
@@ -495,6 +496,12 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
                 )
             raise BaseMismatchError(f"tensor {info.name!r}: {type(model).__name__} has no parameter for it")
         _vllm_cpu.check_model(model, info.name)
+        if id(target) in derived and info.changed:
+            raise DeltaSyncError(
+                f"tensor {info.name!r}: vLLM's {derived[id(target)]} derives other weights from it when the model "
+                "loads (MLA attention's W_UK/W_UV from kv_b_proj), which an update in place would leave stale; "
+                "deltasync_rs.vllm does not update it (docs/vllm.md, Limits); nothing was written"
+            )
         touched[id(target)] = target
         positions, values = delta.decoded(index, device=device)
         values = values.view(dtype)
@@ -512,6 +519,15 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
             for patches in (dense, sparse):
                 if patches:
                     load_checkpoint_weight_patches(model, patches)
+            # vLLM's sparse patches are whole tensors whose NaNs mean "unchanged", kept by its final `copy_`; a
+            # loader that writes another way (index assignment: DBRX's and MiniCPM's experts) writes the NaNs.
+            poisoned = [key for key, t in touched.items() if bool((torch.isnan(t) & ~torch.isnan(backup[key])).any())]
+            if poisoned:
+                names = [n for n, p in params.items() if id(p) in poisoned]
+                raise DeltaSyncError(
+                    f"the loader wrote NaN into {names[:3]}: it writes them another way than the final copy_ that "
+                    "vLLM's sparse patches need"
+                )
         except Exception as exc:
             with torch.no_grad():
                 for key, saved in backup.items():
@@ -521,6 +537,18 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
             ) from exc
         unpacked.restore(list(touched.values()))
     return sum(info.changed for info in delta.tensors)
+
+
+def _derived_weights(model: torch.nn.Module) -> dict[int, str]:
+    """Parameters (by id) from which vLLM derives other weights when the model loads, which an in-place update
+    would leave stale: MLA attention's ``kv_b_proj`` (its W_UK/W_UV), by the layer's class name."""
+    derived: dict[int, str] = {}
+    for module in model.modules():
+        if any(kind.__name__ == "MLAAttention" for kind in type(module).__mro__):
+            weight = getattr(getattr(module, "kv_b_proj", None), "weight", None)
+            if isinstance(weight, torch.Tensor):
+                derived[id(weight)] = f"{type(module).__name__} (kv_b_proj)"
+    return derived
 
 
 def _load_all(sources: Iterable[Source]) -> list[Delta]:
