@@ -323,6 +323,7 @@ def test_a_bad_step_leaves_a_mirror_where_it_was(states, step):
         ds.Mirror().share(prev, step=step)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("swap", ["meta", "sparse_coo", "sparse_csr"])
 def test_a_tensor_without_dense_data_is_refused_before_the_torch_mirror_moves(swap):
     """A model tensor swapped for a meta or sparse one after the mirror was made: the step raised a bare torch error

@@ -8,8 +8,10 @@ import io
 import json
 import os
 import stat
+import tempfile
 import time
 
+import numpy as np
 import pytest
 
 import deltasync_rs as ds
@@ -142,6 +144,45 @@ def test_local_writers_remove_temp_files_left_by_killed_writers(tmp_path):
     os.utime(stale, (old, old))
     LocalStore(root, create=False).list()  # readers never delete
     assert stale.exists()
+
+
+def test_temp_files_that_killed_processes_left_in_tmpdir_are_removed(tmp_path, monkeypatch, s3_url, s3_endpoint):
+    """A publisher or subscriber of a remote store stages each anchor (the whole model) in a private file in
+    TMPDIR; one killed there left it forever, a full anchor per crash (found by an adversarial helper). The next
+    one removes those untouched for 15 minutes of a process that is gone, or that name none; a live process's,
+    fresh ones and other files stay."""
+    import subprocess
+    import sys
+
+    from tests.conftest import s3_store
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    old = time.time() - 3600
+    names = {
+        "dead": f".deltasync-{dead}-0123456789ab.tmp",
+        "unnamed": ".deltasync-k2j4h5g6.tmp",  # mkstemp's name, of earlier versions
+        "live": f".deltasync-{os.getpid()}-0123456789ab.tmp",
+        "fresh": f".deltasync-{dead}-ba9876543210.tmp",
+        "other": "notes.tmp",
+    }
+    for what, name in names.items():
+        (tmpdir / name).write_bytes(b"an anchor")
+        if what != "fresh":
+            os.utime(tmpdir / name, (old, old))
+    state = {"w": np.arange(64, dtype=np.float32)}
+    with ds.Publisher(s3_store(s3_url, s3_endpoint), background=False) as publisher:
+        publisher.publish(0, state)  # an anchor, staged in TMPDIR
+    assert sorted(p.name for p in tmpdir.iterdir()) == sorted(names[k] for k in ("live", "fresh", "other"))
+    (tmpdir / names["dead"]).write_bytes(b"an anchor")
+    os.utime(tmpdir / names["dead"], (old, old))
+    target = {"w": np.zeros(64, dtype=np.float32)}
+    assert ds.Subscriber(s3_store(s3_url, s3_endpoint)).pull(target) == 0  # the anchor, downloaded to TMPDIR
+    assert sorted(p.name for p in tmpdir.iterdir()) == sorted(names[k] for k in ("live", "fresh", "other"))
+    assert np.array_equal(target["w"], state["w"])
 
 
 def test_open_store_dispatch(tmp_path, s3_url):

@@ -10,7 +10,6 @@ import math
 import mmap
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -29,7 +28,7 @@ from ._ranged import MAX_HEADER_BYTES, AnchorTensor, PartialAnchor, anchor_tenso
 from .delta import Delta, load
 from .errors import BaseMismatchError, DeltaFormatError, IntegrityError
 from .manifest import Pieces
-from .store import TEMP_PREFIX
+from .store import private_temp
 
 #: Linux's madvise advice that faults every page of a range in, writable (5.14+; Python names no constant for it).
 _MADV_POPULATE_WRITE = 23
@@ -220,7 +219,7 @@ class FilledAnchor(PartialAnchor):
             file_piece_hashes(f"/proc/self/fd/{source.fileno()}", pieces.piece_bytes, pieces.algorithm), key
         )
         # The checked header alone, in a sparse private file of the anchor's size, for the tensors' metadata.
-        fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
+        fd, path = private_temp()
         try:
             os.ftruncate(fd, pieces.size)
             os.pwrite(fd, anchor.prefix, 0)

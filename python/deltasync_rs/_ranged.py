@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -15,7 +14,7 @@ from typing import Any, NamedTuple
 from .delta import Delta, load
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
 from .manifest import Pieces
-from .store import TEMP_PREFIX, Store
+from .store import Store, private_temp
 
 #: safetensors' own cap on the header (docs/format.md §1).
 MAX_HEADER_BYTES = 100_000_000
@@ -106,7 +105,7 @@ def read_ranged(store: Store, ref: dict[str, Any], pieces: Pieces, needed: Neede
     temporary file that is then memory-mapped. Returns None, having read little more than the header, when the
     ranges cover at least 90% of the file: one whole read is then cheaper."""
     key, size = ref["key"], ref["size"]
-    fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
+    fd, path = private_temp()
     hashers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="deltasync-pieces")
     try:
         os.ftruncate(fd, size)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 
 from ._outputs import require_regular_file
 from .errors import DeltaFormatError, DeltaSyncError
-from .store import TEMP_PREFIX, stale_temps
+from .store import TEMP_OF_A_PROCESS, TEMP_PREFIX, alive, stale_temps
 
 #: Suffixes of what a folder may hold: a sharded checkpoint's index, or a single-file checkpoint.
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -200,24 +199,9 @@ def remove_stale_folders(parent: str) -> None:
     untouched for STALE_TEMP_SECONDS, of a process that is gone: a live apply may spend longer than that checking a
     large base before it writes into its folder). Folders of any other name are left alone."""
     for name in stale_temps(parent, folders=True):
-        match = _STAGING.fullmatch(name)
-        if match is not None and not _alive(int(match.group(1))):
+        match = TEMP_OF_A_PROCESS.fullmatch(name)
+        if match is not None and not alive(int(match.group(1))):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-#: The name of a staging folder: the process that made it, and 12 random hex digits.
-_STAGING = re.compile(re.escape(TEMP_PREFIX) + r"([1-9][0-9]{0,9})-[0-9a-f]{12}\.tmp")
-
-
-def _alive(pid: int) -> bool:
-    """True when process ``pid`` is running on this machine."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _sync_folder(path: str) -> None:

@@ -14,7 +14,6 @@ import os
 import queue
 import secrets
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -58,7 +57,7 @@ from .manifest import (
     step_of,
 )
 from .mirror import Mirror
-from .store import TEMP_PREFIX, Store, open_store
+from .store import TEMP_PREFIX, Store, open_store, private_temp
 from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
@@ -811,9 +810,13 @@ class Publisher:
         being written, and the hashes, the sidecar and the reference must agree."""
         piece_bytes, piece_hash = self.piece_bytes or 0, self.piece_hash
         whole_sha256 = self.whole_sha256 or not piece_bytes
-        folder = self.store.staging_folder() or tempfile.gettempdir()
-        path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+        folder = self.store.staging_folder()
+        if folder is None:  # a private file in TMPDIR, uploaded, then unlinked (those of killed publishers removed)
+            fd, path = private_temp()
+            os.close(fd)
+        else:  # the store's own folder (linked in place), whose writers remove what killed ones left
+            path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
         try:
             size, sha256, digest, hashes = write_anchor_pieces(
                 tensors,

@@ -162,6 +162,50 @@ def remove_stale_temps(dir_fd: int) -> int:
     return removed
 
 
+#: A temporary file or folder named by the process that made it, and 12 random hex digits.
+TEMP_OF_A_PROCESS = re.compile(re.escape(TEMP_PREFIX) + r"([1-9][0-9]{0,9})-[0-9a-f]{12}\.tmp")
+
+
+def alive(pid: int) -> bool:
+    """True when process ``pid`` is running on this machine."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_abandoned_temps(folder: str) -> None:
+    """Removes the private temporary files (``private_temp``) that killed processes left in ``folder``: untouched
+    for STALE_TEMP_SECONDS, of a process that is gone (a live one may hold an anchor it mapped for longer), or of no
+    process named (older versions' names). A file another user owns stays (the sticky TMPDIR refuses the unlink)."""
+    for name in stale_temps(folder):
+        match = TEMP_OF_A_PROCESS.fullmatch(name)
+        if match is None or not alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def private_temp(folder: str | None = None) -> tuple[int, str]:
+    """A new private temporary file (mode 0o600), open for reading and writing: its descriptor and path, named
+    ``.deltasync-<pid>-<hex>.tmp`` in ``folder`` (TMPDIR by default), after removing those that killed processes
+    left there (``remove_abandoned_temps``: an anchor downloaded to a file is as large as the model, and a worker
+    that is killed again and again would otherwise fill the disk). The caller unlinks it."""
+    folder = folder or tempfile.gettempdir()
+    remove_abandoned_temps(folder)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue
+
+
 def _check_keys(keys: Any) -> None:
     """Refuses one key given where a list of keys is meant: a string would be deleted letter by letter."""
     if isinstance(keys, (str, bytes)):

@@ -8,7 +8,6 @@ import hashlib
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -58,7 +57,7 @@ from .manifest import (
     resolve_signing_key,
     step_of,
 )
-from .store import TEMP_PREFIX, LocalStore, Store, open_store
+from .store import LocalStore, Store, open_store, private_temp
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -431,7 +430,7 @@ class Subscriber:
         """The path of a private temporary file (in TMPDIR; the caller unlinks it) holding anchor ``ref``, checked
         against its entry's size, against ``pieces`` (every piece's hash, in parallel) when given, and against its
         whole-file SHA-256 when ``whole_sha256`` or without pieces (an entry without pieces always has one)."""
-        fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp")
+        fd, path = private_temp()
         try:
             with os.fdopen(fd, "w+b") as file:  # closed on every way out, a failed local copy's included
                 if pieces is not None and not whole_sha256 and self._copy_local(ref, pieces, path):
