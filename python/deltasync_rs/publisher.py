@@ -488,7 +488,7 @@ class Publisher:
         entries, then their files. The pointer is set to ``step``'s entry even with nothing to remove: a publisher
         stopped between its entry and its pointer left it a step behind, and a subscriber that holds the step as
         it was before being published again learns of it from the pointer."""
-        if later:
+        if steps:
             log.warning(
                 "%s: resumed at step %d; removing the %d later step(s) the store holds (%s), of a history this run "
                 "leaves",
@@ -496,6 +496,10 @@ class Publisher:
                 step,
                 len(steps),
                 ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else ""),
+            )
+        elif later:  # files a killed publisher wrote before their entries
+            log.info(
+                "%s: resumed at step %d; removing %d later file(s) without entries", self.store.url, step, len(later)
             )
         blob = None
         if entry is not None:
