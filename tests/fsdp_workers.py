@@ -3,7 +3,9 @@
 Scenarios (the fifth argument): "ok"; "drift", rank 1's mirror changed behind deltasync's back after the publish
 of step 2; "fail", rank 1's step 4 raising after it wrote part of its mirror; "resume", a new publisher resumed
 from the store at step 5 and attached again, publishing step 7; "restart", the same resumed by attach(start_step=5); "misuse", a publisher passed on rank 1 too; "callback", a
-transformers DeltaSyncCallback on every rank instead of attach. Each rank writes what its syncs (or attach) raised to OUT.rank<N>.txt."""
+transformers DeltaSyncCallback on every rank instead of attach; "ahead", sync(6) ahead of the hook's count, then the
+hook's steps and a sync of different steps on the two ranks; "tied", a tied weight of one row (rank 1's shard of it
+empty); "fsdp1", an FSDP1 model, refused. Each rank writes what its syncs (or attach) raised to OUT.rank<N>.txt."""
 
 from __future__ import annotations
 
@@ -33,6 +35,20 @@ def build_model() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Embedding(11, 24), torch.nn.Linear(24, 5), torch.nn.LayerNorm(5), Seen(5), torch.nn.Linear(5, 1)
     )
+
+
+class TiedRow(torch.nn.Module):
+    """Two heads of one row, tied: sharded over two ranks, rank 1's shard of the weight is empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head, self.other = torch.nn.Embedding(11, 24), torch.nn.Linear(24, 1), torch.nn.Linear(24, 1)
+        self.other.weight = self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        return self.head(hidden) + self.other(hidden)
 
 
 class _FailingOnce:
@@ -85,8 +101,25 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        model = build_model()
-        for layer in model:
+        if scenario == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            wrapped = FullyShardedDataParallel(build_model(), use_orig_params=True, device_id=torch.device("cpu"))
+            optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+            publisher = ds.Publisher(store, anchor_every=100, codec=codec) if rank == 0 else None
+            try:
+                ds_torch.attach(optimizer, wrapped, publisher)
+                message = "attach did not raise"
+            except ds.DeltaSyncError as error:
+                message = str(error)
+            if publisher is not None:
+                publisher.close()
+            with open(f"{out}.rank{rank}.txt", "w") as report:
+                report.write(message)
+            dist.barrier()
+            return
+        model = build_model() if scenario != "tied" else TiedRow()
+        for layer in model if scenario != "tied" else ():
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -154,6 +187,31 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
                 # A sharded weight of rank 1's mirror changes behind deltasync's back (one bit-pattern step).
                 name = next(name for name in attachment.mirror.shards if attachment.mirror.tensors[name].numel())
                 attachment.mirror.tensors[name].view(torch.int16).view(-1)[0] += 1
+        if scenario == "ahead":
+            # Synced ahead of the hook's count: its next publishes (6 and 8) raise on every rank until its count
+            # passes 11; the second finds the mirrors a step past the publisher's (the first moved them).
+            attachment.sync(11)
+            for step in range(6, 10):
+                backward(model, generator)
+                try:
+                    optimizer.step()
+                except ds.DeltaSyncError as error:
+                    raised.append(f"hook {step}: {error}"[:60])
+                optimizer.zero_grad()
+            try:
+                attachment.sync(12 + rank)
+                raised.append("syncs of different steps did not raise")
+            except ds.DeltaSyncError as error:
+                raised.append(str(error))
+            attachment.sync(12)
+            with open(f"{out}.rank{rank}.txt", "w") as report:
+                report.write("\n".join(raised))
+            whole = full_state(model)
+            if rank == 0:
+                publisher.close()
+                torch.save(whole, out)
+            dist.barrier()
+            return
         attachment.sync()  # step 5, after the publishes at 2 and 4
         if scenario == "edited":
             attachment.sync()  # published already, and unchanged: nothing to do, on every rank

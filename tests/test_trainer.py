@@ -799,6 +799,46 @@ def test_fsdp2_sync_at_a_published_step_refuses_an_edit_on_any_rank_on_every_ran
     assert_same(state, whole)
 
 
+def test_fsdp2_ranks_refuse_together_a_step_behind_or_apart(tmp_path):
+    """After sync(6) ahead of the hook's count, the hook's step 4 came back to rank 0 as a base mismatch whose
+    re-anchor raised on rank 0 alone, which left rank 1 a step ahead, waiting in its next collective; and ranks that
+    synced different steps entered different collectives (gloo's timeout) or had one step published with parts made
+    as another (found by an adversarial helper). Every rank raises together now, with nothing published."""
+    store, whole, raised = _run_fsdp_workers(tmp_path, "compact", "ahead")
+    rank0, rank1 = (report.splitlines() for report in raised)
+    assert len(rank0) == len(rank1) == 3, raised
+    for report in (rank0, rank1):
+        assert report[0].startswith("hook 6: step 6 was not published") or "step 6 is not after" in report[0]
+        assert "hook 8: " in report[1] and "step 8" in report[1], report
+        assert "synced different steps (rank 0: 12, rank 1: 13)" in report[2]
+    assert [e.step for e in ds.sync.log_entries(LocalStore(store))] == [0, 2, 4, 11, 12]
+    state = {name: torch.zeros_like(t) for name, t in whole.items()}
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 12
+    assert_same(state, whole)
+
+
+def test_fsdp2_a_tied_weight_whose_shard_is_empty_on_a_rank_is_shipped_once(tmp_path):
+    """A tied weight of one row: rank 1's shard is empty, so its memory could not show the tie there, the ranks
+    disagreed on the names they ship, and the alias was published as uninitialised memory, with a digest to match
+    (found by an adversarial helper). Ties are read from the model's parameter objects on every rank now."""
+    store, whole, raised = _run_fsdp_workers(tmp_path, "varint", "tied")
+    assert raised == ["", ""]
+    entries = ds.sync.log_entries(LocalStore(store))
+    assert [e.delta is None for e in entries] == [True] + [False] * (len(entries) - 1)  # deltas: the proofs held
+    state = {name: torch.zeros_like(t) for name, t in whole.items()}
+    state["other.weight"] = state["head.weight"]  # the subscriber's model ties them too
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 5
+    assert_same(state, whole)
+
+
+def test_fsdp1_is_refused_on_every_rank(tmp_path):
+    """An FSDP1 model was taken: its state dict is a collective that rank 0's mirror entered alone (gloo's timeout)
+    or holds ShardedTensors (a bare torch error) (found by an adversarial helper)."""
+    _, _, raised = _run_fsdp_workers(tmp_path, "varint", "fsdp1", expect_output=False)
+    for report in raised:
+        assert "FSDP1 (FullyShardedDataParallel), which deltasync does not take" in report, report
+
+
 @pytest.mark.parametrize("scenario", ["resume", "restart"])
 def test_fsdp2_a_resumed_publisher_attaches_again_and_a_misplaced_one_is_refused_on_every_rank(tmp_path, scenario):
     """After a restart, a publisher resumed at the store's step 5 (by hand, or by attach(start_step=5) where the

@@ -570,6 +570,7 @@ class Publisher:
             raise DeltaSyncError("publish a full state first: the publisher has no state to join shard deltas against")
         if proofs is not None and len(proofs) != len(parts):
             raise DeltaSyncError(f"{len(proofs)} lists of proofs for {len(parts)} shard deltas: one per shard delta")
+        self._check_step(step)  # first: a step not after the last is no reason to re-anchor
         for rank, part in enumerate(parts):
             if part.base_step is not None and part.base_step != self._mirror.step:
                 raise BaseMismatchError(

@@ -25,6 +25,34 @@ def _named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict
     raise DeltaSyncError(f"Mirror takes a torch.nn.Module or a mapping of tensors, not {type(source).__name__}")
 
 
+def _tensor_objects(source: Any) -> dict[str, int]:
+    """A model's parameter and buffer names, each with the id of its tensor object (tied names share one)."""
+    if not isinstance(source, torch.nn.Module):
+        return {}
+    named = [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]
+    return {name: id(tensor) for name, tensor in named}
+
+
+def _refuse_fsdp1(source: Any) -> None:
+    """FSDP1 (``FullyShardedDataParallel``) is refused: its state dict is a collective every rank must enter (which a
+    mirror on one rank never is) or holds ShardedTensors, and its parameters are views of flat shards. FSDP2
+    (``fully_shard``: DTensor parameters) is supported."""
+    if not isinstance(source, torch.nn.Module):
+        return
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in source.modules()) or any(
+        getattr(p, "_fsdp_flattened", False) for p in source.parameters()
+    ):
+        raise DeltaSyncError(
+            f"{type(source).__name__} is sharded by FSDP1 (FullyShardedDataParallel), which deltasync does not take: "
+            "shard it with FSDP2 (torch.distributed.fsdp.fully_shard; in transformers/accelerate, fsdp_version 2) "
+            "and call this on every rank"
+        )
+
+
 def _dtensor_type() -> Any:
     try:
         from torch.distributed.tensor import DTensor
@@ -132,16 +160,26 @@ class Mirror:
         self._shards: dict[str, tuple[tuple[int, ...], int]] = {}  # name -> (whole shape, flat offset)
         dtensor = _dtensor_type()
         plain: list[str] = []  # not DTensors: with sharded tensors beside them, every rank holds its own copy
+        _refuse_fsdp1(model)
         named = _named_tensors(model)
         # Every name of the source, mirrored or not (tied names, other ranks' tensors): a name that turns up later
         # is one the mirror would never ship (_live).
         self._names = frozenset(named)
+        # Tied names are one parameter object of the model (one tensor object of a mapping), even where this rank's
+        # shard of it is empty and has no memory to tell by: every rank must ship the same names.
+        objects = _tensor_objects(model)
+        first_by_object: dict[int, str] = {}
         for name, whole in named.items():
             if not isinstance(whole, torch.Tensor):
                 raise DeltaSyncError(f"tensor {name!r}: expected a torch.Tensor, got {type(whole).__name__}")
             tensor, offset = _local_part(name, whole)
             if tensor is None:
                 continue
+            identity = objects.get(name, id(whole))
+            if identity in first_by_object:
+                self.aliases[name] = first_by_object[identity]
+                continue
+            first_by_object[identity] = name
             _arrays.describe(tensor, name)  # a dtype, layout (sparse) or meta tensor the mirror cannot hold
             if dtensor is None or not isinstance(whole, dtensor):
                 plain.append(name)
@@ -488,12 +526,17 @@ class Attachment:
             outcome[0], rank0_failure = self._publish_parts(step, parts)
             failure = failure or rank0_failure
         _told(outcome, failure, ("published", "reanchor"), f"step {step} was not published")
-        self._agreed = step  # a re-anchor publishes this step too
         if outcome[0] == "reanchor":
             mirrors: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object((self.mirror.tensors, self.mirror.shards), mirrors, dst=0)
+            outcome, failure = ["published"], None
             if mirrors is not None:
-                self.publisher.reanchor(step, self._whole_state(mirrors), copy=False)
+                try:
+                    self.publisher.reanchor(step, self._whole_state(mirrors), copy=False)
+                except Exception as error:  # told to every rank, which all raise: none is left a step ahead
+                    outcome[0], failure = f"rank 0: {type(error).__name__}: {error}", error
+            _told(outcome, failure, ("published",), f"step {step} was not published")
+        self._agreed = step  # a re-anchor publishes this step too
 
     def _whole_state(self, mirrors: list[Any]) -> dict[str, torch.Tensor]:
         """Rank 0: the whole state from every rank's gathered (mirror tensors, shards), for its publisher to keep
@@ -544,6 +587,17 @@ class Attachment:
 
     def _sync(self, step: int) -> int:
         if self._group is not None:
+            import torch.distributed as dist
+
+            # Every rank must sync the same step: they would otherwise enter different collectives (and wait there
+            # for gloo's timeout), or join parts made as different steps.
+            steps: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(steps, step)
+            if len(set(steps)) > 1:
+                raise DeltaSyncError(
+                    f"the ranks synced different steps ({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}): "
+                    "call sync on every rank with the same step; nothing was published"
+                )
             # Sharded: what every rank was told was published, not this rank's mirror, which may have moved on a
             # step that failed on another rank (then every rank syncs again, together).
             if step != self._agreed:
@@ -610,7 +664,9 @@ def _told(outcome: list[Any], failure: Exception | None, accepted: tuple[str, ..
 
 
 def _holds_dtensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
-    """Whether a model's state holds DTensors (FSDP2 shards, or tensors replicated over a device mesh)."""
+    """Whether a model's state holds DTensors (FSDP2 shards, or tensors replicated over a device mesh); an FSDP1
+    model is refused (on every rank: each calls this first)."""
+    _refuse_fsdp1(source)
     dtensor = _dtensor_type()
     return dtensor is not None and any(isinstance(t, dtensor) for t in _named_tensors(source).values())
 
@@ -618,6 +674,7 @@ def _holds_dtensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> boo
 def _assemble(parts: list[Any]) -> dict[str, torch.Tensor]:
     """The whole state from every rank's (mirror tensors, shards), in rank order: shards placed at their offsets."""
     state: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
     for tensors, shards in parts:
         for name, tensor in tensors.items():
             if name not in shards:
@@ -626,6 +683,13 @@ def _assemble(parts: list[Any]) -> dict[str, torch.Tensor]:
             shape, offset = shards[name]
             whole = state.setdefault(name, torch.empty(shape, dtype=tensor.dtype))
             whole.view(-1)[offset : offset + tensor.numel()] = tensor.reshape(-1)
+            covered[name] = covered.get(name, 0) + tensor.numel()
+    for name, count in covered.items():
+        if count != state[name].numel():  # shards on dim 0 do not overlap: anything else left memory unfilled
+            raise DeltaSyncError(
+                f"tensor {name!r}: the ranks' shards hold {count} of its {state[name].numel()} elements; "
+                "nothing was published"
+            )
     return state
 
 
