@@ -13,6 +13,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import deltasync_rs as ds
@@ -534,6 +535,37 @@ def test_lost_uploads_at_exit_are_reported(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert "not everything it published reached the store" in done.stderr
     assert "1 upload(s) still pending" in done.stderr
+
+
+def test_a_publisher_dropped_without_close_uploads_what_it_queued_and_is_freed(tmp_path):
+    """Its upload thread held it (a bound method) and waited forever: every publisher dropped without close() kept
+    its thread and its copy of the state (found by an adversarial helper). The thread holds a publisher only while
+    one of its jobs is queued: the jobs queued are uploaded, then the publisher is freed and its thread ends."""
+    import gc
+    import time
+    import weakref
+
+    class SlowStore(ds.LocalStore):
+        def put(self, key, data):
+            time.sleep(0.05)
+            super().put(key, data)
+
+    state = {"w": np.zeros((64, 16), dtype=np.float32)}
+    publisher = ds.Publisher(SlowStore(tmp_path), max_pending=4)
+    for step in range(3):
+        state["w"][step, 0] = 1.0
+        publisher.publish(step, state)
+    thread, freed = publisher._worker, weakref.ref(publisher)
+    del publisher  # with uploads pending
+    deadline = time.monotonic() + 30
+    while (freed() is not None or thread.is_alive()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert freed() is None and not thread.is_alive()
+    assert ds.Subscriber(tmp_path).latest_step() == 2
+    target = {"w": np.zeros((64, 16), dtype=np.float32)}
+    assert ds.Subscriber(tmp_path).pull(target) == 2
+    assert np.array_equal(target["w"], state["w"])
 
 
 def test_a_subscriber_keeps_a_bounded_number_of_entries(tmp_path):

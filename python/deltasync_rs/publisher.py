@@ -243,8 +243,11 @@ class Publisher:
         self._worker: threading.Thread | None = None
         if background:
             self._queue = queue.Queue(maxsize=max_pending)
-            self._worker = threading.Thread(target=self._drain, name="deltasync-publisher", daemon=True)
+            # The thread holds the queue, not the publisher: each queued job holds it (_enqueue), so a publisher
+            # dropped without close() still uploads what it queued, and is then collected, which ends the thread.
+            self._worker = threading.Thread(target=_drain, args=(self._queue,), name="deltasync-publisher", daemon=True)
             self._worker.start()
+            weakref.finalize(self, self._queue.put, None)
             _open_publishers.add(self)
 
     def _open_run(self) -> str:
@@ -743,7 +746,7 @@ class Publisher:
                 if self._worker is None or not self._worker.is_alive():
                     raise DeltaSyncError(f"{self.store.url}: the upload thread stopped; step {step} was not published")
                 try:
-                    self._queue.put(job, timeout=0.1)
+                    self._queue.put((self, job), timeout=0.1)
                     return
                 except queue.Full:
                     continue
@@ -756,20 +759,13 @@ class Publisher:
     def _mirror_elements(self) -> int:
         return sum(math.prod(_arrays.describe(t, name)[1]) for name, t in self._mirror.tensors.items())
 
-    def _drain(self) -> None:
-        assert self._queue is not None
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._upload(*job)
-            except BaseException as error:  # kept for flush(); the next publish re-anchors
-                log.error("publishing step %s failed: %s", job[0] if job else "?", error)
-                self._errors.append(error)
-                self._since_anchor = self.anchor_every
-            finally:
-                self._queue.task_done()
+    def _run_job(self, job: tuple[Any, ...]) -> None:
+        try:
+            self._upload(*job)
+        except BaseException as error:  # kept for flush(); the next publish re-anchors
+            log.error("publishing step %s failed: %s", job[0], error)
+            self._errors.append(error)
+            self._since_anchor = self.anchor_every
 
     def _put(self, key: str, blob: bytes) -> None:
         self._retrying(key, lambda: self.store.put(key, blob))
@@ -995,6 +991,20 @@ class Publisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drain(jobs: queue.Queue) -> None:
+    """A background publisher's upload thread: runs each queued ``(publisher, job)`` in order until it gets None
+    (from ``close``, or from the publisher's finalizer). Between jobs it holds no reference to the publisher."""
+    while True:
+        item = jobs.get()
+        try:
+            if item is None:
+                return
+            item[0]._run_job(item[1])
+        finally:
+            item = None  # not held while waiting for the next job
+            jobs.task_done()
 
 
 _open_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
