@@ -312,6 +312,34 @@ def test_a_pull_refused_for_the_targets_dtype_leaves_the_subscriber_at_its_step(
     assert subscriber.pull(target) == 2
 
 
+def test_a_pull_takes_the_newer_anchor_when_retention_removed_the_step_it_was_fetching(tmp_path):
+    """With keep_anchors=1, an anchor published between a pull's look at the newest step and its downloads removes
+    every step before it: the pull raised ChainError although the store held a consistent chain to the new anchor
+    (found by an adversarial helper; under a publisher publishing as fast as it can, 212 of 257 pulls failed)."""
+    state = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+    publisher = ds.Publisher(tmp_path, anchor_every=4, keep_anchors=1, background=False)
+    subscriber = ds.Subscriber(tmp_path)
+    target = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+    for step in range(8):
+        state["w"][step] += 1
+        publisher.publish(step, state)
+        if step == 3:
+            assert subscriber.pull(target) == 3
+    newest = subscriber.latest_step
+
+    def newest_then_an_anchor():
+        seen = newest()
+        subscriber.latest_step = newest
+        state["w"][8] += 1
+        publisher.publish(8, state)  # an anchor: retention removes steps 0-7
+        return seen
+
+    subscriber.latest_step = newest_then_an_anchor
+    assert subscriber.pull(target) == 8
+    assert_states_equal(target, state)
+    publisher.close()
+
+
 def test_fault_injection_soak(tmp_path):
     report = soak(300, tmp_path, seed=7)
     print(report)

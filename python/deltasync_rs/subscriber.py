@@ -607,24 +607,33 @@ class Subscriber:
                 raise ChainError(f"{self.store.url}: step {until}: {error}") from error
         if current_step is not None and latest <= current_step:
             return self._rebuilt_if_published_again(current_step, latest, download)
-        targets = [latest]
         last_error: Exception | None = None
-        tried = 0
-        while targets:
-            target = targets.pop(0)
-            if current_step is not None and target <= current_step:
-                break  # nothing newer than where we are can be reached: that is an error, not "up to date"
-            try:
-                return self._fetch_to(current_step, target, download)
-            except ChainError as error:
-                last_error = error
-                tried += 1
-                log.warning("no usable chain to step %d: %s", target, error)
-                if tried == 1:
-                    # Entries cached may be of a history published over since (a resume): the newest step once more
-                    # with every entry read again, then older published steps.
-                    self._entries.clear()
-                    targets = [target] + [s for s in listed_steps(self.store)[::-1] if s < target][:8]
+        newest_tried = latest
+        for _ in range(3):
+            targets = [latest]
+            tried = 0
+            while targets:
+                target = targets.pop(0)
+                if current_step is not None and target <= current_step:
+                    break  # nothing newer than where we are can be reached: that is an error, not "up to date"
+                try:
+                    return self._fetch_to(current_step, target, download)
+                except ChainError as error:
+                    last_error = error
+                    tried += 1
+                    log.warning("no usable chain to step %d: %s", target, error)
+                    if tried == 1:
+                        # Entries cached may be of a history published over since (a resume): the newest step once
+                        # more with every entry read again, then older published steps.
+                        self._entries.clear()
+                        targets = [target] + [s for s in listed_steps(self.store)[::-1] if s < target][:8]
+            # Retention may have removed what was tried as the publisher moved on (an anchor published during the
+            # pull): where the store now holds a newer step than any tried, that one is tried too.
+            newer = [s for s in listed_steps(self.store) if s > newest_tried]
+            if not newer:
+                break
+            latest = newest_tried = max(newer)
+            log.warning("%s: the store moved on to step %d during the pull; trying it", self.store.url, latest)
         raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
 
     def _rebuilt_if_published_again(self, current_step: int, latest: int, download: Download[T]) -> T | None:
