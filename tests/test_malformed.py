@@ -471,3 +471,37 @@ def test_reserved_tensor_names_are_refused_when_writing(name):
         ds.anchor(curr)
     with pytest.raises(ds.DeltaSyncError, match=f'"{name}"'):
         ds.Mirror(prev, step=0).advance(curr, step=1)
+
+
+def _with_header(blob: bytes, header: bytes) -> bytes:
+    """``blob`` with its safetensors header replaced (the data section kept)."""
+    (length,) = struct.unpack("<Q", blob[:8])
+    return struct.pack("<Q", len(header)) + header + blob[8 + length :]
+
+
+def test_what_readers_take_beyond_what_writers_write():
+    """docs/format.md says readers take a header without the writers' padding, and check a base identity on a
+    record stored whole (writers record none) where they check bases, anchors included."""
+    state = {"w": np.arange(4, dtype=np.float32)}
+    blob = ds.anchor(state).to_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = blob[8 : 8 + length]
+    unpadded = header.rstrip(b" ")
+    if len(unpadded) % 8 == 0:
+        unpadded += b" "  # a length the writer never pads to
+    loaded = ds.load(_with_header(blob, unpadded))
+    target = {"w": np.zeros(4, dtype=np.float32)}
+    loaded.apply_(target)
+    assert np.array_equal(target["w"], state["w"])
+
+    document = json.loads(header)
+    records = json.loads(document["__metadata__"]["tensors"])
+    records[0]["base"] = "0000000000000000"  # no state has this identity
+    document["__metadata__"]["tensors"] = json.dumps(records)
+    based = ds.load(_with_header(blob, json.dumps(document).encode()))
+    target = {"w": np.zeros(4, dtype=np.float32)}
+    with pytest.raises(ds.BaseMismatchError, match="'w'|\"w\""):
+        based.apply_(target, check_base=True)
+    assert not target["w"].any()
+    based.apply_(target)  # without the check it applies to any base, as a whole tensor does
+    assert np.array_equal(target["w"], state["w"])
