@@ -234,6 +234,32 @@ def test_attach_publishes_to_a_store_and_a_subscriber_pulls_bit_exact(tmp_path, 
     publisher.close()
 
 
+def test_a_subscriber_whose_target_unties_what_the_trainer_ties_gets_both_names_written(tmp_path):
+    """Tied weights are published once, under the first name: a subscriber holding lm_head.weight as a tensor of
+    its own (an engine that unties it) kept its first value forever, silently, since the store never named it
+    (found by two adversarial helpers). Every entry lists the tied names now; the pull writes them, and refuses an
+    alias of another dtype or shape before writing anything."""
+    model = tiny_gpt2(seed=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    publisher = ds.Publisher(LocalStore(tmp_path / "store"), anchor_every=3, background=False)
+    attachment = ds_torch.attach(optimizer, model, publisher)
+    assert attachment.mirror.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    subscriber, fresh = ds.Subscriber(LocalStore(tmp_path / "store")), ds.Subscriber(LocalStore(tmp_path / "store"))
+    untied = {name: torch.zeros_like(t) for name, t in bf16(model).items()}  # lm_head.weight: memory of its own
+    for step in range(1, 5):
+        train_step(model, optimizer, seed=200 + step)
+        assert subscriber.pull(untied) == step
+        assert_same(untied, bf16(model))
+    entry = ds.Subscriber(LocalStore(tmp_path / "store")).entry(4)
+    assert entry.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    wrong = {name: torch.zeros_like(t) for name, t in bf16(model).items()}
+    wrong["lm_head.weight"] = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ds.BaseMismatchError, match="lm_head.weight"):
+        fresh.pull(wrong)
+    assert not any(bool(t.any()) for n, t in wrong.items() if t.is_floating_point())
+    publisher.close()
+
+
 def test_attach_after_a_step_that_failed_part_way_publishes_an_anchor(tmp_path, monkeypatch):
     """A mirror step that raises after it wrote part of the new weights into the mirror (a device copy that failed,
     an interrupt) leaves the shared mirror holding part of a step: the next publish is an anchor, not a delta from

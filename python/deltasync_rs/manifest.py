@@ -297,6 +297,18 @@ def _count(document: Mapping[str, Any], name: str, key: str) -> int:
     return value
 
 
+def _aliases(document: Mapping[str, Any], key: str) -> dict[str, str] | None:
+    """The optional ``aliases`` field: tied names the state holds as one tensor, each to the name it is published
+    under (which is no alias itself)."""
+    if "aliases" not in document:
+        return None
+    aliases = _field(document, "aliases", dict, key)
+    for alias, name in aliases.items():
+        if not isinstance(name, str) or not name or not alias or alias == name or name in aliases:
+            raise DeltaFormatError(f"{key}: the field 'aliases' maps {alias!r} to {name!r}, not to a published name")
+    return dict(aliases)
+
+
 def _hex_digest(document: Mapping[str, Any], name: str, key: str, optional: bool = False) -> str | None:
     value = _field(document, name, str, key, optional)
     if value is not None and not _HEX64.match(value):
@@ -362,6 +374,7 @@ class Entry:
     created: float
     run: str | None = None
     base_entry_sha256: str | None = None
+    aliases: dict[str, str] | None = None
     sha256: str = field(default="", compare=False)
 
     @classmethod
@@ -396,6 +409,7 @@ class Entry:
                 if "base_entry_sha256" in document
                 else None
             ),
+            aliases=_aliases(document, key),
             sha256=hashlib.sha256(raw).hexdigest(),
         )
         if entry.delta is None and entry.anchor is None:
@@ -424,6 +438,8 @@ class Entry:
             "run": self.run,
             "base_entry_sha256": self.base_entry_sha256,
         }
+        if self.aliases:
+            document["aliases"] = dict(self.aliases)
         return json.dumps(sign(document, signing_key), indent=1, sort_keys=True).encode()
 
 

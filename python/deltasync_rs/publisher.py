@@ -230,6 +230,7 @@ class Publisher:
         # step, so it is no base for a delta, and the next publish is an anchor (_advance).
         self._torn = False
         self._since_anchor = 0
+        self._aliases: dict[str, str] = {}  # tied names of a shared mirror, listed in every entry (publish_shared)
         self._errors: list[BaseException] = []
         self.run = self._open_run()
         self._reader = Subscriber(self.store, signing_key=self._key, retries=self.retries)
@@ -662,8 +663,13 @@ class Publisher:
         *,
         read_only: bool = False,
         resume: bool = False,
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         """Publishes from a mirror the caller keeps (ds.torch.Mirror), shared rather than copied.
+
+        ``aliases`` (the mirror's): names the model ties to a tensor of ``tensors``, which are not published as
+        tensors of their own; every manifest entry lists them, so that a subscriber whose target holds such a name
+        as a tensor of its own gets it written too.
 
         The first call (the publisher has no state yet) publishes ``tensors`` as ``step``; with ``read_only`` they
         may be read-only arrays (a mapped checkpoint, as ``deltasync publish`` of an anchor does), which the
@@ -678,6 +684,11 @@ class Publisher:
         self._check_open()
         self._raise_errors()
         _published_state(tensors, "the shared mirror")
+        if aliases:
+            bad = [(a, n) for a, n in aliases.items() if a in tensors or n not in tensors]
+            if bad:
+                raise DeltaSyncError(f"aliases {bad[:3]}: each must name a tensor not published to one that is")
+            self._aliases = dict(aliases)
         if self._mirror.is_empty:
             if resume and self._resume_at_published(step, tensors):
                 return
@@ -906,6 +917,7 @@ class Publisher:
             created=time.time(),
             run=self.run,
             base_entry_sha256=base_entry,
+            aliases={a: n for a, n in self._aliases.items() if n in tensors} or None,
         )
         entry_blob = entry.to_json(self._key)
         self._put_entry(step, entry_blob)

@@ -89,6 +89,30 @@ def attempts(retries: Any) -> int:
     return max(1, retries)
 
 
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether two tensors of one dtype and shape are the same memory (tied)."""
+
+    def device(t: Any) -> str:
+        return str(t.device) if _arrays.is_torch(t) else "cpu"
+
+    return bool(_arrays.address(a) == _arrays.address(b) and device(a) == device(b))
+
+
+def _write_aliases(state: Any, untied: list[tuple[str, str]]) -> None:
+    """Copies each published tensor's bits into its untied alias in ``state``."""
+    for alias, name in untied:
+        target, source = state[alias], state[name]
+        if _arrays.is_torch(target):
+            import torch
+
+            with torch.no_grad():
+                target.copy_(source)
+        else:
+            import numpy as np
+
+            np.copyto(target, source, casting="no")
+
+
 def _target_key(state: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
     """Which tensors a pull writes: each name with its object and the address of its memory, so that a subscriber
     knows a target other than the one it brought to its step (whose step it then checks before reporting it)."""
@@ -734,9 +758,12 @@ class Subscriber:
             if this_target != self._target:
                 # Not the target this subscriber brought to its step (a new or replaced one): it must hold that
                 # step, or be brought there, before the step is reported.
+                tied = self._untied_aliases(state, self.step)
                 self._hold_the_step(state, {})
+                _write_aliases(state, tied)
                 self._target = this_target
             return self.step
+        tied = self._untied_aliases(state, deltas[-1].step)
         try:
             try:
                 known = self._apply_all(state, deltas)
@@ -766,8 +793,34 @@ class Subscriber:
                     self.step = held
                 raise
         self._hold_the_step(state, known)
+        _write_aliases(state, tied if self.step == deltas[-1].step else self._untied_aliases(state, self._reached()))
         self._target = this_target
         return self._reached()
+
+    def _untied_aliases(self, state: Any, step: int | None) -> list[tuple[str, str]]:
+        """The (alias, published name) pairs of ``step``'s entry (names the trainer's model ties, published once)
+        that ``state`` holds as tensors of their own: they are written from the published tensor after the pull.
+        An alias of another dtype or shape than its tensor is refused, before anything is written."""
+        if step is None:
+            return []
+        try:
+            aliases = self.entry(step).aliases or {}
+        except DeltaSyncError:
+            return []  # the entry is read (and its errors raised) by the pull itself
+        untied = []
+        for alias, name in aliases.items():
+            if alias not in state or name not in state:
+                continue
+            mine, theirs = _arrays.describe(state[alias], alias), _arrays.describe(state[name], name)
+            if mine != theirs:
+                raise BaseMismatchError(
+                    f"tensor {alias!r} is tied to {name!r} in the trainer's model and published as it, but the target "
+                    f"holds {alias!r} as {mine[0]}{list(mine[1])} and {name!r} as {theirs[0]}{list(theirs[1])}; "
+                    "nothing was written"
+                )
+            if not _same_memory(state[alias], state[name]):
+                untied.append((alias, name))
+        return untied
 
     def _hold_the_step(self, state: Any, known: Mapping[str, bytes]) -> None:
         """Makes sure ``state`` holds this subscriber's step (``_state_matches``): where its digest differs, it is

@@ -459,7 +459,7 @@ class Attachment:
                 model, dtype, chunk_bytes=chunk_bytes, values=publisher.values, codec=publisher.codec, step=base
             )
             self._base = base
-            publisher.publish_shared(base, self.mirror.tensors, resume=resume)
+            publisher.publish_shared(base, self.mirror.tensors, resume=resume, aliases=self.mirror.aliases)
         # Without an optimizer (DeltaSyncCallback), the caller calls _sync itself.
         self._handle = optimizer.register_step_post_hook(self._after_step) if optimizer is not None else None
 
@@ -498,7 +498,9 @@ class Attachment:
                 # The first publish of this publisher (an anchor of the gathered state, which it keeps without a
                 # copy; or, with resume, a resume where the store holds that step as this state), or, after
                 # Publisher.resume, a check that the model holds the state it resumed from.
-                self.publisher.publish_shared(self._base, self._whole_state(parts), resume=resume)
+                self.publisher.publish_shared(
+                    self._base, self._whole_state(parts), resume=resume, aliases=self.mirror.aliases
+                )
             except Exception as error:
                 outcome[0], failure = f"rank 0: {type(error).__name__}: {error}", error
         _told(outcome, failure, ("published",), "attach failed on rank 0")
@@ -648,7 +650,7 @@ def _publish_step(publisher: Any, mirror: Mirror, step: int) -> None:
     callback). A model the mirror cannot take is refused first, before the mirror could be torn; the encoding of
     the delta waits for the publisher's upload thread, so training goes on once the mirror moved."""
     mirror._live()
-    publisher.publish_shared(step, mirror.tensors, lambda: mirror._step(step, defer=True))
+    publisher.publish_shared(step, mirror.tensors, lambda: mirror._step(step, defer=True), aliases=mirror.aliases)
 
 
 def _told(outcome: list[Any], failure: Exception | None, accepted: tuple[str, ...], what: str) -> None:

@@ -100,7 +100,7 @@ class DeltaSyncCallback(TrainerCallback):
             codec=self.publisher.codec,
             step=step,
         )
-        self.publisher.publish_shared(step, self.mirror.tensors, resume=self.resume)
+        self.publisher.publish_shared(step, self.mirror.tensors, resume=self.resume, aliases=self.mirror.aliases)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.enabled or self.mirror is None or state.global_step % self.sync_every:
