@@ -525,16 +525,18 @@ def test_lost_uploads_at_exit_are_reported(tmp_path):
         class StuckStore(ds.LocalStore):
             def put_file(self, key, path):  # anchors upload from a file
                 if key.startswith("anchors/"):
-                    time.sleep(30)
+                    time.sleep(600)
                 super().put_file(key, path)
 
-        publisher = ds.Publisher(StuckStore({str(tmp_path)!r}), exit_timeout=0.5)
+        # The queue full too (max_pending=1): a finalizer that waited on it hung the exit for as long as the upload.
+        publisher = ds.Publisher(StuckStore({str(tmp_path)!r}), exit_timeout=0.5, max_pending=1)
         publisher.publish(0, {{"w": torch.zeros(4)}})
+        publisher.publish(1, {{"w": torch.ones(4)}})
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert "not everything it published reached the store" in done.stderr
-    assert "1 upload(s) still pending" in done.stderr
+    assert "2 upload(s) still pending" in done.stderr
 
 
 def test_a_publisher_dropped_without_close_uploads_what_it_queued_and_is_freed(tmp_path):

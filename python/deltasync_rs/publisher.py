@@ -4,6 +4,7 @@ entries and the `latest.json` pointer of one run in a store (docs/format.md §10
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
@@ -248,7 +249,9 @@ class Publisher:
             # dropped without close() still uploads what it queued, and is then collected, which ends the thread.
             self._worker = threading.Thread(target=_drain, args=(self._queue,), name="deltasync-publisher", daemon=True)
             self._worker.start()
-            weakref.finalize(self, self._queue.put, None)
+            # Not at exit (the atexit flush waits at most exit_timeout), and never blocking (a forked child has no
+            # thread draining the queue).
+            weakref.finalize(self, _stop_drain, self._queue).atexit = False
             _open_publishers.add(self)
 
     def _open_run(self) -> str:
@@ -1003,6 +1006,12 @@ class Publisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop_drain(jobs: queue.Queue) -> None:
+    """Ends the upload thread of a publisher that was collected (its queue is then empty: each job held it)."""
+    with contextlib.suppress(queue.Full):
+        jobs.put_nowait(None)
 
 
 def _drain(jobs: queue.Queue) -> None:
