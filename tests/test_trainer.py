@@ -857,6 +857,43 @@ def test_fsdp2_a_tied_weight_whose_shard_is_empty_on_a_rank_is_shipped_once(tmp_
     assert_same(state, whole)
 
 
+def test_a_tensor_sharded_after_the_mirror_was_made_is_refused_before_the_mirror_moves():
+    """A model sharded (fully_shard, distribute_tensor) after its mirror was made: the step copied the tensors
+    before the DTensor into the mirror, then raised a bare torch error, and the next delta lacked their changes
+    (found by an adversarial helper). Refused first now, naming it."""
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = textwrap.dedent(f"""
+        import os, torch, torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        import deltasync_rs as ds
+        from deltasync_rs.torch import Mirror
+        mesh = init_device_mesh("cpu", (1,))
+        state = {{"a": torch.zeros(64), "b": torch.zeros(8, 8)}}
+        mirror = Mirror(state, torch.bfloat16)
+        state["a"] += 1
+        state["b"] = distribute_tensor(torch.full((8, 8), 2.0), mesh, [Shard(0)])
+        try:
+            mirror.step(1)
+            print("not refused")
+        except ds.DeltaSyncError as error:
+            print("refused:", error, "| moved:", bool(mirror.tensors["a"].any()), "| step:", mirror.current_step)
+        dist.destroy_process_group()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "refused: tensor 'b' is now a DTensor" in done.stdout, done.stdout + done.stderr
+    assert "| moved: False | step: None" in done.stdout  # made without a step
+
+
 def test_fsdp1_is_refused_on_every_rank(tmp_path):
     """An FSDP1 model was taken: its state dict is a collective that rank 0's mirror entered alone (gloo's timeout)
     or holds ShardedTensors (a bare torch error) (found by an adversarial helper)."""

@@ -379,6 +379,12 @@ def check_ranks_pull_to_the_same_step(model, item: Prepared) -> None:
                 (0, lambda: worker.deltasync_apply([item.path("missing.safetensors")]), "missing.safetensors"),
                 (0, lambda: worker.deltasync_pull(store, "x"), "must be a step number"),  # the same arguments
                 (5, lambda: worker.deltasync_apply([item.path("delta_1_diff.safetensors")]), "applies to step 0"),
+                (0, lambda: worker.deltasync_pull(store, None, None, "bogus"), "path must be"),  # arguments
+                (  # refused by vLLM's loader path (it needs new values), decided together
+                    0,
+                    lambda: worker.deltasync_apply([item.path("delta_1_diff.safetensors")], path="loader"),
+                    'values="abs"',
+                ),
             ):
                 worker.deltasync_set_step(at)
                 before = snapshot(model)

@@ -197,6 +197,7 @@ class Mirror:
                 flat[start:end].copy_(chunk)
             self._tensors[name] = mirror
             self._bytes[name] = flat.view(torch.uint8)  # sliced by byte offsets; the core writes it in place
+        self._plain = frozenset(plain)  # the names that were not DTensors (checked at every step: _live)
         if self._shards and plain and _rank() != 0:
             # Plain tensors of a sharded model (FSDP2 leaves buffers such as running statistics as they are) are
             # each rank's own, and may differ between ranks: rank 0's are shipped, as torch.save on rank 0 would
@@ -277,7 +278,14 @@ class Mirror:
                     f"tensor {alias!r} no longer shares memory with {first!r} (tied when the mirror was made, "
                     "shipped as one): make a new mirror (attach again) after untying them"
                 )
+        dtensor = _dtensor_type()
         for name, mirror in self._tensors.items():
+            if dtensor is not None and isinstance(current[name], dtensor) == (name in self._plain):
+                raise DeltaSyncError(
+                    f"tensor {name!r} is {'now' if name in self._plain else 'no longer'} a DTensor (sharded or "
+                    "replicated over a device mesh) since the mirror was made: make a new mirror (attach again) "
+                    "after sharding the model"
+                )
             if name in self._shards:
                 continue  # checked against the recorded sharding in _local, shape by shape
             if tuple(current[name].shape) != tuple(mirror.shape) or self._shipped_dtype(current[name]) != mirror.dtype:

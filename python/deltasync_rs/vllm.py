@@ -307,6 +307,12 @@ def apply_delta(
     current_step = _check_step(current_step, "current_step")
     if path == "auto":
         path = "mapped" if is_mapped(model) else "loader"
+    if path not in ("mapped", "loader"):
+        raise _on_every_rank(DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}'))
+    if path == "loader" and check_base:
+        raise _on_every_rank(
+            DeltaSyncError("check_base needs path='mapped': vLLM's loader writes whole parameters itself")
+        )
     # At TP > 1 the ranks agree on every delta before any of them writes: each checks only its own shards (of a
     # partial anchor, only the bytes it read), so one rank may refuse what another accepts, and a rank that wrote
     # while another raised would leave the group at two steps (and, before a later `context` delta's exchange,
@@ -339,11 +345,9 @@ def apply_delta(
             f"{delta.key}: only this rank's part of the anchor was read, which only the mapped path can apply; "
             "nothing was written"
         )
-    if path == "loader":
-        if check_base:
-            raise DeltaSyncError("check_base needs path='mapped': vLLM's loader writes whole parameters itself")
-        return _apply_through_loader(model, delta)
-    raise DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}')
+    # vLLM's loader: every rank checks the delta (what it refuses, every rank refuses: decided together) first.
+    patches, _ = _together(lambda: _loader_patches(model, delta), current_step, "check the delta for vLLM's loader")
+    return _apply_through_loader(model, delta, patches)
 
 
 def _stage(
@@ -451,12 +455,10 @@ def _loader_target(model: torch.nn.Module, params: dict[str, torch.Tensor], name
     return None
 
 
-def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
-    """vLLM's own sparse-patch loader, made all-or-nothing: checks first, restores the touched parameters on failure."""
-    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-        CheckpointWeightPatch,
-        load_checkpoint_weight_patches,
-    )
+def _loader_patches(model: torch.nn.Module, delta: Delta) -> tuple[list[Any], list[Any], dict[int, torch.Tensor]]:
+    """The checks of the path through vLLM's loader, before anything is written: the dense and sparse patches of
+    ``delta`` and the parameters they write (by id)."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch
 
     params = _params(model)
     device = next(iter(params.values())).device
@@ -513,12 +515,24 @@ def _apply_through_loader(model: torch.nn.Module, delta: Delta) -> int:
                     f"tensor {info.name!r}: holds NaN values, which vLLM's sparse loader reserves for 'unchanged'"
                 )
             sparse.append(CheckpointWeightPatch(info.name, info.shape, dtype, values, positions))
+    return dense, sparse, touched
+
+
+def _apply_through_loader(
+    model: torch.nn.Module, delta: Delta, patches: tuple[list[Any], list[Any], dict[int, torch.Tensor]]
+) -> int:
+    """vLLM's own sparse-patch loader, made all-or-nothing: ``patches`` (``_loader_patches``) checked first, the
+    touched parameters restored on failure."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
+
+    dense, sparse, touched = patches
+    params = _params(model)
     backup = {key: t.detach().clone() for key, t in touched.items()}
     with _vllm_cpu.UnpackedForLoader(model) as unpacked:
         try:
-            for patches in (dense, sparse):
-                if patches:
-                    load_checkpoint_weight_patches(model, patches)
+            for batch in (dense, sparse):
+                if batch:
+                    load_checkpoint_weight_patches(model, batch)
             # vLLM's sparse patches are whole tensors whose NaNs mean "unchanged", kept by its final `copy_`; a
             # loader that writes another way (index assignment: DBRX's and MiniCPM's experts) writes the NaNs.
             poisoned = [key for key, t in touched.items() if bool((torch.isnan(t) & ~torch.isnan(backup[key])).any())]
@@ -868,12 +882,14 @@ def _one_reply_per_failure(method: Callable[..., Any]) -> Callable[..., Any]:
 def _replies_before_the_last(vllm_config: Any) -> bool:
     """True on a worker whose ``collective_rpc`` reply vLLM's multiprocess executor reads before the last one's."""
     parallel = getattr(vllm_config, "parallel_config", None)
+    tp = _tensor_parallel()
     if (
         parallel is None
         or getattr(parallel, "distributed_executor_backend", None) != "mp"
         or getattr(parallel, "pipeline_parallel_size", 1) != 1
         or getattr(parallel, "nnodes", 1) != 1
-        or _tensor_parallel() <= 1
+        or getattr(parallel, "world_size", tp) != tp  # other groups (context parallel) among the executor's workers
+        or tp <= 1
     ):
         return False
     from vllm.distributed import parallel_state
