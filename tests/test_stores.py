@@ -149,8 +149,8 @@ def test_local_writers_remove_temp_files_left_by_killed_writers(tmp_path):
 def test_temp_files_that_killed_processes_left_in_tmpdir_are_removed(tmp_path, monkeypatch, s3_url, s3_endpoint):
     """A publisher or subscriber of a remote store stages each anchor (the whole model) in a private file in
     TMPDIR; one killed there left it forever, a full anchor per crash (found by an adversarial helper). The next
-    one removes those untouched for 15 minutes of a process that is gone, or that name none; a live process's,
-    fresh ones and other files stay."""
+    one removes those untouched for 15 minutes whose lock nobody holds (the owner holds it while it lives, in
+    whatever PID namespace: a pid in the name told nothing there); a live owner's, fresh ones and other files stay."""
     import subprocess
     import sys
 
@@ -173,6 +173,10 @@ def test_temp_files_that_killed_processes_left_in_tmpdir_are_removed(tmp_path, m
         (tmpdir / name).write_bytes(b"an anchor")
         if what != "fresh":
             os.utime(tmpdir / name, (old, old))
+    import fcntl
+
+    held = os.open(tmpdir / names["live"], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as its live owner holds it
     state = {"w": np.arange(64, dtype=np.float32)}
     with ds.Publisher(s3_store(s3_url, s3_endpoint), background=False) as publisher:
         publisher.publish(0, state)  # an anchor, staged in TMPDIR
@@ -183,6 +187,19 @@ def test_temp_files_that_killed_processes_left_in_tmpdir_are_removed(tmp_path, m
     assert ds.Subscriber(s3_store(s3_url, s3_endpoint)).pull(target) == 0  # the anchor, downloaded to TMPDIR
     assert sorted(p.name for p in tmpdir.iterdir()) == sorted(names[k] for k in ("live", "fresh", "other"))
     assert np.array_equal(target["w"], state["w"])
+    os.close(held)
+    # A private file of this process, untouched for long, is its own while it holds it: another sweep leaves it.
+    from deltasync_rs.store import private_temp, remove_abandoned_temps, remove_temp
+
+    fd, mine = private_temp()
+    os.close(fd)  # the lock outlives the caller's descriptor
+    os.utime(mine, (old, old))
+    remove_abandoned_temps(str(tmpdir))
+    assert os.path.exists(mine)
+    remove_temp(mine)
+    assert not os.path.exists(mine)
+    remove_abandoned_temps(str(tmpdir))
+    assert sorted(p.name for p in tmpdir.iterdir()) == sorted(names[k] for k in ("fresh", "other"))
 
 
 def test_open_store_dispatch(tmp_path, s3_url):

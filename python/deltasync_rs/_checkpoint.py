@@ -28,7 +28,7 @@ from ._ranged import MAX_HEADER_BYTES, AnchorTensor, PartialAnchor, anchor_tenso
 from .delta import Delta, load
 from .errors import BaseMismatchError, DeltaFormatError, IntegrityError
 from .manifest import Pieces
-from .store import private_temp
+from .store import private_temp, remove_temp
 
 #: Linux's madvise advice that faults every page of a range in, writable (5.14+; Python names no constant for it).
 _MADV_POPULATE_WRITE = 23
@@ -226,7 +226,7 @@ class FilledAnchor(PartialAnchor):
             delta = load(path, mmap=True)
         finally:
             os.close(fd)
-            os.unlink(path)
+            remove_temp(path)
         return cls(source, anchor, delta, retry, whole)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from .delta import Delta, load
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
 from .manifest import Pieces
-from .store import Store, private_temp
+from .store import Store, private_temp, remove_temp
 
 #: safetensors' own cap on the header (docs/format.md §1).
 MAX_HEADER_BYTES = 100_000_000
@@ -159,7 +159,7 @@ def read_ranged(store: Store, ref: dict[str, Any], pieces: Pieces, needed: Neede
     finally:
         hashers.shutdown()
         os.close(fd)
-        os.unlink(path)
+        remove_temp(path)
 
 
 def _runs(indices: list[int], most: int) -> Iterable[list[int]]:

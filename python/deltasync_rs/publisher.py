@@ -58,7 +58,7 @@ from .manifest import (
     step_of,
 )
 from .mirror import Mirror
-from .store import TEMP_PREFIX, Store, open_store, private_temp
+from .store import TEMP_PREFIX, Store, open_store, private_temp, remove_temp
 from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
@@ -843,7 +843,7 @@ class Publisher:
                 early_writeback=True,  # the store's put_file fsyncs it (a local store), or reads it to upload
             )
         except BaseException:
-            os.unlink(path)
+            remove_temp(path)
             raise
         ref: dict[str, Any] = {"key": anchor_key(step), "size": size}
         if sha256 is not None:
@@ -904,7 +904,7 @@ class Publisher:
                 self._put(pieces_key(step), sidecar)
         finally:
             if anchor_path is not None:
-                os.unlink(anchor_path)
+                remove_temp(anchor_path)
         base_step = delta.base_step if delta is not None else None
         # A base entry that was never written (its upload failed) leaves the link empty: subscribers then take
         # the anchor that follows such a failure.

@@ -12,11 +12,17 @@ import secrets
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; private temporary files are never swept there
+    fcntl = None  # type: ignore[assignment]
 
 from .errors import DeltaSyncError, MissingObjectError, StoreError
 
@@ -177,33 +183,69 @@ def alive(pid: int) -> bool:
     return True
 
 
+# The lock each private temporary file is held by while its process uses it (private_temp, remove_temp).
+_TEMP_LOCKS: dict[str, int] = {}
+_TEMP_LOCKS_GUARD = threading.Lock()
+
+
 def remove_abandoned_temps(folder: str) -> None:
-    """Removes the private temporary files (``private_temp``) that killed processes left in ``folder``: untouched
-    for STALE_TEMP_SECONDS, of a process that is gone (a live one may hold an anchor it mapped for longer), or of no
-    process named (older versions' names). A file another user owns stays (the sticky TMPDIR refuses the unlink)."""
+    """Removes the private temporary files (``private_temp``) that killed processes left in ``folder``: those
+    untouched for STALE_TEMP_SECONDS whose lock nobody holds. The lock, not the process id in the name, tells a live
+    owner: it holds wherever the owner runs (another PID namespace, a container restarted as the same pid, another
+    machine sharing the folder), and goes when the owner dies. A file another user owns stays."""
+    if fcntl is None:
+        return
     for name in stale_temps(folder):
-        match = TEMP_OF_A_PROCESS.fullmatch(name)
-        if match is None or not alive(int(match.group(1))):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)  # while locked: its owner is gone
+        except OSError:
+            pass  # held by a live owner, or gone already
+        finally:
+            os.close(fd)
 
 
 def private_temp(folder: str | None = None) -> tuple[int, str]:
     """A new private temporary file (mode 0o600), open for reading and writing: its descriptor and path, named
     ``.deltasync-<pid>-<hex>.tmp`` in ``folder`` (TMPDIR by default), after removing those that killed processes
     left there (``remove_abandoned_temps``: an anchor downloaded to a file is as large as the model, and a worker
-    that is killed again and again would otherwise fill the disk). The caller unlinks it."""
+    that is killed again and again would otherwise fill the disk). The file stays locked, whatever the caller
+    closes, until :func:`remove_temp` removes it."""
     folder = folder or tempfile.gettempdir()
     remove_abandoned_temps(folder)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     while True:
         path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
         try:
-            return os.open(path, flags, 0o600), path
+            fd = os.open(path, flags, 0o600)
         except FileExistsError:
             continue
+        if fcntl is not None:
+            lock = os.dup(fd)  # the same open file: locked until remove_temp closes this one
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(lock)  # a file system without locks: the file is swept by its age alone
+            else:
+                with _TEMP_LOCKS_GUARD:
+                    _TEMP_LOCKS[path] = lock
+        return fd, path
+
+
+def remove_temp(path: str) -> None:
+    """Unlinks a temporary file, and releases its lock where :func:`private_temp` made it."""
+    try:
+        os.unlink(path)
+    finally:
+        with _TEMP_LOCKS_GUARD:
+            lock = _TEMP_LOCKS.pop(path, None)
+        if lock is not None:
+            os.close(lock)
 
 
 def _check_keys(keys: Any) -> None:

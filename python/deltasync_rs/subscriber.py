@@ -57,7 +57,7 @@ from .manifest import (
     resolve_signing_key,
     step_of,
 )
-from .store import LocalStore, Store, open_store, private_temp
+from .store import LocalStore, Store, open_store, private_temp, remove_temp
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -435,7 +435,7 @@ class Subscriber:
         pieces = self._pieces(ref)
         source = self.store.open_local(ref["key"]) if READS_BY_DESCRIPTOR else None
         if source is None:
-            os.unlink(self._checked_copy(ref, pieces, whole_sha256="sha256" in ref))
+            remove_temp(self._checked_copy(ref, pieces, whole_sha256="sha256" in ref))
             return
         with source:
             size = os.fstat(source.fileno()).st_size
@@ -473,7 +473,7 @@ class Subscriber:
                 # size is checked: all pieces matching is the whole file matching.
                 pieces.check_all(file_piece_hashes(path, pieces.piece_bytes, pieces.algorithm), ref["key"])
         except BaseException:
-            os.unlink(path)
+            remove_temp(path)
             raise
         return path
 
@@ -510,7 +510,7 @@ class Subscriber:
         try:
             return load(path, mmap=True)
         finally:
-            os.unlink(path)
+            remove_temp(path)
 
     # -- planning ---------------------------------------------------------------------------------------------------
     def _walk_back(self, target: int, floor: int, stop: Callable[[Entry], bool]) -> list[Entry]:
