@@ -188,6 +188,10 @@ def test_loader_path_refuses_a_loader_that_writes_the_unchanged_marks():
     assert _bits_equal(_params(model), states[0])
     ds_vllm.apply_delta(model, ds.anchor(states[1]))  # dense patches hold no marks: written as they are
     assert _bits_equal(_params(model), states[1])
+    with_nan = {name: t.clone() for name, t in states[2].items()}
+    with_nan["proj"].view(-1)[5] = float("nan")  # a value like any other in a dense patch
+    ds_vllm.apply_delta(model, ds.anchor(with_nan))
+    assert _bits_equal(_params(model), with_nan)
 
 
 class MLAAttention(torch.nn.Module):

@@ -786,10 +786,11 @@ class Subscriber:
             self.step = None
             try:
                 known = self._apply_all(state, self._fetch_to_apply(None, target))
-            except BaseException:
+            except BaseMismatchError:
                 if self.step is None:
-                    # Nothing was applied (a target of another dtype or shape is refused by the anchor too): the
-                    # state is as it was, so the subscriber is still where it was, and never moves back from there.
+                    # The anchor refused the target too (another dtype or shape), so nothing was applied: the state
+                    # is as it was, and the subscriber still where it was, never moving back from there. (Where the
+                    # anchor could not be read, the step stays forgotten: the state drifted from it.)
                     self.step = held
                 raise
         self._hold_the_step(state, known)

@@ -30,7 +30,8 @@ def _tensor_objects(source: Any) -> dict[str, int]:
     if not isinstance(source, torch.nn.Module):
         return {}
     named = [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]
-    return {name: id(tensor) for name, tensor in named}
+    # Under torch's checkpoint_wrapper the state dict's names leave out the wrapper's module, as here.
+    return {name.replace("_checkpoint_wrapped_module.", ""): id(tensor) for name, tensor in named}
 
 
 def _refuse_fsdp1(source: Any) -> None:

@@ -527,6 +527,8 @@ def _apply_through_loader(
 
     dense, sparse, touched = patches
     params = _params(model)
+    # Parameters a sparse patch writes (a dense one, an anchor, may hold NaN as a value like any other).
+    marked = {id(_loader_target(model, params, patch.name)) for patch in sparse}
     backup = {key: t.detach().clone() for key, t in touched.items()}
     with _vllm_cpu.UnpackedForLoader(model) as unpacked:
         try:
@@ -535,7 +537,11 @@ def _apply_through_loader(
                     load_checkpoint_weight_patches(model, batch)
             # vLLM's sparse patches are whole tensors whose NaNs mean "unchanged", kept by its final `copy_`; a
             # loader that writes another way (index assignment: DBRX's and MiniCPM's experts) writes the NaNs.
-            poisoned = [key for key, t in touched.items() if bool((torch.isnan(t) & ~torch.isnan(backup[key])).any())]
+            poisoned = [
+                key
+                for key, t in touched.items()
+                if key in marked and bool((torch.isnan(t) & ~torch.isnan(backup[key])).any())
+            ]
             if poisoned:
                 names = [n for n, p in params.items() if id(p) in poisoned]
                 raise DeltaSyncError(
