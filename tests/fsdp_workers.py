@@ -204,15 +204,8 @@ def run(rank: int, world: int, port: int, store: str, out: str, codec: str, scen
             except ds.DeltaSyncError as error:
                 raised.append(str(error))
             attachment.sync(12)
-            with open(f"{out}.rank{rank}.txt", "w") as report:
-                report.write("\n".join(raised))
-            whole = full_state(model)
-            if rank == 0:
-                publisher.close()
-                torch.save(whole, out)
-            dist.barrier()
-            return
-        attachment.sync()  # step 5, after the publishes at 2 and 4
+        else:
+            attachment.sync()  # step 5, after the publishes at 2 and 4
         if scenario == "edited":
             attachment.sync()  # published already, and unchanged: nothing to do, on every rank
             if rank == 1:  # an edit after the step, in rank 1's shards only

@@ -118,7 +118,7 @@ def test_publish_sharded_checkpoints_and_pull_the_newest(sharded, tmp_path, caps
         assert_states_equal(dict(sorted(load_file(out).items())), expected)
 
 
-def test_a_shard_write_that_fails_leaves_every_shard_as_it_was(tmp_path):
+def test_a_shard_write_that_fails_leaves_no_output_and_the_base_as_it_was(tmp_path):
     """A write that fails (a file size limit here, a full disk in life) on a later shard leaves no output folder
     and no staging folder, and the base as it was."""
     g = torch.Generator().manual_seed(3)
