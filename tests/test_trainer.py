@@ -252,12 +252,25 @@ def test_a_subscriber_whose_target_unties_what_the_trainer_ties_gets_both_names_
         assert_same(untied, bf16(model))
     entry = ds.Subscriber(LocalStore(tmp_path / "store")).entry(4)
     assert entry.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    # A checkpoint published later by another publisher (deltasync publish of save_pretrained's files, which leave
+    # the tie out) keeps the store's ties; a target made in inference mode is written there too.
+    attachment.detach()
+    publisher.close()
+    train_step(model, optimizer, seed=299)
+    checkpoint = {name: t for name, t in bf16(model).items() if name != "lm_head.weight"}
+    with ds.Publisher(LocalStore(tmp_path / "store"), background=False) as later:
+        later.publish(5, checkpoint)
+    assert ds.Subscriber(LocalStore(tmp_path / "store")).entry(5).aliases == entry.aliases
+    with torch.inference_mode():
+        served = {name: torch.zeros_like(t) for name, t in bf16(model).items()}
+    assert subscriber.pull(untied) == 5 and ds.Subscriber(LocalStore(tmp_path / "store")).pull(served) == 5
+    assert_same(untied, bf16(model))
+    assert_same(served, bf16(model))
     wrong = {name: torch.zeros_like(t) for name, t in bf16(model).items()}
     wrong["lm_head.weight"] = torch.zeros(3, 64, dtype=torch.bfloat16)
     with pytest.raises(ds.BaseMismatchError, match="lm_head.weight"):
         fresh.pull(wrong)
     assert not any(bool(t.any()) for n, t in wrong.items() if t.is_floating_point())
-    publisher.close()
 
 
 def test_attach_after_a_step_that_failed_part_way_publishes_an_anchor(tmp_path, monkeypatch):

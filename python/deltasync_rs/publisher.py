@@ -231,11 +231,16 @@ class Publisher:
         # step, so it is no base for a delta, and the next publish is an anchor (_advance).
         self._torn = False
         self._since_anchor = 0
-        self._aliases: dict[str, str] = {}  # tied names of a shared mirror, listed in every entry (publish_shared)
+        # Tied names of a shared mirror (publish_shared), listed in every entry; a publisher opening a store goes
+        # on with those of its newest entry (a checkpoint published by `deltasync publish` leaves the tie out).
+        self._aliases: dict[str, str] = {}
         self._errors: list[BaseException] = []
         self.run = self._open_run()
         self._reader = Subscriber(self.store, signing_key=self._key, retries=self.retries)
         self._last_step = self._store_latest_step()
+        if self._last_step is not None:
+            with contextlib.suppress(DeltaSyncError):
+                self._aliases = dict(self._reader.entry(self._last_step).aliases or {})
         self._base_entry: tuple[int, str] | None = None  # (step, SHA-256) of the last entry written
         self._closed = False
         # Set while no upload job reads the mirror (for an anchor or the state digest): it may change only then.
@@ -687,22 +692,26 @@ class Publisher:
         self._check_open()
         self._raise_errors()
         _published_state(tensors, "the shared mirror")
-        if aliases:
+        if aliases is not None:
             bad = [(a, n) for a, n in aliases.items() if a in tensors or n not in tensors]
             if bad:
                 raise DeltaSyncError(f"aliases {bad[:3]}: each must name a tensor not published to one that is")
-            self._aliases = dict(aliases)
+        # Taken only once the mirror is accepted (a refused one must not leave its ties behind); None keeps them.
+        accept = (lambda: setattr(self, "_aliases", dict(aliases))) if aliases is not None else (lambda: None)
         if self._mirror.is_empty:
             if resume and self._resume_at_published(step, tensors):
+                accept()
                 return
             self._check_step(step)
             self._mirror.share(tensors, step=step, read_only=read_only)
+            accept()
             self._enqueue(step, None)
             return
         if self._mirror.tensors is not tensors:
             if state_digest(tensors) != self._mirror.digest():
                 raise DeltaSyncError("the shared mirror does not hold the last published state")
             self._mirror.share(tensors, step=self._mirror.step)
+        accept()
         if advance is None:
             if step != self._mirror.step:
                 raise DeltaSyncError(f"the shared mirror is at step {self._mirror.step}, not {step}: pass advance()")
@@ -920,7 +929,7 @@ class Publisher:
             created=time.time(),
             run=self.run,
             base_entry_sha256=base_entry,
-            aliases={a: n for a, n in self._aliases.items() if n in tensors} or None,
+            aliases={a: n for a, n in self._aliases.items() if n in tensors and a not in tensors} or None,
         )
         entry_blob = entry.to_json(self._key)
         self._put_entry(step, entry_blob)

@@ -156,15 +156,13 @@ def stale_temps(folder: int | str, *, folders: bool = False) -> list[str]:
 
 def remove_stale_temps(dir_fd: int) -> int:
     """Removes the ``.deltasync-*.tmp`` files directly in a folder (given as a descriptor) untouched for
-    STALE_TEMP_SECONDS: a writer killed mid-write (``kill -9``, a lost machine) leaves one behind, and nothing else
-    would ever remove it. Links and non-regular files are left alone. Returns how many were removed."""
+    STALE_TEMP_SECONDS that no live process holds (``_abandoned``): a writer killed mid-write (``kill -9``, a lost
+    machine) leaves one behind, and nothing else would ever remove it. Links and non-regular files are left alone.
+    Returns how many were removed."""
     removed = 0
     for name in stale_temps(dir_fd):
-        try:
-            os.unlink(name, dir_fd=dir_fd)
+        if _remove_if_abandoned(name, dir_fd):
             removed += 1
-        except OSError:
-            pass
     return removed
 
 
@@ -188,26 +186,39 @@ _TEMP_LOCKS: dict[str, int] = {}
 _TEMP_LOCKS_GUARD = threading.Lock()
 
 
+def _remove_if_abandoned(name: str, dir_fd: int | None = None) -> bool:
+    """Unlinks the stale temporary file ``name`` (in the folder ``dir_fd``, or a path) unless a live process holds
+    it: one whose lock (``private_temp``) is held, wherever that process runs (another PID namespace, a container
+    restarted as the same pid, another machine sharing the folder). Where the file system takes no lock, the pid in
+    the name decides (a process of this machine that is gone). True when it was removed."""
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+    except OSError:
+        return False  # gone, or another user's
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # held: its process lives
+            except OSError:  # no locks here (ENOLCK): by the pid in the name
+                match = TEMP_OF_A_PROCESS.fullmatch(os.path.basename(name))
+                if match is not None and alive(int(match.group(1))):
+                    return False
+        os.unlink(name, dir_fd=dir_fd)  # while locked: its owner is gone
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def remove_abandoned_temps(folder: str) -> None:
     """Removes the private temporary files (``private_temp``) that killed processes left in ``folder``: those
-    untouched for STALE_TEMP_SECONDS whose lock nobody holds. The lock, not the process id in the name, tells a live
-    owner: it holds wherever the owner runs (another PID namespace, a container restarted as the same pid, another
-    machine sharing the folder), and goes when the owner dies. A file another user owns stays."""
-    if fcntl is None:
-        return
+    untouched for STALE_TEMP_SECONDS that no live process holds (``_remove_if_abandoned``). A file another user owns
+    stays."""
     for name in stale_temps(folder):
-        path = os.path.join(folder, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)  # while locked: its owner is gone
-        except OSError:
-            pass  # held by a live owner, or gone already
-        finally:
-            os.close(fd)
+        _remove_if_abandoned(os.path.join(folder, name))
 
 
 def private_temp(folder: str | None = None) -> tuple[int, str]:

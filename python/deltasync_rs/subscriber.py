@@ -105,7 +105,8 @@ def _write_aliases(state: Any, untied: list[tuple[str, str]]) -> None:
         if _arrays.is_torch(target):
             import torch
 
-            with torch.no_grad():
+            # Inference tensors take in-place writes only in inference mode (as Writes writes them).
+            with torch.inference_mode() if target.is_inference() else torch.no_grad():
                 target.copy_(source)
         else:
             import numpy as np
@@ -175,6 +176,7 @@ class Subscriber:
         self._names: list[str] | None = None
         self._lock = threading.RLock()  # pulls take turns (one_at_a_time): each moves `step` and its target
         self._target: tuple[tuple[str, int, int], ...] | None = None  # _target_key of the state `step` is of
+        self._aliases_at: int | None = None  # the step the target's untied aliases were written at
 
     @property
     def retries(self) -> int:
@@ -755,15 +757,16 @@ class Subscriber:
         if not deltas:
             if self.step is None:
                 raise ChainError(f"{self.store.url}: nothing to pull")
-            if this_target != self._target:
-                # Not the target this subscriber brought to its step (a new or replaced one): it must hold that
-                # step, or be brought there, before the step is reported.
-                tied = self._untied_aliases(state, self.step)
+            if this_target != self._target or self._aliases_at != self.step:
+                # Not the target this subscriber brought to its step (a new or replaced one, or one a pull left part
+                # way): it must hold that step, or be brought there, before the step is reported.
+                tied = self._untied_aliases(state, self.step, self._names)
                 self._hold_the_step(state, {})
                 _write_aliases(state, tied)
-                self._target = this_target
+                self._target, self._aliases_at = this_target, self.step
             return self.step
-        tied = self._untied_aliases(state, deltas[-1].step)
+        self._aliases_at = None  # until this pull has written them
+        tied = self._untied_aliases(state, deltas[-1].step, deltas[0].names if deltas[0].is_anchor else self._names)
         try:
             try:
                 known = self._apply_all(state, deltas)
@@ -794,14 +797,18 @@ class Subscriber:
                     self.step = held
                 raise
         self._hold_the_step(state, known)
-        _write_aliases(state, tied if self.step == deltas[-1].step else self._untied_aliases(state, self._reached()))
-        self._target = this_target
+        if self.step != deltas[-1].step:
+            tied = self._untied_aliases(state, self._reached(), self._names)
+        _write_aliases(state, tied)
+        self._target, self._aliases_at = this_target, self.step
         return self._reached()
 
-    def _untied_aliases(self, state: Any, step: int | None) -> list[tuple[str, str]]:
+    def _untied_aliases(self, state: Any, step: int | None, published: Any) -> list[tuple[str, str]]:
         """The (alias, published name) pairs of ``step``'s entry (names the trainer's model ties, published once)
         that ``state`` holds as tensors of their own: they are written from the published tensor after the pull.
-        An alias of another dtype or shape than its tensor is refused, before anything is written."""
+        An alias that is itself a published tensor (``published``: the names of the state's anchor) is never written
+        over; one of another dtype, shape or kind than its tensor, or one that cannot be written, is refused before
+        anything is written."""
         if step is None:
             return []
         try:
@@ -810,14 +817,20 @@ class Subscriber:
             return []  # the entry is read (and its errors raised) by the pull itself
         untied = []
         for alias, name in aliases.items():
-            if alias not in state or name not in state:
+            if alias not in state or name not in state or (published is not None and alias in published):
                 continue
             mine, theirs = _arrays.describe(state[alias], alias), _arrays.describe(state[name], name)
+            problem = None
             if mine != theirs:
+                problem = f"holds {alias!r} as {mine[0]}{list(mine[1])} and {name!r} as {theirs[0]}{list(theirs[1])}"
+            elif _arrays.is_torch(state[alias]) != _arrays.is_torch(state[name]):
+                problem = f"holds one of {alias!r} and {name!r} as a torch tensor and the other as a numpy array"
+            elif not _arrays.is_torch(state[alias]) and not state[alias].flags.writeable:
+                problem = f"holds {alias!r} as a read-only array"
+            if problem is not None:
                 raise BaseMismatchError(
                     f"tensor {alias!r} is tied to {name!r} in the trainer's model and published as it, but the target "
-                    f"holds {alias!r} as {mine[0]}{list(mine[1])} and {name!r} as {theirs[0]}{list(theirs[1])}; "
-                    "nothing was written"
+                    f"{problem}; nothing was written"
                 )
             if not _same_memory(state[alias], state[name]):
                 untied.append((alias, name))

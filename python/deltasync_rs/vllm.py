@@ -318,36 +318,40 @@ def apply_delta(
     # while another raised would leave the group at two steps (and, before a later `context` delta's exchange,
     # waiting on a rank that left). A `context` tensor split across ranks is also placed with what every rank
     # holds of it (deltasync_rs._context), exchanged in the same all-gather.
-    exchange = path == "mapped" and _tensor_parallel() > 1
+    if path == "loader":
+        # vLLM's loader: every rank checks the delta first (what one refuses, every rank refuses: decided together).
+        def check() -> tuple[list[Any], list[Any], dict[int, torch.Tensor]]:
+            _check_chain(delta, current_step)
+            if isinstance(delta, PartialAnchor):
+                raise DeltaSyncError(
+                    f"{delta.key}: only this rank's part of the anchor was read, which only the mapped path can "
+                    "apply; nothing was written"
+                )
+            return _loader_patches(model, delta)
+
+        patches, _ = _together(check, current_step, "check the delta for vLLM's loader")
+        return _apply_through_loader(model, delta, patches)
+    exchange = _tensor_parallel() > 1
     writes = _write.Writes(delta._raw)
 
     def stage() -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
         _check_chain(delta, current_step)
-        return _stage(model, delta, writes, check_base) if path == "mapped" else ([], {})
+        return _stage(model, delta, writes, check_base)
 
     if exchange:
         (plan, _), holdings = _together(stage, None, "apply the delta", lambda staged: staged[1])
     else:
         (plan, _), holdings = stage(), []
-    if path == "mapped":
-        everyone: dict[int, list[Any]] = {}
-        for held in holdings:
-            for index, part in held.items():
-                everyone.setdefault(index, []).append(part)
-        for index, shard in plan:
-            if writes.context_sharded(index, shard):
-                writes.add_region(index, shard, everyone.get(index))
-        writes.commit()
-        _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
-        return writes.elements
-    if isinstance(delta, PartialAnchor):
-        raise DeltaSyncError(
-            f"{delta.key}: only this rank's part of the anchor was read, which only the mapped path can apply; "
-            "nothing was written"
-        )
-    # vLLM's loader: every rank checks the delta (what it refuses, every rank refuses: decided together) first.
-    patches, _ = _together(lambda: _loader_patches(model, delta), current_step, "check the delta for vLLM's loader")
-    return _apply_through_loader(model, delta, patches)
+    everyone: dict[int, list[Any]] = {}
+    for held in holdings:
+        for index, part in held.items():
+            everyone.setdefault(index, []).append(part)
+    for index, shard in plan:
+        if writes.context_sharded(index, shard):
+            writes.add_region(index, shard, everyone.get(index))
+    writes.commit()
+    _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
+    return writes.elements
 
 
 def _stage(
