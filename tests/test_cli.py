@@ -619,3 +619,34 @@ def test_publish_dtype_casts_float_checkpoints_as_torch_does(tmp_path, capsys):
     rc, _, err = _run(capsys, "publish", wide, "--store", tmp_path / "store2", "--step", 0, "--dtype", "bfloat16")
     assert rc == 1 and "tensor 'w' is float64" in err, err
     assert not (tmp_path / "store2").exists()
+
+
+def test_outputs_that_are_not_files_and_stores_that_cannot_be_read_back_are_refused(ckpts, tmp_path, capsys):
+    """From an adversarial helper running the CLI as an operator: an output that was a device or a FIFO was
+    replaced by the written file (as root, -o /dev/null replaced /dev/null) with exit code 0; a store URL with an
+    empty part published steps no reader could list back; a publisher without the key wrote unsigned steps into a
+    signed store, which every reader with the key then refused."""
+    _, curr, prev_path, curr_path = ckpts
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    delta = tmp_path / "d.safetensors"
+    assert _run(capsys, "diff", prev_path, curr_path, "-o", delta)[0] == 0
+    for argv in (
+        ("diff", prev_path, curr_path, "-o", fifo),
+        ("apply", prev_path, delta, "-o", fifo),
+    ):
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 1 and "not a regular file" in err, err
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    with pytest.raises(ds.DeltaSyncError, match="not a regular file"):
+        ds.load(delta).save(fifo)
+    with pytest.raises(ds.StoreError, match="empty part"):
+        ds.open_store("memory://bucket//run")
+    store = tmp_path / "signed"
+    with ds.Publisher(store, signing_key="k" * 32, background=False) as publisher:
+        publisher.publish(0, {"w": torch.zeros(4)})
+    with pytest.raises(ds.IntegrityError, match="store is signed"):
+        ds.Publisher(store)
+    rc, _, err = _run(capsys, "publish", "--store", store, curr_path, "--step", 1)
+    assert rc == 1 and "store is signed" in err, err
+    assert ds.Subscriber(store, signing_key="k" * 32).latest_step() == 0

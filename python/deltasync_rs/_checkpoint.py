@@ -5,6 +5,7 @@ in memory a second time, and the file comes out byte for byte as ``safetensors.n
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -26,7 +27,7 @@ from ._core import (
 )
 from ._ranged import MAX_HEADER_BYTES, AnchorTensor, PartialAnchor, anchor_tensors
 from .delta import Delta, load
-from .errors import BaseMismatchError, DeltaFormatError, IntegrityError
+from .errors import BaseMismatchError, DeltaFormatError, DeltaSyncError, IntegrityError
 from .manifest import Pieces
 from .store import private_temp, remove_temp
 
@@ -54,7 +55,16 @@ class CheckpointFile:
         try:
             os.ftruncate(fd, 0)  # a previous attempt's bytes must not survive into this one
             os.ftruncate(fd, size)
+            # Its blocks reserved now: a full disk is an error here, not a SIGBUS from a write through the map.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as error:
+                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
             os.pwrite(fd, header, 0)
+        except OSError as error:
+            os.close(fd)
+            raise DeltaSyncError(f"{path}: cannot write a checkpoint of {size} bytes: {error}") from error
         except BaseException:
             os.close(fd)
             raise

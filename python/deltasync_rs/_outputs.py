@@ -24,6 +24,24 @@ def require_regular_file(path: str) -> None:
         raise DeltaSyncError(f"{path}: not a regular file")
 
 
+def require_output_file(path: str) -> None:
+    """Refuses, before any work, an output path that names no file to write: empty, a folder, or something other
+    than a regular file (a device such as /dev/null, a FIFO, a socket), which the rename of the written file would
+    replace."""
+    if not os.fspath(path):
+        raise DeltaSyncError(f"{path!r}: not a file to write (an empty path)")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as error:
+        raise DeltaSyncError(f"{path!r}: cannot write: {error}") from None
+    if stat.S_ISDIR(mode):
+        raise DeltaSyncError(f"{path}: a folder, not a file to write")
+    if not stat.S_ISREG(mode):
+        raise DeltaSyncError(f"{path}: not a regular file (a device, FIFO or socket); write the output to a file")
+
+
 def refuse_overwriting_inputs(output: str, inputs: list[str]) -> None:
     for source in inputs:
         same = os.path.realpath(output) == os.path.realpath(source)
@@ -50,9 +68,9 @@ def remove_stale_temps(output: str) -> None:
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
     """Calls ``write(temp)`` on a new file beside ``path``, then renames it over ``path``. The result has the mode
     of the file it replaces, or 0o666 less the umask."""
-    # Refused before any work: a path that names no file, or a folder (os.replace would fail only at the end).
-    if not os.fspath(path) or os.path.isdir(path):
-        raise DeltaSyncError(f"{path!r}: not a file to write (an empty path or a folder)")
+    # Refused before any work: a path that names no file, a folder (os.replace would fail only at the end), or a
+    # device or FIFO (which os.replace would replace).
+    require_output_file(path)
     folder = os.path.dirname(os.path.abspath(path))
     temp = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}.tmp")
     try:

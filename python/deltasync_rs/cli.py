@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import struct
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_files, diff_files
-from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_regular_file
+from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_output_file, require_regular_file
 from ._sharded import checkpoint_files, write_folder
 from .delta import Delta, load, state_digest
 from .errors import IntegrityError
@@ -55,6 +57,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             "--format trl stores positions as TRL does; --codec context applies to deltasync files only"
         )
     indexes = [c.index for c in (prev, curr) if c.index is not None]
+    require_output_file(args.output)
     refuse_overwriting_inputs(args.output, prev.files + curr.files + indexes)
     remove_stale_temps(args.output)
     bar = _progress_bar("diff")
@@ -89,6 +92,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     if base.index is None:
         if os.path.isdir(args.output):
             raise DeltaSyncError(f"{args.output}: a folder; -o names the checkpoint file to write")
+        require_output_file(args.output)
         refuse_overwriting_inputs(args.output, [args.delta])  # BASE itself may be replaced: it keeps its mode
         remove_stale_temps(args.output)
         apply_files(base.files, delta._raw, [args.output], check_base)
@@ -520,11 +524,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    # SIGTERM (timeout, systemd, Kubernetes) ends a command as Ctrl-C does: on the way out it removes its temporary
+    # files (a checkpoint-sized one while a pull or publish writes), instead of leaving them for a later sweep.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return args.run(args)
     except DeltaSyncError as error:
         print(f"deltasync {args.command}: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

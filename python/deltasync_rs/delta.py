@@ -143,7 +143,12 @@ class Delta:
         return self._raw.to_bytes(format)
 
     def save(self, path: str | os.PathLike[str], format: str = "deltasync") -> None:
-        """Writes the file atomically: a temporary file in the same folder, then a rename."""
+        """Writes the file atomically: a temporary file in the same folder, then a rename (so ``path`` must be a
+        regular file, or nothing yet: a device or FIFO there would be replaced, and is refused)."""
+        from ._outputs import require_output_file
+
+        if isinstance(path, (str, os.PathLike)):
+            require_output_file(os.fsdecode(os.fspath(path)))
         self._raw.save(os.fspath(path), format)
 
     def apply_(self, state: State, *, check_base: bool = False) -> None:

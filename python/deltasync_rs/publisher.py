@@ -41,6 +41,7 @@ from .manifest import (
     DEFAULT_PIECE_HASH,
     LATEST_KEY,
     MAX_DOCUMENT_BYTES,
+    RUN_FORMAT,
     RUN_KEY,
     Entry,
     anchor_key,
@@ -50,6 +51,7 @@ from .manifest import (
     entry_key,
     file_ref,
     latest_document,
+    parse_document,
     parse_run,
     pieces_document,
     pieces_key,
@@ -275,6 +277,12 @@ class Publisher:
             try:
                 raw = self.store.get_small(RUN_KEY, MAX_DOCUMENT_BYTES)
                 run = parse_run(raw, self._key)
+                if self._key is None and "signature" in parse_document(raw, RUN_KEY, RUN_FORMAT):
+                    # Its steps would be unsigned, and every reader with the key would refuse them.
+                    raise IntegrityError(
+                        f"{self.store.url}: the store is signed ({RUN_KEY} carries a signature), but this publisher "
+                        "has no signing key: give it the store's key (signing_key=, or DELTASYNC_SIGNING_KEY)"
+                    )
             except MissingObjectError:
                 if last:
                     break

@@ -612,6 +612,10 @@ class FsspecStore(Store):
         except (ImportError, ValueError) as error:
             raise StoreError(f"{url}: cannot open this store: {error}") from error
         self.root = root.rstrip("/")
+        if "//" in self.root or not self.root:
+            # An empty part ("s3://bucket//run"): written to, but listings name its keys otherwise, so nothing
+            # published there could be read back.
+            raise StoreError(f"{url}: an empty part in the store's path; write it without the doubled '/'")
         # s3fs sends pipe_file(..., mode="create") as a conditional PUT; other fsspec backends may only look first.
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.atomic_create = "s3" in protocols and "mode" in inspect.signature(self.fs.pipe_file).parameters
