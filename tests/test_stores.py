@@ -441,3 +441,14 @@ def test_a_long_lived_s3_subscriber_sees_objects_written_after_its_first_listing
         "anchors/step_000000000004.pieces",
         "anchors/step_000000000004.safetensors",
     ]
+
+
+def test_a_bucket_that_does_not_exist_is_an_error_not_an_empty_store(s3_url, s3_endpoint):
+    """`deltasync log` of a store in a bucket with a typo in its name said "0 steps" (found by an adversarial
+    helper); an empty prefix of a bucket that exists is still a new, empty store."""
+    from tests.conftest import s3_store
+
+    missing = s3_url.split("/")[2] + "-typo"
+    with pytest.raises(ds.StoreError, match="no such bucket"):
+        s3_store(f"s3://{missing}/run1", s3_endpoint).list()
+    assert s3_store(s3_url, s3_endpoint).list() == []

@@ -534,6 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeltaSyncError as error:
         print(f"deltasync {args.command}: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"deltasync {args.command}: interrupted", file=sys.stderr)
+        return 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

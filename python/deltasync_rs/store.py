@@ -618,6 +618,9 @@ class FsspecStore(Store):
             raise StoreError(f"{url}: an empty part in the store's path; write it without the doubled '/'")
         # s3fs sends pipe_file(..., mode="create") as a conditional PUT; other fsspec backends may only look first.
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        # Object stores whose path starts with a bucket: a listing of a bucket that does not exist is an error.
+        buckets = {"s3", "s3a", "gs", "gcs", "az", "abfs"}
+        self._bucket = self.root.split("/")[0] if buckets & set(protocols) and self.root.split("/")[0] else None
         self.atomic_create = "s3" in protocols and "mode" in inspect.signature(self.fs.pipe_file).parameters
 
     def _path(self, key: str) -> str:
@@ -712,8 +715,13 @@ class FsspecStore(Store):
         self._forget(base)  # exists() would answer from a listing kept since an earlier call
         try:
             found = self.fs.find(base) if self.fs.exists(base) else []
+            if not found and self._bucket is not None and not self.fs.exists(self._bucket):
+                # An empty prefix is a new store; a bucket that does not exist is a mistake (a typo in its name).
+                raise StoreError(f"{self.url}: no such bucket {self._bucket!r}")
         except FileNotFoundError:
             return []
+        except DeltaSyncError:
+            raise
         except Exception as error:
             raise StoreError(f"{self.url}/{prefix}: cannot list: {error}") from error
         offset = len(self.root) + 1
