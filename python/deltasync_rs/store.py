@@ -156,7 +156,7 @@ def stale_temps(folder: int | str, *, folders: bool = False) -> list[str]:
 
 def remove_stale_temps(dir_fd: int) -> int:
     """Removes the ``.deltasync-*.tmp`` files directly in a folder (given as a descriptor) untouched for
-    STALE_TEMP_SECONDS that no live process holds (``_abandoned``): a writer killed mid-write (``kill -9``, a lost
+    STALE_TEMP_SECONDS that no live process holds (``_remove_if_abandoned``): a writer killed mid-write (``kill -9``, a lost
     machine) leaves one behind, and nothing else would ever remove it. Links and non-regular files are left alone.
     Returns how many were removed."""
     removed = 0
@@ -241,7 +241,7 @@ def private_temp(folder: str | None = None) -> tuple[int, str]:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                os.close(lock)  # a file system without locks: the file is swept by its age alone
+                os.close(lock)  # a file system without locks: swept once stale and its pid gone
             else:
                 with _TEMP_LOCKS_GUARD:
                     _TEMP_LOCKS[path] = lock
