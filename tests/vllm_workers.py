@@ -800,7 +800,39 @@ def check_ranks_refuse_together_what_one_rank_alone_can_see(model, item: Prepare
     assert not bad, f"differs from a dense reload: {bad[:5]}"
 
 
+def check_a_tie_the_served_model_does_not_hold_is_refused(model, item: Prepared) -> None:
+    """The trainer's model ties lm_head to the embeddings and publishes them once (the entry's ``aliases``). A
+    served model that holds lm_head as a parameter of its own (untied) would keep its old lm_head: refused by every
+    rank before anything is written, on both paths. A tied served model takes the step."""
+    import tempfile
+
+    import deltasync_rs as ds
+
+    state = _state(item, 2)
+    del state["lm_head.weight"]
+    root = tempfile.mkdtemp(prefix="tied-trainer-")
+    with ds.Publisher(root, background=False) as publisher:
+        publisher.publish_shared(7, state, aliases={"lm_head.weight": "model.embed_tokens.weight"})
+    if MODELS[item.name][1]["tie_word_embeddings"]:
+        assert _fresh_worker(model).deltasync_pull(root) == 7
+        applied = snapshot(model)
+        with torch.no_grad():
+            model.load_weights(list(state.items()))
+        bad = differing(model, applied)
+        assert not bad, f"differs from a dense reload: {bad[:5]}"
+        return
+    for path in ("mapped", "loader"):
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.BaseMismatchError,
+            lambda path=path: _fresh_worker(model).deltasync_pull(root, path=path),
+            "holds 'lm_head.weight' as a parameter of its own",
+        )
+
+
 CHECKS = [
+    check_a_tie_the_served_model_does_not_hold_is_refused,
     check_ranks_refuse_together_what_one_rank_alone_can_see,
     check_anchor_pull_reads_only_this_ranks_shard,
     check_tampered_anchor_pieces_refused,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -290,6 +290,7 @@ def apply_delta(
     current_step: int | None = None,
     path: str = "auto",
     check_base: bool = False,
+    aliases: Mapping[str, str] | None = None,
 ) -> int:
     """Applies ``delta`` (HF parameter names and coordinates) in place to this rank's shard of a vLLM model.
 
@@ -299,7 +300,9 @@ def apply_delta(
     other model through vLLM's ``load_checkpoint_weight_patches`` (``"loader"``), which needs ``values="abs"``.
     ``check_base=True`` (mapped path) also checks that every touched tensor holds the exact base the delta was made
     against; a rank can check only tensors it holds whole, so a tensor split across tensor-parallel ranks is refused
-    with that reason. On vLLM's CPU backend the layers whose weights changed are repacked after the write (see
+    with that reason. ``aliases`` (the manifest entry's, docs/format.md §10: names the trainer ties to a published
+    tensor) are refused where this model holds one as a parameter of its own, which the delta would leave at its old
+    values. On vLLM's CPU backend the layers whose weights changed are repacked after the write (see
     docs/vllm.md). Returns the number of elements written on this rank.
     """
     if not isinstance(delta, Delta):
@@ -322,6 +325,7 @@ def apply_delta(
         # vLLM's loader: every rank checks the delta first (what one refuses, every rank refuses: decided together).
         def check() -> tuple[list[Any], list[Any], dict[int, torch.Tensor]]:
             _check_chain(delta, current_step)
+            _refuse_untied(model, delta, aliases)
             if isinstance(delta, PartialAnchor):
                 raise DeltaSyncError(
                     f"{delta.key}: only this rank's part of the anchor was read, which only the mapped path can "
@@ -336,6 +340,7 @@ def apply_delta(
 
     def stage() -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
         _check_chain(delta, current_step)
+        _refuse_untied(model, delta, aliases)
         return _stage(model, delta, writes, check_base)
 
     if exchange:
@@ -439,6 +444,30 @@ def _reject_lone_tied_head(params: dict[str, torch.Tensor], names: set[str]) -> 
         raise BaseMismatchError(
             "tensor 'lm_head.weight': the model ties lm_head to embed_tokens; publish the change "
             "as 'model.embed_tokens.weight' (or both names with the same changes)"
+        )
+
+
+def _refuse_untied(model: torch.nn.Module, delta: Delta, aliases: Mapping[str, str] | None) -> None:
+    """BaseMismatchError where the trainer's model ties ``alias`` to published ``name`` but this model holds the
+    alias as a parameter of its own (a model served untied): the delta, which carries ``name`` only, would leave
+    it at its old values. An alias the model lacks, or one the delta carries itself, is nothing to write."""
+    if not aliases:
+        return
+    params = _params(model)
+    carried = {info.name for info in delta.tensors}
+    for alias, name in aliases.items():
+        if alias in carried or name not in carried:
+            continue
+        mine = _loader_target(model, params, alias)
+        if mine is None:
+            continue
+        theirs = _loader_target(model, params, name)
+        if theirs is None or mine is theirs or (mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape):
+            continue
+        raise BaseMismatchError(
+            f"tensor {alias!r} is tied to {name!r} in the trainer's model and published as it, but "
+            f"{type(model).__name__} holds {alias!r} as a parameter of its own, which the delta would leave at its "
+            "old values; serve the model with the trainer's tie (tie_word_embeddings); nothing was written"
         )
 
 
@@ -714,7 +743,12 @@ class _StepTracker:
             if self.current_step is None and not delta.is_anchor and delta.base_step is not None:
                 raise _unknown_step(delta)
             apply_delta(
-                model, delta, current_step=self.current_step, path=path, check_base=check_base and not delta.is_anchor
+                model,
+                delta,
+                current_step=self.current_step,
+                path=path,
+                check_base=check_base and not delta.is_anchor,
+                aliases=_entry_aliases(entries, delta.step),
             )
             if delta.step is not None:
                 self.current_step = delta.step
@@ -786,6 +820,16 @@ class _StepTracker:
             deltas, _ = _agreed(lambda at, to: subscriber.fetch(at, until=to), self.current_step, until)
             step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         return step
+
+
+def _entry_aliases(entries: Callable[[int], Any] | None, step: int | None) -> Mapping[str, str] | None:
+    """The ties step ``step``'s manifest entry lists (read and verified on the pull's way there: cached), if known."""
+    if entries is None or step is None:
+        return None
+    try:
+        return entries(step).aliases
+    except DeltaSyncError:
+        return None  # read (and its error raised) by the pull itself, or logged after the apply
 
 
 def _agreed(
