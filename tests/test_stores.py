@@ -452,3 +452,51 @@ def test_a_bucket_that_does_not_exist_is_an_error_not_an_empty_store(s3_url, s3_
     with pytest.raises(ds.StoreError, match="no such bucket"):
         s3_store(f"s3://{missing}/run1", s3_endpoint).list()
     assert s3_store(s3_url, s3_endpoint).list() == []
+
+
+def test_an_interrupted_multipart_upload_to_s3_is_aborted(s3_url, s3_endpoint, tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM's exit) during a large upload: fsspec's wait returned at the interrupt and left the upload
+    running until the process exited, and s3fs aborts a multipart upload only when its coroutine fails, so the
+    parts sent so far stayed in the bucket, unlisted and billed (found by an adversarial helper, through the CLI).
+    Now the upload is cancelled and what it opened is aborted; the interrupt still reaches the caller."""
+    import _thread
+    import asyncio
+    import threading
+
+    from tests.conftest import s3_store
+
+    store = s3_store(s3_url, s3_endpoint)
+    fs = store.fs
+    real_call = fs._call_s3
+    monkeypatch.setattr("s3fs.core.calculate_chunksize", lambda *args, **kwargs: 5 << 20)  # S3's smallest part
+
+    async def slow_parts(method, *args, **kwargs):
+        if method == "upload_part":
+            await asyncio.sleep(3)
+        return await real_call(method, *args, **kwargs)
+
+    fs._call_s3 = slow_parts
+    source = tmp_path / "anchor"
+    source.write_bytes(os.urandom(12 << 20))
+    bucket, prefix = fs.split_path(store.root)[:2]
+
+    def open_uploads():
+        listed = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        return [u["Key"] for u in listed.get("Uploads", [])]
+
+    def interrupt_once_open():
+        deadline = time.monotonic() + 30
+        while not open_uploads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    interrupter = threading.Thread(target=interrupt_once_open)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        store.put_file("anchors/00000001.safetensors", source)
+    interrupter.join()
+    assert open_uploads() == []
+    assert not store.exists("anchors/00000001.safetensors")
+    fs._call_s3 = real_call
+    store.put_file("anchors/00000001.safetensors", source)  # the store still works after it
+    assert store.get_small("anchors/00000001.safetensors", 13 << 20) == source.read_bytes()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import errno
 import inspect
+import logging
 import os
 import re
 import secrets
@@ -25,6 +26,8 @@ except ImportError:  # Windows: no flock; private temporary files are never swep
     fcntl = None  # type: ignore[assignment]
 
 from .errors import DeltaSyncError, MissingObjectError, StoreError
+
+log = logging.getLogger(__name__)
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -267,6 +270,9 @@ def _check_keys(keys: Any) -> None:
 
 #: Bytes read and written at a time when an object is streamed to or from a file.
 COPY_BYTES = 8 << 20
+
+#: Seconds an interrupted upload is given to stop before what it left open in the bucket is aborted.
+ABORT_WAIT_SECONDS = 10.0
 
 
 def too_large(where: str, max_bytes: int) -> StoreError:
@@ -659,9 +665,57 @@ class FsspecStore(Store):
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         try:
-            self.fs.put_file(os.fspath(path), self._path(key))
+            if getattr(self.fs, "async_impl", False) and hasattr(self.fs, "_put_file"):
+                self._put_file_async(os.fspath(path), self._path(key))
+            else:
+                self.fs.put_file(os.fspath(path), self._path(key))
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
+
+    def _put_file_async(self, source: str, target: str) -> None:
+        """``fs.put_file`` on fsspec's loop thread, stopped when this thread is interrupted (Ctrl-C, SIGTERM's
+        SystemExit): fsspec's own wait returns at the interrupt and leaves the upload running until the process
+        exits, and s3fs aborts a multipart upload only when its coroutine fails, so the parts uploaded so far were
+        left in the bucket (unlisted, billed). Here the upload is cancelled, then what it left open is aborted."""
+        import asyncio
+        import concurrent.futures
+
+        ended = threading.Event()
+
+        async def upload() -> None:
+            try:
+                await self.fs._put_file(source, target)
+            finally:
+                ended.set()
+
+        future = asyncio.run_coroutine_threadsafe(upload(), self.fs.loop)
+        try:
+            while True:
+                try:
+                    future.result(timeout=1)  # in short waits, so that a signal is handled between them
+                    return
+                except concurrent.futures.TimeoutError:
+                    continue
+        except BaseException:
+            if not future.done():
+                future.cancel()
+                ended.wait(ABORT_WAIT_SECONDS)
+                self._abort_uploads(target)
+            raise
+
+    def _abort_uploads(self, target: str) -> None:
+        """Aborts the S3 multipart uploads open for ``target`` (best effort: logged, never raised)."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return
+        try:
+            bucket, key = self.fs.split_path(target)[:2]
+            listed = call("list_multipart_uploads", Bucket=bucket, Prefix=key)
+            for upload in listed.get("Uploads", []):
+                if upload.get("Key") == key:
+                    call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+        except Exception as error:
+            log.warning("%s: an interrupted upload may be left open in the bucket: %s", target, error)
 
     def get_file(self, key: str, out: Sink) -> int:
         try:
