@@ -406,6 +406,31 @@ def test_worker_extension_rejects_a_broken_chain_before_writing(tmp_path):
     assert worker.deltasync_apply(str(tmp_path / "d1.safetensors")) == 1
 
 
+def test_worker_extension_refuses_a_delta_that_names_no_base_step():
+    """A delta made without base_step= was applied onto whatever the worker held, even at an unknown step, and the
+    worker then claimed the delta's step (found by an adversarial helper): refused before writing, at any step, in
+    a list too. A delta that names no step of its own leaves the worker at no known step."""
+    model, states = _tiny_states()
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    unlinked = ds.diff(states[1], states[2], values="abs", step=2).to_bytes()
+    for step in (None, 1):
+        worker.deltasync_set_step(step)
+        with pytest.raises(ds.BaseMismatchError, match="names no base step"):
+            worker.deltasync_apply(unlinked)
+        assert _bits_equal(_params(model), states[0]) and worker.deltasync_step() == step
+    worker.deltasync_set_step(0)
+    first = ds.diff(states[0], states[1], values="abs", step=1, base_step=0).to_bytes()
+    with pytest.raises(ds.BaseMismatchError, match="names no base step"):
+        worker.deltasync_apply([first, unlinked])
+    assert _bits_equal(_params(model), states[0]) and worker.deltasync_step() == 0
+    stepless = ds.diff(states[0], states[1], values="abs", base_step=0).to_bytes()
+    assert worker.deltasync_apply(stepless) is None
+    assert _bits_equal(_params(model), states[1])
+    with pytest.raises(ds.BaseMismatchError, match="step is unknown"):
+        worker.deltasync_apply(ds.diff(states[1], states[2], values="abs", step=2, base_step=1).to_bytes())
+
+
 def _engine(model):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -427,7 +452,12 @@ def test_weight_transfer_engine_native_flow(published_store):
     engine.update_weights({"step": 1})
     engine.finish_weight_update()
     assert _bits_equal(_params(model), states[1]) and engine.tracker.current_step == 1
-    engine.update_weights({"paths": [str(Path(store) / "deltas" / "step_000000000002.safetensors")]})
+    file = str(Path(store) / "deltas" / "step_000000000002.safetensors")
+    for both in ({"step": 2}, {"store": store}):  # files and a pull at once: which? (step 2 was dropped)
+        with pytest.raises(ds.DeltaSyncError, match="not both"):
+            engine.update_weights({"paths": [file], **both})
+    assert _bits_equal(_params(model), states[1]) and engine.tracker.current_step == 1
+    engine.update_weights({"paths": file})  # one file, not read letter by letter
     assert _bits_equal(_params(model), states[2]) and engine.tracker.current_step == 2
     engine.update_weights({})  # no step: the newest
     assert _bits_equal(_params(model), states[3]) and engine.tracker.current_step == 3

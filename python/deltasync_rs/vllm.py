@@ -272,14 +272,31 @@ def _unknown_step(delta: Delta) -> BaseMismatchError:
     )
 
 
+def _check_linked(delta: Delta, current_step: int | None) -> None:
+    """What a worker that tracks its step applies: an anchor, or a delta naming the step it applies to, which is
+    the worker's (known) step. A delta that names no base step (``ds.diff`` without ``base_step=``) would be
+    applied onto whatever the worker holds, and the worker would then claim the delta's step."""
+    if delta.is_anchor:
+        return
+    if delta.base_step is None:
+        raise BaseMismatchError(
+            f"delta{'' if delta.step is None else f' for step {delta.step}'} names no base step, so the worker "
+            f"cannot tell that it applies to the weights it holds (step {current_step}); make it with base_step= "
+            "(ds.diff(..., step=, base_step=)); nothing was written"
+        )
+    if current_step is None:
+        raise _unknown_step(delta)
+    _check_chain(delta, current_step)
+
+
 def _load_onto(sources: Sequence[Source], current_step: int | None) -> list[Delta]:
-    """The delta files, loaded, whose first must apply to ``current_step`` (at TP > 1 in ``_together``, so that
-    every rank refuses together what one refuses)."""
+    """The delta files, loaded, each of which must name the step it applies to, the first ``current_step`` (at
+    TP > 1 in ``_together``, so that every rank refuses together what one refuses)."""
     deltas = _load_all(sources)
-    if deltas:
-        _check_chain(deltas[0], current_step)
-        if current_step is None and not deltas[0].is_anchor and deltas[0].base_step is not None:
-            raise _unknown_step(deltas[0])
+    step = current_step
+    for delta in deltas:
+        _check_linked(delta, step)
+        step = delta.step
     return deltas
 
 
@@ -725,8 +742,6 @@ class _StepTracker:
         pull that fails part way leaves the model at a step whose entry is known, and the next pull's way on must
         start from it. Every caller compares the weights with the sample first (``forget_if_changed``), all ranks
         together."""
-        if deltas:
-            _check_chain(deltas[0], self.current_step)
         self._apply_all(model, deltas, path=path, check_base=check_base, entries=entries)
         return self.current_step
 
@@ -740,8 +755,7 @@ class _StepTracker:
         entries: Callable[[int], Any] | None,
     ) -> None:
         for delta in deltas:
-            if self.current_step is None and not delta.is_anchor and delta.base_step is not None:
-                raise _unknown_step(delta)
+            _check_linked(delta, self.current_step)
             apply_delta(
                 model,
                 delta,
@@ -750,8 +764,9 @@ class _StepTracker:
                 check_base=check_base and not delta.is_anchor,
                 aliases=_entry_aliases(entries, delta.step),
             )
+            # A file that names no step leaves weights of no known step.
+            self.current_step = delta.step
             if delta.step is not None:
-                self.current_step = delta.step
                 # After each delta applied whole: one that failed after writing (a repack that raised) leaves the
                 # sample of the step before, which the weights no longer match, so the next pull takes an anchor.
                 self.mark(model)
@@ -1182,7 +1197,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         with torch.no_grad():
             path, check_base = update_info.path, _flag(update_info.check_base)
             if update_info.paths is not None:
-                paths = update_info.paths
+                paths: Sequence[Any] = update_info.paths
+                if isinstance(paths, (str, os.PathLike)):
+                    paths = [paths]  # one file, as deltasync_apply takes it (not read letter by letter)
+                if update_info.store is not None or update_info.step is not None:
+                    raise DeltaSyncError(
+                        "update_info gives paths and a store or step: give the files to apply, or a store and step "
+                        "to pull, not both; nothing was applied"
+                    )
                 self.tracker.forget_if_changed(self.model, together=True)
                 deltas, _ = _together(
                     lambda: _load_onto(paths, self.tracker.current_step),
