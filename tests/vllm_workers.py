@@ -454,6 +454,30 @@ def check_context_applies_bit_exactly(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
+def check_a_replicated_context_base_that_differs_on_one_rank_is_refused_by_every_rank(model, item: Prepared) -> None:
+    """A `context` tensor every rank holds whole (a KV head replicated at TP > the model's KV heads) whose base
+    differs on the last rank alone: its base was checked only as the core wrote it, after the ranks had agreed to
+    write, so rank 0 wrote the step and the last rank raised, leaving the replica at two steps (found by an
+    adversarial helper). Every rank refuses now, and none writes. At TP=1 the one rank refuses."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import _whole_region, apply_delta, shard_map
+
+    first = _delta(item, 1, "diff", "context")
+    whole = [t.name for t in first.tensors if t.positions == "context" and shard_map(model, t.name).covers_all]
+    if get_tensor_model_parallel_world_size() > 1 and not any("k_proj" in n or "v_proj" in n for n in whole):
+        return  # no KV head replicated on this model at this TP
+    name = next(n for n in whole if "k_proj" in n or "v_proj" in n) if whole else None
+    assert name is not None, "no context tensor held whole"
+    if get_tensor_model_parallel_rank() == get_tensor_model_parallel_world_size() - 1:
+        with torch.no_grad():
+            _whole_region(shard_map(model, name)).view(torch.int16)[0] ^= 1
+    _expect_untouched(
+        model, snapshot(model), ds.BaseMismatchError, lambda: apply_delta(model, first, current_step=0), name
+    )
+
+
 def check_context_on_a_device(model, item: Prepared) -> None:
     """Parameters on a device (no GPU here: every torch tensor is treated as one, and the device hash runs on CPU
     tensors): a whole `context` tensor's identity is computed by torch ops, all of one delta's in one batched call,
@@ -842,6 +866,7 @@ CHECKS = [
     check_pull_checks_streams_as_it_applies,
     check_ranks_pull_to_the_same_step,
     check_context_applies_bit_exactly,
+    check_a_replicated_context_base_that_differs_on_one_rank_is_refused_by_every_rank,
     check_context_on_a_device,
     check_context_abs_values_at_any_tp,
     check_base_identity_at_tp1_or_refused_at_tp2,

@@ -183,8 +183,6 @@ def _place(part: Slice, everyone: list[Held]) -> tuple[Any, Any]:
     name, changed, shape = info[0], int(info[3]), info[2]
     numel = int(np.prod(shape)) if shape else 1
     width = _arrays.WIDTHS[info[1]]
-    if part.bits.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=int_dtype(width), device=device)
     layout = _layout(name, everyone, numel)
     counts = layout.counts
     first_rank = np.cumsum(counts, axis=0) - counts  # [runs, class]: the class rank of each run's first element
@@ -194,7 +192,7 @@ def _place(part: Slice, everyone: list[Held]) -> tuple[Any, Any]:
     for c in range(CLASSES):
         ranks = parts.ranks[c]
         if len(ranks) and ranks[-1] >= totals[c]:
-            raise DeltaFormatError(
+            raise BaseMismatchError(
                 f"tensor {name!r}: class {c} lists rank {int(ranks[-1])} but the workers' bases have "
                 f"{int(totals[c])} elements in that class (is this the delta's base?); nothing was written"
             )
@@ -203,7 +201,7 @@ def _place(part: Slice, everyone: list[Held]) -> tuple[Any, Any]:
         )
     changed_in = np.where(parts.complement, counts - listed_in, listed_in)
     if int(changed_in.sum()) != changed:
-        raise DeltaFormatError(
+        raise BaseMismatchError(
             f"tensor {name!r}: the 'context' stream decodes to {int(changed_in.sum())} changes against the workers' "
             f"bases but the record says changed={changed} (is this the delta's base?); nothing was written"
         )
@@ -214,12 +212,14 @@ def _place(part: Slice, everyone: list[Held]) -> tuple[Any, Any]:
     for g in range(groups):
         by_group[:, g] = changed_in[:, parts.group_of == g].sum(axis=1)
         if int(by_group[:, g].sum()) != len(parts.values[g]):
-            raise DeltaFormatError(
+            raise BaseMismatchError(
                 f"tensor {name!r}: value group {g} holds {len(parts.values[g])} values for the "
                 f"{int(by_group[:, g].sum())} changes of its classes in the workers' bases (is this the delta's "
                 "base?); nothing was written"
             )
     before = np.cumsum(by_group, axis=0) - by_group  # [runs, group]: values of the group before each run
+    if part.bits.numel() == 0:  # after the checks, which every reader makes alike (all refuse, or none)
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=int_dtype(width), device=device)
 
     runs = part.runs
     mine = np.searchsorted(layout.starts, part.held.runs()[0])  # exact: this reader's runs are in the layout

@@ -347,10 +347,12 @@ class Writes:
         check_bases(self._raw, targets)
         self._base_checked.update(index for index, target in targets if _on_device(target))
 
-    def check_context_bases(self, targets: list[tuple[int, Any]]) -> None:
+    def check_context_bases(self, targets: list[tuple[int, Any]], *, on_host: bool = False) -> None:
         """Of ``(index, whole target)`` pairs, checks those a ``context`` tensor decodes against on a device, all
-        together, before anything is staged: such a base is always checked, with or without ``check_base``."""
-        self.check_bases([(i, t) for i, t in targets if _on_device(t) and needs_base(self._raw, i)])
+        together, before anything is staged: such a base is always checked, with or without ``check_base``. The
+        core checks a host target's as it writes it, unless ``on_host``: then here too (ranks that must agree on
+        a refusal before any of them writes)."""
+        self.check_bases([(i, t) for i, t in targets if (on_host or _on_device(t)) and needs_base(self._raw, i)])
 
     def _stage_torch(self, index: int, target: Any) -> Callable[[], object]:
         torch = _torch()

@@ -368,9 +368,14 @@ def apply_delta(
     for held in holdings:
         for index, part in held.items():
             everyone.setdefault(index, []).append(part)
-    for index, shard in plan:
-        if writes.context_sharded(index, shard):
-            writes.add_region(index, shard, everyone.get(index))
+    try:
+        for index, shard in plan:
+            if writes.context_sharded(index, shard):
+                writes.add_region(index, shard, everyone.get(index))
+    except DeltaSyncError as error:
+        # Placed from what every rank holds (the exchange above): what one rank refuses there, every rank does.
+        _on_every_rank(error)
+        raise
     writes.commit()
     _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
     return writes.elements
@@ -420,7 +425,12 @@ def _stage(
     if check_base:
         _check_base(writes, delta, plan)
     else:
-        writes.check_context_bases([(index, _whole_region(shard)) for index, shard in plan if shard.covers_all])
+        # At TP > 1 on the host too: a replicated tensor's base that differs on one rank must be refused by every
+        # rank before any writes, not found by the core as that rank writes.
+        writes.check_context_bases(
+            [(index, _whole_region(shard)) for index, shard in plan if shard.covers_all],
+            on_host=_tensor_parallel() > 1,
+        )
     held = {}
     for index, shard in plan:
         if writes.context_sharded(index, shard):
