@@ -742,6 +742,12 @@ impl RawDelta {
         Ok(self.tensor(index)?.values_codec.holds_differences())
     }
 
+    /// The delta with its records named and ordered by `names` (`(name, record index)`; a record may be named
+    /// more than once, every record at least once).
+    fn arranged(&self, names: Vec<(String, usize)>) -> PyResult<RawDelta> {
+        Ok(RawDelta { delta: self.delta.arranged(&names).map_err(to_py)? })
+    }
+
     /// True when tensors `a` and `b` carry the same changes (as tied weights do).
     fn same_changes(&self, a: usize, b: usize) -> PyResult<bool> {
         Ok(self.tensor(a)?.same_changes(self.tensor(b)?))

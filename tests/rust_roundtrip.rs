@@ -319,3 +319,32 @@ fn reserved_tensor_names_are_refused_when_writing_and_reading() {
         format_error_naming(file_with_records(&[(name, vec![4])]), name);
     }
 }
+
+#[test]
+fn arranged_names_records_in_order_and_copies_tied_ones() {
+    let (old, new) = (vec![0u8; 8], vec![0u8, 1, 0, 2, 0, 0, 0, 3]);
+    let inputs = [
+        DiffInput { name: "a".into(), dtype: Dtype::U8, shape: vec![8], old: &old, new: &new },
+        DiffInput { name: "b".into(), dtype: Dtype::U8, shape: vec![8], old: &new, new: &old },
+    ];
+    let delta = Delta {
+        tensors: diff(&inputs, ValueCodec::Diff, Codec::Compact).unwrap(),
+        step: Some(2),
+        base_step: Some(1),
+        packed: true,
+        ..Default::default()
+    };
+    let names = [("b".to_string(), 1), ("a".to_string(), 0), ("tied".to_string(), 0)];
+    let arranged = delta.arranged(&names).unwrap();
+    assert_eq!(arranged.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["b", "a", "tied"]);
+    assert!(arranged.tensors[2].same_changes(&delta.tensors[0]));
+    assert_eq!((arranged.step, arranged.base_step, arranged.packed), (Some(2), Some(1), true));
+    let read = from_bytes(to_bytes(&arranged).unwrap(), "arranged").unwrap();
+    let (mut b, mut a, mut tied) = (new.clone(), old.clone(), old.clone());
+    apply(&read, vec![(0, &mut b[..]), (1, &mut a[..]), (2, &mut tied[..])]).unwrap();
+    assert_eq!((b, a, tied), (old.clone(), new.clone(), new.clone()));
+    // Every record named, each name once, every index in range.
+    assert!(delta.arranged(&names[..1]).unwrap_err().to_string().contains("\"a\" is not named"));
+    assert!(delta.arranged(&[names[0].clone(), names[1].clone(), names[1].clone()]).is_err());
+    assert!(delta.arranged(&[names[0].clone(), names[1].clone(), ("c".to_string(), 2)]).is_err());
+}

@@ -350,6 +350,29 @@ def test_a_tensor_without_dense_data_is_refused_before_the_torch_mirror_moves(sw
     assert torch.equal(target["a"], torch.ones(8, dtype=torch.bfloat16))
 
 
+def test_a_tensor_subclass_without_storage_is_refused_by_the_torch_mirror_naming_it():
+    """A wrapper subclass (a quantized weight that reports bf16) has no storage of its own: the mirror raised
+    torch's bare RuntimeError about "an invalid python storage", naming no tensor (found by an adversarial helper);
+    ds.diff and ds.state_digest already refused it by name."""
+    import deltasync_rs.torch as dst
+
+    class Wrapped(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda x: x.inner if isinstance(x, Wrapped) else x  # noqa: E731
+            return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+    with pytest.raises(ds.DeltaSyncError, match="tensor 'w': a Wrapped without storage of its own"):
+        dst.Mirror({"w": Wrapped(torch.zeros(4, 4, dtype=torch.bfloat16))})
+
+
 def test_tensor_indexes_and_thread_counts_are_checked(states, tmp_path):
     """decoded(-1) decoded the last tensor, decoded(True) the second, decoded(99) raised a bare IndexError;
     set_num_threads("2") a TypeError from inside and True meant one thread; a numpy-only program got KeyError
@@ -365,6 +388,21 @@ def test_tensor_indexes_and_thread_counts_are_checked(states, tmp_path):
     for bad in ("2", True, 2.0):
         with pytest.raises(ds.DeltaSyncError, match="number of threads must be an integer"):
             ds.set_num_threads(bad)
+    with pytest.raises(ds.DeltaSyncError, match="number of threads must be 0 or more"):
+        ds.set_num_threads(-1)  # a ValueError, while 1.5 was a DeltaSyncError
+    # Metadata that is not strings to strings raised a bare TypeError naming no key, and a reserved key was refused
+    # only when the file was written (both found by an adversarial helper).
+    for bad, match in [
+        ({"k": 1}, "'k': keys and values must be strings"),
+        ({1: "v"}, "1: keys and values"),
+        ({"step": "7"}, "'step' is reserved"),
+        (["k"], "must be a mapping"),
+    ]:
+        with pytest.raises(ds.DeltaSyncError, match=match):
+            ds.diff(prev, curr, metadata=bad)
+        with pytest.raises(ds.DeltaSyncError, match=match):
+            delta.metadata = bad
+    assert delta.metadata == {}
     with pytest.warns(RuntimeWarning, match="more threads than this machine"):
         ds.set_num_threads(2**70)
     ds.set_num_threads(0)

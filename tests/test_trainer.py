@@ -79,11 +79,8 @@ def test_twenty_adamw_steps_replay_bit_exact():
         current = bf16(model)
         assert_same(replica, current)
         assert_same(mirror.state_dict(), current)
-        # The one-pass kernel gives the very file ds.diff gives.
-        shipped = list(mirror.tensors)
-        reference = ds.diff(
-            {n: previous[n] for n in shipped}, {n: current[n] for n in shipped}, step=step, base_step=delta.base_step
-        )
+        # The one-pass kernel gives the very file ds.diff of the state dict gives (the tied name's record a copy).
+        reference = ds.diff(previous, current, step=step, base_step=delta.base_step)
         assert delta.to_bytes() == reference.to_bytes()
         assert delta.num_changed > 0
         densities.append(delta.num_changed / delta.num_elements)
@@ -102,9 +99,13 @@ def test_mirror_chunks_dtypes_and_in_place_sources(chunk_bytes, values):
         "counts": torch.arange(50, dtype=torch.int64),  # not floating: keeps its dtype
         "empty": torch.empty(0, 3),
         "strided": torch.randn(20, 30).t(),  # not contiguous
+        # fp8 weights keep their dtype, as `deltasync publish --dtype` keeps them: cast to bf16 they were refused by
+        # every fp8 target (found by an adversarial helper)
+        "fp8": torch.randn(40).to(torch.float8_e4m3fn),
     }
     mirror = ds_torch.Mirror(state, chunk_bytes=chunk_bytes, values=values)
     assert mirror.tensors["counts"].dtype == torch.int64 and mirror.tensors["half"].dtype == torch.bfloat16
+    assert mirror.tensors["fp8"].dtype == torch.float8_e4m3fn
     replica = {n: t.clone() for n, t in mirror.tensors.items()}
     for step in range(3):
         before = {n: t.clone() for n, t in mirror.tensors.items()}
@@ -112,8 +113,12 @@ def test_mirror_chunks_dtypes_and_in_place_sources(chunk_bytes, values):
         state["half"][::7] += 1
         state["counts"][step] += 5
         state["strided"].mul_(1.001)
+        state["fp8"].view(torch.uint8)[step::9] += 1
         delta = mirror.step(step)
-        expected = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for n, t in state.items()}
+        expected = {
+            n: (t.to(torch.bfloat16) if t.is_floating_point() and t.element_size() > 1 else t).contiguous()
+            for n, t in state.items()
+        }
         assert_same(mirror.tensors, expected)
         assert (
             delta.to_bytes()
@@ -271,6 +276,38 @@ def test_a_subscriber_whose_target_unties_what_the_trainer_ties_gets_both_names_
     with pytest.raises(ds.BaseMismatchError, match="lm_head.weight"):
         fresh.pull(wrong)
     assert not any(bool(t.any()) for n, t in wrong.items() if t.is_floating_point())
+
+
+def test_a_mirror_steps_delta_names_a_tied_tensor_under_every_name(tmp_path):
+    """``ds.torch.Mirror.step()`` ships a tied tensor once; its delta named only the first name, so applying it to
+    a state dict cloned tensor by tensor, or publishing it to a publisher holding both names, left lm_head stale,
+    silently (found by an adversarial helper). The delta lists every name in the model's order now, as ds.diff of
+    the state dict does, with the same bytes per record; a tied target writes the memory once."""
+    model = tiny_gpt2(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    mirror = ds_torch.Mirror(model, step=0)
+    assert mirror.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    before = bf16(model)
+    untied = {name: t.clone() for name, t in before.items()}
+    publisher = ds.Publisher(LocalStore(tmp_path / "store"), background=False)
+    publisher.publish(0, {name: t.clone() for name, t in before.items()})
+    train_step(model, optimizer, seed=7)
+    delta = mirror.step(1)
+    after = bf16(model)
+    assert delta.names == list(after)  # every name, in the model's order
+    assert ds.load(delta.to_bytes()).to_bytes() == ds.diff(before, after, step=1, base_step=0).to_bytes()
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
+    delta.apply_(untied, check_base=True)
+    assert_same(untied, after)
+    tied = {name: t.clone() for name, t in before.items()}
+    tied["lm_head.weight"] = tied["transformer.wte.weight"]  # a replica tied as the model is
+    delta.apply_(tied, check_base=True)
+    assert_same(tied, after)
+    publisher.publish_delta(1, delta)
+    target = {name: torch.zeros_like(t) for name, t in before.items()}
+    assert ds.Subscriber(LocalStore(tmp_path / "store")).pull(target) == 1
+    assert_same(target, after)
+    publisher.close()
 
 
 def test_attach_after_a_step_that_failed_part_way_publishes_an_anchor(tmp_path, monkeypatch):
@@ -510,7 +547,9 @@ def test_attach_leaves_the_encoding_to_the_upload_thread_and_publishes_the_mirro
     store = LocalStore(tmp_path / "store")
     publisher = ds.Publisher(store, anchor_every=100, codec=codec)
     attachment = ds_torch.attach(optimizer, model, publisher, chunk_bytes=50_000)
-    twin = ds_torch.Mirror(model, torch.bfloat16, chunk_bytes=30_000, codec=codec, step=0)
+    # The publisher ships the tied lm_head once (its entries name the tie); so does a twin without that name.
+    shipped = {n: t for n, t in model.state_dict(keep_vars=True).items() if n != "lm_head.weight"}
+    twin = ds_torch.Mirror(shipped, torch.bfloat16, chunk_bytes=30_000, codec=codec, step=0)
     for step in range(1, 5):
         train_step(model, optimizer, seed=300 + step)
         want = twin.step(step)
@@ -551,8 +590,14 @@ def test_transformers_trainer_callback(tmp_path):
     trainer.train()
     publisher.flush()
     entries = ds.sync.log_entries(LocalStore(tmp_path / "store"))
-    assert [e.step for e in entries] == [0, 2, 4]
+    # Step 5, the last, is not a multiple of sync_every: published as the training ends (it was left out).
+    assert [e.step for e in entries] == [0, 2, 4, 5]
+    replica = {n: torch.zeros_like(t) for n, t in replica_of(callback.mirror).items()}
+    replica["lm_head.weight"] = replica["transformer.wte.weight"]
+    assert ds.Subscriber(LocalStore(tmp_path / "store")).pull(replica) == 5
+    assert_same(replica, bf16(trainer.model))
     callback.on_step_end(args, trainer.state, None)  # step 5 is odd: nothing to publish
+    callback.on_train_end(args, trainer.state, None)  # and no step twice
     trainer.state.global_step = 6
     callback.on_step_end(args, trainer.state, None)  # the steps since 4, published as 6
     publisher.flush()
@@ -674,10 +719,13 @@ def test_the_trainer_callback_publishes_an_fsdp2_model_from_every_rank(tmp_path)
     pytest.importorskip("transformers")
     store, whole, raised = _run_fsdp_workers(tmp_path, "compact", "callback")
     entries = ds.sync.log_entries(LocalStore(store))
-    assert [(e.step, e.anchor is not None) for e in entries] == [(0, True), (2, False), (4, False)]
+    # Step 5, not a multiple of sync_every, is the training's last: published when it ends.
+    assert [(e.step, e.anchor is not None) for e in entries] == [(0, True), (2, False), (4, False), (5, False)]
     state = {name: torch.zeros_like(t) for name, t in whole.items()}
-    assert ds.Subscriber(LocalStore(store)).pull(state) == 4  # step 5 is not a multiple of sync_every
+    assert ds.Subscriber(LocalStore(store)).pull(state, until=4) == 4
     assert_same(state, torch.load(tmp_path / "whole.pt.step4"))
+    assert ds.Subscriber(LocalStore(store)).pull(state) == 5
+    assert_same(state, whole)
 
 
 def test_mirror_on_cuda_matches_the_cpu(cuda):

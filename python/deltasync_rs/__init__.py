@@ -100,7 +100,7 @@ def set_num_threads(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int):
         raise DeltaSyncError(f"the number of threads must be an integer, not {n!r}")
     if n < 0:
-        raise ValueError(f"the number of threads must be 0 or more, not {n}")
+        raise DeltaSyncError(f"the number of threads must be 0 or more, not {n}")
     _core_set_num_threads(min(n, 1 << 16))  # more than the machine has is capped below (and warned about)
     if n > 0 and get_num_threads() < n:
         warnings.warn(

@@ -118,7 +118,7 @@ class Delta:
 
     @metadata.setter
     def metadata(self, value: Mapping[str, str]) -> None:
-        self._raw.metadata = dict(value)
+        self._raw.metadata = _metadata(value)
 
     def __len__(self) -> int:
         return len(self._raw)
@@ -366,7 +366,7 @@ def write_anchor_pieces(
         os.fspath(path),
         entries,
         _check_step(step, "step"),
-        dict(metadata or {}),
+        _metadata(metadata or {}),
         piece_bytes,
         piece_hash,
         whole_sha256,
@@ -454,8 +454,27 @@ def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Ma
     raw.step = _check_step(step, "step")
     raw.base_step = _check_step(base_step, "base_step")
     if metadata:
-        raw.metadata = dict(metadata)
+        raw.metadata = _metadata(metadata)
     return Delta(raw)
+
+
+#: Metadata keys the format itself writes (docs/format.md §2).
+_RESERVED_METADATA = ("format", "format_version", "kind", "tensors", "step", "base_step")
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """``value`` as caller metadata: strings to strings, none of the format's own keys; else DeltaSyncError naming
+    the key (refused when set, not when the file is written)."""
+    if not isinstance(value, Mapping):
+        raise DeltaSyncError(f"metadata must be a mapping of strings to strings, not {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise DeltaSyncError(
+                f"metadata {key!r}: keys and values must be strings, not {type(key).__name__} and {type(item).__name__}"
+            )
+        if key in _RESERVED_METADATA:
+            raise DeltaSyncError(f"metadata key {key!r} is reserved by the format (docs/format.md §2)")
+    return dict(value)
 
 
 def load(source: Source, *, mmap: bool = False, check: str = "load") -> Delta:

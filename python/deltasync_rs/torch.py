@@ -97,15 +97,28 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _memory_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+def _memory_key(tensor: torch.Tensor, name: str) -> tuple[Any, ...]:
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except RuntimeError as error:  # a wrapper subclass (a quantized weight) without storage of its own
+        raise DeltaSyncError(
+            f"tensor {name!r}: a {type(tensor).__name__} without storage of its own cannot be mirrored ({error})"
+        ) from None
     return (
         tensor.device,
-        tensor.untyped_storage().data_ptr(),
+        address,
         tensor.storage_offset(),
         tensor.dtype,
         tuple(tensor.shape),
         tuple(tensor.stride()),
     )
+
+
+def shipped_dtype(dtype: torch.dtype, shipped: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` is shipped as when floating-point weights ship as ``shipped``: fp32 (or
+    fp16, fp64) masters cast to it; fp8 weights (an fp8 checkpoint's quantized layers), integers and bools keep
+    their own, as ``deltasync publish --dtype`` keeps them (an engine serving fp8 weights takes fp8 only)."""
+    return shipped if dtype.is_floating_point and dtype.itemsize > 1 else dtype
 
 
 class Mirror:
@@ -115,8 +128,10 @@ class Mirror:
     copy into a (pinned) staging buffer, and let the core compare the chunk with the mirror, recording the changes
     and writing the new bits into the mirror in the same pass. On CUDA two staging buffers alternate, so the copy of
     chunk k+1 runs while the core scans chunk k. Floating-point tensors are shipped as ``dtype`` (fp32 masters are
-    cast on the device, before the copy); others keep their dtype. Tensors that share memory (tied weights) are
-    mirrored and shipped once, under their first name; ``aliases`` maps the other names to it. ``values`` and
+    cast on the device, before the copy); fp8 and other tensors keep their dtype. Tensors that share memory (tied weights) are
+    mirrored once, under their first name; ``aliases`` maps the other names to it. ``step()``'s delta names such a
+    tensor under every name, as ``ds.diff`` of the state dict does; a publisher sharing the mirror (``attach``)
+    ships it once and lists the other names in its manifest entries. ``values`` and
     ``codec`` are as for :func:`deltasync_rs.diff`, whose bytes ``step()`` writes; a shard keeps ``varint`` streams.
 
     Memory: the mirror, at most two staging buffers of ``chunk_bytes`` (none on CPU when no cast is needed, since
@@ -186,7 +201,7 @@ class Mirror:
                 plain.append(name)
             if offset is not None:
                 self._shards[name] = (tuple(whole.shape), offset)
-            key = _memory_key(tensor)
+            key = _memory_key(tensor, name)
             if tensor.numel() and key in first_by_memory:
                 self.aliases[name] = first_by_memory[key]
                 continue
@@ -209,7 +224,7 @@ class Mirror:
             self.aliases = {name: first for name, first in self.aliases.items() if first in self._tensors}
 
     def _shipped_dtype(self, tensor: torch.Tensor) -> torch.dtype:
-        return self.dtype if tensor.dtype.is_floating_point else tensor.dtype
+        return shipped_dtype(tensor.dtype, self.dtype)
 
     def _device_chunks(self, tensor: torch.Tensor, shipped: torch.dtype):
         """(start, end, chunk) over the flat tensor: each chunk cast to ``shipped`` on the tensor's own device."""
@@ -274,7 +289,7 @@ class Mirror:
             # Shipped once, under the first name: that holds only while both still share memory.
             mine = _local_part(alias, current[alias])[0] if alias in current else None
             theirs = _local_part(first, current[first])[0]
-            if mine is None or theirs is None or _memory_key(mine) != _memory_key(theirs):
+            if mine is None or theirs is None or _memory_key(mine, alias) != _memory_key(theirs, first):
                 raise DeltaSyncError(
                     f"tensor {alias!r} no longer shares memory with {first!r} (tied when the mirror was made, "
                     "shipped as one): make a new mirror (attach again) after untying them"
@@ -329,7 +344,23 @@ class Mirror:
         to them, in one pass; returns the delta from the previous mirror state (``base_step``) to ``step``."""
         delta = self._step(step, defer=False)
         assert isinstance(delta, Delta)
-        return delta
+        return self._under_every_name(delta)
+
+    def _under_every_name(self, delta: Delta) -> Delta:
+        """``delta`` with each tied tensor's record also under each of its other names, in the model's order, as
+        ``ds.diff`` of the model's state dict gives them: a target that holds the names apart (a state dict cloned
+        tensor by tensor, an untied model, a publisher's copy) gets every name written, and one that ties them
+        writes the memory once. (A publisher sharing the mirror ships the tensor once and lists the other names in
+        its manifest entries instead.)"""
+        if not self.aliases:
+            return delta
+        index = {name: i for i, name in enumerate(delta.names)}
+        order = [
+            (name, index[name] if name in index else index[self.aliases[name]])
+            for name in _named_tensors(self._source)
+            if name in index or self.aliases.get(name) in index
+        ]
+        return Delta(delta._raw.arranged(order))
 
     def _step(self, step: int | None, *, defer: bool) -> Delta | _Deferred:
         """``step``; with ``defer`` the encoding of whole tensors' changes waits (the compact re-encoding, the choice
@@ -526,7 +557,8 @@ class Attachment:
         failure: Exception | None = None
         part: Any
         try:
-            delta = self.mirror.step(step)
+            delta = self.mirror._step(step, defer=False)  # each tied tensor once: rank 0's entry names the ties
+            assert isinstance(delta, Delta)
             part = (delta.to_bytes(), self.mirror.last_bases)
         except Exception as error:  # the other ranks still gather, and learn of it
             failure, part = error, f"rank {rank}: {type(error).__name__}: {error}"

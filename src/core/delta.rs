@@ -290,6 +290,28 @@ impl Delta {
         self.tensors.iter().position(|t| t.name == name)
     }
 
+    /// The delta with its records named and ordered by `names`: each `(name, index)` is a copy of record `index`
+    /// under `name`, so a record may appear under several names (tied weights, shipped once by a mirror, given back
+    /// under every name of the model as `diff` of its state dict would give them). Every record must be named.
+    pub fn arranged(&self, names: &[(String, usize)]) -> Result<Delta> {
+        let mut used = vec![false; self.tensors.len()];
+        let mut tensors = Vec::with_capacity(names.len());
+        for (name, index) in names {
+            let record = self
+                .tensors
+                .get(*index)
+                .ok_or_else(|| Error::invalid(format!("tensor {name:?}: no record number {index} in this delta")))?;
+            used[*index] = true;
+            tensors.push(TensorDelta { name: name.clone(), ..record.clone() });
+        }
+        if let Some(left) = used.iter().position(|u| !u) {
+            return Err(Error::invalid(format!("tensor {:?} is not named", self.tensors[left].name)));
+        }
+        let mut out = Delta { tensors: Vec::new(), metadata: self.metadata.clone(), ..*self };
+        out.extend(tensors)?;
+        Ok(out)
+    }
+
     /// Adds tensors, refusing (before adding any) a name that is already in the delta or twice among them.
     pub fn extend(&mut self, tensors: Vec<TensorDelta>) -> Result<()> {
         let mut seen: std::collections::HashSet<&str> = self.tensors.iter().map(|t| t.name.as_str()).collect();

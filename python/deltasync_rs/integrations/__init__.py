@@ -111,7 +111,16 @@ class DeltaSyncCallback(TrainerCallback):
         _publish_step(self.publisher, self.mirror, state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.enabled and self.mirror is not None and state.is_world_process_zero:
+        if not self.enabled or self.mirror is None:
+            return
+        if state.global_step % self.sync_every:
+            # The final weights, trained since the last step published (max_steps not a multiple of sync_every):
+            # published as the last step, not left out of the store.
+            if self._sharded is not None:  # on every process, as every step
+                self._sharded.sync(state.global_step)
+            elif state.is_world_process_zero and state.global_step != self.mirror.current_step:
+                _publish_step(self.publisher, self.mirror, state.global_step)
+        if state.is_world_process_zero:
             self.publisher.flush()
 
 

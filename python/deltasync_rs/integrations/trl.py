@@ -19,7 +19,7 @@ from .. import _arrays
 from .._core import MirrorDiff
 from ..delta import Delta, _finish
 from ..errors import BaseMismatchError, DeltaSyncError, seconds
-from ..torch import _dtensor_type
+from ..torch import _dtensor_type, shipped_dtype
 
 log = logging.getLogger("deltasync_rs.trl")
 
@@ -156,8 +156,7 @@ class DeltaSyncWeightTransfer:
             )
         if not isinstance(tensor, torch.Tensor):
             raise DeltaSyncError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        shipped = self.dtype if tensor.dtype.is_floating_point else tensor.dtype
-        return tensor.detach().to("cpu", shipped).contiguous()
+        return tensor.detach().to("cpu", shipped_dtype(tensor.dtype, self.dtype)).contiguous()
 
     def _first(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         tensors: dict[str, torch.Tensor] = {}
