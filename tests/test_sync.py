@@ -924,3 +924,54 @@ def test_entry_and_fetch_check_their_steps_and_delete_takes_a_list(tmp_path):
     with pytest.raises(ds.DeltaSyncError, match="delete takes a list of keys"):
         objects.delete("abc")
     assert all(objects.exists(key) for key in ("a", "b", "c", "abc"))
+
+
+def test_a_store_that_refuses_deletes_does_not_fail_published_steps_or_turn_them_into_anchors(tmp_path, caplog):
+    """Retention ran after a step's entry and pointer were written, and its error counted the step as failed: every
+    flush raised though every step was published, and every later step was an anchor (9 of 12 here) since a failed
+    step is followed by one (found by an adversarial helper). It is a warning now; the cadence holds."""
+
+    class NoDeletes(ds.LocalStore):
+        def delete(self, keys):
+            raise ds.StoreError(f"{self.url}: cannot delete {len(keys)} objects: AccessDenied")
+
+    store = NoDeletes(tmp_path / "store")
+    state, history = _state(), {}
+    with ds.Publisher(store, anchor_every=3, keep_anchors=1) as publisher:
+        for step in range(12):
+            _train_step(state, step)
+            publisher.publish(step, state)
+            history[step] = {k: v.clone() for k, v in state.items()}
+            publisher.flush()  # raised at 9 of the 12 steps
+    assert [e.anchor is not None for e in ds.sync.log_entries(store)] == [step % 3 == 0 for step in range(12)]
+    assert "could not be removed" in caplog.text
+    replica = _fresh(state)
+    assert ds.Subscriber(store).pull(replica) == 11
+    assert_states_equal(replica, history[11])
+
+
+def test_retention_keeps_anchors_a_reader_can_use(tmp_path, monkeypatch):
+    """An anchor whose entry was never written (its upload failed after the file) counted toward keep_anchors, so
+    one usable anchor was left where two were asked for (found by an adversarial helper)."""
+    store = ds.LocalStore(tmp_path / "store")
+    real_create = store.create
+
+    def create(key, data):
+        if key == entry_key(7):
+            raise ds.StoreError(f"{key}: cannot write: the network went away")
+        return real_create(key, data)
+
+    monkeypatch.setattr(store, "create", create)
+    state = _state()
+    failed = []
+    with ds.Publisher(store, anchor_every=1, keep_anchors=2, background=False, retries=1) as publisher:
+        for step in range(9):
+            _train_step(state, step)
+            try:
+                publisher.publish(step, state)
+            except ds.DeltaSyncError:
+                failed.append(step)  # its anchor file was written, its entry not
+    assert failed == [7] and store.exists(anchor_key(7))
+    entries = ds.sync.log_entries(store)
+    usable = [e.step for e in entries if e.anchor is not None]
+    assert usable[-2:] == [6, 8] and [e.step for e in entries][0] == 6

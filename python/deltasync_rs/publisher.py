@@ -946,13 +946,24 @@ class Publisher:
         kinds = " + ".join(kind for kind, ref in (("delta", delta_ref), ("anchor", anchor_ref)) if ref)
         log.info("published step %d (%s) in %.2f s", step, kinds, time.perf_counter() - started)
         if anchor:
-            self._retain(step)
+            try:
+                self._retain(step)
+            except Exception as error:  # the step is published: a store that refuses deletes only grows
+                log.warning("step %d is published, but the steps before it could not be removed: %s", step, error)
 
     def _retain(self, step: int) -> None:
         """After the anchor of ``step``: removes what comes before the oldest of the newest ``keep_anchors``
-        anchors up to ``step`` (never counting an anchor of a later step, which is not of this run's history)."""
+        anchors up to ``step`` (never counting an anchor of a later step, which is not of this run's history, nor
+        one whose entry was never written, which no reader can use)."""
         keys = self.store.list("anchors/") + self.store.list("deltas/") + self.store.list("manifest/")
-        anchors = sorted({s for k in keys if k.startswith("anchors/") and (s := step_of(k)) is not None and s <= step})
+        entries = {s for k in keys if k.startswith("manifest/") and (s := step_of(k)) is not None} | {step}
+        anchors = sorted(
+            {
+                s
+                for k in keys
+                if k.startswith("anchors/") and (s := step_of(k)) is not None and s <= step and s in entries
+            }
+        )
         if len(anchors) <= self.keep_anchors:
             return
         cutoff = anchors[-self.keep_anchors]
