@@ -119,6 +119,15 @@ def test_ranged_read_reads_only_the_pieces_it_needs_and_verifies_them(tmp_path):
     for refused in (lambda: delta.apply_(_state()), lambda: delta.to_bytes(), lambda: delta.save(tmp_path / "x")):
         with pytest.raises(ds.DeltaSyncError, match="only part of this anchor"):
             refused()
+    # decoded() of a tensor not read gave its unread bytes as zeros (found by an adversarial helper); of one read
+    # whole, its values.
+    with pytest.raises(ds.IntegrityError, match=f"tensor {last!r} were not read and verified"):
+        delta.decoded(delta.names.index(last))
+    positions, values = delta.decoded(delta.names.index(first))
+    assert positions is None and torch.equal(
+        values.view(torch.uint8),
+        torch.frombuffer(bytearray(expected[header_end + begin : header_end + end]), dtype=torch.uint8),
+    )
 
 
 def test_a_reader_that_needs_nearly_everything_reads_the_anchor_whole(tmp_path):
