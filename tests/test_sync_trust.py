@@ -19,7 +19,7 @@ import pytest
 import deltasync_rs as ds
 from deltasync_rs.cli import main
 from deltasync_rs.manifest import MAX_DOCUMENT_BYTES, latest_document, parse_document
-from deltasync_rs.sync import LATEST_KEY, RUN_KEY, delta_key, entry_key
+from deltasync_rs.sync import LATEST_KEY, RUN_KEY, anchor_key, delta_key, entry_key
 from tests.helpers import assert_states_equal, subscriber_reads_malformed
 from tests.test_sync import _fresh, _publish_run, _state, _train_step
 
@@ -974,3 +974,72 @@ def test_a_held_step_of_a_store_left_empty_is_said_once(tmp_path, caplog):
         assert subscriber.pull(replica) == 2
         assert subscriber.pull(replica) == 2
     assert caplog.text.count("step 2, held here, is no longer in the store, which holds no step") == 1
+
+
+def test_an_object_larger_than_its_entry_says_is_refused_before_it_is_read_whole(tmp_path):
+    """Someone who can write to the store but lacks the key puts a huge object where a delta or an anchor was: the
+    subscriber read all of it (into memory for a delta, into TMPDIR for an anchor) before the size check refused it,
+    so a few hundred GB exhausted memory or disk (found by an adversarial helper). No more than the signed entry's
+    size is taken now (a copy's one block beyond it)."""
+    from collections import Counter
+
+    from deltasync_rs.store import COPY_BYTES, Store
+
+    class Remote(Store):
+        """A store that is not a local folder (its files are not copied by the kernel), counting what it gives."""
+
+        def __init__(self, inner):
+            self.inner, self.url, self.taken = inner, f"remote+{inner.url}", Counter()
+
+        def put(self, key, data):
+            self.inner.put(key, data)
+
+        def get(self, key):
+            data = self.inner.get(key)
+            self.taken[key] = max(self.taken[key], len(data))
+            return data
+
+        def get_small(self, key, max_bytes):
+            data = self.inner.get_small(key, max_bytes)
+            self.taken[key] = max(self.taken[key], len(data))
+            return data
+
+        def get_file(self, key, out):
+            taken, counted = self.taken, Counter()
+
+            class Counted:
+                def write(self, data):
+                    counted[key] += len(data)
+                    taken[key] = max(taken[key], counted[key])  # the most one read took
+                    return out.write(data)
+
+            return self.inner.get_file(key, Counted())
+
+        def list(self, prefix=""):
+            return self.inner.list(prefix)
+
+        def delete(self, keys):
+            self.inner.delete(keys)
+
+    inner = ds.LocalStore(tmp_path / "store")
+    state = {"w": np.arange(4096, dtype=np.float32)}
+    with ds.Publisher(inner, anchor_every=2, keep_anchors=5, signing_key=b"k" * 32, background=False) as publisher:
+        for step in range(3):
+            state["w"][step] += 1
+            publisher.publish(step, state)
+    reader = ds.Subscriber(inner, signing_key=b"k" * 32)
+    sizes = {
+        key: reader.entry(step).delta["size"] if "deltas/" in key else reader.entry(step).anchor["size"]
+        for step, key in ((1, delta_key(1)), (2, anchor_key(2)))
+    }
+    huge = 3 * COPY_BYTES
+    for key in sizes:
+        (tmp_path / "store" / key).write_bytes(b"\0" * huge)
+    remote = Remote(inner)
+    target = {"w": np.zeros(4096, dtype=np.float32)}
+    try:
+        ds.Subscriber(remote, signing_key=b"k" * 32).pull(target)
+    except ds.ChainError:
+        pass  # nothing but step 0 is left whole
+    for key, size in sizes.items():
+        assert remote.taken[key] <= size + COPY_BYTES, (key, remote.taken[key])  # old: every byte

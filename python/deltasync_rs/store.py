@@ -275,8 +275,12 @@ COPY_BYTES = 8 << 20
 ABORT_WAIT_SECONDS = 10.0
 
 
+class TooLargeError(StoreError):
+    """An object larger than the most a read accepts (``get_small``'s ``max_bytes``)."""
+
+
 def too_large(where: str, max_bytes: int) -> StoreError:
-    return StoreError(f"{where}: larger than {max_bytes} bytes, the most this read accepts")
+    return TooLargeError(f"{where}: larger than {max_bytes} bytes, the most this read accepts")
 
 
 def _check_range(start: int, length: int) -> None:

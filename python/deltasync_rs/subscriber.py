@@ -57,7 +57,7 @@ from .manifest import (
     resolve_signing_key,
     step_of,
 )
-from .store import LocalStore, Store, open_store, private_temp, remove_temp
+from .store import LocalStore, Store, TooLargeError, open_store, private_temp, remove_temp
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -112,6 +112,19 @@ def _write_aliases(state: Any, untied: list[tuple[str, str]]) -> None:
             import numpy as np
 
             np.copyto(target, source, casting="no")
+
+
+class _AtMost:
+    """A sink writing into ``file`` that refuses (IntegrityError) more than ``limit`` bytes, as they arrive."""
+
+    def __init__(self, file: BinaryIO, limit: int, key: str) -> None:
+        self.file, self.limit, self.key, self.written = file, limit, key, 0
+
+    def write(self, data: bytes, /) -> object:
+        self.written += len(data)
+        if self.written > self.limit:
+            raise IntegrityError(f"{self.key}: larger than the {self.limit} bytes its manifest entry says")
+        return self.file.write(data)
 
 
 def _target_key(state: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
@@ -461,7 +474,11 @@ class Subscriber:
             with os.fdopen(fd, "w+b") as file:  # closed on every way out, a failed local copy's included
                 if pieces is not None and not whole_sha256 and self._copy_local(ref, pieces, path):
                     return path
-                self.store.get_file(ref["key"], file)
+                # A local folder's file is copied by the kernel; from anywhere else no more bytes are taken than the
+                # entry says (a store holding a huge object in its place, written without the key, would fill the
+                # disk before the size check).
+                local = isinstance(self.store, LocalStore)
+                self.store.get_file(ref["key"], file if local else _AtMost(file, ref["size"], ref["key"]))
                 file.flush()
                 size = file.seek(0, os.SEEK_END)
                 if size != ref["size"]:
@@ -492,7 +509,10 @@ class Subscriber:
         return True
 
     def _in_memory(self, ref: dict[str, Any], *, defer: bool = False) -> Delta:
-        blob = self.store.get(ref["key"])
+        try:  # no more bytes than the entry says: an object put in its place may be of any size
+            blob = self.store.get_small(ref["key"], ref["size"])
+        except TooLargeError:
+            raise IntegrityError(f"{ref['key']}: larger than the {ref['size']} bytes its manifest entry says") from None
         if len(blob) != ref["size"] or hashlib.sha256(blob).hexdigest() != ref["sha256"]:
             raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
         return load(blob, check="apply" if defer else "load")
