@@ -1043,3 +1043,29 @@ def test_an_object_larger_than_its_entry_says_is_refused_before_it_is_read_whole
         pass  # nothing but step 0 is left whole
     for key, size in sizes.items():
         assert remote.taken[key] <= size + COPY_BYTES, (key, remote.taken[key])  # old: every byte
+
+
+def test_entries_that_never_verify_above_the_runs_steps_do_not_stop_readers(tmp_path, caplog):
+    """Sixteen junk entries numbered above every real step, written by someone without the key, stayed the
+    "newest" forever (retention never reaches above the run's steps): every pull of the signed store raised
+    (found by an adversarial helper). A reader now follows the signed latest.json's step when the newest listed
+    entries do not verify, and the publisher goes on above its own steps."""
+    key = b"k" * 32
+    store = ds.LocalStore(tmp_path / "store")
+    state, history = _state(), {}
+    publisher = ds.Publisher(store, anchor_every=2, signing_key=key, background=False)
+    for step in range(3):
+        _train_step(state, step)
+        publisher.publish(step, state)
+        history[step] = {k: v.clone() for k, v in state.items()}
+    for i in range(20):
+        store.put(entry_key(10**11 + i), b"{}")
+    replica = _fresh(state)
+    assert ds.Subscriber(store, signing_key=key).pull(replica) == 2
+    assert_states_equal(replica, history[2])
+    assert "do not verify; step 2, which latest.json names, does" in caplog.text
+    _train_step(state, 3)
+    publisher.publish(3, state)
+    publisher.close()
+    assert ds.Subscriber(store, signing_key=key).pull(replica) == 3
+    assert_states_equal(replica, state)

@@ -293,10 +293,13 @@ class Subscriber:
         except MissingObjectError:
             return None
 
-    def _newest_entry(self) -> Entry | None:
-        """The newest entry that verifies, trying the listed ones newest first."""
+    def _newest_entry(self, pointer: Pointer | None = None) -> Entry | None:
+        """The newest entry that verifies, trying the listed ones newest first (``_NEWEST_TRIES`` of them). Where
+        none of those does, the entry ``pointer`` (a verified ``latest.json``) names: entries that never verify,
+        written above the run's steps by someone without the key, would otherwise stop every reader for good."""
         error: DeltaSyncError | None = None
-        for step in listed_steps(self.store)[::-1][:_NEWEST_TRIES]:
+        tried = listed_steps(self.store)[::-1][:_NEWEST_TRIES]
+        for step in tried:
             try:
                 return self.entry(step)
             except RunChangedError:
@@ -304,6 +307,21 @@ class Subscriber:
             except (DeltaFormatError, IntegrityError, StoreError) as problem:
                 log.warning("%s", problem)
                 error = error or problem
+        if error is not None and pointer is not None and pointer.step not in tried:
+            try:
+                entry = self.entry(pointer.step)
+            except RunChangedError:
+                raise
+            except (DeltaFormatError, IntegrityError, StoreError) as problem:
+                log.warning("%s", problem)
+            else:
+                log.warning(
+                    "the %d newest manifest entries do not verify; step %d, which %s names, does",
+                    len(tried),
+                    pointer.step,
+                    LATEST_KEY,
+                )
+                return entry
         if error is not None:
             raise error
         return None
@@ -318,7 +336,7 @@ class Subscriber:
         except (DeltaFormatError, IntegrityError, StoreError) as error:
             pointer, problem = None, error
         try:
-            newest = self._newest_entry()
+            newest = self._newest_entry(pointer)
         except RunChangedError:
             raise
         except DeltaSyncError:
