@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 
 import blake3
@@ -305,3 +306,32 @@ def test_ranged_reads_over_s3(tmp_path, s3_url, s3_endpoint):
     (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
     assert isinstance(delta, PartialAnchor) and delta.covered_bytes < (local / anchor_key(3)).stat().st_size / 2
     shutil.rmtree(local)
+
+
+def test_a_server_that_ignores_byte_ranges_gets_the_anchor_read_whole_once(tmp_path, caplog):
+    """An S3-compatible server that ignores the Range header sends the whole object for every ranged read: each
+    was refused as "ends before byte ..." (it sent more, not less), and every anchor, then the pull, failed
+    (found by an adversarial helper). The reader says so, reads the anchor whole once, and the store reads anchors
+    whole from then on."""
+    from deltasync_rs.store import FsspecStore
+
+    url = f"memory://ranges-{os.getpid()}-{id(tmp_path)}/run"
+    store = FsspecStore(url)
+    with ds.Publisher(store, background=False, piece_bytes=1024, whole_sha256=False) as publisher:
+        publisher.publish(3, _state())
+    real = store.fs.cat_file
+    whole_reads = []
+
+    def ignoring_ranges(path, start=None, end=None, **kwargs):
+        whole_reads.append(path)
+        return real(path, **kwargs)
+
+    store.fs.cat_file = ignoring_ranges
+    (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
+    assert not isinstance(delta, PartialAnchor) and delta.step == 3
+    state = {k: torch.zeros_like(v) for k, v in _state().items()}
+    delta.apply_(state)
+    assert all(torch.equal(state[k], v) for k, v in _state().items())
+    assert "the server ignores byte ranges; reading the anchor whole" in caplog.text
+    # One ranged read of the anchor (its header's), answered with all of it; then one whole read (get_file).
+    assert store.supports_ranges is False and sum(p.endswith(anchor_key(3)) for p in whole_reads) == 1

@@ -290,7 +290,16 @@ def _check_range(start: int, length: int) -> None:
         raise StoreError(f"invalid byte range: {length} bytes from {start}")
 
 
+class RangesIgnoredError(StoreError):
+    """A ranged read answered with more bytes than asked: a server that ignores the Range header (some
+    S3-compatible ones) and sends the whole object; the store then reads anchors whole."""
+
+
 def _exact_range(data: bytes, where: str, start: int, length: int) -> bytes:
+    if len(data) > length:
+        raise RangesIgnoredError(
+            f"{where}: a read of {length} bytes from byte {start} got {len(data)}: the server ignores byte ranges"
+        )
     if len(data) != length:
         raise StoreError(f"{where}: ends before byte {start + length} ({len(data)} of {length} bytes from {start})")
     return data
@@ -755,7 +764,11 @@ class FsspecStore(Store):
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot read bytes {start}..{start + length}: {error}") from error
-        return _exact_range(bytes(data), f"{self.url}/{key}", start, length)
+        try:
+            return _exact_range(bytes(data), f"{self.url}/{key}", start, length)
+        except RangesIgnoredError:
+            self.supports_ranges = False  # every later anchor is read whole, once
+            raise
 
     def get_small(self, key: str, max_bytes: int) -> bytes:
         try:

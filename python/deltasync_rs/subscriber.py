@@ -57,7 +57,7 @@ from .manifest import (
     resolve_signing_key,
     step_of,
 )
-from .store import LocalStore, Store, TooLargeError, open_store, private_temp, remove_temp
+from .store import LocalStore, RangesIgnoredError, Store, TooLargeError, open_store, private_temp, remove_temp
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -396,7 +396,10 @@ class Subscriber:
             delta: Delta | None = None
             ranges = self.anchor_ranges if ranged else None
             if kind == "anchor" and ranges is not None and "pieces" in ref and self.store.supports_ranges:
-                delta = read_ranged(self.store, ref, self._pieces(ref), ranges)
+                try:
+                    delta = read_ranged(self.store, ref, self._pieces(ref), ranges)
+                except RangesIgnoredError as error:  # each range would download the whole anchor: read it once
+                    log.warning("%s; reading the anchor whole", error)
             elif kind == "anchor" and fill:
                 delta = self._fillable(ref, step)
             if delta is None:
