@@ -500,3 +500,41 @@ def test_an_interrupted_multipart_upload_to_s3_is_aborted(s3_url, s3_endpoint, t
     fs._call_s3 = real_call
     store.put_file("anchors/00000001.safetensors", source)  # the store still works after it
     assert store.get_small("anchors/00000001.safetensors", 13 << 20) == source.read_bytes()
+
+
+def test_the_hf_bucket_store_downloads_into_a_folder_a_later_sweep_removes_once_its_process_is_gone(
+    tmp_path, monkeypatch
+):
+    """The HF Bucket store downloads each object (an anchor: the whole model) into a temporary folder; a process
+    killed there left the folder in TMPDIR forever, since sweeps removed files only (found by an adversarial
+    helper). The folder is named and locked like the private temporary files now, and swept like them."""
+    import subprocess
+    import sys
+
+    from deltasync_rs.store import HFBucketStore, private_temp, private_temp_folder, remove_temp
+    from tests.hub_standin import HubBucketsStandIn
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    store = HFBucketStore("hf://buckets/org/bucket/run1", api=HubBucketsStandIn(), token="hf_test")
+    store.put("anchors/x", b"an anchor" * 1000)
+    sink = io.BytesIO()
+    assert store.get_file("anchors/x", sink) == 9000 and sink.getvalue() == b"an anchor" * 1000
+    assert list(tmpdir.iterdir()) == []  # removed after the copy
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    old = time.time() - 3600
+    killed = tmpdir / f".deltasync-{int(gone.stdout)}-0123456789ab.tmp"
+    killed.mkdir()
+    (killed / "object").write_bytes(b"a whole anchor")
+    live = private_temp_folder()  # this process's own, held
+    other = tmpdir / "deltasync-notes"  # not ours to remove
+    other.mkdir()
+    for folder in (killed, live, other):
+        os.utime(folder, (old, old))
+    fd, path = private_temp()  # each new temporary file or folder sweeps first
+    os.close(fd)
+    remove_temp(path)
+    assert sorted(p.name for p in tmpdir.iterdir()) == sorted([os.path.basename(live), other.name])
+    remove_temp(live)
+    assert not os.path.exists(live)

@@ -216,12 +216,36 @@ def _remove_if_abandoned(name: str, dir_fd: int | None = None) -> bool:
         os.close(fd)
 
 
+def _remove_folder_if_abandoned(path: str) -> None:
+    """Removes the stale private temporary folder ``path`` (``private_temp_folder``) unless a live process holds
+    its lock (where the file system takes none, unless the process its name names lives on this machine)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # held: its process lives
+            except OSError:
+                match = TEMP_OF_A_PROCESS.fullmatch(os.path.basename(path))
+                if match is not None and alive(int(match.group(1))):
+                    return
+        shutil.rmtree(path, ignore_errors=True)  # while locked: its owner is gone
+    finally:
+        os.close(fd)
+
+
 def remove_abandoned_temps(folder: str) -> None:
-    """Removes the private temporary files (``private_temp``) that killed processes left in ``folder``: those
-    untouched for STALE_TEMP_SECONDS that no live process holds (``_remove_if_abandoned``). A file another user owns
-    stays."""
+    """Removes the private temporary files and folders (``private_temp``, ``private_temp_folder``) that killed
+    processes left in ``folder``: those untouched for STALE_TEMP_SECONDS that no live process holds
+    (``_remove_if_abandoned``). A file another user owns stays."""
     for name in stale_temps(folder):
         _remove_if_abandoned(os.path.join(folder, name))
+    for name in stale_temps(folder, folders=True):
+        _remove_folder_if_abandoned(os.path.join(folder, name))
 
 
 def private_temp(folder: str | None = None) -> tuple[int, str]:
@@ -252,14 +276,41 @@ def private_temp(folder: str | None = None) -> tuple[int, str]:
 
 
 def remove_temp(path: str) -> None:
-    """Unlinks a temporary file, and releases its lock where :func:`private_temp` made it."""
+    """Unlinks a temporary file (or removes a folder of :func:`private_temp_folder`), and releases its lock."""
     try:
-        os.unlink(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
     finally:
         with _TEMP_LOCKS_GUARD:
             lock = _TEMP_LOCKS.pop(path, None)
         if lock is not None:
             os.close(lock)
+
+
+def private_temp_folder() -> str:
+    """A new private temporary folder (mode 0o700) in TMPDIR, named as :func:`private_temp` names files, for a
+    download that writes files of its own: locked until :func:`remove_temp` removes it, and removed by a later
+    sweep once its process is gone (a killed one's would otherwise keep a whole anchor forever)."""
+    folder = tempfile.gettempdir()
+    remove_abandoned_temps(folder)
+    while True:
+        path = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        if fcntl is not None:
+            lock = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(lock)  # a file system without locks: swept once stale and its pid gone
+            else:
+                with _TEMP_LOCKS_GUARD:
+                    _TEMP_LOCKS[path] = lock
+        return path
 
 
 def _check_keys(keys: Any) -> None:
@@ -859,14 +910,20 @@ class HFBucketStore(Store):
             raise StoreError(f"{self.url}/{key}: cannot upload: {error}") from error
 
     def get_file(self, key: str, out: Sink) -> int:
-        with tempfile.TemporaryDirectory(prefix="deltasync-") as folder:
+        folder = private_temp_folder()  # swept if this process is killed: it holds a whole anchor
+        try:
             local = self._download_to(key, Path(folder) / "object", None)
             with open(local, "rb") as source:
                 return _copy(source, out)
+        finally:
+            remove_temp(folder)
 
     def _download(self, key: str, max_bytes: int | None) -> bytes:
-        with tempfile.TemporaryDirectory(prefix="deltasync-") as folder:
+        folder = private_temp_folder()
+        try:
             return self._download_to(key, Path(folder) / "object", max_bytes).read_bytes()
+        finally:
+            remove_temp(folder)
 
     def _download_to(self, key: str, local: Path, max_bytes: int | None) -> Path:
         """Downloads the object to ``local`` (a path in a private folder) and returns it."""
