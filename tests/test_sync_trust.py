@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1069,3 +1070,42 @@ def test_entries_that_never_verify_above_the_runs_steps_do_not_stop_readers(tmp_
     publisher.close()
     assert ds.Subscriber(store, signing_key=key).pull(replica) == 3
     assert_states_equal(replica, state)
+
+
+def test_max_age_refuses_a_store_put_back_to_an_earlier_copy(tmp_path, monkeypatch, capsys):
+    """Signatures bind documents, not time: an earlier copy of a signed store put back by someone without the key
+    verifies, and a new subscriber follows it. With max_age, a store whose newest step was published longer ago than
+    that is refused (StaleStoreError, nothing written): the rollback lasts no longer than max_age."""
+    import shutil
+
+    key = b"k" * 32
+    root = tmp_path / "store"
+    state, history = _state(), {}
+    with ds.Publisher(root, anchor_every=2, signing_key=key, background=False) as publisher:
+        for step in range(4):
+            _train_step(state, step)
+            publisher.publish(step, state)
+            history[step] = {k: v.clone() for k, v in state.items()}
+            if step == 1:
+                shutil.copytree(root, tmp_path / "copy")
+    shutil.rmtree(root)
+    shutil.copytree(tmp_path / "copy", root)  # the earlier copy, put back
+    replica = _fresh(state)
+    assert ds.Subscriber(root, signing_key=key, max_age=60).pull(replica) == 1  # fresh: followed
+    later = time.time() + 120
+    monkeypatch.setattr("deltasync_rs.subscriber.time.time", lambda: later)
+    target = _fresh(state)
+    with pytest.raises(
+        ds.StaleStoreError, match="its newest step, 1, was published 1[0-9]{2} s ago, more than max_age"
+    ):
+        ds.Subscriber(root, signing_key=key, max_age=60).pull(target)
+    assert all(not t.any() for t in target.values())
+    assert ds.Subscriber(root, signing_key=key, max_age=600).pull(target) == 1
+    assert_states_equal(target, history[1])
+    monkeypatch.setenv("DELTASYNC_SIGNING_KEY", key.decode())
+    capsys.readouterr()
+    assert main(["pull", "--store", str(root), "-o", str(tmp_path / "out.safetensors"), "--max-age", "60"]) == 1
+    assert "more than max_age=60 s" in capsys.readouterr().err and not (tmp_path / "out.safetensors").exists()
+    for bad in (0, -1, True, "60", float("nan")):
+        with pytest.raises(ds.DeltaSyncError, match="max_age must be a number of seconds"):
+            ds.Subscriber(root, max_age=bad)

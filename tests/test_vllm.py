@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -256,6 +257,24 @@ def test_worker_extension_pulls_in_order(published_store):
     with pytest.raises(ds.DeltaSyncError, match="current_step must be"):
         ds_vllm.apply_delta(model, ds.diff(states[3], states[3], values="abs"), current_step="3")
     assert worker.deltasync_step() == 3 and _bits_equal(_params(model), states[3])
+
+
+def test_worker_extension_refuses_a_store_older_than_max_age(published_store, monkeypatch):
+    """deltasync_pull's max_age (a string from the dev-mode HTTP route too): a store whose newest step was published
+    longer ago is refused with nothing written, as Subscriber(max_age=) refuses it; a bad value is refused."""
+    model, states, store = published_store
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    assert worker.deltasync_pull(store, 1, max_age="600") == 1
+    later = time.time() + 1200
+    monkeypatch.setattr("deltasync_rs.subscriber.time.time", lambda: later)
+    with pytest.raises(ds.StaleStoreError, match="more than max_age=600 s"):
+        worker.deltasync_pull(store, max_age=600)
+    assert worker.deltasync_step() == 1 and _bits_equal(_params(model), states[1])
+    for bad in ("abc", "0", -5, True):
+        with pytest.raises(ds.DeltaSyncError, match="max_age must be a number of seconds above 0"):
+            worker.deltasync_pull(store, max_age=bad)
+    assert worker.deltasync_pull(store) == 3
 
 
 def test_worker_extension_follows_a_store_published_into_again_by_a_new_run_from_its_anchor(published_store):

@@ -20,7 +20,7 @@ from ._core import (
 )
 from ._core import set_num_threads as _core_set_num_threads
 from .delta import DEFAULT_NAME, Delta, TensorInfo, anchor, diff, load, state_digest
-from .errors import ChainError, IntegrityError, MissingObjectError, RunChangedError, StoreError
+from .errors import ChainError, IntegrityError, MissingObjectError, RunChangedError, StaleStoreError, StoreError
 from .mirror import Mirror
 from .store import FsspecStore, HFBucketStore, LocalStore, Store, open_store
 from .sync import Publisher, Subscriber
@@ -41,6 +41,7 @@ __all__ = [
     "MissingObjectError",
     "Publisher",
     "RunChangedError",
+    "StaleStoreError",
     "Store",
     "StoreError",
     "Subscriber",

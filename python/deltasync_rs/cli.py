@@ -308,7 +308,7 @@ def _rebuild(subscriber: Subscriber, store: str, until: int | None = None) -> tu
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     # Rebuilt in the output file itself (laid out as save_file lays it out), never as a second state in memory.
-    step = Subscriber(args.store).pull_to_file(args.output, until=args.step)
+    step = Subscriber(args.store, max_age=args.max_age).pull_to_file(args.output, until=args.step)
     print(f"{args.output}: step {step}")
     return 0
 
@@ -388,6 +388,16 @@ def _step_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step number") from None
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"{text} is not a step number (0 to 2**64-1)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
     return value
 
 
@@ -482,6 +492,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True)
     p.add_argument("-o", "--output", required=True, help="the .safetensors checkpoint to write")
     p.add_argument("--step", type=_step_number, default=None, help="stop at this step (default: the newest)")
+    p.add_argument(
+        "--max-age",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="refuse a store whose newest step was published longer ago than this (with a signing key: a store "
+        "rolled back to an earlier copy is refused after that long)",
+    )
     p.set_defaults(run=_cmd_pull)
 
     p = commands.add_parser("log", help="list a store's published steps: kinds, sizes, changes, times")

@@ -39,6 +39,12 @@ class RunChangedError(IntegrityError):
     new Subscriber follows the new run."""
 
 
+class StaleStoreError(IntegrityError):
+    """The newest step a store offers was published longer ago than the subscriber's ``max_age`` allows: the
+    trainer stopped publishing, or someone who can write to the store but lacks the key put back an earlier copy
+    of it (a rollback, which signatures alone cannot show). Nothing was pulled."""
+
+
 class ChainError(DeltaSyncError):
     """No consistent chain of anchor and deltas leads to the requested step."""
 
@@ -59,5 +65,6 @@ __all__ = [
     "IntegrityError",
     "MissingObjectError",
     "RunChangedError",
+    "StaleStoreError",
     "StoreError",
 ]

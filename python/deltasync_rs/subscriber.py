@@ -38,6 +38,7 @@ from .errors import (
     IntegrityError,
     MissingObjectError,
     RunChangedError,
+    StaleStoreError,
     StoreError,
     flag,
     seconds,
@@ -158,6 +159,11 @@ class Subscriber:
     With ``check_base`` (the default) every delta is applied only to the exact base it was made against (its
     per-tensor base identity, docs/format.md §3.1): a state changed behind the subscriber's back is refused before
     any write and brought back from the newest anchor, with a warning.
+
+    With ``max_age`` (seconds), the newest step the store offers must have been published (its entry's signed
+    ``created``, by the publisher's clock) at most that long ago, else StaleStoreError and nothing is pulled: with
+    ``signing_key`` a writer without the key can then hide the newer steps (put back an earlier copy of the store)
+    from a new subscriber for no longer than that.
     """
 
     def __init__(
@@ -169,7 +175,9 @@ class Subscriber:
         retry_delay: float = 0.02,
         check_base: bool = True,
         anchor_ranges: NeededRanges | None = None,
+        max_age: float | None = None,
     ) -> None:
+        self.max_age = None if max_age is None else seconds(max_age, "max_age", positive=True)
         if anchor_ranges is not None and not callable(anchor_ranges):
             raise DeltaSyncError(
                 f"anchor_ranges must be None or a function of an anchor's tensors, not {type(anchor_ranges).__name__}"
@@ -360,6 +368,12 @@ class Subscriber:
                     problem = IntegrityError(f"{LATEST_KEY}: its entry_sha256 does not match {entry_key(newest.step)}")
         if newest is None and problem is not None:
             raise problem
+        if newest is not None and self.max_age is not None and time.time() - newest.created > self.max_age:
+            raise StaleStoreError(
+                f"{self.store.url}: its newest step, {newest.step}, was published {time.time() - newest.created:.0f} s "
+                f"ago, more than max_age={self.max_age:g} s: the trainer stopped publishing, or the newer steps were "
+                "hidden (an earlier copy of the store put back); nothing was pulled"
+            )
         return (None if newest is None else newest.step), problem
 
     def _read_again(self, cached: Entry) -> Entry:

@@ -799,12 +799,13 @@ class _StepTracker:
         *,
         path: str = "auto",
         check_base: bool = False,
+        max_age: float | None = None,
     ) -> int | None:
         from .sync import Subscriber
 
         # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
-        subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges)
+        subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges, max_age=max_age)
         held = self.entry
 
         def run() -> Any:  # the store's run, where the entry held names one
@@ -1110,16 +1111,40 @@ class DeltaSyncWorkerExtension:
         signing_key: Any = None,
         path: str = "auto",
         check_base: Any = False,
+        max_age: Any = None,
     ) -> int | None:
         """Fetches the verified chain from ``store`` up to ``step`` (latest by default) and applies it.
-        ``path`` and ``check_base`` are as for :func:`apply_delta`.
+        ``path`` and ``check_base`` are as for :func:`apply_delta`; ``max_age`` (seconds) as for ``Subscriber``: a
+        store whose newest step was published longer ago is refused (StaleStoreError), nothing applied.
 
-        ``step`` and ``check_base`` may be strings: vLLM's dev-mode ``/collective_rpc`` route passes only strings."""
+        ``step``, ``check_base`` and ``max_age`` may be strings: vLLM's dev-mode ``/collective_rpc`` route passes
+        only strings."""
         step = _step_argument(step, "step")
+        max_age = _seconds_argument(max_age, "max_age")
         with torch.no_grad():
             return self._deltasync_tracker().pull(
-                self._deltasync_model(), store, step, signing_key, path=path, check_base=_flag(check_base)
+                self._deltasync_model(),
+                store,
+                step,
+                signing_key,
+                path=path,
+                check_base=_flag(check_base),
+                max_age=max_age,
             )
+
+
+def _seconds_argument(value: Any, name: str) -> float | None:
+    """``value`` (seconds, above 0; a string from the dev-mode HTTP route too) as a float, or None; else a
+    DeltaSyncError every rank raises alike (the same argument reached each)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value) if isinstance(value, str) and value.strip() else value
+    except ValueError:
+        seconds = value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise _on_every_rank(DeltaSyncError(f"{name} must be a number of seconds above 0, not {value!r}"))
+    return float(seconds)
 
 
 def _step_argument(value: Any, name: str) -> int | None:
@@ -1146,11 +1171,13 @@ def _flag(value: Any) -> bool:
 
 @dataclass
 class DeltaSyncInitInfo(WeightTransferInitInfo):
-    """``init_weight_transfer_engine`` info: the default store and the step the served weights are at."""
+    """``init_weight_transfer_engine`` info: the default store and the step the served weights are at; ``max_age``
+    (seconds) refuses a store whose newest step was published longer ago (as ``Subscriber``'s)."""
 
     store: str | None = None
     current_step: int | None = None
     signing_key: str | None = None
+    max_age: float | None = None
 
 
 @dataclass
@@ -1178,6 +1205,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         super().__init__(config, vllm_config, device, model)
         self.store: str | None = None
         self.signing_key: str | None = None
+        self.max_age: float | None = None
 
     @property
     def tracker(self) -> _StepTracker:
@@ -1187,6 +1215,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         """Sets the default store and key; ``current_step``, when given, declares the step the weights are at
         (otherwise the step the worker reached, through either way in, is kept)."""
         self.store, self.signing_key = init_info.store, init_info.signing_key
+        self.max_age = _seconds_argument(init_info.max_age, "max_age")
         current_step = _step_argument(init_info.current_step, "current_step")
         if current_step is not None:
             self.tracker.current_step = current_step
@@ -1227,7 +1256,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             if store is None:
                 raise DeltaSyncError("update_info names no store and init_weight_transfer_engine set none")
             step = _step_argument(update_info.step, "step")
-            self.tracker.pull(self.model, store, step, self.signing_key, path=path, check_base=check_base)
+            self.tracker.pull(
+                self.model, store, step, self.signing_key, path=path, check_base=check_base, max_age=self.max_age
+            )
 
     def shutdown(self) -> None:
         pass
