@@ -538,3 +538,57 @@ def test_the_hf_bucket_store_downloads_into_a_folder_a_later_sweep_removes_once_
     assert sorted(p.name for p in tmpdir.iterdir()) == sorted([os.path.basename(live), other.name])
     remove_temp(live)
     assert not os.path.exists(live)
+
+
+def test_a_background_publishers_upload_cut_short_at_exit_is_aborted(s3_url, s3_endpoint, monkeypatch):
+    """A background publisher's upload runs on its own thread: at exit, when waiting for it ran out, the process
+    ended mid-upload and its multipart upload stayed open in the bucket (found by reviewing the fix for Ctrl-C,
+    which covered the calling thread only). The exit-time close aborts it now."""
+    import asyncio
+
+    from tests.conftest import s3_store
+
+    store = s3_store(s3_url, s3_endpoint)
+    fs = store.fs
+    real_call = fs._call_s3
+    monkeypatch.setattr("s3fs.core.calculate_chunksize", lambda *args, **kwargs: 5 << 20)
+
+    async def slow_parts(method, *args, **kwargs):
+        if method == "upload_part":
+            await asyncio.sleep(3)
+        return await real_call(method, *args, **kwargs)
+
+    fs._call_s3 = slow_parts
+    bucket, prefix = fs.split_path(store.root)[:2]
+
+    def open_uploads():
+        listed = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        return [u["Key"] for u in listed.get("Uploads", [])]
+
+    publisher = ds.Publisher(store, exit_timeout=0.5)
+    publisher.publish(0, {"w": np.frombuffer(os.urandom(12 << 20), dtype=np.uint8)})  # an anchor, uploaded in parts
+    deadline = time.monotonic() + 30
+    while not open_uploads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_uploads(), "the upload never started"
+    publisher._close_at_exit()  # what interpreter exit runs for a publisher never closed
+    assert open_uploads() == []
+    fs._call_s3 = real_call
+
+
+def test_get_file_refuses_an_object_larger_than_max_bytes_before_copying_it(store, tmp_path):
+    """A reader that knows an object's size (its signed entry's) takes no more: on a local folder by its size before
+    the kernel copies anything, on the HF Bucket store by the size the bucket lists before the download (both read
+    an object planted by a writer without the key whole first, into TMPDIR; found by reviewing the cap)."""
+    from deltasync_rs.store import HFBucketStore, TooLargeError
+
+    store.put("anchors/x", b"x" * 5000)
+    with open(tmp_path / "out", "w+b") as out:
+        with pytest.raises(TooLargeError, match="larger than 4999 bytes"):
+            store.get_file("anchors/x", out, max_bytes=4999)
+        out.flush()
+        assert os.path.getsize(tmp_path / "out") == 0
+        assert store.get_file("anchors/x", out, max_bytes=5000) == 5000
+    if isinstance(store, HFBucketStore):
+        downloads = [c for c in store.api.calls if c[0] == "download_bucket_files"]
+        assert len(downloads) == 1  # the one that fit

@@ -106,6 +106,8 @@ def test_mirror_chunks_dtypes_and_in_place_sources(chunk_bytes, values):
     mirror = ds_torch.Mirror(state, chunk_bytes=chunk_bytes, values=values)
     assert mirror.tensors["counts"].dtype == torch.int64 and mirror.tensors["half"].dtype == torch.bfloat16
     assert mirror.tensors["fp8"].dtype == torch.float8_e4m3fn
+    # 1-byte floats no file holds are cast, as before (they were refused once fp8 was kept)
+    assert ds_torch.shipped_dtype(torch.float8_e4m3fnuz, torch.bfloat16) == torch.bfloat16
     replica = {n: t.clone() for n, t in mirror.tensors.items()}
     for step in range(3):
         before = {n: t.clone() for n, t in mirror.tensors.items()}

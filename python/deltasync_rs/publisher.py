@@ -60,7 +60,7 @@ from .manifest import (
     step_of,
 )
 from .mirror import Mirror
-from .store import TEMP_PREFIX, Store, open_store, private_temp, remove_temp
+from .store import TEMP_PREFIX, Store, abort_uploads_in_flight, open_store, private_temp, remove_temp
 from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
@@ -1021,6 +1021,8 @@ class Publisher:
         try:
             self.flush(timeout=self.exit_timeout)
         except DeltaSyncError as error:
+            # The process ends with the upload thread mid-upload: what it opened in the bucket is aborted.
+            abort_uploads_in_flight(self.store)
             message = (
                 f"deltasync: the publisher of {self.store.url} was not closed, and at exit not everything "
                 f"it published reached the store: {error}"

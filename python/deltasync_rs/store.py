@@ -90,10 +90,13 @@ class Store(ABC):
         """A local folder where a file meant for ``put_file`` is best made (None: anywhere, e.g. the temp folder)."""
         return None
 
-    def get_file(self, key: str, out: Sink) -> int:
+    def get_file(self, key: str, out: Sink, max_bytes: int | None = None) -> int:
         """Writes the object's bytes into ``out`` (a writable binary file) in pieces and returns how many; raises
-        MissingObjectError when absent. Backends stream; this fallback holds the object in memory."""
+        MissingObjectError when absent, and TooLargeError for an object of more than ``max_bytes`` (written in part
+        at most). Backends stream; this fallback holds the object in memory."""
         data = self.get(key)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise too_large(f"{self.url}/{key}", max_bytes)
         out.write(data)
         return len(data)
 
@@ -552,18 +555,22 @@ class LocalStore(Store):
                 raise StoreError(f"{path}: cannot read: {error}") from error
         return _exact_range(b"".join(chunks) if len(chunks) != 1 else chunks[0], str(path), start, length)
 
-    def get_file(self, key: str, out: Sink) -> int:
+    def get_file(self, key: str, out: Sink, max_bytes: int | None = None) -> int:
         """Into a real file (one with a ``fileno``), the kernel copies the bytes (copy_file_range), never through
-        this process's memory; into anything else, in pieces."""
+        this process's memory; into anything else, in pieces. An object of more than ``max_bytes`` is refused
+        (TooLargeError) by its size before anything is copied."""
+        where = str(self.root / key)
         with self._open_object(key) as f:
             try:
+                if max_bytes is not None and os.fstat(f.fileno()).st_size > max_bytes:
+                    raise too_large(where, max_bytes)
                 out_fd = _fileno(out)
                 if out_fd is None:
-                    return _copy(f, out)
+                    return _copy(f, out, max_bytes, where)
                 out.flush()  # type: ignore[attr-defined]  # a file object: what it buffered goes first
-                return _copy_in_kernel(f.fileno(), out_fd)
+                return _copy_in_kernel(f.fileno(), out_fd, max_bytes, where)
             except OSError as error:
-                raise StoreError(f"{self.root / key}: cannot read: {error}") from error
+                raise StoreError(f"{where}: cannot read: {error}") from error
 
     def list(self, prefix: str = "") -> list[str]:
         parts = [p for p in prefix.split("/") if p]
@@ -621,12 +628,15 @@ def _create(name: str, dir_fd: int) -> int:
     return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dir_fd)
 
 
-def _copy(source: BinaryIO, out: Sink) -> int:
-    """Copies ``source`` to ``out`` in COPY_BYTES pieces; returns the bytes copied."""
+def _copy(source: BinaryIO, out: Sink, max_bytes: int | None = None, where: str = "") -> int:
+    """Copies ``source`` to ``out`` in COPY_BYTES pieces; returns the bytes copied. TooLargeError (``where``) once
+    more than ``max_bytes`` arrived, before they are written."""
     copied = 0
     while piece := source.read(COPY_BYTES):
-        out.write(piece)
         copied += len(piece)
+        if max_bytes is not None and copied > max_bytes:
+            raise too_large(where, max_bytes)
+        out.write(piece)
     return copied
 
 
@@ -641,11 +651,15 @@ def _fileno(out: Sink) -> int | None:
     return fd if isinstance(fd, int) and stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _copy_in_kernel(source: int, out: int) -> int:
-    """Copies the rest of descriptor ``source`` to ``out`` at its position with copy_file_range."""
+def _copy_in_kernel(source: int, out: int, max_bytes: int | None = None, where: str = "") -> int:
+    """Copies the rest of descriptor ``source`` to ``out`` at its position with copy_file_range; TooLargeError
+    (``where``) where it holds more than ``max_bytes``, with no more than that copied."""
     copied = 0
-    while done := os.copy_file_range(source, out, 1 << 30):
+    limit = (1 << 62) if max_bytes is None else max_bytes
+    while done := os.copy_file_range(source, out, max(1, min(1 << 30, limit + 1 - copied))):
         copied += done
+        if copied > limit:
+            raise too_large(where, limit)
     return copied
 
 
@@ -666,6 +680,26 @@ def _regular_files(dir_fd: int) -> Iterator[list[str]]:
                     yield [entry.name, *below]
             finally:
                 os.close(child)
+
+
+# Uploads running on fsspec's loop (FsspecStore._put_file_async), for abort_uploads_in_flight: (store, future,
+# the event set when the upload ends, the target path), by the future's id.
+_IN_FLIGHT: dict[int, tuple[Any, Any, threading.Event, str]] = {}
+_IN_FLIGHT_GUARD = threading.Lock()
+
+
+def abort_uploads_in_flight(store: Store) -> int:
+    """Cancels ``store``'s uploads still running on other threads (a background publisher's, at exit, when waiting
+    for them ran out: the process would end mid-upload and leave its multipart upload open in the bucket) and
+    aborts what they opened. Returns how many were running."""
+    with _IN_FLIGHT_GUARD:
+        running = [item for item in _IN_FLIGHT.values() if item[0] is store]
+    for _, future, _, _ in running:
+        future.cancel()
+    for owner, _, ended, target in running:
+        ended.wait(ABORT_WAIT_SECONDS)
+        owner._abort_uploads(target)
+    return len(running)
 
 
 class FsspecStore(Store):
@@ -753,6 +787,8 @@ class FsspecStore(Store):
                 ended.set()
 
         future = asyncio.run_coroutine_threadsafe(upload(), self.fs.loop)
+        with _IN_FLIGHT_GUARD:
+            _IN_FLIGHT[id(future)] = (self, future, ended, target)
         try:
             while True:
                 try:
@@ -766,6 +802,9 @@ class FsspecStore(Store):
                 ended.wait(ABORT_WAIT_SECONDS)
                 self._abort_uploads(target)
             raise
+        finally:
+            with _IN_FLIGHT_GUARD:
+                _IN_FLIGHT.pop(id(future), None)
 
     def _abort_uploads(self, target: str) -> None:
         """Aborts the S3 multipart uploads open for ``target`` (best effort: logged, never raised)."""
@@ -781,10 +820,10 @@ class FsspecStore(Store):
         except Exception as error:
             log.warning("%s: an interrupted upload may be left open in the bucket: %s", target, error)
 
-    def get_file(self, key: str, out: Sink) -> int:
+    def get_file(self, key: str, out: Sink, max_bytes: int | None = None) -> int:
         try:
             with self.fs.open(self._read_path(key), "rb", block_size=COPY_BYTES) as source:
-                return _copy(source, out)
+                return _copy(source, out, max_bytes, f"{self.url}/{key}")
         except FileNotFoundError:
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
         except DeltaSyncError:
@@ -909,10 +948,10 @@ class HFBucketStore(Store):
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot upload: {error}") from error
 
-    def get_file(self, key: str, out: Sink) -> int:
+    def get_file(self, key: str, out: Sink, max_bytes: int | None = None) -> int:
         folder = private_temp_folder()  # swept if this process is killed: it holds a whole anchor
         try:
-            local = self._download_to(key, Path(folder) / "object", None)
+            local = self._download_to(key, Path(folder) / "object", max_bytes)
             with open(local, "rb") as source:
                 return _copy(source, out)
         finally:
@@ -926,8 +965,11 @@ class HFBucketStore(Store):
             remove_temp(folder)
 
     def _download_to(self, key: str, local: Path, max_bytes: int | None) -> Path:
-        """Downloads the object to ``local`` (a path in a private folder) and returns it."""
+        """Downloads the object to ``local`` (a path in a private folder) and returns it; one of more than
+        ``max_bytes`` is refused by the size the bucket lists for it, before the download."""
         remote = self._remote(key)
+        if max_bytes is not None:
+            self._refuse_larger(key, remote, max_bytes)
         try:
             self.api.download_bucket_files(
                 self.bucket_id, files=[(remote, str(local))], raise_on_missing_files=True, token=self.token
@@ -943,6 +985,16 @@ class HFBucketStore(Store):
         if max_bytes is not None and local.stat().st_size > max_bytes:
             raise too_large(f"{self.url}/{key}", max_bytes)
         return local
+
+    def _refuse_larger(self, key: str, remote: str, max_bytes: int) -> None:
+        """TooLargeError where the bucket lists ``remote`` as larger than ``max_bytes``."""
+        try:
+            entries = self.api.list_bucket_tree(self.bucket_id, prefix=remote, recursive=True, token=self.token)
+            size = next((getattr(e, "size", None) for e in entries if e.path == remote), None)
+        except Exception as error:
+            raise StoreError(f"{self.url}/{key}: cannot look up its size: {error}") from error
+        if isinstance(size, int) and size > max_bytes:
+            raise too_large(f"{self.url}/{key}", max_bytes)
 
     def get(self, key: str) -> bytes:
         return self._download(key, None)

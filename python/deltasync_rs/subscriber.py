@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import sys
@@ -509,11 +510,18 @@ class Subscriber:
             with os.fdopen(fd, "w+b") as file:  # closed on every way out, a failed local copy's included
                 if pieces is not None and not whole_sha256 and self._copy_local(ref, pieces, path):
                     return path
-                # A local folder's file is copied by the kernel; from anywhere else no more bytes are taken than the
-                # entry says (a store holding a huge object in its place, written without the key, would fill the
-                # disk before the size check).
-                local = isinstance(self.store, LocalStore)
-                self.store.get_file(ref["key"], file if local else _AtMost(file, ref["size"], ref["key"]))
+                # No more bytes are taken than the entry says (a store holding a huge object in its place, written
+                # without the key, would fill the disk before the size check): by the store itself where it takes a
+                # limit (a local folder's file is then copied by the kernel), else by the sink.
+                try:
+                    if "max_bytes" in inspect.signature(self.store.get_file).parameters:
+                        self.store.get_file(ref["key"], file, max_bytes=ref["size"])
+                    else:
+                        self.store.get_file(ref["key"], _AtMost(file, ref["size"], ref["key"]))
+                except TooLargeError:
+                    raise IntegrityError(
+                        f"{ref['key']}: larger than the {ref['size']} bytes its manifest entry says"
+                    ) from None
                 file.flush()
                 size = file.seek(0, os.SEEK_END)
                 if size != ref["size"]:

@@ -116,9 +116,11 @@ def _memory_key(tensor: torch.Tensor, name: str) -> tuple[Any, ...]:
 
 def shipped_dtype(dtype: torch.dtype, shipped: torch.dtype) -> torch.dtype:
     """The dtype a tensor of ``dtype`` is shipped as when floating-point weights ship as ``shipped``: fp32 (or
-    fp16, fp64) masters cast to it; fp8 weights (an fp8 checkpoint's quantized layers), integers and bools keep
-    their own, as ``deltasync publish --dtype`` keeps them (an engine serving fp8 weights takes fp8 only)."""
-    return shipped if dtype.is_floating_point and dtype.itemsize > 1 else dtype
+    fp16, fp64) masters cast to it; fp8 weights in the formats files hold (float8_e4m3fn, float8_e5m2: an fp8
+    checkpoint's quantized layers), integers and bools keep their own, as ``deltasync publish --dtype`` keeps them
+    (an engine serving fp8 weights takes fp8 only); other 1-byte floats are cast, as before."""
+    kept = str(dtype) in _arrays._TORCH_NAMES and dtype.itemsize == 1
+    return shipped if dtype.is_floating_point and not kept else dtype
 
 
 class Mirror:
