@@ -65,6 +65,12 @@ def test_identity_of_a_strided_tensor_is_that_of_its_row_major_bytes():
         want = base_identity(view.contiguous().view(torch.uint8).numpy().reshape(-1))
         assert _identity.base_identity(view) == want
         assert _identity.state_hashes({"t": view}) == {"t": _host_hash(view)}
+    # One element or none with a stride of more than one (torch calls them contiguous and keeps the stride): the
+    # view as bytes raised torch's RuntimeError, after a pull had written the state (found by an adversarial helper).
+    for view in (t.reshape(-1)[::2][:1], t.T[:1, :1], t[:1, ::600], t.reshape(-1)[::2][:0], t.reshape(-1)[3]):
+        want = base_identity(_row_major_bytes(view))
+        assert _identity.base_identity(view) == want
+        assert _identity.state_hashes({"t": view}) == {"t": _host_hash(view)}
 
 
 def test_identity_detects_one_changed_bit_in_any_block():
@@ -116,6 +122,23 @@ def test_context_applies_on_the_device_bit_exactly(on_device, check_base, monkey
     assert on_device == [sorted([prev["w0"].numel(), prev["w2"].numel()])]
 
 
+@pytest.mark.parametrize("codec", ["varint", "compact", "context"])
+@pytest.mark.parametrize("values", ["diff", "abs"])
+def test_contiguous_targets_on_the_device_take_torchs_index_writes_bit_exactly(on_device, monkeypatch, codec, values):
+    """Every target on a GPU is written by torch's index_copy_ (the core writes host memory only); on the CPU a
+    contiguous target went to the core even with _on_device forced, so that branch ran for strided targets alone
+    (found by an adversarial helper). Forced here too: the same bits as the host's apply, with the base check."""
+    prev, curr = _state(15)
+    delta = ds.load(ds.diff(prev, curr, codec=codec, values=values).to_bytes())
+    host = {k: v.clone() for k, v in prev.items()}
+    delta.apply_(host, check_base=True)
+    monkeypatch.setattr(_write.Writes, "_writable_in_core", staticmethod(lambda target: False))
+    device = {k: v.clone() for k, v in prev.items()}
+    assert all(t.is_contiguous() for t in device.values())
+    delta.apply_(device, check_base=True)
+    assert _equal(device, host) and _equal(host, curr)
+
+
 def test_a_wrong_base_on_the_device_is_refused_and_nothing_is_written(on_device):
     prev, curr = _state(12)
     delta = ds.load(ds.diff(prev, curr, codec="context").to_bytes())
@@ -154,13 +177,17 @@ def test_decoded_against_a_device_base_equals_the_hosts(on_device):
 # --- state-digest hashes on the device -----------------------------------------------------------------------------
 
 
+def _row_major_bytes(tensor) -> np.ndarray:
+    """By numpy through an integer view of the same width (any strides; torch's views as bytes refuse some)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return np.ascontiguousarray(tensor.reshape(-1).view(ints).numpy()).view(np.uint8)
+
+
 def _host_hash(tensor):
     from deltasync_rs._core import tensor_hashes
 
     dtype, shape = _arrays.describe(tensor, "t")
-    return bytes(
-        tensor_hashes([("t", dtype, list(shape), tensor.contiguous().reshape(-1).view(torch.uint8).numpy())])[0]
-    )
+    return bytes(tensor_hashes([("t", dtype, list(shape), _row_major_bytes(tensor))])[0])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -119,9 +119,15 @@ def _hash_rounds(sums: Any) -> list[int]:
 
 
 def _flat_bytes(tensor: Any) -> Any:
+    """The tensor's row-major bytes, flat. Torch counts a tensor of at most one element as contiguous whatever its
+    strides (``x[::2][:1]``), and such a view keeps them, which a view as bytes refuses: it is given a stride of
+    one element, which names the same memory."""
     import torch
 
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride() != (1,):
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def base_identities(tensors: list[Any]) -> list[str]:
