@@ -647,6 +647,60 @@ def _train(tmp_path, publisher, callback_resume=True, learning_rate=1e-4, close=
     return trainer
 
 
+def test_the_trainer_callbacks_last_step_holds_the_weights_trained_to_it_with_load_best_model_at_end(tmp_path):
+    """The last step, off sync_every, was published in on_train_end, after the Trainer had loaded its best
+    checkpoint: the store held the best checkpoint's weights under the last step's number, and a restart from that
+    step's checkpoint was refused (found by an adversarial helper). It is published in on_step_end now, from the
+    weights trained to it."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (make setup installs it)")
+    from deltasync_rs.integrations import DeltaSyncCallback
+
+    class Snapshots(transformers.TrainerCallback):
+        def __init__(self):
+            self.at = {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.at[state.global_step] = bf16(model)
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 512, (16, 16), generator=generator)]
+    publisher = ds.Publisher(LocalStore(tmp_path / "store"), anchor_every=3)
+    snapshots = Snapshots()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=7,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,  # the worst loss is "best": an early checkpoint
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(seed=6),
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows[:8],
+        callbacks=[snapshots, DeltaSyncCallback(publisher, sync_every=2)],
+    )
+    trainer.train()
+    publisher.close()
+    assert trainer.state.best_model_checkpoint is not None and not trainer.state.best_model_checkpoint.endswith("-7")
+    assert [e.step for e in ds.sync.log_entries(LocalStore(tmp_path / "store"))] == [0, 2, 4, 6, 7]
+    for step in (6, 7):
+        state = {name: torch.zeros_like(t) for name, t in snapshots.at[step].items()}
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+        assert ds.Subscriber(LocalStore(tmp_path / "store")).pull(state, until=step) == step
+        assert_same(state, snapshots.at[step])
+
+
 def test_the_trainer_callback_resumes_where_the_trainer_resumes_from_a_checkpoint(tmp_path):
     """``trainer.train(resume_from_checkpoint=...)`` from the checkpoint of step 4, which the callback published:
     the publisher resumes at step 4 (the model's weights are checked against step 4's entry), the first run's steps

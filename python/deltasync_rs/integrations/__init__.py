@@ -5,6 +5,7 @@ TRL's async GRPO trainer."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,10 +14,12 @@ from transformers import TrainerCallback
 from ..errors import DeltaSyncError, at_least_one, flag
 from ..torch import Mirror, _holds_dtensors, _publish_step
 
+log = logging.getLogger("deltasync_rs.integrations")
+
 
 class DeltaSyncCallback(TrainerCallback):
     """Publishes the model at the start of training and then every ``sync_every`` global steps (``on_step_end``),
-    each time as the delta from the last published state. Only the main process publishes. With ``enabled=False``
+    each time as the delta from the last published state, and the training's last step. Only the main process publishes. With ``enabled=False``
     (or once ``enabled`` is set to False) it does nothing at all.
 
     After ``trainer.train(resume_from_checkpoint=...)`` from the checkpoint of a step it published, it resumes the
@@ -103,23 +106,43 @@ class DeltaSyncCallback(TrainerCallback):
         self.publisher.publish_shared(step, self.mirror.tensors, resume=self.resume, aliases=self.mirror.aliases)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.enabled or self.mirror is None or state.global_step % self.sync_every:
+        if not self.enabled or self.mirror is None:
             return
+        # Every sync_every steps, and the training's last step (max_steps not a multiple of sync_every), published
+        # here, while the model holds the weights trained to it (at the end the Trainer may load another checkpoint).
+        last = bool(getattr(control, "should_training_stop", False)) or (
+            getattr(state, "max_steps", 0) > 0 and state.global_step >= state.max_steps
+        )
+        if state.global_step % self.sync_every and not last:
+            return
+        self._publish(state.global_step)
+
+    def _publish(self, step: int) -> None:
         if self._sharded is not None:  # on every process: the ranks gather their deltas
-            self._sharded.sync(state.global_step)
-            return
-        _publish_step(self.publisher, self.mirror, state.global_step)
+            self._sharded.sync(step)
+        elif self.mirror is not None and step != self.mirror.current_step:
+            _publish_step(self.publisher, self.mirror, step)
+
+    def _published(self) -> int | None:
+        if self._sharded is not None:
+            step: int | None = self._sharded.published_step
+            return step
+        return self.mirror.current_step if self.mirror is not None else None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.enabled or self.mirror is None:
             return
-        if state.global_step % self.sync_every:
-            # The final weights, trained since the last step published (max_steps not a multiple of sync_every):
-            # published as the last step, not left out of the store.
-            if self._sharded is not None:  # on every process, as every step
-                self._sharded.sync(state.global_step)
-            elif state.is_world_process_zero and state.global_step != self.mirror.current_step:
-                _publish_step(self.publisher, self.mirror, state.global_step)
+        if self._published() != state.global_step:
+            # Training stopped off the steps published (early stopping, after on_step_end had run).
+            if getattr(args, "load_best_model_at_end", False):
+                # The Trainer has loaded the best checkpoint in place of the weights trained to this step.
+                log.warning(
+                    "the weights trained after step %s were not published: the Trainer loaded its best checkpoint "
+                    "before the training's end (load_best_model_at_end)",
+                    self._published(),
+                )
+            else:
+                self._publish(state.global_step)
         if state.is_world_process_zero:
             self.publisher.flush()
 
