@@ -312,6 +312,31 @@ def test_a_mirror_steps_delta_names_a_tied_tensor_under_every_name(tmp_path):
     publisher.close()
 
 
+def test_attach_takes_wrapped_models_and_acceleratess_optimizer(tmp_path):
+    """A model under torch.compile or DataParallel was published under prefixed names (`_orig_mod.`, `module.`) that
+    no engine or plain state dict knows; accelerate's AcceleratedOptimizer (which never ran Optimizer.__init__)
+    passed attach's check, step 0 was published, then registering the hook raised a bare AttributeError (found by
+    an adversarial helper). The wrappers are looked through now."""
+    accelerate = pytest.importorskip("accelerate")
+    model = tiny_gpt2(seed=8)
+    names = list(bf16(model))
+    assert list(ds_torch.Mirror(torch.compile(model)).state_dict()) == names
+    assert list(ds_torch.Mirror(torch.nn.DataParallel(model)).state_dict()) == names
+    accelerator = accelerate.Accelerator(cpu=True)
+    wrapped, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    publisher = ds.Publisher(LocalStore(tmp_path / "store"), background=False)
+    attachment = ds_torch.attach(optimizer, wrapped, publisher)
+    train_step(model, optimizer, seed=9)
+    assert attachment.published_step == 1
+    target = {name: torch.zeros_like(t) for name, t in bf16(model).items()}
+    assert ds.Subscriber(LocalStore(tmp_path / "store")).pull(target) == 1
+    assert_same(target, bf16(model))
+    attachment.detach()
+    publisher.close()
+    with pytest.raises(ds.DeltaSyncError, match="optimizer must be a torch.optim.Optimizer"):
+        ds_torch.attach(object(), model, publisher)
+
+
 def test_attach_after_a_step_that_failed_part_way_publishes_an_anchor(tmp_path, monkeypatch):
     """A mirror step that raises after it wrote part of the new weights into the mirror (a device copy that failed,
     an interrupt) leaves the shared mirror holding part of a step: the next publish is an anchor, not a delta from
@@ -741,6 +766,36 @@ def test_the_trainer_callback_kept_across_trainings_says_to_make_a_new_publisher
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
     publisher.close()
     assert isinstance(trainer, transformers.Trainer)
+
+
+def test_the_trainer_callback_kept_for_a_later_checkpoint_says_to_make_a_new_publisher(tmp_path):
+    """The same callback and open publisher trained again from a checkpoint saved after its last sync (a step it
+    never published): it said "the shared mirror does not hold the last published state" (found by an adversarial
+    helper). It says what happened and what to do; the new Publisher it names publishes that step as an anchor."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from deltasync_rs.integrations import DeltaSyncCallback
+
+    store = LocalStore(tmp_path / "store")
+    model = tiny_gpt2(seed=9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    publisher = ds.Publisher(store, background=False)
+    callback = DeltaSyncCallback(publisher)
+    callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=True, global_step=4), None, model=model)
+    train_step(model, optimizer, seed=10)  # trained on to step 6 and checkpointed there, never synced
+    with pytest.raises(ds.DeltaSyncError, match="starts at step 6, after this publisher's step 4, from weights it"):
+        callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=True, global_step=6), None, model=model)
+    publisher.close()
+    fresh = ds.Publisher(store, background=False)
+    DeltaSyncCallback(fresh).on_train_begin(
+        None, SimpleNamespace(is_world_process_zero=True, global_step=6), None, model=model
+    )
+    fresh.close()
+    assert [(e.step, e.anchor is not None) for e in ds.sync.log_entries(store)] == [(4, True), (6, True)]
+    target = {name: torch.zeros_like(t) for name, t in bf16(model).items()}
+    assert ds.Subscriber(store).pull(target) == 6
+    assert_same(target, bf16(model))
 
 
 def test_the_trainer_callback_refuses_a_restart_it_cannot_prove(tmp_path):

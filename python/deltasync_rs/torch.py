@@ -114,6 +114,22 @@ def _memory_key(tensor: torch.Tensor, name: str) -> tuple[Any, ...]:
     )
 
 
+def _unwrapped(model: Any) -> Any:
+    """The module whose names the weights go by, under the wrappers that prefix them: torch.compile's
+    (``_orig_mod.``) and DDP's or DataParallel's (``module.``). An engine or a state dict of the plain model knows
+    the weights by the plain names (TRL strips them too)."""
+    while isinstance(model, torch.nn.Module):
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), torch.nn.Module
+        ):
+            model = model._orig_mod
+        else:
+            break
+    return model
+
+
 def shipped_dtype(dtype: torch.dtype, shipped: torch.dtype) -> torch.dtype:
     """The dtype a tensor of ``dtype`` is shipped as when floating-point weights ship as ``shipped``: fp32 (or
     fp16, fp64) masters cast to it; fp8 weights in the formats files hold (float8_e4m3fn, float8_e5m2: an fp8
@@ -158,6 +174,7 @@ class Mirror:
         if values not in ("diff", "abs"):
             raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
         check_codec(codec, values=values, mirror=True)
+        model = _unwrapped(model)
         self._source = model
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
@@ -763,7 +780,13 @@ def attach(
     rank 0 and ``None`` elsewhere: each rank mirrors and diffs only its shards, with positions in the whole
     tensor's index space, and rank 0 joins the ranks' deltas into one delta and one manifest entry per step.
     Rank 0's publisher keeps a whole CPU copy, for anchors."""
-    if not hasattr(optimizer, "register_step_post_hook"):
+    if not hasattr(optimizer, "_optimizer_step_post_hooks") and hasattr(
+        getattr(optimizer, "optimizer", None), "_optimizer_step_post_hooks"
+    ):
+        # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer): it steps the optimizer
+        # it wraps, whose step hooks run.
+        optimizer = getattr(optimizer, "optimizer")  # noqa: B009  (typed as an Optimizer, which has none)
+    if not hasattr(optimizer, "register_step_post_hook") or not hasattr(optimizer, "_optimizer_step_post_hooks"):
         raise DeltaSyncError(
             f"attach(optimizer, model, publisher): optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
         )

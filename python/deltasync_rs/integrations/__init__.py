@@ -91,8 +91,17 @@ class DeltaSyncCallback(TrainerCallback):
             # The same publisher kept across trainings (a notebook): it is past the step training starts from.
             raise DeltaSyncError(
                 f"the trainer starts at step {state.global_step}, before this publisher's step {self.publisher.step}: "
-                "a publisher goes on from its own last step only; close it and pass a new Publisher on the store "
-                f"(it resumes at step {state.global_step} where the store holds it as the model's weights)"
+                "a publisher goes on from its own last step only. Publish this training into a new store, or, where "
+                f"the store holds step {state.global_step} as these very weights (a resume from its checkpoint), "
+                "close this publisher and pass a new Publisher on the store (README, Restarts)"
+            )
+        if self.publisher.step is not None and state.global_step > self.publisher.step:
+            # Trained again in this process from a checkpoint saved between two syncs: these weights were never
+            # published, so the publisher's last state is no base for them.
+            raise DeltaSyncError(
+                f"the trainer starts at step {state.global_step}, after this publisher's step {self.publisher.step}, "
+                "from weights it never published (a checkpoint saved between two syncs): close this publisher and "
+                f"pass a new Publisher on the store, which publishes step {state.global_step} as an anchor"
             )
         step = self.publisher.step if self.publisher.step is not None else state.global_step
         self.mirror = Mirror(
