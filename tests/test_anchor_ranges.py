@@ -335,3 +335,5 @@ def test_a_server_that_ignores_byte_ranges_gets_the_anchor_read_whole_once(tmp_p
     assert "the server ignores byte ranges; reading the anchor whole" in caplog.text
     # One ranged read of the anchor (its header's), answered with all of it; then one whole read (get_file).
     assert store.supports_ranges is False and sum(p.endswith(anchor_key(3)) for p in whole_reads) == 1
+    # A store made later on the same server (a vLLM worker makes one per pull) reads anchors whole at once.
+    assert FsspecStore(url).supports_ranges is False

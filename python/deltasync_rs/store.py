@@ -682,6 +682,9 @@ def _regular_files(dir_fd: int) -> Iterator[list[str]]:
                 os.close(child)
 
 
+# Servers (protocols, endpoint, bucket) that answered a ranged read with the whole object: FsspecStore._server.
+_IGNORE_RANGES: set[tuple[Any, ...]] = set()
+
 # Uploads running on fsspec's loop (FsspecStore._put_file_async), for abort_uploads_in_flight: (store, future,
 # the event set when the upload ends, the target path), by the future's id.
 _IN_FLIGHT: dict[int, tuple[Any, Any, threading.Event, str]] = {}
@@ -726,6 +729,14 @@ class FsspecStore(Store):
         buckets = {"s3", "s3a", "gs", "gcs", "az", "abfs"}
         self._bucket = self.root.split("/")[0] if buckets & set(protocols) and self.root.split("/")[0] else None
         self.atomic_create = "s3" in protocols and "mode" in inspect.signature(self.fs.pipe_file).parameters
+        # The server, for servers found to ignore byte ranges (RangesIgnoredError): the endpoint and the bucket.
+        options = storage_options.get("client_kwargs") or {}
+        endpoint = (
+            storage_options.get("endpoint_url") or options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        self._server = (protocols, endpoint, self.root.split("/")[0])
+        if self._server in _IGNORE_RANGES:
+            self.supports_ranges = False
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
@@ -857,7 +868,10 @@ class FsspecStore(Store):
         try:
             return _exact_range(bytes(data), f"{self.url}/{key}", start, length)
         except RangesIgnoredError:
-            self.supports_ranges = False  # every later anchor is read whole, once
+            # Every later anchor is read whole, once, by this store and every store made later in this process on
+            # the same server (a vLLM worker makes one per pull).
+            self.supports_ranges = False
+            _IGNORE_RANGES.add(self._server)
             raise
 
     def get_small(self, key: str, max_bytes: int) -> bytes:
