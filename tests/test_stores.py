@@ -10,6 +10,7 @@ import os
 import stat
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -592,3 +593,24 @@ def test_get_file_refuses_an_object_larger_than_max_bytes_before_copying_it(stor
     if isinstance(store, HFBucketStore):
         downloads = [c for c in store.api.calls if c[0] == "download_bucket_files"]
         assert len(downloads) == 1  # the one that fit
+
+
+def test_a_local_store_copies_into_a_file_on_another_kind_of_file_system(tmp_path):
+    """copy_file_range between file systems of different types fails (EXDEV): a pull of an anchor from a local
+    folder on disk into a TMPDIR on tmpfs raised "Invalid cross-device link" (found by an adversarial helper). The
+    copy goes through memory there."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm (a tmpfs) on this machine")
+    store = ds.LocalStore(tmp_path / "store")
+    data = os.urandom(3 << 20)
+    store.put("anchors/x", data)
+    fd, path = tempfile.mkstemp(dir=shm)
+    try:
+        with os.fdopen(fd, "w+b") as out:
+            out.write(b"head")
+            assert store.get_file("anchors/x", out, max_bytes=len(data)) == len(data)
+            out.seek(0)
+            assert out.read() == b"head" + data
+    finally:
+        os.unlink(path)

@@ -267,15 +267,20 @@ def private_temp(folder: str | None = None) -> tuple[int, str]:
         except FileExistsError:
             continue
         if fcntl is not None:
-            lock = os.dup(fd)  # the same open file: locked until remove_temp closes this one
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(lock)  # a file system without locks: swept once stale and its pid gone
-            else:
-                with _TEMP_LOCKS_GUARD:
-                    _TEMP_LOCKS[path] = lock
+            _hold(path, os.dup(fd))  # the same open file: locked until remove_temp closes this one
         return fd, path
+
+
+def _hold(path: str, lock: int) -> None:
+    """Locks ``lock`` (a descriptor of ``path``) and keeps it until :func:`remove_temp`; on a file system without
+    locks it is closed, and ``path`` is swept once stale and its pid gone."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+    else:
+        with _TEMP_LOCKS_GUARD:
+            _TEMP_LOCKS[path] = lock
 
 
 def remove_temp(path: str) -> None:
@@ -305,14 +310,7 @@ def private_temp_folder() -> str:
         except FileExistsError:
             continue
         if fcntl is not None:
-            lock = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(lock)  # a file system without locks: swept once stale and its pid gone
-            else:
-                with _TEMP_LOCKS_GUARD:
-                    _TEMP_LOCKS[path] = lock
+            _hold(path, os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)))
         return path
 
 
@@ -565,10 +563,13 @@ class LocalStore(Store):
                 if max_bytes is not None and os.fstat(f.fileno()).st_size > max_bytes:
                     raise too_large(where, max_bytes)
                 out_fd = _fileno(out)
-                if out_fd is None:
-                    return _copy(f, out, max_bytes, where)
-                out.flush()  # type: ignore[attr-defined]  # a file object: what it buffered goes first
-                return _copy_in_kernel(f.fileno(), out_fd, max_bytes, where)
+                if out_fd is not None:
+                    out.flush()  # type: ignore[attr-defined]  # a file object: what it buffered goes first
+                    try:
+                        return _copy_in_kernel(f.fileno(), out_fd, max_bytes, where)
+                    except _NotInKernel:  # another file system type (EXDEV), or no copy_file_range there
+                        pass
+                return _copy(f, out, max_bytes, where)
             except OSError as error:
                 raise StoreError(f"{where}: cannot read: {error}") from error
 
@@ -651,16 +652,29 @@ def _fileno(out: Sink) -> int | None:
     return fd if isinstance(fd, int) and stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
+class _NotInKernel(Exception):
+    """copy_file_range copied nothing and cannot here: the caller copies through memory instead."""
+
+
 def _copy_in_kernel(source: int, out: int, max_bytes: int | None = None, where: str = "") -> int:
     """Copies the rest of descriptor ``source`` to ``out`` at its position with copy_file_range; TooLargeError
-    (``where``) where it holds more than ``max_bytes``, with no more than that copied."""
+    (``where``) where it holds more than ``max_bytes``, with no more than one byte beyond them copied.
+    _NotInKernel where the kernel cannot copy between the two (files on file systems of other types: EXDEV),
+    before anything was copied."""
     copied = 0
     limit = (1 << 62) if max_bytes is None else max_bytes
-    while done := os.copy_file_range(source, out, max(1, min(1 << 30, limit + 1 - copied))):
+    while True:
+        try:
+            done = os.copy_file_range(source, out, max(1, min(1 << 30, limit + 1 - copied)))
+        except OSError as error:
+            if copied == 0 and error.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise _NotInKernel from error
+            raise
+        if not done:
+            return copied
         copied += done
         if copied > limit:
             raise too_large(where, limit)
-    return copied
 
 
 def _regular_files(dir_fd: int) -> Iterator[list[str]]:
