@@ -60,7 +60,7 @@ from .manifest import (
     step_of,
 )
 from .mirror import Mirror
-from .store import TEMP_PREFIX, Store, abort_uploads_in_flight, open_store, private_temp, remove_temp
+from .store import TEMP_PREFIX, Store, UploadCancelled, abort_uploads_in_flight, open_store, private_temp, remove_temp
 from .subscriber import Subscriber, attempts
 
 log = logging.getLogger("deltasync_rs.sync")
@@ -245,6 +245,7 @@ class Publisher:
                 self._aliases = dict(self._reader.entry(self._last_step).aliases or {})
         self._base_entry: tuple[int, str] | None = None  # (step, SHA-256) of the last entry written
         self._closed = False
+        self._abandoned = False  # set at exit when pending uploads were given up (_close_at_exit)
         # Set while no upload job reads the mirror (for an anchor or the state digest): it may change only then.
         self._mirror_free = threading.Event()
         self._mirror_free.set()
@@ -791,6 +792,9 @@ class Publisher:
         return sum(math.prod(_arrays.describe(t, name)[1]) for name, t in self._mirror.tensors.items())
 
     def _run_job(self, job: tuple[Any, ...]) -> None:
+        if self._abandoned:  # the process is ending without close(): nothing more is started
+            self._errors.append(DeltaSyncError(f"step {job[0]}: not uploaded, the process ended first"))
+            return
         try:
             self._upload(*job)
         except BaseException as error:  # kept for flush(); the next publish re-anchors
@@ -829,7 +833,7 @@ class Publisher:
                 write()
                 return
             except StoreError as error:
-                if attempt + 1 == self.retries:
+                if attempt + 1 == self.retries or isinstance(error, UploadCancelled) or self._abandoned:
                     raise
                 log.warning("writing %s failed (%s); retrying", key, error)
                 time.sleep(0.05 * 2**attempt)
@@ -1021,7 +1025,9 @@ class Publisher:
         try:
             self.flush(timeout=self.exit_timeout)
         except DeltaSyncError as error:
-            # The process ends with the upload thread mid-upload: what it opened in the bucket is aborted.
+            # The process ends with the upload thread mid-upload: what it opened in the bucket is aborted, and the
+            # thread neither tries it again nor starts the next.
+            self._abandoned = True
             abort_uploads_in_flight(self.store)
             message = (
                 f"deltasync: the publisher of {self.store.url} was not closed, and at exit not everything "

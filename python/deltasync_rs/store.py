@@ -342,6 +342,10 @@ def _check_range(start: int, length: int) -> None:
         raise StoreError(f"invalid byte range: {length} bytes from {start}")
 
 
+class UploadCancelled(StoreError):
+    """An upload stopped by ``abort_uploads_in_flight`` (a publisher's at exit): not to be tried again."""
+
+
 class RangesIgnoredError(StoreError):
     """A ranged read answered with more bytes than asked: a server that ignores the Range header (some
     S3-compatible ones) and sends the whole object; the store then reads anchors whole."""
@@ -699,7 +703,7 @@ def _regular_files(dir_fd: int) -> Iterator[list[str]]:
 # Servers (protocols, endpoint, bucket) that answered a ranged read with the whole object: FsspecStore._server.
 _IGNORE_RANGES: set[tuple[Any, ...]] = set()
 
-# Uploads running on fsspec's loop (FsspecStore._put_file_async), for abort_uploads_in_flight: (store, future,
+# Uploads running on fsspec's loop (FsspecStore._upload_async), for abort_uploads_in_flight: (store, future,
 # the event set when the upload ends, the target path), by the future's id.
 _IN_FLIGHT: dict[int, tuple[Any, Any, threading.Event, str]] = {}
 _IN_FLIGHT_GUARD = threading.Lock()
@@ -770,7 +774,12 @@ class FsspecStore(Store):
 
     def put(self, key: str, data: bytes) -> None:
         try:
-            self.fs.pipe_file(self._path(key), data)
+            if self._async:  # a large delta goes up in parts too (s3fs: from 2 x 50 MiB)
+                self._upload_async(lambda: self.fs._pipe_file(self._path(key), data), self._path(key))
+            else:
+                self.fs.pipe_file(self._path(key), data)
+        except UploadCancelled:
+            raise
         except Exception as error:  # fsspec backends raise their own exception types
             raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
 
@@ -786,20 +795,27 @@ class FsspecStore(Store):
             raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
         return True
 
+    @property
+    def _async(self) -> bool:
+        return bool(getattr(self.fs, "async_impl", False)) and getattr(self.fs, "loop", None) is not None
+
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         try:
-            if getattr(self.fs, "async_impl", False) and hasattr(self.fs, "_put_file"):
-                self._put_file_async(os.fspath(path), self._path(key))
+            if self._async and hasattr(self.fs, "_put_file"):
+                self._upload_async(lambda: self.fs._put_file(os.fspath(path), self._path(key)), self._path(key))
             else:
                 self.fs.put_file(os.fspath(path), self._path(key))
+        except UploadCancelled:
+            raise
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot write: {error}") from error
 
-    def _put_file_async(self, source: str, target: str) -> None:
-        """``fs.put_file`` on fsspec's loop thread, stopped when this thread is interrupted (Ctrl-C, SIGTERM's
-        SystemExit): fsspec's own wait returns at the interrupt and leaves the upload running until the process
-        exits, and s3fs aborts a multipart upload only when its coroutine fails, so the parts uploaded so far were
-        left in the bucket (unlisted, billed). Here the upload is cancelled, then what it left open is aborted."""
+    def _upload_async(self, start: Callable[[], Any], target: str) -> None:
+        """The upload coroutine ``start()`` gives, run on fsspec's loop thread, stopped when this thread is
+        interrupted (Ctrl-C, SIGTERM's SystemExit): fsspec's own wait returns at the interrupt and leaves the upload
+        running until the process exits, and s3fs aborts a multipart upload only when its coroutine fails, so the
+        parts uploaded so far were left in the bucket (unlisted, billed). Here the upload is cancelled, then what it
+        left open is aborted. One cancelled from another thread (``abort_uploads_in_flight``) is UploadCancelled."""
         import asyncio
         import concurrent.futures
 
@@ -807,7 +823,7 @@ class FsspecStore(Store):
 
         async def upload() -> None:
             try:
-                await self.fs._put_file(source, target)
+                await start()
             finally:
                 ended.set()
 
@@ -821,6 +837,10 @@ class FsspecStore(Store):
                     return
                 except concurrent.futures.TimeoutError:
                     continue
+                except concurrent.futures.CancelledError:
+                    raise UploadCancelled(f"{target}: the upload was cancelled (the process is ending)") from None
+        except UploadCancelled:
+            raise
         except BaseException:
             if not future.done():
                 future.cancel()
