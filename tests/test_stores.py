@@ -591,15 +591,16 @@ def test_get_file_refuses_an_object_larger_than_max_bytes_before_copying_it(stor
     """A reader that knows an object's size (its signed entry's) takes no more: on a local folder by its size before
     the kernel copies anything, on the HF Bucket store by the size the bucket lists before the download (both read
     an object planted by a writer without the key whole first, into TMPDIR; found by reviewing the cap)."""
-    from deltasync_rs.store import HFBucketStore, TooLargeError
+    from deltasync_rs.store import LISTED_SIZE_FROM, HFBucketStore, TooLargeError
 
-    store.put("anchors/x", b"x" * 5000)
+    size = LISTED_SIZE_FROM + 5000  # an anchor's size: the HF Bucket store looks it up before downloading
+    store.put("anchors/x", b"x" * size)
     with open(tmp_path / "out", "w+b") as out:
-        with pytest.raises(TooLargeError, match="larger than 4999 bytes"):
-            store.get_file("anchors/x", out, max_bytes=4999)
+        with pytest.raises(TooLargeError, match=f"larger than {size - 1} bytes"):
+            store.get_file("anchors/x", out, max_bytes=size - 1)
         out.flush()
         assert os.path.getsize(tmp_path / "out") == 0
-        assert store.get_file("anchors/x", out, max_bytes=5000) == 5000
+        assert store.get_file("anchors/x", out, max_bytes=size) == size
     if isinstance(store, HFBucketStore):
         downloads = [c for c in store.api.calls if c[0] == "download_bucket_files"]
         assert len(downloads) == 1  # the one that fit

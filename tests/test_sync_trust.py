@@ -1109,3 +1109,28 @@ def test_max_age_refuses_a_store_put_back_to_an_earlier_copy(tmp_path, monkeypat
     for bad in (0, -1, True, "60", float("nan")):
         with pytest.raises(ds.DeltaSyncError, match="max_age must be a number of seconds"):
             ds.Subscriber(root, max_age=bad)
+
+
+def test_max_age_holds_when_the_newest_steps_files_are_gone(tmp_path, monkeypatch):
+    """The newest step fresh, its delta removed by someone without the key: the pull fell back to an older step,
+    published an hour ago, under max_age=60 (found by reviewing max_age). An older step is taken only when it was
+    published within max_age; else StaleStoreError, nothing written."""
+    key = b"k" * 32
+    root = tmp_path / "store"
+    now = time.time()
+    clock = [now - 3600]
+    monkeypatch.setattr("deltasync_rs.publisher.time.time", lambda: clock[0])
+    state = {"w": np.zeros(64, dtype=np.float32)}
+    with ds.Publisher(root, anchor_every=100, signing_key=key, background=False) as publisher:
+        for step in range(4):
+            if step == 3:
+                clock[0] = now
+            state["w"][step] = step + 1
+            publisher.publish(step, state)
+    monkeypatch.undo()
+    (root / delta_key(3)).unlink()
+    replica = {"w": np.zeros(64, dtype=np.float32)}
+    with pytest.raises(ds.StaleStoreError, match="step 2, the newest older one, was published more than max_age=60"):
+        ds.Subscriber(root, signing_key=key, max_age=60).pull(replica)
+    assert not replica["w"].any()
+    assert ds.Subscriber(root, signing_key=key, max_age=7200).pull(replica) == 2  # within it: taken, as before

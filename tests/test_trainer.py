@@ -726,6 +726,32 @@ def test_the_trainer_callbacks_last_step_holds_the_weights_trained_to_it_with_lo
         assert_same(state, snapshots.at[step])
 
 
+def test_the_trainer_callback_publishes_a_last_step_left_out_unless_another_checkpoint_was_loaded(tmp_path):
+    """A training stopped off the steps published (a callback stopping it after on_step_end): on_train_end publishes
+    the weights trained, unless the Trainer loaded its best checkpoint over them (load_best_model_at_end with a best
+    checkpoint: none there, the weights are the trained ones; found by reviewing the callback)."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from deltasync_rs.integrations import DeltaSyncCallback
+
+    for best in (None, "out/checkpoint-2"):
+        store = LocalStore(tmp_path / f"store-{best is None}")
+        model = tiny_gpt2(seed=11)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        publisher = ds.Publisher(store, background=False)
+        callback = DeltaSyncCallback(publisher, sync_every=4)
+        state = SimpleNamespace(is_world_process_zero=True, global_step=0, best_model_checkpoint=best)
+        callback.on_train_begin(None, state, None, model=model)
+        for step in (1, 2, 3):
+            train_step(model, optimizer, seed=step)
+            state.global_step = step
+            callback.on_step_end(None, state, SimpleNamespace(should_training_stop=False))
+        callback.on_train_end(SimpleNamespace(load_best_model_at_end=True), state, None)
+        publisher.close()
+        assert [e.step for e in ds.sync.log_entries(store)] == ([0, 3] if best is None else [0])
+
+
 def test_the_trainer_callback_resumes_where_the_trainer_resumes_from_a_checkpoint(tmp_path):
     """``trainer.train(resume_from_checkpoint=...)`` from the checkpoint of step 4, which the callback published:
     the publisher resumes at step 4 (the model's weights are checked against step 4's entry), the first run's steps

@@ -484,6 +484,18 @@ def test_weight_transfer_engine_native_flow(published_store):
         engine.update_weights({"bucket": "x"})
 
 
+def test_a_refused_engine_init_changes_nothing(published_store):
+    """init_transfer_engine took the store and key before it checked max_age: a refused init left the new store set
+    and the key dropped, so the next update pulled another store unsigned (found by reviewing max_age)."""
+    model, states, store = published_store
+    engine = _engine(model)
+    engine.init_transfer_engine(engine.parse_init_info({"store": store, "signing_key": None, "max_age": 60}))
+    for bad in ({"store": "s3://other/run", "max_age": "soon"}, {"store": "s3://other/run", "current_step": -1}):
+        with pytest.raises(ds.DeltaSyncError, match="must be"):
+            engine.init_transfer_engine(engine.parse_init_info(bad))
+    assert (engine.store, engine.signing_key, engine.max_age) == (store, None, 60.0)
+
+
 def test_engine_without_a_store_says_so():
     model, _ = _tiny_states()
     engine = _engine(model)

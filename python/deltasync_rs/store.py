@@ -327,6 +327,11 @@ COPY_BYTES = 8 << 20
 ABORT_WAIT_SECONDS = 10.0
 
 
+#: The HF Bucket store looks up an object's size before a download capped at this many bytes or more (anchors,
+#: large deltas): below it, the size is checked after the download, saving a listing per document read.
+LISTED_SIZE_FROM = 4 << 20
+
+
 class TooLargeError(StoreError):
     """An object larger than the most a read accepts (``get_small``'s ``max_bytes``)."""
 
@@ -1016,7 +1021,7 @@ class HFBucketStore(Store):
         """Downloads the object to ``local`` (a path in a private folder) and returns it; one of more than
         ``max_bytes`` is refused by the size the bucket lists for it, before the download."""
         remote = self._remote(key)
-        if max_bytes is not None:
+        if max_bytes is not None and max_bytes >= LISTED_SIZE_FROM:
             self._refuse_larger(key, remote, max_bytes)
         try:
             self.api.download_bucket_files(

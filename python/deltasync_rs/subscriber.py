@@ -369,13 +369,26 @@ class Subscriber:
                     problem = IntegrityError(f"{LATEST_KEY}: its entry_sha256 does not match {entry_key(newest.step)}")
         if newest is None and problem is not None:
             raise problem
-        if newest is not None and self.max_age is not None and time.time() - newest.created > self.max_age:
+        if newest is not None and self._stale(newest.step, newest):
             raise StaleStoreError(
                 f"{self.store.url}: its newest step, {newest.step}, was published {time.time() - newest.created:.0f} s "
                 f"ago, more than max_age={self.max_age:g} s: the trainer stopped publishing, or the newer steps were "
                 "hidden (an earlier copy of the store put back); nothing was pulled"
             )
         return (None if newest is None else newest.step), problem
+
+    def _stale(self, step: int, entry: Entry | None = None) -> bool:
+        """True under ``max_age`` when ``step`` (its entry, read if not given) was published longer ago than that."""
+        if self.max_age is None:
+            return False
+        if entry is None:
+            try:
+                entry = self.entry(step)
+            except RunChangedError:
+                raise
+            except DeltaSyncError:
+                return False  # its chain is tried, and refused there
+        return time.time() - entry.created > self.max_age
 
     def _read_again(self, cached: Entry) -> Entry:
         """``cached``'s step's entry read from the store again: the store may have replaced it since it was cached
@@ -705,6 +718,14 @@ class Subscriber:
                 target = targets.pop(0)
                 if current_step is not None and target <= current_step:
                     break  # nothing newer than where we are can be reached: that is an error, not "up to date"
+                if target != latest and self._stale(target):
+                    # An older step, tried where the newest is out of reach (its files gone): under max_age only a
+                    # step published within it is taken, or the newest could be hidden behind a removed file.
+                    raise StaleStoreError(
+                        f"{self.store.url}: no usable chain to step {latest} ({last_error}), and step {target}, "
+                        f"the newest older one, was published more than max_age={self.max_age:g} s ago; nothing "
+                        "was pulled"
+                    )
                 try:
                     return self._fetch_to(current_step, target, download)
                 except ChainError as error:

@@ -1214,9 +1214,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """Sets the default store and key; ``current_step``, when given, declares the step the weights are at
         (otherwise the step the worker reached, through either way in, is kept)."""
-        self.store, self.signing_key = init_info.store, init_info.signing_key
-        self.max_age = _seconds_argument(init_info.max_age, "max_age")
+        # Every argument checked before any is taken: a refused init changes nothing.
+        max_age = _seconds_argument(init_info.max_age, "max_age")
         current_step = _step_argument(init_info.current_step, "current_step")
+        self.store, self.signing_key, self.max_age = init_info.store, init_info.signing_key, max_age
         if current_step is not None:
             self.tracker.current_step = current_step
             self.tracker.mark(self.model)

@@ -143,7 +143,7 @@ class DeltaSyncCallback(TrainerCallback):
             return
         if self._published() != state.global_step:
             # Training stopped off the steps published (early stopping, after on_step_end had run).
-            if getattr(args, "load_best_model_at_end", False):
+            if getattr(args, "load_best_model_at_end", False) and getattr(state, "best_model_checkpoint", None):
                 # The Trainer has loaded the best checkpoint in place of the weights trained to this step.
                 log.warning(
                     "the weights trained after step %s were not published: the Trainer loaded its best checkpoint "
