@@ -36,6 +36,7 @@ from . import _arrays, _vllm_cpu, _write
 from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 from ._ranged import AnchorTensor, PartialAnchor
 from .delta import Delta, _check_step, load
+from .errors import ChainError, StaleStoreError
 
 log = logging.getLogger(__name__)
 
@@ -907,9 +908,8 @@ def _together(
         if status == "failed":
             # The failed rank's kind of error, so that every rank takes the same way on (a pull reads a delta with a
             # malformed stream again, checked first, on DeltaFormatError).
-            kind = {"DeltaFormatError": DeltaFormatError, "BaseMismatchError": BaseMismatchError}.get(
-                detail[0], DeltaSyncError
-            )
+            kinds = (DeltaFormatError, BaseMismatchError, StaleStoreError, ChainError)
+            kind = {k.__name__: k for k in kinds}.get(detail[0], DeltaSyncError)
             raise _on_every_rank(
                 kind(f"tensor-parallel rank {rank} could not {what} ({detail[1]}); nothing was applied")
             )
