@@ -443,6 +443,17 @@ def test_worker_extension_refuses_a_delta_that_names_no_base_step():
     with pytest.raises(ds.BaseMismatchError, match="names no base step"):
         worker.deltasync_apply([first, unlinked])
     assert _bits_equal(_params(model), states[0]) and worker.deltasync_step() == 0
+    # Every tensor of a delta changed whole (it reads as an anchor), but it names its base: checked as a delta, not
+    # applied at any step as a whole state.
+    whole = ds.diff(states[0], {n: t + 1 for n, t in states[0].items()}, values="abs", step=9, base_step=8)
+    assert whole.is_anchor
+    with pytest.raises(ds.BaseMismatchError, match="applies to step 8"):
+        worker.deltasync_apply(whole.to_bytes())
+    worker.deltasync_set_step(None)  # it was applied at an unknown step, as if it were the whole state
+    with pytest.raises(ds.BaseMismatchError, match="step is unknown"):
+        worker.deltasync_apply(whole.to_bytes())
+    worker.deltasync_set_step(0)
+    assert _bits_equal(_params(model), states[0]) and worker.deltasync_step() == 0
     stepless = ds.diff(states[0], states[1], values="abs", base_step=0).to_bytes()
     assert worker.deltasync_apply(stepless) is None
     assert _bits_equal(_params(model), states[1])

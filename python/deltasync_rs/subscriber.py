@@ -116,6 +116,13 @@ def _write_aliases(state: Any, untied: list[tuple[str, str]]) -> None:
             np.copyto(target, source, casting="no")
 
 
+def _whole(delta: Delta) -> bool:
+    """True for an anchor: a whole state, of which every tensor is stored whole. A delta that names its base step
+    is none, even where every tensor it names changed whole (``publish_delta`` of some of the tensors): it holds
+    those tensors only, and the state's others stay as they were."""
+    return delta.is_anchor and delta.base_step is None
+
+
 class _AtMost:
     """A sink writing into ``file`` that refuses (IntegrityError) more than ``limit`` bytes, as they arrive."""
 
@@ -850,7 +857,7 @@ class Subscriber:
                 self._target, self._aliases_at = this_target, self.step
             return self.step
         self._aliases_at = None  # until this pull has written them
-        tied = self._untied_aliases(state, deltas[-1].step, deltas[0].names if deltas[0].is_anchor else self._names)
+        tied = self._untied_aliases(state, deltas[-1].step, deltas[0].names if _whole(deltas[0]) else self._names)
         try:
             try:
                 known = self._apply_all(state, deltas)
@@ -864,7 +871,7 @@ class Subscriber:
                     self._at = self.entry(self.step)
                 known = self._apply_all(state, self._fetch_to_apply(self.step, until, defer=False))
         except BaseMismatchError as error:
-            if not self.check_base or deltas[0].is_anchor:
+            if not self.check_base or _whole(deltas[0]):
                 raise
             # The state is not the base the next delta was made against (changed behind our back): nothing of that
             # delta was written, and the newest anchor brings the state back onto the chain.
@@ -951,7 +958,7 @@ class Subscriber:
                     known.pop(name, None)
                 else:
                     known[name] = hash_
-            if delta.is_anchor:
+            if _whole(delta):
                 self._names = delta.names
             self.step = delta.step
         self._at = self.entry(self._reached())
