@@ -476,11 +476,26 @@ class Subscriber:
         source, pieces = local
         try:
             return FilledAnchor.open(
-                source, ref["key"], step, pieces, self._retry, lambda: self._file(ref, step, "anchor", ranged=False)
+                source, ref["key"], step, pieces, self._retry, lambda: self._loaded_from(source, ref, step, pieces)
             )
         except BaseException:
             source.close()
             raise
+
+    def _loaded_from(self, source: BinaryIO, ref: dict[str, Any], step: int, pieces: Pieces) -> Delta:
+        """Anchor ``ref`` loaded whole from ``source``, its file as already opened (still readable where the
+        store's retention removed it since: read again by its key, a pull raised MissingObjectError), every piece
+        checked as it is copied into a private file, which is then memory-mapped."""
+        fd, path = private_temp()
+        os.close(fd)
+        try:
+            copy_checked(source.fileno(), ref["key"], pieces, path, [(0, ref["size"], 0)] if ref["size"] else [])
+            delta = load(path, mmap=True)
+        finally:
+            remove_temp(path)
+        if delta.step != step or not delta.is_anchor:
+            raise IntegrityError(f"{ref['key']}: not the anchor of step {step} its entry names")
+        return delta
 
     @staticmethod
     def _without_pieces(ref: dict[str, Any], error: DeltaSyncError) -> None:
