@@ -867,7 +867,14 @@ class Subscriber:
                 # Not the target this subscriber brought to its step (a new or replaced one, or one a pull left part
                 # way): it must hold that step, or be brought there, before the step is reported.
                 tied = self._untied_aliases(state, self.step, self._names)
-                self._hold_the_step(state, {})
+                try:
+                    self._hold_the_step(state, {})
+                except (MissingObjectError, ChainError) as error:
+                    raise ChainError(
+                        f"{self.store.url}: this subscriber holds step {self.step}, which the store no longer has "
+                        f"(a publisher resumed at an older step?), so a new target cannot be brought to it; pull it "
+                        f"with a new Subscriber, which takes the store's newest step ({error})"
+                    ) from error
                 _write_aliases(state, tied)
                 self._target, self._aliases_at = this_target, self.step
             return self.step
