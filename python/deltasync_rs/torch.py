@@ -146,10 +146,10 @@ class Mirror:
     copy into a (pinned) staging buffer, and let the core compare the chunk with the mirror, recording the changes
     and writing the new bits into the mirror in the same pass. On CUDA two staging buffers alternate, so the copy of
     chunk k+1 runs while the core scans chunk k. Floating-point tensors are shipped as ``dtype`` (fp32 masters are
-    cast on the device, before the copy); fp8 and other tensors keep their dtype. Tensors that share memory (tied weights) are
-    mirrored once, under their first name; ``aliases`` maps the other names to it. ``step()``'s delta names such a
-    tensor under every name, as ``ds.diff`` of the state dict does; a publisher sharing the mirror (``attach``)
-    ships it once and lists the other names in its manifest entries. ``values`` and
+    cast on the device, before the copy); fp8 and other tensors keep their dtype (``shipped_dtype``). Tensors that
+    share memory (tied weights) are mirrored once, under their first name; ``aliases`` maps the other names to it.
+    ``step()``'s delta names such a tensor under every name, as ``ds.diff`` of the state dict does; a publisher
+    sharing the mirror (``attach``) ships it once and lists the other names in its manifest entries. ``values`` and
     ``codec`` are as for :func:`deltasync_rs.diff`, whose bytes ``step()`` writes; a shard keeps ``varint`` streams.
 
     Memory: the mirror, at most two staging buffers of ``chunk_bytes`` (none on CPU when no cast is needed, since

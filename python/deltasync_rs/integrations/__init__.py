@@ -19,8 +19,9 @@ log = logging.getLogger("deltasync_rs.integrations")
 
 class DeltaSyncCallback(TrainerCallback):
     """Publishes the model at the start of training and then every ``sync_every`` global steps (``on_step_end``),
-    each time as the delta from the last published state, and the training's last step. Only the main process publishes. With ``enabled=False``
-    (or once ``enabled`` is set to False) it does nothing at all.
+    each time as the delta from the last published state, and the training's last step, from the weights trained
+    to it (``on_step_end``, before the Trainer may load its best checkpoint). Only the main process publishes. With
+    ``enabled=False`` (or once ``enabled`` is set to False) it does nothing at all.
 
     After ``trainer.train(resume_from_checkpoint=...)`` from the checkpoint of a step it published, it resumes the
     publisher at that step (``resume=True``, the default; as ``ds.torch.attach`` does): nothing is published for it,
