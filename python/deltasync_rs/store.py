@@ -221,7 +221,8 @@ def _remove_if_abandoned(name: str, dir_fd: int | None = None) -> bool:
 
 def _remove_folder_if_abandoned(path: str) -> None:
     """Removes the stale private temporary folder ``path`` (``private_temp_folder``) unless a live process holds
-    its lock (where the file system takes none, unless the process its name names lives on this machine)."""
+    its lock, or the process its name names lives on this machine (a checkpoint's staging folder, which is not
+    locked, written into TMPDIR: deltasync_rs._sharded)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -233,9 +234,10 @@ def _remove_folder_if_abandoned(path: str) -> None:
             except BlockingIOError:
                 return  # held: its process lives
             except OSError:
-                match = TEMP_OF_A_PROCESS.fullmatch(os.path.basename(path))
-                if match is not None and alive(int(match.group(1))):
-                    return
+                pass  # no locks here: by the pid in the name
+        match = TEMP_OF_A_PROCESS.fullmatch(os.path.basename(path))
+        if match is not None and alive(int(match.group(1))):
+            return
         shutil.rmtree(path, ignore_errors=True)  # while locked: its owner is gone
     finally:
         os.close(fd)
