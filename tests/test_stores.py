@@ -7,6 +7,7 @@ import inspect
 import io
 import json
 import os
+import signal
 import stat
 import tempfile
 import time
@@ -496,13 +497,18 @@ def test_an_interrupted_multipart_upload_to_s3_is_aborted(s3_url, s3_endpoint, t
             _thread.interrupt_main()
 
     interrupter = threading.Thread(target=interrupt_once_open)
-    interrupter.start()
-    with pytest.raises(KeyboardInterrupt):
-        if write == "put":  # a large delta goes up in parts too
-            store.put("anchors/00000001.safetensors", source.read_bytes())
-        else:
-            store.put_file("anchors/00000001.safetensors", source)
-    interrupter.join()
+    # Ctrl-C's own handler: a test before this one (a vLLM engine in this process) may have left another.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            if write == "put":  # a large delta goes up in parts too
+                store.put("anchors/00000001.safetensors", source.read_bytes())
+            else:
+                store.put_file("anchors/00000001.safetensors", source)
+        interrupter.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert open_uploads() == []
     assert not store.exists("anchors/00000001.safetensors")
     fs._call_s3, fs._pipe_file = real_call, real_pipe
