@@ -96,6 +96,13 @@ class Delta:
         return self._raw.is_anchor
 
     @property
+    def _whole_state(self) -> bool:
+        """True for an anchor of a whole state: every tensor stored whole and no base step named. A delta that names
+        its base is none, even where every tensor it names changed whole (``publish_delta`` of some of the
+        tensors): it holds those tensors only, and the state's others stay as they were."""
+        return self.is_anchor and self.base_step is None
+
+    @property
     def step(self) -> int | None:
         return self._raw.step
 

@@ -116,11 +116,13 @@ def _write_aliases(state: Any, untied: list[tuple[str, str]]) -> None:
             np.copyto(target, source, casting="no")
 
 
-def _whole(delta: Delta) -> bool:
-    """True for an anchor: a whole state, of which every tensor is stored whole. A delta that names its base step
-    is none, even where every tensor it names changed whole (``publish_delta`` of some of the tensors): it holds
-    those tensors only, and the state's others stay as they were."""
-    return delta.is_anchor and delta.base_step is None
+def _copy_whole(source: BinaryIO, ref: dict[str, Any], pieces: Pieces, path: str) -> None:
+    """Anchor ``ref``, open as ``source``, copied whole into the file at ``path``, every piece checked first."""
+    copy_checked(source.fileno(), ref["key"], pieces, path, [(0, ref["size"], 0)] if ref["size"] else [])
+
+
+def _larger_than_its_entry(key: str, size: int) -> IntegrityError:
+    return IntegrityError(f"{key}: larger than the {size} bytes its manifest entry says")
 
 
 class _AtMost:
@@ -132,7 +134,7 @@ class _AtMost:
     def write(self, data: bytes, /) -> object:
         self.written += len(data)
         if self.written > self.limit:
-            raise IntegrityError(f"{self.key}: larger than the {self.limit} bytes its manifest entry says")
+            raise _larger_than_its_entry(self.key, self.limit)
         return self.file.write(data)
 
 
@@ -489,7 +491,7 @@ class Subscriber:
         fd, path = private_temp()
         os.close(fd)
         try:
-            copy_checked(source.fileno(), ref["key"], pieces, path, [(0, ref["size"], 0)] if ref["size"] else [])
+            _copy_whole(source, ref, pieces, path)
             delta = load(path, mmap=True)
         finally:
             remove_temp(path)
@@ -554,9 +556,7 @@ class Subscriber:
                     else:
                         self.store.get_file(ref["key"], _AtMost(file, ref["size"], ref["key"]))
                 except TooLargeError:
-                    raise IntegrityError(
-                        f"{ref['key']}: larger than the {ref['size']} bytes its manifest entry says"
-                    ) from None
+                    raise _larger_than_its_entry(ref["key"], ref["size"]) from None
                 file.flush()
                 size = file.seek(0, os.SEEK_END)
                 if size != ref["size"]:
@@ -583,14 +583,14 @@ class Subscriber:
         if source is None:
             return False
         with source:
-            copy_checked(source.fileno(), ref["key"], pieces, path, [(0, ref["size"], 0)] if ref["size"] else [])
+            _copy_whole(source, ref, pieces, path)
         return True
 
     def _in_memory(self, ref: dict[str, Any], *, defer: bool = False) -> Delta:
         try:  # no more bytes than the entry says: an object put in its place may be of any size
             blob = self.store.get_small(ref["key"], ref["size"])
         except TooLargeError:
-            raise IntegrityError(f"{ref['key']}: larger than the {ref['size']} bytes its manifest entry says") from None
+            raise _larger_than_its_entry(ref["key"], ref["size"]) from None
         if len(blob) != ref["size"] or hashlib.sha256(blob).hexdigest() != ref["sha256"]:
             raise IntegrityError(f"{ref['key']}: content does not match the digest in its manifest entry")
         return load(blob, check="apply" if defer else "load")
@@ -879,7 +879,7 @@ class Subscriber:
                 self._target, self._aliases_at = this_target, self.step
             return self.step
         self._aliases_at = None  # until this pull has written them
-        tied = self._untied_aliases(state, deltas[-1].step, deltas[0].names if _whole(deltas[0]) else self._names)
+        tied = self._untied_aliases(state, deltas[-1].step, deltas[0].names if deltas[0]._whole_state else self._names)
         try:
             try:
                 known = self._apply_all(state, deltas)
@@ -893,7 +893,7 @@ class Subscriber:
                     self._at = self.entry(self.step)
                 known = self._apply_all(state, self._fetch_to_apply(self.step, until, defer=False))
         except BaseMismatchError as error:
-            if not self.check_base or _whole(deltas[0]):
+            if not self.check_base or deltas[0]._whole_state:
                 raise
             # The state is not the base the next delta was made against (changed behind our back): nothing of that
             # delta was written, and the newest anchor brings the state back onto the chain.
@@ -980,7 +980,7 @@ class Subscriber:
                     known.pop(name, None)
                 else:
                     known[name] = hash_
-            if _whole(delta):
+            if delta._whole_state:
                 self._names = delta.names
             self.step = delta.step
         self._at = self.entry(self._reached())

@@ -277,8 +277,8 @@ def _check_linked(delta: Delta, current_step: int | None) -> None:
     """What a worker that tracks its step applies: an anchor, or a delta naming the step it applies to, which is
     the worker's (known) step. A delta that names no base step (``ds.diff`` without ``base_step=``) would be
     applied onto whatever the worker holds, and the worker would then claim the delta's step."""
-    if delta.is_anchor and delta.base_step is None:
-        return  # a whole state (a delta whose tensors all changed whole still names its base, and is checked)
+    if delta._whole_state:
+        return
     if delta.base_step is None:
         raise BaseMismatchError(
             f"delta{'' if delta.step is None else f' for step {delta.step}'} names no base step, so the worker "
