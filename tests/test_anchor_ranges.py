@@ -308,11 +308,23 @@ def test_ranged_reads_over_s3(tmp_path, s3_url, s3_endpoint):
     shutil.rmtree(local)
 
 
-def test_a_server_that_ignores_byte_ranges_gets_the_anchor_read_whole_once(tmp_path, caplog):
+@pytest.fixture
+def servers(monkeypatch):
+    """What this process knows of servers' byte ranges, forgotten before and after the test (every memory://
+    store is one server)."""
+    from deltasync_rs import store as stores
+
+    monkeypatch.setattr(stores, "_IGNORE_RANGES", set())
+    monkeypatch.setattr(stores, "_HONOUR_RANGES", set())
+    return stores
+
+
+def test_a_server_that_ignores_byte_ranges_gets_the_anchor_read_whole_once(tmp_path, caplog, servers, monkeypatch):
     """An S3-compatible server that ignores the Range header sends the whole object for every ranged read: each
     was refused as "ends before byte ..." (it sent more, not less), and every anchor, then the pull, failed
     (found by an adversarial helper). The reader says so, reads the anchor whole once, and the store reads anchors
-    whole from then on."""
+    whole from then on. It finds out with a one-byte read of the small pieces sidecar, not of the anchor, which
+    such a server would send whole into memory (a 140 GB anchor at 70B)."""
     from deltasync_rs.store import FsspecStore
 
     url = f"memory://ranges-{os.getpid()}-{id(tmp_path)}/run"
@@ -326,14 +338,38 @@ def test_a_server_that_ignores_byte_ranges_gets_the_anchor_read_whole_once(tmp_p
         whole_reads.append(path)
         return real(path, **kwargs)
 
-    store.fs.cat_file = ignoring_ranges
+    monkeypatch.setattr(store.fs, "cat_file", ignoring_ranges)  # fsspec shares one memory filesystem
     (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None)
     assert not isinstance(delta, PartialAnchor) and delta.step == 3
     state = {k: torch.zeros_like(v) for k, v in _state().items()}
     delta.apply_(state)
     assert all(torch.equal(state[k], v) for k, v in _state().items())
     assert "the server ignores byte ranges; reading the anchor whole" in caplog.text
-    # One ranged read of the anchor (its header's), answered with all of it; then one whole read (get_file).
-    assert store.supports_ranges is False and sum(p.endswith(anchor_key(3)) for p in whole_reads) == 1
+    # The probe of the sidecar found it out: no read of the anchor into memory; one whole read (get_file).
+    assert store.supports_ranges is False and not [p for p in whole_reads if p.endswith(anchor_key(3))]
+    assert [p for p in whole_reads if p.endswith(pieces_key(3))], whole_reads
     # A store made later on the same server (a vLLM worker makes one per pull) reads anchors whole at once.
     assert FsspecStore(url).supports_ranges is False
+
+
+def test_a_server_is_probed_for_byte_ranges_once(tmp_path, servers):
+    """A server that honours ranges costs one probe (a byte of a sidecar) per process, not one per anchor read."""
+    stores = servers
+    url = f"memory://probe-{os.getpid()}-{id(tmp_path)}/run"
+    store = stores.FsspecStore(url)
+    with ds.Publisher(store, background=False, piece_bytes=1024, anchor_every=1, whole_sha256=False) as publisher:
+        publisher.publish(3, _state())
+        publisher.publish(4, {k: v + 1 for k, v in _state().items()})
+    probes = []
+    real = store.check_ranges
+
+    def counted(key):
+        probes.append((key, store._server in stores._HONOUR_RANGES))
+        return real(key)
+
+    store.check_ranges = counted
+    for step in (3, 4):
+        (delta,) = ds.Subscriber(store, anchor_ranges=_first_tensor_only).fetch(None, until=step)
+        assert isinstance(delta, PartialAnchor) and delta.step == step
+    assert [known for _, known in probes] == [False, True], probes
+    assert probes[0][0] == pieces_key(3) and store._server in stores._HONOUR_RANGES

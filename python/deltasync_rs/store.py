@@ -117,6 +117,14 @@ class Store(ABC):
         _check_range(start, length)
         return _exact_range(self.get(key)[start : start + length], f"{self.url}/{key}", start, length)
 
+    def check_ranges(self, small_key: str) -> None:
+        """Raises RangesIgnoredError where this store's server is found to answer a ranged read with the whole
+        object, probing with a one-byte read of ``small_key`` (an object of two bytes or more, small enough to be
+        read whole without harm). Readers call it before reading a large object by ranges, so that a server that
+        ignores them costs a small object's read, not a whole anchor's held in memory. Stores that cannot be
+        mistaken about their ranges do nothing."""
+        del small_key
+
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Keys under `prefix` (a folder-like prefix ending in '/', or ''), sorted."""
@@ -709,6 +717,8 @@ def _regular_files(dir_fd: int) -> Iterator[list[str]]:
 
 # Servers (protocols, endpoint, bucket) that answered a ranged read with the whole object: FsspecStore._server.
 _IGNORE_RANGES: set[tuple[Any, ...]] = set()
+# Servers whose answer to a probe's ranged read (FsspecStore.check_ranges) was the byte asked for.
+_HONOUR_RANGES: set[tuple[Any, ...]] = set()
 
 # Uploads running on fsspec's loop (FsspecStore._upload_async), for abort_uploads_in_flight: (store, future,
 # the event set when the upload ends, the target path), by the future's id.
@@ -914,6 +924,17 @@ class FsspecStore(Store):
             self.supports_ranges = False
             _IGNORE_RANGES.add(self._server)
             raise
+
+    def check_ranges(self, small_key: str) -> None:
+        """Probes the server once per process (a one-byte read of ``small_key``), unless it is known either way:
+        some S3-compatible servers ignore the Range header and send the whole object, and ``get_range`` on an
+        anchor would then hold all of it in memory before finding out."""
+        if not self.supports_ranges:
+            raise RangesIgnoredError(f"{self.url}: the server ignores byte ranges")
+        if self._server in _HONOUR_RANGES:
+            return
+        self.get_range(small_key, 0, 1)
+        _HONOUR_RANGES.add(self._server)
 
     def get_small(self, key: str, max_bytes: int) -> bytes:
         try:

@@ -434,7 +434,10 @@ class Subscriber:
             ranges = self.anchor_ranges if ranged else None
             if kind == "anchor" and ranges is not None and "pieces" in ref and self.store.supports_ranges:
                 try:
-                    delta = read_ranged(self.store, ref, self._pieces(ref), ranges)
+                    pieces = self._pieces(ref)
+                    if ref["pieces"]["size"] >= 2:  # a probe of one byte tells only on two or more
+                        self.store.check_ranges(ref["pieces"]["key"])
+                    delta = read_ranged(self.store, ref, pieces, ranges)
                 except RangesIgnoredError as error:  # each range would download the whole anchor: read it once
                     log.warning("%s; reading the anchor whole", error)
             elif kind == "anchor" and fill:
