@@ -265,6 +265,13 @@ CASES = {
     "all positions with a position stream": craft(
         meta(record(changed=8, positions="all")), {"w:pos": u8(b"\x00"), "w:val": u8(bytes(8))}
     ),
+    "all positions with an empty position stream": craft(
+        meta(record(changed=8, positions="all")), {"w:pos": u8(b""), "w:val": u8(bytes([1] * 8))}
+    ),
+    "a record without its shape": craft(
+        meta({k: v for k, v in record().items() if k != "shape"}),
+        {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")},
+    ),
     "anchor kind on a sparse delta": craft(
         meta(record(), kind="anchor"), {"w:pos": u8(bytes([1, 2])), "w:val": u8(b"\x01\x01")}
     ),

@@ -134,3 +134,58 @@ def test_a_truncated_or_corrupt_packed_file_is_a_format_error():
             RawDelta.from_bytes(bytes(broken))
         except ds.DeltaFormatError:
             pass
+
+
+def _v(n: int) -> bytes:
+    out = b""
+    while True:
+        out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            return out
+
+
+def _packed_file(positions: str, values: str, changed: int, lengths: tuple[int, int], streams: bytes) -> bytes:
+    """A version 2 file of one BF16 record `w` of shape [8], written by hand from docs/format.md §4.1."""
+    from tests.test_malformed import craft, u8
+
+    table = ["BF16", positions, values]
+    names = _v(len(table)) + b"".join(_v(len(t)) + t.encode() for t in table)
+    record = _v(0) + _v(1) + b"w" + _v(0) + _v(1) + _v(2) + bytes([1]) + _v(1) + _v(8) + _v(changed)
+    records = names + _v(1) + record + _v(lengths[0]) + _v(lengths[1])
+    metadata = {"format": "deltasync", "format_version": "2", "kind": "delta"}
+    return craft(metadata, {"__deltasync_records__": u8(records), "__deltasync_streams__": u8(streams)})
+
+
+# rans values of one token at frequency 4096 and both states at 2^23: a valid stream of any number of values.
+_ONE_TOKEN = bytes([1, 0, 0x80, 0x20]) + (1 << 23).to_bytes(4, "little") * 2
+
+
+@pytest.mark.parametrize(
+    "positions, values, changed, lengths, streams, message",
+    [
+        ("rice", "diffbits", 0, (1, 0), b"\x00", "changes nothing, yet has streams of 1 and 0 bytes"),
+        ("varint", "rans", 0, (0, 12), _ONE_TOKEN, "changes nothing, yet has streams of 0 and 12 bytes"),
+        ("context", "rans", 0, (17, 0), bytes([127]) + bytes(16), "changes nothing, yet has streams of 17"),
+        ("all", "diff", 8, (1, 8), b"\x00" + bytes([1] * 8), "positions 'all' with a position stream"),
+    ],
+)
+def test_packed_records_with_streams_they_cannot_have_are_refused(
+    positions, values, changed, lengths, streams, message
+):
+    """A record that changes nothing has no streams, and positions `all` no position stream (§4): such streams,
+    though each valid on its own (a Rice stream of `k` alone, a one-token `rans` table), were taken (found by an
+    independent decoder written from docs/format.md)."""
+    with pytest.raises(ds.DeltaFormatError, match=message):
+        ds.load(_packed_file(positions, values, changed, lengths, streams))
+
+
+def test_handmade_packed_records_without_those_streams_load():
+    unchanged = ds.load(_packed_file("rice", "diffbits", 0, (0, 0), b""))
+    assert unchanged.num_changed == 0
+    whole_differences = ds.load(_packed_file("all", "diff", 8, (0, 8), bytes([1] * 8)))
+    import torch
+
+    target = torch.zeros(8, dtype=torch.bfloat16)
+    whole_differences.apply_({"w": target})
+    assert target.view(torch.int16).tolist() == [1] * 8

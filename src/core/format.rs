@@ -490,6 +490,14 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str, 
             }
         } else if let Streams::Packed { next, end } = &mut streams {
             let (positions_len, values_len) = record.stream_lengths.expect("a packed record not stored whole");
+            if tensor.changed == 0 && (positions_len, values_len) != (0, 0) {
+                return Err(bad(format!(
+                    "tensor {name:?}: changes nothing, yet has streams of {positions_len} and {values_len} bytes"
+                )));
+            }
+            if tensor.positions_codec == PositionCodec::All && positions_len != 0 {
+                return Err(bad(format!("tensor {name:?}: positions 'all' with a position stream")));
+            }
             let mut slice = |len: u64, what: &str| -> Result<Stream> {
                 let stop = usize::try_from(len).ok().and_then(|len| next.checked_add(len)).filter(|stop| stop <= end);
                 let stop = stop.ok_or_else(|| {
@@ -504,13 +512,15 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str, 
             tensor.positions = slice(positions_len, "position")?;
             tensor.values = slice(values_len, "value")?;
         } else if tensor.changed > 0 {
-            let mut take_stream = |suffix: &str, required: bool| -> Result<Stream> {
+            // Positions `all` have no position stream, not even an empty one (§4).
+            let mut take_stream = |suffix: &str, wanted: bool| -> Result<Stream> {
                 let key = format!("{name}{suffix}");
                 match take_bytes(&mut header, &key, &|_| {
                     bad(format!("tensor {name:?}: stream {key:?} must be a 1-D U8 tensor"))
                 })? {
-                    Some(range) => Ok(shared(range)),
-                    None if required => Err(bad(format!("tensor {name:?}: stream {key:?} is missing"))),
+                    Some(range) if wanted => Ok(shared(range)),
+                    Some(_) => Err(bad(format!("tensor {name:?}: positions 'all' with a position stream"))),
+                    None if wanted => Err(bad(format!("tensor {name:?}: stream {key:?} is missing"))),
                     None => Ok(Stream::empty()),
                 }
             };

@@ -51,6 +51,8 @@ impl Record {
 struct JsonRecord {
     name: String,
     dtype: String,
+    /// Required, `null` for an unknown shape (§3): a record without the key is refused, not read as unknown.
+    #[serde(deserialize_with = "nullable")]
     shape: Option<Vec<u64>>,
     changed: u64,
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present")]
@@ -65,6 +67,11 @@ struct JsonRecord {
 /// An optional field that, when present, must hold a value (`null` is refused, not read as absent).
 fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<Option<T>, D::Error> {
     T::deserialize(deserializer).map(Some)
+}
+
+/// A field that must be present and may be `null` (serde reads a missing `Option` field as `None` otherwise).
+fn nullable<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<Option<T>, D::Error> {
+    Option::<T>::deserialize(deserializer)
 }
 
 /// The version-1 `tensors` metadata string.
