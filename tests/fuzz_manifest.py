@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import sys
+import time
 
 from deltasync_rs.errors import DeltaFormatError, IntegrityError
 from deltasync_rs.manifest import (
@@ -137,14 +138,18 @@ def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
     return bytes(out)
 
 
-def run_mutation(runs: int, seed: int = 0) -> int:
-    """Checks `runs` mutated documents, deterministically for a given seed; returns how many were checked."""
+def run_mutation(runs: int, seed: int = 0, seconds: float | None = None) -> int:
+    """Checks `runs` mutated documents (fewer where `seconds` run out first, as libFuzzer's -max_total_time),
+    deterministically for a given seed; returns how many were checked."""
     rng = random.Random(seed)
     pool = seeds()
     for data in pool:
         check_one(b"\0" + data)
         check_one(b"\1" + data)
-    for _ in range(runs):
+    deadline = None if seconds is None else time.monotonic() + seconds
+    for done in range(runs):
+        if deadline is not None and time.monotonic() > deadline:
+            return done
         check_one(bytes([rng.randrange(256)]) + mutate(rng, rng.choice(pool), pool))
     return runs
 
@@ -187,7 +192,9 @@ def main() -> None:
             print("atheris is not installed: using random mutation", file=sys.stderr)
             args.mutate = True
     if args.mutate:
-        print(f"checked {run_mutation(args.runs, args.seed)} mutated documents", file=sys.stderr)
+        limits = [float(a.split("=", 1)[1]) for a in extra if a.startswith("-max_total_time=")]
+        checked = run_mutation(args.runs, args.seed, limits[-1] if limits else None)
+        print(f"checked {checked} mutated documents", file=sys.stderr)
     else:
         run_atheris(args.runs, extra)
 

@@ -123,3 +123,83 @@ def test_fork_while_another_thread_rebuilds_the_pool():
 
 def test_fork_during_first_use():
     assert _run(_FIRST_USE) == {"hung": 0, "failed": 0}
+
+
+# A publisher and a subscriber that a parent thread is inside of when the process forks (held by a thread that
+# waits on an event), and a publisher whose uploads wait on a gate: what a forked child does with them.
+_INHERITED = r"""
+import os, sys, threading, time, warnings
+warnings.simplefilter("ignore")
+import numpy as np
+import deltasync_rs as ds
+
+root = sys.argv[1]
+gate = threading.Event()
+
+class Gated(ds.LocalStore):
+    def put(self, key, data, **kwargs):
+        gate.wait(60)
+        return super().put(key, data, **kwargs)
+
+states = [{"w": np.full(64, step, dtype=np.float32)} for step in range(4)]
+with ds.Publisher(os.path.join(root, "done"), background=False) as first:
+    first.publish(0, states[0])
+subscriber = ds.Subscriber(os.path.join(root, "done"))
+gate.set()
+publisher = ds.Publisher(Gated(os.path.join(root, "gated")), exit_timeout=5)  # writes run.json
+gate.clear()
+publisher.publish(2, states[2])  # queued: the upload thread waits on the gate (a next publish would wait for it)
+
+def child(call):
+    pid = os.fork()
+    if pid == 0:
+        signal_alarm = __import__("signal").alarm(20)  # a hung child dies of SIGALRM
+        try:
+            call()
+        except ds.DeltaSyncError as error:
+            print("refused:", error, flush=True)
+            os._exit(3)
+        sys.exit(0)  # a normal exit: atexit hooks run
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+# 1. A child that does nothing with the inherited publisher and exits normally: its exit hook used to flush the
+# parent's queue, report its uploads as lost and abort the parent's uploads in flight.
+print("exit", child(lambda: None), flush=True)
+
+# 2. A child using objects another parent thread is inside of: refused, not waited on forever.
+inside, leave = threading.Event(), threading.Event()
+def hold(owner):
+    with owner._lock:
+        inside.set()
+        leave.wait(60)
+for owner, call in ((subscriber, lambda: subscriber.pull({"w": np.zeros(64, np.float32)})),
+                    (publisher, lambda: publisher.publish(9, states[3]))):
+    inside.clear(); leave.clear()
+    holder = threading.Thread(target=hold, args=(owner,)); holder.start(); inside.wait()
+    print("held", child(call), flush=True)
+    leave.set(); holder.join()
+
+# 3. A child using a subscriber no thread was inside of: it works.
+print("free", child(lambda: subscriber.pull({"w": np.zeros(64, np.float32)})), flush=True)
+
+gate.set()
+publisher.close()
+target = {"w": np.zeros(64, np.float32)}
+print("parent pulled", ds.Subscriber(os.path.join(root, "gated")).pull(target), bool((target["w"] == 2).all()), flush=True)
+"""
+
+
+def test_a_forked_child_refuses_objects_a_parent_thread_was_inside_and_leaves_the_parents_uploads_alone(tmp_path):
+    """A child forked while another thread was inside a Subscriber.pull or Publisher.publish waited forever on the
+    lock that thread held (the child has no such thread); a child exiting normally flushed its inherited publisher,
+    reported the parent's pending uploads as lost and aborted the parent's uploads in flight (found by a helper)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _INHERITED, str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    out = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert out[0] == "exit 0" and "not closed" not in done.stderr and "lost" not in done.stderr, done.stderr
+    refusals = [line for line in out if line.startswith("refused:")]
+    assert [line for line in out if line.startswith("held")] == ["held 3", "held 3"], out
+    assert len(refusals) == 2 and all("when it forked" in line for line in refusals), out
+    assert "free 0" in out and out[-1] == "parent pulled 2 True", out

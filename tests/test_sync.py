@@ -1019,3 +1019,69 @@ def test_a_new_target_for_a_subscriber_ahead_of_the_store_is_refused_saying_why(
         subscriber.pull(target)
     assert not target["w"].any()
     assert ds.Subscriber(store).pull(target) == 1
+
+
+@pytest.mark.parametrize("codec", ["compact", "varint"])
+def test_a_state_written_by_another_thread_during_publish_still_gives_steps_that_pull(tmp_path, codec):
+    """Changing the state while `publish` reads it is the caller's mistake (it may change once publish returns),
+    but the step must still be one its delta reaches: the one-pass mirror encoded an element's bits, then read the
+    caller's memory again to update itself, so a write in between left the mirror (and the entry's digest, and the
+    next deltas) at other bits than the delta, and every step to the next anchor failed to pull (found by a
+    helper). Each step must now pull to exactly what the publisher's mirror held."""
+    import threading
+
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(512, 512, generator=g).bfloat16(), "b": torch.randn(200_000, generator=g)}
+    stop = threading.Event()
+
+    def write_meanwhile():
+        at = 0
+        while not stop.is_set():
+            for tensor in state.values():
+                flat = tensor.view(-1)
+                flat[at % (flat.numel() - 5000) :][:5000] += 0.25
+            at += 7919
+
+    held = {}
+    writer = threading.Thread(target=write_meanwhile, daemon=True)
+    with ds.Publisher(tmp_path, anchor_every=4, keep_anchors=16, codec=codec) as publisher:
+        writer.start()
+        try:
+            for step in range(32):  # (the old mirror tore about one run in two at 16 steps)
+                publisher.publish(step, state)
+                publisher.flush()
+                held[step] = {k: v.clone() for k, v in publisher._mirror.tensors.items()}
+        finally:
+            stop.set()
+            writer.join()
+    for step, expected in held.items():
+        replica = {k: torch.zeros_like(v) for k, v in expected.items()}
+        assert ds.Subscriber(tmp_path).pull(replica, until=step) == step
+        assert_states_equal(replica, expected)
+
+
+def test_the_error_of_an_earlier_upload_says_the_step_that_raises_it_was_not_published(tmp_path):
+    """publish(s) after a failed upload raises that upload's error, and s is not published: the message spoke of the
+    earlier failure only, so a loop that logs and goes on lost s unaware (found by a helper)."""
+
+    class Failing(ds.LocalStore):
+        def put(self, key, data, **kwargs):
+            if key == delta_key(2):
+                raise ds.StoreError("refused by the test")
+            return super().put(key, data, **kwargs)
+
+    state = _state()
+    publisher = ds.Publisher(Failing(tmp_path), anchor_every=100, retries=1)
+    for step in range(3):
+        _train_step(state, step)
+        publisher.publish(step, state)
+    with pytest.raises(ds.DeltaSyncError) as failed:
+        publisher.flush()
+    assert "step" not in str(failed.value).split("the first:")[0]  # flush publishes no step of its own
+    publisher.publish(3, state)  # the error was raised once
+    publisher._errors.append(ds.StoreError("an upload failed"))
+    with pytest.raises(ds.DeltaSyncError, match="step 4 was not published either: publish it again"):
+        publisher.publish(4, state)
+    publisher.publish(4, state)
+    publisher.close()
+    assert [e.step for e in ds.sync.log_entries(tmp_path)][-1] == 4

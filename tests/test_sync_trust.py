@@ -144,7 +144,7 @@ def test_resuming_at_an_older_step_leaves_the_later_history_and_subscribers_foll
         state = {k: v.clone() for k, v in old[4].items()}
         with caplog.at_level(logging.WARNING, logger="deltasync_rs.sync"):
             publisher.resume(state, step=4)
-        assert any("removing the 1 later step(s) the store holds (9)" in r.getMessage() for r in caplog.records)
+        assert any("removing the later step the store holds (9)" in r.getMessage() for r in caplog.records)
         assert ds.sync.log_entries(store) == [] and LATEST_KEY not in store.list()
         for step in (5, 6, 7):
             _train_step(state, 500 + step)
@@ -212,6 +212,11 @@ def test_resume_refuses_a_state_that_is_not_the_published_step(tmp_path):
     ):
         publisher.resume(wrong, step=2)
     assert publisher.step is None and [e.step for e in ds.sync.log_entries(store)] == [0, 1, 2]
+    # What the message advises works (it advised publishing the state without resume at its own step, 2, which
+    # publish refuses for being no later than the store's newest, advising resume: found by a helper).
+    with pytest.raises(ds.IntegrityError, match=r"as a step after the store's newest \(2;") as refused:
+        ds.Publisher(store, signing_key=KEY, background=False).resume(wrong, step=1)
+    assert "nothing was changed" in str(refused.value)
     publisher.resume(history[2], step=2)
     publisher.publish(3, wrong)
     publisher.close()
@@ -1134,3 +1139,31 @@ def test_max_age_holds_when_the_newest_steps_files_are_gone(tmp_path, monkeypatc
         ds.Subscriber(root, signing_key=key, max_age=60).pull(replica)
     assert not replica["w"].any()
     assert ds.Subscriber(root, signing_key=key, max_age=7200).pull(replica) == 2  # within it: taken, as before
+
+
+def test_verify_of_a_signed_store_without_its_key_says_its_signatures_went_unchecked(tmp_path, capsys, monkeypatch):
+    """`deltasync verify` of a signed store without DELTASYNC_SIGNING_KEY printed "every entry, signature and file
+    digest checks out" with its signatures forged (found by a helper checking the docs): they were never checked.
+    Now that is a problem, unless asked for with --without-signatures, and the message says what was checked."""
+    monkeypatch.delenv("DELTASYNC_SIGNING_KEY", raising=False)
+    _publish_run(tmp_path, 3, signing_key=KEY, background=False)
+    for key in (RUN_KEY, LATEST_KEY):  # signatures forged, the rest untouched
+        document = json.loads((tmp_path / key).read_bytes())
+        document["signature"] = "0" * 64
+        (tmp_path / key).write_text(json.dumps(document))
+    problems = ds.sync.verify_store(tmp_path)
+    assert len(problems) == 1 and "signed, but no signing key is set" in problems[0], problems
+    assert main(["verify", "--store", str(tmp_path)]) == 1
+    assert "signatures were not checked" in capsys.readouterr().out
+    assert ds.sync.verify_store(tmp_path, signatures=False) == []
+    assert main(["verify", "--store", str(tmp_path), "--without-signatures"]) == 0
+    assert "no signature checked" in capsys.readouterr().out
+    # With the key, the forged signatures are found.
+    monkeypatch.setenv("DELTASYNC_SIGNING_KEY", KEY)
+    assert main(["verify", "--store", str(tmp_path)]) == 1
+    assert "bad signature" in capsys.readouterr().out
+    # An unsigned store without a key: nothing to check, no problem.
+    monkeypatch.delenv("DELTASYNC_SIGNING_KEY")
+    _publish_run(tmp_path / "unsigned", 2, background=False)
+    assert main(["verify", "--store", str(tmp_path / "unsigned")]) == 0
+    assert "no signature checked" in capsys.readouterr().out

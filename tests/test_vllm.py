@@ -574,3 +574,20 @@ def test_fused_moe_experts_are_refused_by_what_they_are():
     done = subprocess.run([sys.executable, "-c", _MOE_SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mixture-of-experts layers are fused" in done.stdout and "UNTOUCHED" in done.stdout, done.stdout
+
+
+def test_ds_vllm_is_there_after_a_plain_import():
+    """README's `deltasync_rs.vllm.apply_delta` after `import deltasync_rs` raised AttributeError unless vLLM's
+    plugin loader had imported the submodule (found by a helper checking the docs); it loads on first use now, as
+    `ds.torch` and `ds.integrations` do, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, deltasync_rs as ds\n"
+        "assert 'deltasync_rs.vllm' not in sys.modules\n"
+        "assert ds.vllm.apply_delta is sys.modules['deltasync_rs.vllm'].apply_delta\n"
+        "print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

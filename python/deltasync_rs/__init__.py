@@ -112,12 +112,13 @@ def set_num_threads(n: int) -> None:
 
 
 if TYPE_CHECKING:  # for type checkers: the lazily imported submodules below, with their types
-    from . import integrations, torch  # noqa: F401
+    from . import integrations, torch, vllm  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
-    # `ds.torch` and `ds.integrations` import torch (or transformers) on first use, not with the package.
-    if name in ("torch", "integrations"):
+    # `ds.torch`, `ds.integrations` and `ds.vllm` import torch (or transformers, or vllm) on first use, not with the
+    # package.
+    if name in ("torch", "integrations", "vllm"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -223,7 +223,8 @@ class Delta:
         missing = [name for name in names if name not in state]
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise BaseMismatchError(f"{len(missing)} tensors of the delta are not in the target: {shown}")
+            counted = f"{len(missing)} tensor{'' if len(missing) == 1 else 's'} of the delta"
+            raise BaseMismatchError(f"{counted} {'is' if len(missing) == 1 else 'are'} not in the target: {shown}")
         return [(index, state[name]) for index, name in enumerate(names)]
 
 

@@ -246,6 +246,8 @@ class Publisher:
         self._base_entry: tuple[int, str] | None = None  # (step, SHA-256) of the last entry written
         self._closed = False
         self._abandoned = False  # set at exit when pending uploads were given up (_close_at_exit)
+        # The process that made it: a forked child inherits the object but not its upload thread (nor its uploads).
+        self._pid = self._made_in = os.getpid()
         # Set while no upload job reads the mirror (for an anchor or the state digest): it may change only then.
         self._mirror_free = threading.Event()
         self._mirror_free.set()
@@ -341,7 +343,7 @@ class Publisher:
         """Publishes ``state`` as ``step``: a delta against the last published state, and an anchor when due.
         The state is diffed (or copied) before this returns, so training may change it right after."""
         self._check_open()
-        self._raise_errors()
+        self._raise_errors(step)
         self._check_step(step)
         _published_state(state, "state")
         if self._mirror.is_empty:
@@ -430,8 +432,9 @@ class Publisher:
             # Deltas against it would not apply to what subscribers hold at that step.
             raise IntegrityError(
                 f"{self.store.url}: resume(state, step={step}): the state is not the one published as step {step} "
-                f"(its state digest differs from {entry_key(step)}'s); publish it without resume instead (a "
-                "publisher's first publish is an anchor); nothing was changed"
+                f"(its state digest differs from {entry_key(step)}'s); nothing was changed. A state of another "
+                f"history: publish it without resume as a step after the store's newest ({(later_steps or [step])[-1]}"
+                "; a publisher's first publish is an anchor), or into a new store"
             )
         if entry is None:
             # Nothing to check the state against: at least it must not be a later step's (a wrong step number,
@@ -511,11 +514,10 @@ class Publisher:
         it was before being published again learns of it from the pointer."""
         if steps:
             log.warning(
-                "%s: resumed at step %d; removing the %d later step(s) the store holds (%s), of a history this run "
-                "leaves",
+                "%s: resumed at step %d; removing the later %s the store holds (%s), of a history this run leaves",
                 self.store.url,
                 step,
-                len(steps),
+                "step" if len(steps) == 1 else f"{len(steps)} steps",
                 ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else ""),
             )
         elif later:  # files a killed publisher wrote before their entries
@@ -547,7 +549,7 @@ class Publisher:
         """``publish_delta``; with ``recode`` the file published is ``delta`` re-encoded in the compact codec by the
         upload thread (as ``join_shards`` of it alone encodes it), for joined shard deltas."""
         self._check_open()
-        self._raise_errors()
+        self._raise_errors(step)
         self._check_step(step)
         if not isinstance(delta, Delta):
             raise DeltaSyncError(
@@ -586,7 +588,7 @@ class Publisher:
         from ._core import join_shards
 
         self._check_open()
-        self._raise_errors()
+        self._raise_errors(step)
         if self._mirror.is_empty:
             raise DeltaSyncError("publish a full state first: the publisher has no state to join shard deltas against")
         if proofs is not None and len(proofs) != len(parts):
@@ -699,7 +701,7 @@ class Publisher:
         ``step`` and return the delta from the last published state. If the publisher holds its own copy (after
         ``resume``), ``tensors`` must equal it (checked by digest) and replace it; without ``advance`` that is all."""
         self._check_open()
-        self._raise_errors()
+        self._raise_errors(step)
         _published_state(tensors, "the shared mirror")
         if aliases is not None:
             bad = [(a, n) for a, n in aliases.items() if a in tensors or n not in tensors]
@@ -742,7 +744,7 @@ class Publisher:
         the publisher adopts ``state``'s tensors (contiguous, writable CPU tensors or arrays the caller no longer
         uses) instead of copying them."""
         self._check_open()
-        self._raise_errors()
+        self._raise_errors(step)
         self._check_step(step)
         _published_state(state, "state")
         self._wait_for_mirror()
@@ -977,10 +979,13 @@ class Publisher:
         self.store.delete(sorted(k for k in old if not k.startswith("manifest/")))
         log.info("retention: removed %d objects before step %d", len(old), cutoff)
 
-    def _raise_errors(self) -> None:
+    def _raise_errors(self, step: int | None = None) -> None:
+        """Raises what earlier uploads raised, once; ``step``: the step of the call that raises it, which is then
+        not published either."""
         if self._errors:
             errors, self._errors = self._errors, []
-            raise DeltaSyncError(f"{len(errors)} publish(es) failed; the first: {errors[0]}") from errors[0]
+            this = "" if step is None else f"; step {step} was not published either: publish it again"
+            raise DeltaSyncError(f"{len(errors)} publish(es) failed; the first: {errors[0]}{this}") from errors[0]
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits for every queued upload (at most ``timeout`` seconds); raises if any failed, if the wait ran out,
@@ -1018,8 +1023,10 @@ class Publisher:
                 self._worker.join()
 
     def _close_at_exit(self) -> None:
-        """Waits up to ``exit_timeout`` for pending uploads; says so loudly when some are lost."""
-        if self._closed:
+        """Waits up to ``exit_timeout`` for pending uploads; says so loudly when some are lost. Not in a forked
+        child: the uploads are its parent's, which makes them (the child reported them lost, and aborted the
+        parent's uploads in flight)."""
+        if self._closed or self._made_in != os.getpid():
             return
         self._closed = True
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 import logging
 import os
 import sys
@@ -206,6 +207,7 @@ class Subscriber:
         self._gone_warned: int | None = None  # the held step last said to be gone from the store
         self._names: list[str] | None = None
         self._lock = threading.RLock()  # pulls take turns (one_at_a_time): each moves `step` and its target
+        self._pid = os.getpid()  # where the lock was last known free of other threads (one_at_a_time)
         self._target: tuple[tuple[str, int, int], ...] | None = None  # _target_key of the state `step` is of
         self._aliases_at: int | None = None  # the step the target's untied aliases were written at
 
@@ -769,7 +771,8 @@ class Subscriber:
                 break
             latest = newest_tried = max(newer)
             log.warning("%s: the store moved on to step %d during the pull; trying it", self.store.url, latest)
-        raise ChainError(f"{self.store.url}: no consistent chain from step {current_step}: {last_error}")
+        start = "no state" if current_step is None else f"step {current_step}"
+        raise ChainError(f"{self.store.url}: no consistent chain from {start}: {last_error}")
 
     def _rebuilt_if_published_again(self, current_step: int, latest: int, download: Download[T]) -> T | None:
         """None (nothing to fetch: a subscriber never moves back), unless the step held, ``current_step``, was
@@ -1090,11 +1093,18 @@ class Subscriber:
         return digest == self.entry(self.step).state_digest
 
     # -- auditing -----------------------------------------------------------------------------------------------------
-    def verify(self) -> list[str]:
+    def verify(self, *, signatures: bool = True) -> list[str]:
         """Checks every entry (signature, run, fields), every file's digest, that each delta's base entry is in the
         store and is the one it names, and that `latest.json` agrees; returns the problems found (empty when all
-        is well; an empty store is a problem)."""
+        is well; an empty store is a problem). Signatures are checked with this subscriber's signing key: a signed
+        store read without one is a problem (its signatures went unchecked, so a writer without the key could have
+        changed entries and files alike unseen), unless ``signatures`` is False."""
         problems = []
+        if signatures and self._key is None and self._signed():
+            problems.append(
+                "the store is signed, but no signing key is set (signing_key, or DELTASYNC_SIGNING_KEY): its "
+                "signatures were not checked"
+            )
         steps = listed_steps(self.store)
         if not steps:
             problems.append("the store holds no published step")
@@ -1123,6 +1133,17 @@ class Subscriber:
             problems.append(str(problem))
         return problems
 
+    def _signed(self) -> bool:
+        """Whether the store's run.json or latest.json carries a signature (whatever the key)."""
+        for key in (RUN_KEY, LATEST_KEY):
+            try:
+                document = json.loads(self.store.get_small(key, MAX_DOCUMENT_BYTES))
+            except (DeltaSyncError, ValueError, RecursionError):
+                continue
+            if isinstance(document, dict) and "signature" in document:
+                return True
+        return False
+
 
 class _NotTheState(Exception):
     """A rebuilt state that misses its entry's state digest, raised past ``_fetch_to``'s other ways."""
@@ -1143,9 +1164,11 @@ def log_entries(store: str | os.PathLike[str] | Store, *, signing_key: bytes | s
     return [subscriber.entry(step) for step in listed_steps(subscriber.store)]
 
 
-def verify_store(store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None) -> list[str]:
+def verify_store(
+    store: str | os.PathLike[str] | Store, *, signing_key: bytes | str | None = None, signatures: bool = True
+) -> list[str]:
     """The problems :meth:`Subscriber.verify` finds in a store (empty when all is well)."""
-    return Subscriber(store, signing_key=signing_key, retries=1).verify()
+    return Subscriber(store, signing_key=signing_key, retries=1).verify(signatures=signatures)
 
 
 __all__ = ["Subscriber", "log_entries", "verify_store"]

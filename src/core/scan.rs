@@ -9,7 +9,7 @@
 //! rare long gap and value escape.
 
 use crate::core::base;
-use crate::core::codec::elements::load_const;
+use crate::core::codec::elements::{load_const, store_const};
 use crate::core::codec::ranges::Changes;
 use crate::core::codec::{values, varint, with_width, ValueCodec, WordSink};
 use crate::core::xxh3;
@@ -305,7 +305,9 @@ unsafe fn encode_batch<const W: usize, const COPY: bool>(
             }
         }
         if COPY {
-            std::ptr::copy_nonoverlapping(new.add(offset), old.add(offset), W);
+            // The bits just encoded, not `new` read again: were the caller's state written by another thread
+            // meanwhile, the mirror still ends where the delta leads (a torn step, but one its delta reaches).
+            store_const::<W>(std::slice::from_raw_parts_mut(old.add(offset), W), new_bits);
         }
     }
     *cursor = Cursor { count, first, next_expected };
