@@ -1015,7 +1015,7 @@ def test_a_new_target_for_a_subscriber_ahead_of_the_store_is_refused_saying_why(
     with ds.Publisher(store) as publisher:
         publisher.resume(state(1), step=1)  # a restart from step 1: step 2 removed
     target = {"w": np.zeros(8, np.float32)}
-    with pytest.raises(ds.ChainError, match="holds step 2, which the store no longer has .* new Subscriber"):
+    with pytest.raises(ds.ChainError, match="holds step 2, which the store can no longer rebuild .* new Subscriber"):
         subscriber.pull(target)
     assert not target["w"].any()
     assert ds.Subscriber(store).pull(target) == 1

@@ -877,8 +877,9 @@ class Subscriber:
                     self._hold_the_step(state, {})
                 except (MissingObjectError, ChainError) as error:
                     raise ChainError(
-                        f"{self.store.url}: this subscriber holds step {self.step}, which the store no longer has "
-                        f"(a publisher resumed at an older step?), so a new target cannot be brought to it; pull it "
+                        f"{self.store.url}: this subscriber holds step {self.step}, which the store can no longer "
+                        "rebuild (its anchor or deltas removed by retention as the publisher moved on, or by a "
+                        "publisher resumed at an older step), so a new target cannot be brought to it; pull it "
                         f"with a new Subscriber, which takes the store's newest step ({error})"
                     ) from error
                 _write_aliases(state, tied)
