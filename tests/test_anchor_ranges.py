@@ -373,3 +373,37 @@ def test_a_server_is_probed_for_byte_ranges_once(tmp_path, servers):
         assert isinstance(delta, PartialAnchor) and delta.step == step
     assert [known for _, known in probes] == [False, True], probes
     assert probes[0][0] == pieces_key(3) and store._server in stores._HONOUR_RANGES
+
+
+def test_documents_of_a_server_that_ignores_ranges_are_capped_by_their_listed_size(tmp_path, servers, monkeypatch):
+    """get_small caps a document's read with a ranged read: a server that ignores ranges sent a hostile 64 MiB
+    `latest.json` whole into memory before the 1 MiB cap refused it, at every read (found by a review). The first
+    such answer marks the server; from then on the listed size is asked first."""
+    store = servers.FsspecStore(f"memory://cap-{os.getpid()}-{id(tmp_path)}/run")
+    store.put("latest.json", b"x" * (4 << 20))
+    real = store.fs.cat_file
+    read = []
+
+    def ignoring_ranges(path, start=None, end=None, **kwargs):
+        data = real(path, **kwargs)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(store.fs, "cat_file", ignoring_ranges)
+    with pytest.raises(servers.TooLargeError):
+        store.get_small("latest.json", 1 << 20)
+    assert read == [4 << 20] and store._server in servers._IGNORE_RANGES  # found out by that answer
+    with pytest.raises(servers.TooLargeError):
+        servers.FsspecStore(store.url).get_small("latest.json", 1 << 20)
+    assert read == [4 << 20]  # refused by its listed size, not read again
+    store.put("small.json", b"{}")
+    assert store.get_small("small.json", 1 << 20) == b"{}"
+
+
+def test_what_is_learnt_of_a_servers_ranges_is_kept_per_way_of_reaching_it():
+    """Stores whose options may point s3fs at different servers (a profile, a session, an endpoint) do not share
+    what one of them learnt of its server's byte ranges (the key held the bucket and the endpoint option only)."""
+    from deltasync_rs.store import FsspecStore
+
+    one, other = FsspecStore("memory://models/run", profile="a"), FsspecStore("memory://models/run", profile="b")
+    assert one._server != other._server and one._server == FsspecStore("memory://models/run", profile="a")._server

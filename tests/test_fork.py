@@ -179,8 +179,21 @@ for owner, call in ((subscriber, lambda: subscriber.pull({"w": np.zeros(64, np.f
     print("held", child(call), flush=True)
     leave.set(); holder.join()
 
-# 3. A child using a subscriber no thread was inside of: it works.
+# 3. A child using a subscriber no thread was inside of: it works, from two of its own threads at once too.
 print("free", child(lambda: subscriber.pull({"w": np.zeros(64, np.float32)})), flush=True)
+def siblings():
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
+    pulls = [threading.Thread(target=subscriber.pull, args=({"w": np.zeros(64, np.float32)},)) for _ in range(4)]
+    for thread in pulls:
+        thread.start()
+    for thread in pulls:
+        thread.join()
+print("siblings", child(siblings), flush=True)
+
+# 4. A child closing or flushing the inherited publisher: closing only marks it closed; flushing says whose the
+# uploads are (both said they were lost).
+print("close", child(publisher.close), flush=True)
+print("flush", child(publisher.flush), flush=True)
 
 gate.set()
 publisher.close()
@@ -201,5 +214,7 @@ def test_a_forked_child_refuses_objects_a_parent_thread_was_inside_and_leaves_th
     assert out[0] == "exit 0" and "not closed" not in done.stderr and "lost" not in done.stderr, done.stderr
     refusals = [line for line in out if line.startswith("refused:")]
     assert [line for line in out if line.startswith("held")] == ["held 3", "held 3"], out
-    assert len(refusals) == 2 and all("when it forked" in line for line in refusals), out
-    assert "free 0" in out and out[-1] == "parent pulled 2 True", out
+    assert all("forked from it" in line for line in refusals[:2]), out
+    assert "free 0" in out and "siblings 0" in out and "close 0" in out and "flush 3" in out, out
+    assert len(refusals) == 3 and "its upload thread and its uploads are that process's" in refusals[2], out
+    assert "lost" not in done.stdout and out[-1] == "parent pulled 2 True", out

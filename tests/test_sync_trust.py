@@ -1157,13 +1157,26 @@ def test_verify_of_a_signed_store_without_its_key_says_its_signatures_went_unche
     assert "signatures were not checked" in capsys.readouterr().out
     assert ds.sync.verify_store(tmp_path, signatures=False) == []
     assert main(["verify", "--store", str(tmp_path), "--without-signatures"]) == 0
-    assert "no signature checked" in capsys.readouterr().out
+    assert "its signatures were not checked" in capsys.readouterr().out
     # With the key, the forged signatures are found.
     monkeypatch.setenv("DELTASYNC_SIGNING_KEY", KEY)
     assert main(["verify", "--store", str(tmp_path)]) == 1
     assert "bad signature" in capsys.readouterr().out
-    # An unsigned store without a key: nothing to check, no problem.
+    # A signature stripped from run.json and latest.json, the entries still signed: still a signed store.
     monkeypatch.delenv("DELTASYNC_SIGNING_KEY")
+    for key in (RUN_KEY, LATEST_KEY):
+        document = json.loads((tmp_path / key).read_bytes())
+        del document["signature"]
+        (tmp_path / key).write_text(json.dumps(document))
+    assert main(["verify", "--store", str(tmp_path)]) == 1
+    assert "signatures were not checked" in capsys.readouterr().out
+    # An unsigned store: nothing to check without a key, and a problem with one unless --without-signatures.
     _publish_run(tmp_path / "unsigned", 2, background=False)
+    monkeypatch.setenv("DELTASYNC_SIGNING_KEY", KEY)
+    assert main(["verify", "--store", str(tmp_path / "unsigned")]) == 1
+    assert "not signed, but a signing key is set" in capsys.readouterr().out
+    assert main(["verify", "--store", str(tmp_path / "unsigned"), "--without-signatures"]) == 0
+    assert "DELTASYNC_SIGNING_KEY" not in os.environ
+    monkeypatch.delenv("DELTASYNC_SIGNING_KEY", raising=False)
     assert main(["verify", "--store", str(tmp_path / "unsigned")]) == 0
-    assert "no signature checked" in capsys.readouterr().out
+    assert "(an unsigned store)" in capsys.readouterr().out

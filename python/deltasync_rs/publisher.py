@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
-from ._turns import one_at_a_time
+from ._turns import one_at_a_time, track
 from .delta import Delta, _check_step, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
 from .errors import (
     BaseMismatchError,
@@ -228,6 +228,8 @@ class Publisher:
         # Calls that move the publisher's state take turns (one_at_a_time): without it two publishes at once moved
         # one mirror together and wrote entries whose base was another step's.
         self._lock = threading.RLock()
+        self._forked_mid_call: int | None = None
+        track(self)  # a forked child refuses it if another thread was inside a call (one_at_a_time)
         self._mirror = Mirror()
         # Set while a publish moves the mirror, and left set when that raised: the mirror may then hold part of a
         # step, so it is no base for a delta, and the next publish is an anchor (_advance).
@@ -247,7 +249,7 @@ class Publisher:
         self._closed = False
         self._abandoned = False  # set at exit when pending uploads were given up (_close_at_exit)
         # The process that made it: a forked child inherits the object but not its upload thread (nor its uploads).
-        self._pid = self._made_in = os.getpid()
+        self._made_in = os.getpid()
         # Set while no upload job reads the mirror (for an anchor or the state digest): it may change only then.
         self._mirror_free = threading.Event()
         self._mirror_free.set()
@@ -337,6 +339,14 @@ class Publisher:
     def _check_open(self) -> None:
         if self._closed:
             raise DeltaSyncError(f"{self.store.url}: the publisher is closed; make a new one to publish again")
+        self._check_process()
+
+    def _check_process(self) -> None:
+        if self._made_in != os.getpid():
+            raise DeltaSyncError(
+                f"{self.store.url}: this Publisher was made in process {self._made_in}, which this one forked from: "
+                "its upload thread and its uploads are that process's; make a new one here"
+            )
 
     @one_at_a_time
     def publish(self, step: int, state: Mapping[str, Any]) -> None:
@@ -984,12 +994,13 @@ class Publisher:
         not published either."""
         if self._errors:
             errors, self._errors = self._errors, []
-            this = "" if step is None else f"; step {step} was not published either: publish it again"
+            this = "" if step is None else f"; step {step} was not published either"
             raise DeltaSyncError(f"{len(errors)} publish(es) failed; the first: {errors[0]}{this}") from errors[0]
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits for every queued upload (at most ``timeout`` seconds); raises if any failed, if the wait ran out,
         or if the upload thread is gone with uploads still pending."""
+        self._check_process()
         if self._queue is not None:
             deadline = None if timeout is None else time.monotonic() + timeout
             with self._queue.all_tasks_done:
@@ -1010,11 +1021,14 @@ class Publisher:
 
     @one_at_a_time
     def close(self) -> None:
-        """Flushes, then stops the upload thread. Publishing after this raises DeltaSyncError."""
+        """Flushes, then stops the upload thread. Publishing after this raises DeltaSyncError. In a process forked
+        from the one that made it, only marks it closed: its uploads are that process's."""
         if self._closed:
             return
         self._closed = True
         _open_publishers.discard(self)
+        if self._made_in != os.getpid():
+            return
         try:
             self.flush()
         finally:

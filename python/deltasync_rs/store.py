@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import errno
 import inspect
+import json
 import logging
 import os
 import re
@@ -764,12 +765,12 @@ class FsspecStore(Store):
         buckets = {"s3", "s3a", "gs", "gcs", "az", "abfs"}
         self._bucket = self.root.split("/")[0] if buckets & set(protocols) and self.root.split("/")[0] else None
         self.atomic_create = "s3" in protocols and "mode" in inspect.signature(self.fs.pipe_file).parameters
-        # The server, for servers found to ignore byte ranges (RangesIgnoredError): the endpoint and the bucket.
-        options = storage_options.get("client_kwargs") or {}
-        endpoint = (
-            storage_options.get("endpoint_url") or options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
-        )
-        self._server = (protocols, endpoint, self.root.split("/")[0])
+        # The server, for what this process learns of its byte ranges (RangesIgnoredError, check_ranges): the bucket
+        # and everything that may choose the endpoint (every option, as text, and the AWS variables that do), so
+        # that two stores share what was learnt only when they reach the same server the same way.
+        chosen_by = json.dumps(storage_options, sort_keys=True, default=repr)
+        environment = tuple(os.environ.get(name) for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"))
+        self._server = (protocols, self.root.split("/")[0], chosen_by, environment)
         if self._server in _IGNORE_RANGES:
             self.supports_ranges = False
 
@@ -937,12 +938,22 @@ class FsspecStore(Store):
         _HONOUR_RANGES.add(self._server)
 
     def get_small(self, key: str, max_bytes: int) -> bytes:
+        path = self._read_path(key)
         try:
-            data = self.fs.cat_file(self._read_path(key), start=0, end=max_bytes + 1)
+            if self._server in _IGNORE_RANGES:
+                # The read below would bring the whole object, whatever its size: its listed size is asked first.
+                if self.fs.info(path).get("size", 0) > max_bytes:
+                    raise too_large(f"{self.url}/{key}", max_bytes)
+            data = self.fs.cat_file(path, start=0, end=max_bytes + 1)
         except FileNotFoundError:
             raise MissingObjectError(f"{self.url}/{key}: no such object") from None
+        except TooLargeError:
+            raise
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot read: {error}") from error
+        if len(data) > max_bytes + 1:  # more than the range asked for
+            self.supports_ranges = False
+            _IGNORE_RANGES.add(self._server)
         if len(data) > max_bytes:
             raise too_large(f"{self.url}/{key}", max_bytes)
         return data

@@ -30,7 +30,7 @@ from ._checkpoint import (
 from ._core import file_piece_hashes
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
-from ._turns import one_at_a_time
+from ._turns import one_at_a_time, track
 from .delta import Delta, _check_step, load, state_digest_knowing
 from .errors import (
     BaseMismatchError,
@@ -207,7 +207,8 @@ class Subscriber:
         self._gone_warned: int | None = None  # the held step last said to be gone from the store
         self._names: list[str] | None = None
         self._lock = threading.RLock()  # pulls take turns (one_at_a_time): each moves `step` and its target
-        self._pid = os.getpid()  # where the lock was last known free of other threads (one_at_a_time)
+        self._forked_mid_call: int | None = None
+        track(self)  # a forked child refuses it if another thread was inside a pull (one_at_a_time)
         self._target: tuple[tuple[str, int, int], ...] | None = None  # _target_key of the state `step` is of
         self._aliases_at: int | None = None  # the step the target's untied aliases were written at
 
@@ -771,7 +772,7 @@ class Subscriber:
                 break
             latest = newest_tried = max(newer)
             log.warning("%s: the store moved on to step %d during the pull; trying it", self.store.url, latest)
-        start = "no state" if current_step is None else f"step {current_step}"
+        start = "an empty state" if current_step is None else f"step {current_step}"
         raise ChainError(f"{self.store.url}: no consistent chain from {start}: {last_error}")
 
     def _rebuilt_if_published_again(self, current_step: int, latest: int, download: Download[T]) -> T | None:
@@ -1135,8 +1136,9 @@ class Subscriber:
         return problems
 
     def _signed(self) -> bool:
-        """Whether the store's run.json or latest.json carries a signature (whatever the key)."""
-        for key in (RUN_KEY, LATEST_KEY):
+        """Whether any document of the store (run.json, latest.json, an entry) carries a signature, whatever the
+        key: a writer without the key could strip some of them."""
+        for key in (RUN_KEY, LATEST_KEY, *(entry_key(step) for step in listed_steps(self.store))):
             try:
                 document = json.loads(self.store.get_small(key, MAX_DOCUMENT_BYTES))
             except (DeltaSyncError, ValueError, RecursionError):
