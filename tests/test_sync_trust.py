@@ -1180,3 +1180,138 @@ def test_verify_of_a_signed_store_without_its_key_says_its_signatures_went_unche
     monkeypatch.delenv("DELTASYNC_SIGNING_KEY", raising=False)
     assert main(["verify", "--store", str(tmp_path / "unsigned")]) == 0
     assert "(an unsigned store)" in capsys.readouterr().out
+
+
+# Checks that no test pinned: mutation testing (each check removed in turn, the tests run) found them surviving.
+
+
+def _published_numpy(store, steps, **options):
+    w, history = np.zeros(256, dtype=np.float32), {}
+    with ds.Publisher(store, anchor_every=100, background=False, **options) as publisher:
+        for step in range(steps):
+            w[step * 7 : step * 7 + 5] += 1
+            publisher.publish(step, {"w": w})
+            history[step] = w.copy()
+    return history
+
+
+def test_a_delta_file_swapped_under_its_signed_entry_is_refused(tmp_path):
+    """The other tampering tests re-sign or rewrite the entry; here only the file changes (one bit of a value,
+    still a well-formed delta of the same size): fetch must refuse it, not hand it on as verified."""
+    store = ds.LocalStore(tmp_path)
+    _published_numpy(store, 4, signing_key=KEY)
+    raw = bytearray(store.get(delta_key(2)))
+    raw[-1] ^= 0x01
+    ds.load(bytes(raw))
+    store.put(delta_key(2), bytes(raw))
+    with pytest.raises(ds.DeltaSyncError, match="digest|SHA-256|sha256"):
+        ds.Subscriber(store, signing_key=KEY, retries=1).fetch(1)
+
+
+def test_fetch_from_a_step_published_again_starts_from_an_anchor(tmp_path):
+    """A subscriber fetched step 2; the publisher resumed at step 1 and published another step 2 and a step 3.
+    fetch(2) must not hand over step 3's delta alone (made against the new step 2): applied without a base check,
+    as fetch's callers may, it gave weights never published."""
+    store = ds.LocalStore(tmp_path)
+    w = np.zeros(64, dtype=np.float32)
+    subscriber = ds.Subscriber(store, signing_key=KEY)
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        for step in range(3):
+            w[step] += 1
+            publisher.publish(step, {"w": w})
+    held = {"w": np.zeros(64, dtype=np.float32)}
+    for delta in subscriber.fetch(None):
+        delta.apply_(held)
+    again = np.zeros(64, dtype=np.float32)
+    again[:2] = 1
+    with ds.Publisher(store, anchor_every=100, signing_key=KEY, background=False) as publisher:
+        publisher.resume({"w": again}, step=1)
+        again[40] += 5
+        publisher.publish(2, {"w": again})
+        again[50] += 5
+        publisher.publish(3, {"w": again})
+    deltas = subscriber.fetch(2)
+    assert deltas[0].is_anchor, [(d.step, d.is_anchor) for d in deltas]
+    for delta in deltas:
+        delta.apply_(held)
+    assert np.array_equal(held["w"].view(np.uint32), again.view(np.uint32))
+
+
+def test_a_state_that_misses_its_digest_even_from_the_anchor_is_an_integrity_error(tmp_path):
+    """Entries whose state digest their files do not make (an unsigned store rewritten): the re-sync from the
+    anchor cannot reach it either, and the pull must raise, not report the step."""
+    import dataclasses
+
+    from deltasync_rs.manifest import Entry
+
+    store = ds.LocalStore(tmp_path)
+    _published_numpy(store, 2)
+    other = ds.state_digest({"w": np.full(256, 7, dtype=np.float32)})
+    previous = None
+    for step in range(2):
+        entry = Entry.parse(store.get(entry_key(step)), entry_key(step), None)
+        entry = dataclasses.replace(entry, state_digest=other, base_entry_sha256=previous or entry.base_entry_sha256)
+        blob = entry.to_json(None)
+        store.put(entry_key(step), blob)
+        previous = hashlib.sha256(blob).hexdigest()
+    store.delete([LATEST_KEY])
+    with pytest.raises(ds.IntegrityError):
+        ds.Subscriber(store, retries=1).pull({"w": np.zeros(256, dtype=np.float32)})
+
+
+def test_an_entry_based_on_its_own_step_is_a_format_error():
+    """Followed back from a store without run ids (where links are not checked), it would loop on itself."""
+    from deltasync_rs.manifest import Entry
+
+    document = {
+        "format": "deltasync-manifest",
+        "version": 1,
+        "step": 5,
+        "base_step": 5,
+        "delta": {"key": delta_key(5), "size": 1, "sha256": "0" * 64},
+        "anchor": None,
+        "state_digest": "0" * 64,
+        "num_changed": 0,
+        "num_elements": 1,
+        "created": 1.0,
+    }
+    with pytest.raises(ds.DeltaFormatError, match="base step 5 is not before step 5"):
+        Entry.parse(json.dumps(document).encode(), entry_key(5), None)
+
+
+def test_retention_counts_no_anchor_of_a_later_step(tmp_path):
+    """An anchor and entry of a later step in the store (another history's): with keep_anchors=1 it must not count
+    as the newest anchor, which made retention remove the step just published."""
+    other = ds.LocalStore(tmp_path / "other")
+    with ds.Publisher(other, background=False) as publisher:
+        publisher.publish(50, {"w": np.ones(8, dtype=np.float32)})
+    store = ds.LocalStore(tmp_path / "store")
+    w = np.zeros(8, dtype=np.float32)
+    with ds.Publisher(store, anchor_every=2, keep_anchors=1, background=False) as publisher:
+        publisher.publish(0, {"w": w})
+        for key in (anchor_key(50), entry_key(50)):
+            store.put(key, other.get(key))
+        w[1] = 1
+        publisher.publish(1, {"w": w})
+        w[2] = 2
+        publisher.publish(2, {"w": w})
+    from deltasync_rs.manifest import listed_steps
+
+    assert listed_steps(store) == [2, 50]  # 0 and 1 removed, 2 kept (its anchor is the newest counted)
+
+
+def test_a_step_whose_entry_another_writer_created_first_is_not_published(tmp_path):
+    class Racing(ds.LocalStore):
+        def create(self, key, data):
+            if key == entry_key(1):  # another writer's entry lands first
+                super().create(key, data.replace(b'"num_changed"', b'"num_changed" ', 1))
+                return False
+            return super().create(key, data)
+
+    store = Racing(tmp_path)
+    w = np.zeros(8, dtype=np.float32)
+    publisher = ds.Publisher(store, anchor_every=100, background=False, retries=1)
+    publisher.publish(0, {"w": w})
+    w[0] = 1
+    with pytest.raises(ds.DeltaSyncError):
+        publisher.publish(1, {"w": w})
