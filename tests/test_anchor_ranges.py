@@ -407,3 +407,44 @@ def test_what_is_learnt_of_a_servers_ranges_is_kept_per_way_of_reaching_it():
 
     one, other = FsspecStore("memory://models/run", profile="a"), FsspecStore("memory://models/run", profile="b")
     assert one._server != other._server and one._server == FsspecStore("memory://models/run", profile="a")._server
+
+
+def test_an_oversized_object_in_an_anchors_place_is_refused_before_a_remote_copy(tmp_path):
+    """A store that keeps no local file (S3, HF) copies an anchor to a temporary file first: an object far larger
+    than its entry says must be refused as it is copied (`get_file(max_bytes=)`), not after it filled the disk
+    (a check no test pinned: mutation testing)."""
+    copied = []
+
+    class Remote(ds.LocalStore):
+        def open_local(self, key):
+            return None
+
+        def get_file(self, key, out, max_bytes=None):
+            try:
+                copied.append((key, super().get_file(key, out, max_bytes=max_bytes)))
+            except ds.StoreError:
+                copied.append((key, out.tell()))
+                raise
+            return copied[-1][1]
+
+    root = tmp_path / "store"
+    with ds.Publisher(root, background=False) as publisher:
+        publisher.publish(0, _state())
+    with open(root / anchor_key(0), "r+b") as f:
+        f.truncate(64 << 20)
+    with pytest.raises(ds.DeltaSyncError):
+        ds.Subscriber(Remote(root), retries=1).pull({k: torch.zeros_like(v) for k, v in _state().items()})
+    assert copied and all(n < 1 << 20 for _, n in copied), copied
+
+
+def test_a_sidecar_of_another_piece_size_than_its_entry_is_refused():
+    from deltasync_rs.manifest import Pieces, pieces_document
+
+    raw = pieces_document(100_000, 65_536, bytes(64))  # two pieces of 64 KiB
+    anchor = {
+        "key": anchor_key(1),
+        "size": 100_000,
+        "pieces": {"key": pieces_key(1), "size": len(raw), "sha256": "0" * 64, "piece_bytes": 50_000},  # two too
+    }
+    with pytest.raises(ds.IntegrityError):
+        Pieces.parse(raw, anchor)

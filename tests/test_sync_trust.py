@@ -1315,3 +1315,29 @@ def test_a_step_whose_entry_another_writer_created_first_is_not_published(tmp_pa
     w[0] = 1
     with pytest.raises(ds.DeltaSyncError):
         publisher.publish(1, {"w": w})
+
+
+@pytest.mark.parametrize("check", ["step", "base step"])
+def test_a_delta_file_of_another_step_filed_under_an_entry_is_refused_by_each_check(tmp_path, check):
+    """Step 1's delta filed as step 2's, its entry rewritten to match (an unsigned store): both the file's step
+    and its base step disagree with the entry, and each check must refuse it alone (mutation testing found that
+    removing either one passed every test, the other catching it)."""
+    import dataclasses
+
+    from deltasync_rs.manifest import Entry, file_ref
+
+    store = ds.LocalStore(tmp_path)
+    _published_numpy(store, 3)
+    blob = bytearray(store.get(delta_key(1)))
+    if check == "base step":  # the file's own step made the entry's, so only its base step tells
+        header_end = 8 + int.from_bytes(blob[:8], "little")
+        header = blob[8:header_end].replace(b'"step":"1"', b'"step":"2"')
+        assert len(header) == header_end - 8
+        blob[8:header_end] = header
+    store.put(delta_key(2), bytes(blob))
+    entry = Entry.parse(store.get(entry_key(2)), entry_key(2), None)
+    store.put(entry_key(2), dataclasses.replace(entry, delta=file_ref(delta_key(2), bytes(blob))).to_json(None))
+    store.delete([LATEST_KEY])
+    message = "the file says step 1, its entry step 2" if check == "step" else "base step 0 differs from its entry"
+    with pytest.raises(ds.DeltaSyncError, match=message):
+        ds.Subscriber(store, retries=1).fetch(1)
