@@ -716,7 +716,7 @@ def _regular_files(dir_fd: int) -> Iterator[list[str]]:
                 os.close(child)
 
 
-# Servers (protocols, endpoint, bucket) that answered a ranged read with the whole object: FsspecStore._server.
+# Servers (FsspecStore._server: how a store reaches its server) that answered a ranged read with the whole object.
 _IGNORE_RANGES: set[tuple[Any, ...]] = set()
 # Servers whose answer to a probe's ranged read (FsspecStore.check_ranges) was the byte asked for.
 _HONOUR_RANGES: set[tuple[Any, ...]] = set()
@@ -768,7 +768,10 @@ class FsspecStore(Store):
         # The server, for what this process learns of its byte ranges (RangesIgnoredError, check_ranges): the bucket
         # and everything that may choose the endpoint (every option, as text, and the AWS variables that do), so
         # that two stores share what was learnt only when they reach the same server the same way.
-        chosen_by = json.dumps(storage_options, sort_keys=True, default=repr)
+        try:
+            chosen_by = json.dumps(storage_options, sort_keys=True, default=repr)
+        except (TypeError, ValueError):  # keys that do not sort or serialise
+            chosen_by = repr(storage_options)
         environment = tuple(os.environ.get(name) for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"))
         self._server = (protocols, self.root.split("/")[0], chosen_by, environment)
         if self._server in _IGNORE_RANGES:
