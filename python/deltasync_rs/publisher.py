@@ -341,8 +341,11 @@ class Publisher:
             raise DeltaSyncError(f"{self.store.url}: the publisher is closed; make a new one to publish again")
         self._check_process()
 
+    def _in_a_forked_child(self) -> bool:
+        return self._made_in != os.getpid()
+
     def _check_process(self) -> None:
-        if self._made_in != os.getpid():
+        if self._in_a_forked_child():
             raise DeltaSyncError(
                 f"{self.store.url}: this Publisher was made in process {self._made_in}, which this one forked from: "
                 "its upload thread and its uploads are that process's; make a new one here"
@@ -1027,7 +1030,7 @@ class Publisher:
             return
         self._closed = True
         _open_publishers.discard(self)
-        if self._made_in != os.getpid():
+        if self._in_a_forked_child():
             return
         try:
             self.flush()
@@ -1040,7 +1043,7 @@ class Publisher:
         """Waits up to ``exit_timeout`` for pending uploads; says so loudly when some are lost. Not in a forked
         child: the uploads are its parent's, which makes them (the child reported them lost, and aborted the
         parent's uploads in flight)."""
-        if self._closed or self._made_in != os.getpid():
+        if self._closed or self._in_a_forked_child():
             return
         self._closed = True
         try:

@@ -923,11 +923,14 @@ class FsspecStore(Store):
         try:
             return _exact_range(bytes(data), f"{self.url}/{key}", start, length)
         except RangesIgnoredError:
-            # Every later anchor is read whole, once, by this store and every store made later in this process on
-            # the same server (a vLLM worker makes one per pull).
-            self.supports_ranges = False
-            _IGNORE_RANGES.add(self._server)
+            self._ignores_ranges()
             raise
+
+    def _ignores_ranges(self) -> None:
+        """Every later anchor is read whole, once, by this store and every store made later in this process on the
+        same server (a vLLM worker makes one per pull); documents have their listed size checked first."""
+        self.supports_ranges = False
+        _IGNORE_RANGES.add(self._server)
 
     def check_ranges(self, small_key: str) -> None:
         """Probes the server once per process (a one-byte read of ``small_key``), unless it is known either way:
@@ -955,8 +958,7 @@ class FsspecStore(Store):
         except Exception as error:
             raise StoreError(f"{self.url}/{key}: cannot read: {error}") from error
         if len(data) > max_bytes + 1:  # more than the range asked for
-            self.supports_ranges = False
-            _IGNORE_RANGES.add(self._server)
+            self._ignores_ranges()
         if len(data) > max_bytes:
             raise too_large(f"{self.url}/{key}", max_bytes)
         return data

@@ -495,9 +495,6 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str, 
                     "tensor {name:?}: changes nothing, yet has streams of {positions_len} and {values_len} bytes"
                 )));
             }
-            if tensor.positions_codec == PositionCodec::All && positions_len != 0 {
-                return Err(bad(format!("tensor {name:?}: positions 'all' with a position stream")));
-            }
             let mut slice = |len: u64, what: &str| -> Result<Stream> {
                 let stop = usize::try_from(len).ok().and_then(|len| next.checked_add(len)).filter(|stop| stop <= end);
                 let stop = stop.ok_or_else(|| {
