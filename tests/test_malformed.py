@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -512,3 +514,74 @@ def test_what_readers_take_beyond_what_writers_write():
     assert not target["w"].any()
     based.apply_(target)  # without the check it applies to any base, as a whole tensor does
     assert np.array_equal(target["w"], state["w"])
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact", "context"])
+def test_a_damaged_delta_file_is_refused_where_it_used_to_apply_other_weights(tmp_path, codec):
+    """docs/format.md §2.1: random one-byte changes to a delta's data section. Without the checksum (the same file
+    with its key taken out, as older writers wrote it) a fair share of them load and apply cleanly, to other weights
+    than the writer's; with it, every one is refused by ds.load and by `deltasync apply`, which leaves its output
+    unwritten."""
+    from safetensors.torch import save_file
+
+    from tests.helpers import reseal
+
+    g = torch.Generator().manual_seed(5)
+    prev = {f"layer.{i}.w": torch.randn(64, 96, generator=g).to(torch.bfloat16) for i in range(3)}
+    curr = {}
+    for name, tensor in prev.items():
+        changed = tensor.clone()
+        changed.view(torch.int16)[torch.rand(tensor.shape, generator=g) < 0.02] += 1
+        curr[name] = changed
+    blob = ds.diff(prev, curr, codec=codec).to_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + length])
+    del header["__metadata__"]["file_xxh3"]
+    unchecked = _with_header(blob, json.dumps(header, separators=(",", ":")).encode())
+    assert reseal(unchecked) == unchecked  # no checksum left to make right
+
+    def outcome(file: bytes) -> str:
+        try:
+            delta = ds.load(file)
+        except ds.DeltaFormatError:
+            return "refused"
+        target = {name: t.clone() for name, t in prev.items()}
+        try:
+            delta.apply_(target)
+        except ds.DeltaSyncError:
+            return "refused"
+        same = all(torch.equal(target[n].view(torch.int16), curr[n].view(torch.int16)) for n in curr)
+        return "right" if same else "wrong"
+
+    rng = np.random.default_rng(9)
+    silent = 0
+    for _ in range(60):
+        at, flip = int(rng.integers(0, len(blob) - 8 - length)), int(rng.integers(1, 256))
+        damaged, old = bytearray(blob), bytearray(unchecked)
+        damaged[8 + length + at] ^= flip
+        old[len(unchecked) - (len(blob) - 8 - length) + at] ^= flip
+        assert outcome(bytes(damaged)) == "refused"
+        silent += outcome(bytes(old)) == "wrong"
+    assert silent >= 5, f"only {silent} of 60 changes went through unchecked files: the test lost its point"
+
+    base = tmp_path / "base.safetensors"
+    save_file(prev, str(base))
+    damaged = bytearray(blob)
+    damaged[-1] ^= 0x01
+    (tmp_path / "d.safetensors").write_bytes(bytes(damaged))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltasync_rs.cli",
+            "apply",
+            str(base),
+            str(tmp_path / "d.safetensors"),
+            "-o",
+            str(tmp_path / "out.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0 and "damaged" in done.stderr, done.stderr
+    assert not (tmp_path / "out.safetensors").exists()

@@ -21,7 +21,7 @@ import deltasync_rs as ds
 from deltasync_rs.cli import main
 from deltasync_rs.manifest import MAX_DOCUMENT_BYTES, latest_document, parse_document
 from deltasync_rs.sync import LATEST_KEY, RUN_KEY, anchor_key, delta_key, entry_key
-from tests.helpers import assert_states_equal, subscriber_reads_malformed
+from tests.helpers import assert_states_equal, reseal, subscriber_reads_malformed
 from tests.test_sync import _fresh, _publish_run, _state, _train_step
 
 KEY = "s3cret"
@@ -1202,6 +1202,7 @@ def test_a_delta_file_swapped_under_its_signed_entry_is_refused(tmp_path):
     _published_numpy(store, 4, signing_key=KEY)
     raw = bytearray(store.get(delta_key(2)))
     raw[-1] ^= 0x01
+    raw = bytearray(reseal(bytes(raw)))  # the file's checksum is no signature: a tamperer makes it right
     ds.load(bytes(raw))
     store.put(delta_key(2), bytes(raw))
     with pytest.raises(ds.DeltaSyncError, match="digest|SHA-256|sha256"):
@@ -1334,6 +1335,7 @@ def test_a_delta_file_of_another_step_filed_under_an_entry_is_refused_by_each_ch
         header = blob[8:header_end].replace(b'"step":"1"', b'"step":"2"')
         assert len(header) == header_end - 8
         blob[8:header_end] = header
+        blob = bytearray(reseal(bytes(blob)))  # as a writer of that header would have sealed it
     store.put(delta_key(2), bytes(blob))
     entry = Entry.parse(store.get(entry_key(2)), entry_key(2), None)
     store.put(entry_key(2), dataclasses.replace(entry, delta=file_ref(delta_key(2), bytes(blob))).to_json(None))

@@ -12,6 +12,7 @@ import pytest
 from safetensors import safe_open
 
 import deltasync_rs as ds
+from tests.helpers import file_checksum
 from tests.vectors import generate
 
 VECTORS = Path(__file__).resolve().parent / "vectors"
@@ -176,3 +177,20 @@ def test_context_classes_example_in_format_doc():
     named = compact.to_bytes()
     header = json.loads(named[8 : 8 + int.from_bytes(named[:8], "little")])
     assert (header["w:pos"]["shape"], header["w:val"]["shape"]) == ([129], [219]), "the sizes the example compares"
+
+
+@pytest.mark.parametrize("name", sorted(INDEX))
+def test_vector_checksums_follow_the_spec(name):
+    """docs/format.md §2.1, computed here from the spec with the xxhash package: every delta vector carries the
+    checksum of its bytes, and a reader refuses it with any byte of its data changed; the anchor carries none."""
+    blob = (VECTORS / f"{name}.safetensors").read_bytes()
+    metadata = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    if metadata["kind"] == "anchor":
+        assert "file_xxh3" not in metadata
+        return
+    assert metadata["file_xxh3"] == file_checksum(blob)
+    for at in range(8 + int.from_bytes(blob[:8], "little"), len(blob)):  # every byte of the data section
+        damaged = bytearray(blob)
+        damaged[at] ^= 0x10
+        with pytest.raises(ds.DeltaFormatError, match="damaged"):
+            ds.load(bytes(damaged))

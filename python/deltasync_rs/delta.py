@@ -467,7 +467,7 @@ def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Ma
 
 
 #: Metadata keys the format itself writes (docs/format.md §2).
-_RESERVED_METADATA = ("format", "format_version", "kind", "tensors", "step", "base_step")
+_RESERVED_METADATA = ("format", "format_version", "kind", "tensors", "step", "base_step", "file_xxh3")
 
 
 def _metadata(value: Any) -> dict[str, str]:

@@ -55,6 +55,45 @@ pub fn identities(runs: &[&[u8]]) -> Vec<u64> {
         .collect()
 }
 
+/// The identity of the concatenation of `pieces` (any lengths, empty ones included), as `identity` of their
+/// bytes laid end to end, without laying them out: a block that lies in one piece is hashed where it is, one cut
+/// by a piece boundary is gathered first. Blocks are hashed in parallel in the deltasync pool.
+pub fn identity_of_pieces(pieces: &[&[u8]]) -> u64 {
+    let mut starts = Vec::with_capacity(pieces.len());
+    let mut total = 0usize;
+    for piece in pieces {
+        starts.push(total);
+        total += piece.len();
+    }
+    let hash = |block: usize| -> u64 {
+        let begin = block * BLOCK_BYTES;
+        let end = (begin + BLOCK_BYTES).min(total);
+        // The last piece starting at or before `begin` holds it (an empty one there is followed by the one that does).
+        let first = starts.partition_point(|&start| start <= begin) - 1;
+        let offset = begin - starts[first];
+        if offset + (end - begin) <= pieces[first].len() {
+            return block_hash(&pieces[first][offset..offset + (end - begin)]);
+        }
+        let mut gathered = Vec::with_capacity(end - begin);
+        gathered.extend_from_slice(&pieces[first][offset..]);
+        for piece in &pieces[first + 1..] {
+            let take = piece.len().min(end - begin - gathered.len());
+            gathered.extend_from_slice(&piece[..take]);
+            if gathered.len() == end - begin {
+                break;
+            }
+        }
+        block_hash(&gathered)
+    };
+    let blocks = total.div_ceil(BLOCK_BYTES);
+    let hashes: Vec<u64> = if blocks <= 1 {
+        (0..blocks).map(hash).collect()
+    } else {
+        crate::core::pool::install(|| (0..blocks).into_par_iter().map(hash).collect())
+    };
+    combine(&hashes)
+}
+
 /// An identity as written in a record: 16 lowercase hex digits.
 pub fn to_hex(identity: u64) -> String {
     format!("{identity:016x}")
@@ -197,6 +236,31 @@ mod tests {
             assert_eq!(identity(&data), reference(&data), "{len} bytes");
         }
         assert_eq!(identity(&[]), xxh3_64(&[]));
+    }
+
+    #[test]
+    fn identity_of_pieces_matches_the_definition_of_their_concatenation() {
+        let data = bytes(3 * BLOCK_BYTES + 5, 9);
+        // Cuts inside blocks, on block boundaries, empty pieces, pieces spanning several blocks, a tiny tail.
+        let cut_sets: [&[usize]; 6] = [
+            &[],
+            &[0, 0, 7],
+            &[BLOCK_BYTES],
+            &[1, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES, 2 * BLOCK_BYTES + 3],
+            &[5, 5, 5, 2 * BLOCK_BYTES, 3 * BLOCK_BYTES + 4, 3 * BLOCK_BYTES + 5, 3 * BLOCK_BYTES + 5],
+            &[100, 200, 300, 400, 500],
+        ];
+        for cuts in cut_sets {
+            let mut pieces: Vec<&[u8]> = Vec::new();
+            let mut at = 0;
+            for &cut in cuts.iter().chain([data.len()].iter()) {
+                pieces.push(&data[at..cut]);
+                at = cut;
+            }
+            assert_eq!(identity_of_pieces(&pieces), reference(&data), "cuts {cuts:?}");
+        }
+        assert_eq!(identity_of_pieces(&[]), xxh3_64(&[]));
+        assert_eq!(identity_of_pieces(&[&[], &[]]), xxh3_64(&[]));
     }
 
     #[test]

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use crate::core::base;
 use crate::core::codec::PositionCodec;
 use crate::core::delta::{Delta, TensorDelta};
 use crate::core::dtype::{self, Dtype};
@@ -32,8 +33,13 @@ pub const POSITIONS_SUFFIX: &str = ":pos";
 pub const VALUES_SUFFIX: &str = ":val";
 /// The safetensors header's own key: no tensor may be stored under it.
 pub const METADATA_KEY: &str = "__metadata__";
+/// The metadata key of the file's checksum (§2.1): the base identity (§3.1) of the whole file with its own 16 digits
+/// read as zeros. Writers write it on every file of kind delta; readers check it wherever it is.
+pub const CHECKSUM_KEY: &str = "file_xxh3";
 /// Header keys the format owns; caller metadata may not use them.
-pub const RESERVED_KEYS: [&str; 6] = ["format", "format_version", "kind", "tensors", "step", "base_step"];
+pub const RESERVED_KEYS: [&str; 7] = ["format", "format_version", "kind", "tensors", "step", "base_step", CHECKSUM_KEY];
+/// What the checksum's value stands in for while the file is hashed.
+const CHECKSUM_PLACEHOLDER: &str = "0000000000000000";
 
 /// One safetensors entry of the output, usually borrowing its bytes from the delta.
 pub struct Entry<'a> {
@@ -254,7 +260,77 @@ pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
     if let Some(base) = delta.base_step {
         metadata.insert("base_step".into(), base.to_string());
     }
-    lay_out(&metadata, entries(delta, packed.then(|| records::to_packed(&records))))
+    // Anchors have none: they are written as they stream (core::anchors), header first, and a ranged reader could
+    // not check it anyway; their store entry's digest and pieces sidecar cover them (§10).
+    let checksummed = !delta.is_anchor();
+    if checksummed {
+        metadata.insert(CHECKSUM_KEY.into(), CHECKSUM_PLACEHOLDER.into());
+    }
+    let mut encoded = lay_out(&metadata, entries(delta, packed.then(|| records::to_packed(&records))))?;
+    if checksummed {
+        let at = checksum_at(&encoded.header, CHECKSUM_PLACEHOLDER)
+            .map_err(|problem| Error::invalid(format!("the file's checksum cannot be placed: {problem}")))?;
+        let length = (encoded.header.len() as u64).to_le_bytes();
+        let mut pieces: Vec<&[u8]> = vec![&length, &encoded.header];
+        pieces.extend(encoded.pieces.iter().map(|piece| &piece[..]));
+        let checksum = base::to_hex(base::identity_of_pieces(&pieces));
+        encoded.header[at..at + CHECKSUM_PLACEHOLDER.len()].copy_from_slice(checksum.as_bytes());
+    }
+    Ok(encoded)
+}
+
+/// Where, in the JSON `header`, the 16 digits of the checksum whose value is `value` start: the header must hold
+/// `"file_xxh3":"<value>"` exactly once (§2.1).
+fn checksum_at(header: &[u8], value: &str) -> std::result::Result<usize, String> {
+    let pattern = format!("\"{CHECKSUM_KEY}\":\"{value}\"");
+    let mut found = memchr::memmem::find_iter(header, pattern.as_bytes());
+    match (found.next(), found.next()) {
+        (Some(at), None) => Ok(at + pattern.len() - 1 - value.len()),
+        (None, _) => Err(format!("the header does not hold {pattern} as written")),
+        (Some(_), Some(_)) => Err(format!("the header holds {pattern} more than once")),
+    }
+}
+
+/// Makes the checksum of the file in `bytes` right again, if it has one (the first `"file_xxh3":"` in its header),
+/// and says whether it did: for tests and fuzzers that edit a file on purpose and aim at a check behind the checksum.
+pub fn reseal(bytes: &mut [u8]) -> bool {
+    let Some(header_len) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))) else {
+        return false;
+    };
+    let Some(header) = usize::try_from(header_len).ok().and_then(|len| bytes.get(8..8usize.checked_add(len)?)) else {
+        return false;
+    };
+    let key = format!("\"{CHECKSUM_KEY}\":\"");
+    let Some(at) = memchr::memmem::find(header, key.as_bytes()).map(|at| 8 + at + key.len()) else { return false };
+    let digits = at..at + CHECKSUM_PLACEHOLDER.len();
+    if digits.end > 8 + header.len() {
+        return false;
+    }
+    bytes[digits.clone()].copy_from_slice(CHECKSUM_PLACEHOLDER.as_bytes());
+    let checksum = base::to_hex(base::identity(bytes));
+    bytes[digits].copy_from_slice(checksum.as_bytes());
+    true
+}
+
+/// Checks the checksum `value` of the file in `bytes` (whole) whose JSON header is `header_len` bytes: §2.1.
+fn check_checksum(bytes: &[u8], header_len: usize, value: &str, source_name: &str) -> Result<()> {
+    let bad = |message: String| Error::format(source_name, message);
+    let expected = base::parse_hex(value)
+        .ok_or_else(|| bad(format!("metadata {CHECKSUM_KEY:?} is {value:?}, not 16 lowercase hex digits")))?;
+    let at = 8 + checksum_at(&bytes[8..8 + header_len], value).map_err(bad)?;
+    let found = base::identity_of_pieces(&[
+        &bytes[..at],
+        CHECKSUM_PLACEHOLDER.as_bytes(),
+        &bytes[at + CHECKSUM_PLACEHOLDER.len()..],
+    ]);
+    if found != expected {
+        return Err(bad(format!(
+            "the file is damaged: its bytes hash to {} where its checksum ({CHECKSUM_KEY}) says {value}; \
+             fetch or copy it again",
+            base::to_hex(found)
+        )));
+    }
+    Ok(())
 }
 
 /// Lays out any safetensors file: string metadata plus entries in the given data order.
@@ -338,6 +414,8 @@ pub fn save(delta: &Delta, path: &Path) -> Result<()> {
 
 /// A parsed safetensors header: metadata, and each tensor's dtype, shape and absolute byte range.
 pub struct Header {
+    /// The JSON header's length in bytes (padding included), after the 8-byte length.
+    pub len: usize,
     pub metadata: HashMap<String, String>,
     pub tensors: HashMap<String, (Dtype, Vec<u64>, Range<usize>)>,
 }
@@ -356,7 +434,7 @@ pub fn read_header(bytes: &[u8], source_name: &str) -> Result<Header> {
             (name, (info.dtype, shape, range))
         })
         .collect();
-    Ok(Header { metadata: parsed.metadata().clone().unwrap_or_default(), tensors })
+    Ok(Header { len: header_len, metadata: parsed.metadata().clone().unwrap_or_default(), tensors })
 }
 
 fn parse_step(metadata: &HashMap<String, String>, key: &str, source_name: &str) -> Result<Option<u64>> {
@@ -380,7 +458,17 @@ pub fn read(backing: Arc<Backing>, source_name: &str) -> Result<Delta> {
 pub fn read_checked(backing: Arc<Backing>, source_name: &str, defer: bool) -> Result<Delta> {
     let header = read_header(&backing, source_name)?;
     match header.metadata.get("format").map(String::as_str) {
-        Some(FORMAT_NAME) => read_deltasync(backing, header, source_name, defer),
+        Some(FORMAT_NAME) => {
+            // The checksum is checked after the structure, so that a damaged file still fails the first check it
+            // breaks (and fuzzers still reach every one), but a damaged file is reported as such whichever fails.
+            let checksum = header.metadata.get(CHECKSUM_KEY).cloned();
+            let header_len = header.len;
+            let read = read_deltasync(Arc::clone(&backing), header, source_name, defer);
+            match checksum.map(|value| check_checksum(&backing, header_len, &value, source_name)) {
+                Some(Err(damaged)) => Err(damaged),
+                _ => read,
+            }
+        }
         Some(crate::core::trl::FORMAT_NAME) => crate::core::trl::read(&backing, &header, source_name),
         Some(other) => Err(Error::format(source_name, format!("unknown format {other:?} in the header metadata"))),
         None => Err(Error::format(
@@ -627,6 +715,13 @@ mod tests {
 
     /// `bytes` with its header JSON rewritten by `edit` (the data section is unchanged).
     fn with_header(bytes: &[u8], edit: impl Fn(&str) -> String) -> Vec<u8> {
+        let mut edited = edit_header(bytes, edit);
+        reseal(&mut edited);
+        edited
+    }
+
+    /// `bytes` with its JSON header edited, as is: a checksum is left as it was.
+    fn edit_header(bytes: &[u8], edit: impl Fn(&str) -> String) -> Vec<u8> {
         let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
         let header = std::str::from_utf8(&bytes[8..8 + len]).unwrap().trim_end();
         let mut header = edit(header).into_bytes();
@@ -677,14 +772,82 @@ mod tests {
     }
 
     #[test]
-    fn every_flipped_data_byte_is_caught_or_harmless() {
-        let bytes = to_bytes(&sample()).unwrap();
-        for at in 0..bytes.len() {
-            let mut broken = bytes.clone();
-            broken[at] ^= 0xff;
-            // Must never panic; a flipped value byte may still decode to a valid delta.
-            let _ = from_bytes(broken, "flip");
+    fn every_flipped_bit_of_a_delta_file_is_refused_or_changes_nothing() {
+        // Before the checksum, 20-40% of random flips in a delta's data decoded to other, valid changes.
+        for delta in [sample(), packed_sample()] {
+            let bytes = to_bytes(&delta).unwrap();
+            let original = from_bytes(bytes.clone(), "original").unwrap();
+            let key = memchr::memmem::find(&bytes, CHECKSUM_KEY.as_bytes()).unwrap();
+            for at in 0..bytes.len() {
+                for bit in 0..8 {
+                    let mut broken = bytes.clone();
+                    broken[at] ^= 1 << bit;
+                    match from_bytes(broken, "flip") {
+                        Err(Error::Format { .. }) => {}
+                        Err(other) => panic!("byte {at} bit {bit}: not a format error: {other}"),
+                        // Only a flip in the checksum's own key can hide it (the key is then caller metadata); the
+                        // file is otherwise whole.
+                        Ok(read) => {
+                            assert!(
+                                (key..key + CHECKSUM_KEY.len()).contains(&at),
+                                "byte {at} bit {bit} was let through"
+                            );
+                            assert_eq!(read.tensors.len(), original.tensors.len());
+                            for (a, b) in read.tensors.iter().zip(&original.tensors) {
+                                assert_eq!(
+                                    (&a.name, &a.positions[..], &a.values[..]),
+                                    (&b.name, &b.positions[..], &b.values[..])
+                                );
+                            }
+                        }
+                    }
+                }
+            }
         }
+    }
+
+    #[test]
+    fn the_checksum_is_written_on_deltas_only_and_checked_wherever_it_is() {
+        let bytes = to_bytes(&sample()).unwrap();
+        let header = read_header(&bytes, "mem").unwrap();
+        let value = &header.metadata[CHECKSUM_KEY];
+        assert!(base::parse_hex(value).is_some());
+        // The definition: the base identity of the whole file with its digits read as zeros.
+        let at = memchr::memmem::find(&bytes, value.as_bytes()).unwrap();
+        let mut zeroed = bytes.clone();
+        zeroed[at..at + 16].fill(b'0');
+        assert_eq!(&base::to_hex(base::identity(&zeroed)), value);
+        assert!(!from_bytes(bytes.clone(), "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
+        // An anchor carries none (core::anchors streams it, header first).
+        let old = [1u8, 2, 3, 4];
+        let full = crate::core::diff::full(&[crate::core::diff::FullInput {
+            name: "w".into(),
+            dtype: Dtype::U8,
+            shape: vec![4],
+            data: &old,
+        }])
+        .unwrap();
+        let anchor = Delta { tensors: full, step: Some(1), base_step: None, metadata: BTreeMap::new(), packed: false };
+        let anchor_bytes = to_bytes(&anchor).unwrap();
+        assert!(!read_header(&anchor_bytes, "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
+        // A wrong one on an anchor is caught all the same; so are a malformed one and one not written as specified.
+        let wrong = edit_header(&anchor_bytes, |h| {
+            h.replacen(r#""kind":"anchor""#, r#""kind":"anchor","file_xxh3":"0123456789abcdef""#, 1)
+        });
+        let err = from_bytes(wrong, "anchor").unwrap_err().to_string();
+        assert!(err.contains("damaged"), "{err}");
+        for (edit, expected) in [
+            (format!(r#""{CHECKSUM_KEY}":"{}""#, value.to_uppercase()), "not 16 lowercase hex digits"),
+            (format!(r#""{CHECKSUM_KEY}": "{value}""#), "as written"),
+        ] {
+            let broken = edit_header(&bytes, |h| h.replacen(&format!(r#""{CHECKSUM_KEY}":"{value}""#), &edit, 1));
+            let err = from_bytes(broken, "edited").unwrap_err().to_string();
+            assert!(err.contains(expected), "{edit}: {err}");
+        }
+        // A second, caller-made copy of the pattern makes it ambiguous: refused by the writer.
+        let mut ambiguous = sample();
+        ambiguous.metadata.insert(format!("x\"{CHECKSUM_KEY}"), CHECKSUM_PLACEHOLDER.into());
+        assert!(matches!(to_bytes(&ambiguous), Err(Error::InvalidInput { .. })));
     }
 
     #[test]
