@@ -502,10 +502,12 @@ impl RawDelta {
     }
 
     /// Reads and fully validates a delta file through a read-only memory map (core::anchors::load_mapped): the
-    /// file must stay unchanged while the delta lives.
+    /// file must stay unchanged while the delta lives. `checksum=False` leaves the file's checksum unchecked: only
+    /// for a stand-in of an anchor read by ranges, whose pieces are checked instead.
     #[staticmethod]
-    fn map(py: Python<'_>, path: PathBuf) -> PyResult<RawDelta> {
-        let delta = py.detach(|| anchors::load_mapped(&path)).map_err(to_py)?;
+    #[pyo3(signature = (path, checksum = true))]
+    fn map(py: Python<'_>, path: PathBuf, checksum: bool) -> PyResult<RawDelta> {
+        let delta = py.detach(|| anchors::load_mapped_with(&path, checksum)).map_err(to_py)?;
         Ok(RawDelta { delta })
     }
 

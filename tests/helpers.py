@@ -137,6 +137,19 @@ def reseal(blob: bytes) -> bytes:
     return zeroed[:at] + file_checksum(zeroed).encode() + zeroed[at + 16 :]
 
 
+def streamed(blob: bytes) -> bytes:
+    """An anchor laid out in memory (``ds.anchor(...).to_bytes()``) as a publisher streams it into its store: the
+    same bytes without the file checksum, which a header written before the tensors cannot hold (docs/format.md
+    §2.1)."""
+    length = int.from_bytes(blob[:8], "little")
+    header = blob[8 : 8 + length].rstrip(b" ")
+    value = json.loads(header)["__metadata__"]["file_xxh3"]
+    entry = f'"file_xxh3":"{value}"'.encode()
+    header = header.replace(entry + b",", b"") if entry + b"," in header else header.replace(b"," + entry, b"")
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + blob[8 + length :]
+
+
 def malformed_for_the_apply(blob: bytes) -> bytes:
     """``blob`` with one of its last bytes changed so that it loads with check="apply" (the streams' headers are
     sound) but a full check refuses it: a stream only the apply finds malformed. The checksum is made right (as

@@ -26,7 +26,7 @@ from ._core import (
     tensor_hashes,
 )
 from ._ranged import MAX_HEADER_BYTES, AnchorTensor, PartialAnchor, anchor_tensors
-from .delta import Delta, load
+from .delta import Delta, load_stand_in
 from .errors import BaseMismatchError, DeltaFormatError, DeltaSyncError, IntegrityError
 from .manifest import Pieces
 from .store import private_temp, remove_temp
@@ -233,7 +233,7 @@ class FilledAnchor(PartialAnchor):
         try:
             os.ftruncate(fd, pieces.size)
             os.pwrite(fd, anchor.prefix, 0)
-            delta = load(path, mmap=True)
+            delta = load_stand_in(path)
         finally:
             os.close(fd)
             remove_temp(path)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from .delta import Delta, load
+from .delta import Delta, load_stand_in
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
 from .manifest import Pieces
 from .store import Store, private_temp, remove_temp
@@ -156,7 +156,7 @@ def read_ranged(store: Store, ref: dict[str, Any], pieces: Pieces, needed: Neede
         for start, end in sorted(ranges):
             fetch(start, end)
         delta = PartialAnchor(
-            load(path, mmap=True),
+            load_stand_in(path),
             frozenset(verified),
             pieces.piece_bytes,
             {t.name: (t.start, t.end) for t in tensors},

@@ -485,6 +485,13 @@ def _metadata(value: Any) -> dict[str, str]:
     return dict(value)
 
 
+def load_stand_in(path: str | os.PathLike[str]) -> Delta:
+    """The delta of a stand-in file: an anchor's header, already checked, and zeros where its tensors are, which are
+    read by ranges and checked piece by piece (docs/format.md §10). Mapped, every check made but the file's
+    checksum (§2.1), which the zeros cannot match."""
+    return Delta(RawDelta.map(os.fspath(path), checksum=False))
+
+
 def load(source: Source, *, mmap: bool = False, check: str = "load") -> Delta:
     """Reads a delta from a path or from bytes: a deltasync file or a TRL v1/v3 weight patch.
     Everything is validated up front; a bad file raises :class:`DeltaFormatError`.

@@ -406,8 +406,8 @@ pub fn fill_checked(
     Ok(source.walk(&file, &order, &write)?.map(Unchecked::Piece))
 }
 
-/// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode` lays out
-/// the very file `to_bytes` would give without copying a tensor.
+/// A caller's bytes lent to a `Delta` that never outlives `write_anchor`'s call, so that `format::encode_with` lays
+/// out the very file it would give in memory without copying a tensor.
 struct Lent {
     ptr: *const u8,
     len: usize,
@@ -555,8 +555,8 @@ pub struct AnchorOptions {
     pub early_writeback: bool,
 }
 
-/// Writes the anchor of `inputs` (the bytes `format::to_bytes` gives for `diff::full(inputs)` with this step and
-/// metadata) into the file at `path`, truncating it, and returns its size, SHA-256 (with `whole_sha256`) and state
+/// Writes the anchor of `inputs` (the bytes `format::encode_with(.., false)` gives for `diff::full(inputs)` with
+/// this step and metadata: no checksum, which would have to be in the header before the first byte is hashed) into the file at `path`, truncating it, and returns its size, SHA-256 (with `whole_sha256`) and state
 /// digest, all hashed in the same pass. Each tensor is copied once, from its own memory into the file; nothing the
 /// size of the state is allocated. The caller keeps `inputs` unchanged until this returns, and makes the file
 /// durable (fsync) where it needs to. With `piece_bytes` it also returns the hash of each piece of that size, hashed
@@ -584,7 +584,7 @@ pub fn write_anchor(
         })
         .collect::<Result<Vec<_>>>()?;
     let delta = Delta { tensors, step, base_step: None, metadata: metadata.clone(), packed: false };
-    let encoded = format::encode(&delta)?;
+    let encoded = format::encode_with(&delta, false)?;
     let file = std::fs::OpenOptions::new().write(true).truncate(true).open(path).map_err(|e| Error::io(path, e))?;
     let mut pending: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
     for (index, input) in inputs.iter().enumerate() {
@@ -631,10 +631,16 @@ pub fn write_anchor(
 /// file, and core::apply drops its pages as it copies them, so applying an anchor holds little of it at a time.
 /// The file must not change while the delta lives (give it a private copy, e.g. one already checked by SHA-256).
 pub fn load_mapped(path: &Path) -> Result<Delta> {
+    load_mapped_with(path, true)
+}
+
+/// `load_mapped`, with the file's checksum (docs/format.md §2.1) checked or not: not for a stand-in that holds an
+/// anchor's checked header and zeros where its tensors are, read by ranges and checked piece by piece instead.
+pub fn load_mapped_with(path: &Path, checksum: bool) -> Result<Delta> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: read-only mapping of a file the caller keeps unchanged (see above).
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    format::read(Arc::new(Backing::Mapped(map)), &path.display().to_string())
+    format::read_with(Arc::new(Backing::Mapped(map)), &path.display().to_string(), false, checksum)
 }
 
 #[cfg(test)]
@@ -667,14 +673,18 @@ mod tests {
             .collect();
         let inputs = inputs(&data);
         let metadata = BTreeMap::from([("who".to_owned(), "test".to_owned())]);
-        let expected = format::to_bytes(&Delta {
-            tensors: diff::full(&inputs).unwrap(),
-            step: Some(7),
-            base_step: None,
-            metadata: metadata.clone(),
-            packed: false,
-        })
-        .unwrap();
+        let expected = format::encode_with(
+            &Delta {
+                tensors: diff::full(&inputs).unwrap(),
+                step: Some(7),
+                base_step: None,
+                metadata: metadata.clone(),
+                packed: false,
+            },
+            false,
+        )
+        .unwrap()
+        .to_vec();
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"old, longer content that must be truncated away").unwrap();

@@ -210,10 +210,16 @@ pub fn version_of(delta: &Delta) -> &'static str {
     }
 }
 
-/// Builds the header for `delta` and lists the pieces that follow it, in the layout of `version_of(delta)`.
-/// Streams loaded with their check left to the apply (`TensorDelta::unchecked`) are checked first: a file is only
-/// ever written with streams known to be sound.
+/// Builds the header for `delta` and lists the pieces that follow it, in the layout of `version_of(delta)`, with
+/// the file's checksum (§2.1). Streams loaded with their check left to the apply (`TensorDelta::unchecked`) are
+/// checked first: a file is only ever written with streams known to be sound.
 pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
+    encode_with(delta, true)
+}
+
+/// `encode`, with or without the checksum: core::anchors writes an anchor as it streams, header first, so it has
+/// none (the store's digests and pieces sidecar check those, §10).
+pub fn encode_with(delta: &Delta, checksummed: bool) -> Result<Encoded<'_>> {
     for tensor in &delta.tensors {
         check_tensor_name(&tensor.name)?;
     }
@@ -260,9 +266,6 @@ pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
     if let Some(base) = delta.base_step {
         metadata.insert("base_step".into(), base.to_string());
     }
-    // Anchors have none: they are written as they stream (core::anchors), header first, and a ranged reader could
-    // not check it anyway; their store entry's digest and pieces sidecar cover them (§10).
-    let checksummed = !delta.is_anchor();
     if checksummed {
         metadata.insert(CHECKSUM_KEY.into(), CHECKSUM_PLACEHOLDER.into());
     }
@@ -291,21 +294,12 @@ fn checksum_at(header: &[u8], value: &str) -> std::result::Result<usize, String>
     }
 }
 
-/// Makes the checksum of the file in `bytes` right again, if it has one (the first `"file_xxh3":"` in its header),
-/// and says whether it did: for tests and fuzzers that edit a file on purpose and aim at a check behind the checksum.
+/// Makes the checksum of the file in `bytes` right again, if its JSON header parses and holds one, and says whether
+/// it did: for tests and fuzzers that edit a file on purpose and aim at a check behind the checksum.
 pub fn reseal(bytes: &mut [u8]) -> bool {
-    let Some(header_len) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))) else {
-        return false;
-    };
-    let Some(header) = usize::try_from(header_len).ok().and_then(|len| bytes.get(8..8usize.checked_add(len)?)) else {
-        return false;
-    };
-    let key = format!("\"{CHECKSUM_KEY}\":\"");
-    let Some(at) = memchr::memmem::find(header, key.as_bytes()).map(|at| 8 + at + key.len()) else { return false };
-    let digits = at..at + CHECKSUM_PLACEHOLDER.len();
-    if digits.end > 8 + header.len() {
-        return false;
-    }
+    let Some((value, header_len)) = raw_checksum(bytes) else { return false };
+    let Ok(at) = checksum_at(&bytes[8..8 + header_len], &value) else { return false };
+    let digits = 8 + at..8 + at + CHECKSUM_PLACEHOLDER.len();
     bytes[digits.clone()].copy_from_slice(CHECKSUM_PLACEHOLDER.as_bytes());
     let checksum = base::to_hex(base::identity(bytes));
     bytes[digits].copy_from_slice(checksum.as_bytes());
@@ -317,7 +311,12 @@ fn check_checksum(bytes: &[u8], header_len: usize, value: &str, source_name: &st
     let bad = |message: String| Error::format(source_name, message);
     let expected = base::parse_hex(value)
         .ok_or_else(|| bad(format!("metadata {CHECKSUM_KEY:?} is {value:?}, not 16 lowercase hex digits")))?;
-    let at = 8 + checksum_at(&bytes[8..8 + header_len], value).map_err(bad)?;
+    let at = 8 + checksum_at(&bytes[8..8 + header_len], value).map_err(|problem| {
+        bad(format!(
+            "its checksum cannot be checked: {problem} (docs/format.md §2.1); was the header rewritten since the file \
+             was written?"
+        ))
+    })?;
     let found = base::identity_of_pieces(&[
         &bytes[..at],
         CHECKSUM_PLACEHOLDER.as_bytes(),
@@ -456,19 +455,34 @@ pub fn read(backing: Arc<Backing>, source_name: &str) -> Result<Delta> {
 /// `read`, with `defer`: the streams of tensors whose check can wait for the apply (`TensorDelta::check_can_wait`)
 /// are checked only as far as their headers, and the rest when a reader decodes them.
 pub fn read_checked(backing: Arc<Backing>, source_name: &str, defer: bool) -> Result<Delta> {
-    let header = read_header(&backing, source_name)?;
-    match header.metadata.get("format").map(String::as_str) {
-        Some(FORMAT_NAME) => {
-            // The checksum is checked after the structure, so that a damaged file still fails the first check it
-            // breaks (and fuzzers still reach every one), but a damaged file is reported as such whichever fails.
-            let checksum = header.metadata.get(CHECKSUM_KEY).cloned();
-            let header_len = header.len;
-            let read = read_deltasync(Arc::clone(&backing), header, source_name, defer);
-            match checksum.map(|value| check_checksum(&backing, header_len, &value, source_name)) {
-                Some(Err(damaged)) => Err(damaged),
-                _ => read,
-            }
+    read_with(backing, source_name, defer, true)
+}
+
+/// `read_checked`, with the file's checksum (§2.1) checked where it has one, or not (`checksum = false`: only for a
+/// stand-in whose tensors' bytes are checked otherwise, as an anchor read by ranges).
+pub fn read_with(backing: Arc<Backing>, source_name: &str, defer: bool, checksum: bool) -> Result<Delta> {
+    let header = match read_header(&backing, source_name) {
+        Ok(header) => header,
+        // A file cut short or lengthened fails the container's checks; where its checksum can still be found, the
+        // error says it is damaged.
+        Err(error) => {
+            return Err(match checksum.then(|| raw_checksum(&backing)).flatten() {
+                Some((value, header_len))
+                    if base::parse_hex(&value).is_some()
+                        && checksum_at(&backing[8..8 + header_len], &value).is_ok() =>
+                {
+                    check_checksum(&backing, header_len, &value, source_name).err().unwrap_or(error)
+                }
+                _ => error,
+            })
         }
+    };
+    // The checksum is checked after the structure, so that a damaged file still fails the first check it breaks
+    // (and fuzzers still reach every one), but a damaged file is reported as such whichever check fails.
+    let value = header.metadata.get(CHECKSUM_KEY).cloned().filter(|_| checksum);
+    let header_len = header.len;
+    let read = match header.metadata.get("format").map(String::as_str) {
+        Some(FORMAT_NAME) => read_deltasync(Arc::clone(&backing), header, source_name, defer),
         Some(crate::core::trl::FORMAT_NAME) => crate::core::trl::read(&backing, &header, source_name),
         Some(other) => Err(Error::format(source_name, format!("unknown format {other:?} in the header metadata"))),
         None => Err(Error::format(
@@ -476,7 +490,21 @@ pub fn read_checked(backing: Arc<Backing>, source_name: &str, defer: bool) -> Re
             "no 'format' in the header metadata: not a deltasync delta or a TRL weight patch \
              (a plain checkpoint is a base to apply to, not a delta)",
         )),
+    };
+    match value.map(|value| check_checksum(&backing, header_len, &value, source_name)) {
+        Some(Err(damaged)) => Err(damaged),
+        _ => read,
     }
+}
+
+/// The checksum of a file whose container is not sound (say, cut short), when its JSON header still parses and
+/// holds one: its value and the header's length.
+fn raw_checksum(bytes: &[u8]) -> Option<(String, usize)> {
+    let header_len = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    let header = bytes.get(8..8usize.checked_add(header_len)?)?;
+    let document: serde_json::Value = serde_json::from_slice(header).ok()?;
+    let value = document.get(METADATA_KEY)?.get(CHECKSUM_KEY)?.as_str()?;
+    Some((value.to_owned(), header_len))
 }
 
 /// Takes a 1-D `U8` tensor out of the header: its byte range, or None when it is absent.
@@ -765,25 +793,40 @@ mod tests {
     #[test]
     fn every_truncation_is_a_format_error() {
         let bytes = to_bytes(&sample()).unwrap();
+        let data_start = 8 + read_header(&bytes, "mem").unwrap().len;
         for cut in 0..bytes.len() {
             let err = from_bytes(bytes[..cut].to_vec(), "cut").unwrap_err();
             assert!(matches!(err, Error::Format { .. }), "cut at {cut}: {err}");
+            // With the header whole, the file is said to be damaged (a download cut short), not merely malformed.
+            assert_eq!(err.to_string().contains("damaged"), cut >= data_start, "cut at {cut}: {err}");
         }
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(b"tail");
+        assert!(from_bytes(longer, "long").unwrap_err().to_string().contains("damaged"));
     }
 
     #[test]
     fn every_flipped_bit_of_a_delta_file_is_refused_or_changes_nothing() {
-        // Before the checksum, 20-40% of random flips in a delta's data decoded to other, valid changes.
+        // Before the checksum, a third to two thirds of random one-byte changes to a delta's data decoded to other,
+        // valid changes.
         for delta in [sample(), packed_sample()] {
             let bytes = to_bytes(&delta).unwrap();
             let original = from_bytes(bytes.clone(), "original").unwrap();
             let key = memchr::memmem::find(&bytes, CHECKSUM_KEY.as_bytes()).unwrap();
+            let (value, _) = raw_checksum(&bytes).unwrap();
             for at in 0..bytes.len() {
                 for bit in 0..8 {
                     let mut broken = bytes.clone();
                     broken[at] ^= 1 << bit;
+                    let still_found = raw_checksum(&broken).is_some_and(|(found, _)| found == value);
                     match from_bytes(broken, "flip") {
-                        Err(Error::Format { .. }) => {}
+                        // Wherever the header still parses and holds the value, the file is said to be damaged.
+                        Err(error @ Error::Format { .. }) => {
+                            assert!(
+                                !still_found || error.to_string().contains("damaged"),
+                                "byte {at} bit {bit}: {error}"
+                            )
+                        }
                         Err(other) => panic!("byte {at} bit {bit}: not a format error: {other}"),
                         // Only a flip in the checksum's own key can hide it (the key is then caller metadata); the
                         // file is otherwise whole.
@@ -818,7 +861,9 @@ mod tests {
         zeroed[at..at + 16].fill(b'0');
         assert_eq!(&base::to_hex(base::identity(&zeroed)), value);
         assert!(!from_bytes(bytes.clone(), "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
-        // An anchor carries none (core::anchors streams it, header first).
+        // An anchor laid out in memory carries one too; the one core::anchors streams (header first) carries none,
+        // and a wrong one added to it is caught all the same; so are a malformed one and one not written as
+        // specified.
         let old = [1u8, 2, 3, 4];
         let full = crate::core::diff::full(&[crate::core::diff::FullInput {
             name: "w".into(),
@@ -828,9 +873,10 @@ mod tests {
         }])
         .unwrap();
         let anchor = Delta { tensors: full, step: Some(1), base_step: None, metadata: BTreeMap::new(), packed: false };
-        let anchor_bytes = to_bytes(&anchor).unwrap();
+        assert!(read_header(&to_bytes(&anchor).unwrap(), "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
+        let anchor_bytes = encode_with(&anchor, false).unwrap().to_vec();
         assert!(!read_header(&anchor_bytes, "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
-        // A wrong one on an anchor is caught all the same; so are a malformed one and one not written as specified.
+        assert!(from_bytes(anchor_bytes.clone(), "anchor").is_ok());
         let wrong = edit_header(&anchor_bytes, |h| {
             h.replacen(r#""kind":"anchor""#, r#""kind":"anchor","file_xxh3":"0123456789abcdef""#, 1)
         });
