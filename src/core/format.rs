@@ -34,7 +34,8 @@ pub const VALUES_SUFFIX: &str = ":val";
 /// The safetensors header's own key: no tensor may be stored under it.
 pub const METADATA_KEY: &str = "__metadata__";
 /// The metadata key of the file's checksum (§2.1): the base identity (§3.1) of the whole file with its own 16 digits
-/// read as zeros. Writers write it on every file of kind delta; readers check it wherever it is.
+/// read as zeros. `encode` writes it on every file (core::anchors streams anchors without it); readers check it
+/// wherever it is.
 pub const CHECKSUM_KEY: &str = "file_xxh3";
 /// Header keys the format owns; caller metadata may not use them.
 pub const RESERVED_KEYS: [&str; 7] = ["format", "format_version", "kind", "tensors", "step", "base_step", CHECKSUM_KEY];
