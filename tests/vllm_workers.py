@@ -855,6 +855,161 @@ def check_a_tie_the_served_model_does_not_hold_is_refused(model, item: Prepared)
         )
 
 
+def check_a_delta_of_another_dtype_or_layout_is_refused(model, item: Prepared) -> None:
+    """A delta made from fp16 exports of a bf16-served model, and one of a transposed export (same element count):
+    each refused by name with nothing written. The dtype check compares the delta with vLLM's parameter; the shape
+    check, the record's shape with the checkpoint shape the parameter maps (mutation testing found neither pinned:
+    fp16 bits went into bf16 weights, and the transposed values were written in the wrong order)."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    load_state(model, item, 0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    prev, curr = _state(item, 0)[name], _state(item, 1)[name]
+    for made, must_contain in (
+        (lambda t: t.to(torch.float16), "F16"),
+        (lambda t: t.t().contiguous(), "shape"),
+    ):
+        delta = ds.diff({name: made(prev)}, {name: made(curr)}, values="abs", step=1, base_step=0)
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.BaseMismatchError,
+            lambda delta=delta: apply_delta(model, delta, current_step=0),
+            must_contain,
+        )
+
+
+def check_a_partial_anchor_is_applied_only_over_what_was_read(model, item: Prepared) -> None:
+    """anchor_ranges that ask for less than this rank's shard (half of each tensor): the unread bytes are zeros in
+    the PartialAnchor, and the apply refuses rather than write them (mutation testing found no test of it)."""
+    import deltasync_rs as ds
+    from deltasync_rs._ranged import PartialAnchor
+    from deltasync_rs.vllm import apply_delta
+
+    load_state(model, item, 0)
+    halves = ds.Subscriber(
+        item.path("store-ranged"), anchor_ranges=lambda ts: [(t.start, t.start + (t.end - t.start) // 2) for t in ts]
+    )
+    (anchor,) = halves.fetch(None)
+    assert isinstance(anchor, PartialAnchor), type(anchor)
+    _expect_untouched(
+        model, snapshot(model), ds.IntegrityError, lambda: apply_delta(model, anchor), "not read and verified"
+    )
+
+
+def check_the_loader_path_checks_the_chain(model, item: Prepared) -> None:
+    """A delta of steps 1 to 2 given to a model at step 0 through vLLM's own loader: refused with nothing written,
+    as on the mapped path (mutation testing found only the mapped path pinned)."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    load_state(model, item, 0)
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,
+        lambda: apply_delta(model, _delta(item, 2, "abs"), current_step=0, path="loader"),
+        "step 1",
+    )
+
+
+def check_a_declared_step_then_a_reload_is_noticed(model, item: Prepared) -> None:
+    """A step declared (deltasync_set_step, or the weight-transfer engine's current_step) is sampled too: vLLM's
+    reload of its checkpoint after the declaration (reload_weights, a wake-up from sleep level 2) is noticed and the
+    next delta of differences refused, on both ways in (mutation testing found only reloads after an apply pinned;
+    without the sample the differences of 1 to 2 went onto step 0's weights, and the worker said step 2)."""
+    import deltasync_rs as ds
+    import deltasync_rs.vllm as dv
+
+    load_state(model, item, 1)
+    worker = _fresh_worker(model)
+    assert worker.deltasync_set_step(1) == 1
+    load_state(model, item, 0)  # vLLM puts its checkpoint back
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,
+        lambda: worker.deltasync_apply([item.path("delta_2_diff.safetensors")]),
+        "step is unknown",
+    )
+    from types import SimpleNamespace
+
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    dv.register()
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="deltasync"),
+        SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace()),
+        torch.device("cpu"),
+        model,
+    )
+    load_state(model, item, 1)
+    engine.init_transfer_engine(dv.DeltaSyncInitInfo(current_step=1))
+    load_state(model, item, 0)
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,
+        lambda: engine.receive_weights(dv.DeltaSyncUpdateInfo(paths=[item.path("delta_2_diff.safetensors")])),
+        "step is unknown",
+    )
+    _fresh_worker(model)
+
+
+def check_a_layer_the_cpu_backend_packed_is_refused(model, item: Prepared) -> None:
+    """A layer vLLM's CPU backend packed without the unpacked weight deltasync keeps (its plugin did not run)
+    computes from a private copy: an in-place write would leave its outputs on the old weights while the step
+    advanced. Refused by name, nothing written (mutation testing found no test of it)."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    load_state(model, item, 0)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.cpu_linear = object()  # what the backend leaves on a layer it packed
+    try:
+        _expect_untouched(
+            model,
+            snapshot(model),
+            ds.DeltaSyncError,
+            lambda: apply_delta(model, _delta(item, 1, "diff"), current_step=0),
+            "packed",
+        )
+    finally:
+        del layer.cpu_linear
+
+
+def check_a_failure_of_one_rank_alone_is_raised_under_the_mp_executor(model, item: Prepared) -> None:
+    """Under vLLM's mp executor the ranks before the last return None for a failure every rank shares (so that every
+    reply is read); a failure of this rank alone (its file unreadable here) must still raise, or the caller sees
+    success while this rank applied nothing (mutation testing found no test of it). At TP=1, where a missing file
+    is this rank's alone; at TP=2 every rank misses it, which is what the ranks before the last may return None for
+    (check_ranks_refuse_together_what_one_rank_alone_can_see covers the ranks' agreement)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    import deltasync_rs as ds
+    import deltasync_rs.vllm as dv
+
+    if get_tensor_model_parallel_world_size() > 1:
+        return
+
+    worker = _fresh_worker(model)
+    assert worker.deltasync_set_step(0) == 0
+    real = dv._replies_before_the_last
+    dv._replies_before_the_last = lambda config: True  # as rank 0 of 2 under the mp executor
+    try:
+        try:
+            worker.deltasync_apply([item.path("no_such_delta.safetensors")])
+        except ds.DeltaSyncError:
+            pass
+        else:
+            raise AssertionError("a failure of this rank alone returned as if it had applied")
+    finally:
+        dv._replies_before_the_last = real
+    _fresh_worker(model)
+
+
 CHECKS = [
     check_a_tie_the_served_model_does_not_hold_is_refused,
     check_ranks_refuse_together_what_one_rank_alone_can_see,
@@ -879,6 +1034,12 @@ CHECKS = [
     check_unmapped_architecture_falls_back,
     check_worker_extension_applies_files,
     check_weights_reloaded_by_vllm_are_noticed,
+    check_a_delta_of_another_dtype_or_layout_is_refused,
+    check_a_partial_anchor_is_applied_only_over_what_was_read,
+    check_the_loader_path_checks_the_chain,
+    check_a_declared_step_then_a_reload_is_noticed,
+    check_a_layer_the_cpu_backend_packed_is_refused,
+    check_a_failure_of_one_rank_alone_is_raised_under_the_mp_executor,
 ]
 
 
