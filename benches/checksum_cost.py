@@ -1,0 +1,67 @@
+"""What the file checksum (docs/format.md §2.1) costs a reader: load + apply of the same delta with and without its
+`file_xxh3` (the key taken out, as older writers wrote the file), alternated round by round so that load from other
+processes on a shared machine hits both alike, and the hash of the file alone.
+
+    python benches/checksum_cost.py [rounds]
+
+A synthetic bf16 step: 6 tensors of 4096 x 4096, 1% of the elements moved by one in their bit pattern. Prints
+medians in ms and their ratio per codec. Nothing is asserted on timings.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import deltasync_rs as ds
+from deltasync_rs import _core
+
+
+def _without_checksum(blob: bytes) -> bytes:
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    del header["__metadata__"]["file_xxh3"]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + length :]
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 31
+    g = torch.Generator().manual_seed(0)
+    prev = {f"layer.{i}.weight": torch.randn(4096, 4096, generator=g).to(torch.bfloat16) for i in range(6)}
+    curr = {}
+    for name, tensor in prev.items():
+        changed = tensor.clone()
+        changed.view(torch.int16)[torch.rand(tensor.shape, generator=g) < 0.01] += 1
+        curr[name] = changed
+    for codec in ("varint", "compact"):
+        delta = ds.diff(prev, curr, codec=codec)
+        sealed = delta.to_bytes()
+        files = {"with": sealed, "without": _without_checksum(sealed)}
+        times: dict[str, list[float]] = {name: [] for name in files}
+        for _ in range(rounds):
+            for name, blob in files.items():
+                target = {n: t.clone() for n, t in prev.items()}
+                start = time.perf_counter()
+                ds.load(blob).apply_(target)
+                times[name].append(time.perf_counter() - start)
+        hashes = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            _core.base_identity(sealed)
+            hashes.append(time.perf_counter() - start)
+        with_, without = (statistics.median(times[name]) * 1e3 for name in ("with", "without"))
+        print(
+            f"{codec:8} {len(sealed) / 1e6:.2f} MB, {delta.num_changed:,} changes: load + apply {with_:.2f} ms with the "
+            f"checksum, {without:.2f} ms without ({with_ / without:.3f}x); the file's hash alone "
+            f"{statistics.median(hashes) * 1e3:.3f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
