@@ -137,10 +137,10 @@ def reseal(blob: bytes) -> bytes:
     return zeroed[:at] + file_checksum(zeroed).encode() + zeroed[at + 16 :]
 
 
-def streamed(blob: bytes) -> bytes:
-    """An anchor laid out in memory (``ds.anchor(...).to_bytes()``) as a publisher streams it into its store: the
-    same bytes without the file checksum, which a header written before the tensors cannot hold (docs/format.md
-    §2.1)."""
+def without_checksum(blob: bytes) -> bytes:
+    """``blob`` without its file checksum (docs/format.md §2.1), byte for byte as a writer that writes none lays it
+    out: an older writer's delta, or an anchor laid out in memory (``ds.anchor(...).to_bytes()``) as a publisher
+    streams it into its store, whose header is written before the tensors."""
     length = int.from_bytes(blob[:8], "little")
     header = blob[8 : 8 + length].rstrip(b" ")
     value = json.loads(header)["__metadata__"]["file_xxh3"]

@@ -18,7 +18,7 @@ import deltasync_rs.publisher as publisher_module
 from deltasync_rs.delta import load, write_anchor_file
 from deltasync_rs.manifest import pieces_key
 from deltasync_rs.sync import anchor_key, entry_key, verify_store
-from tests.helpers import assert_states_equal, clone_state, streamed
+from tests.helpers import assert_states_equal, clone_state, without_checksum
 
 
 def _state(seed=0):
@@ -59,7 +59,7 @@ def test_streamed_anchor_is_byte_identical_to_to_bytes(tmp_path):
     state["embed.T"] = state["embed.weight"].view(64, 300).contiguous()  # a copy of the same bytes, another shape
     state["embed.flat"] = state["embed.weight"].view(-1)  # the same memory as another shape
     size, sha256, digest = write_anchor_file(state, path, step=12, metadata={"origin": "test"})
-    expected = streamed(ds.anchor(state, step=12, metadata={"origin": "test"}).to_bytes())
+    expected = without_checksum(ds.anchor(state, step=12, metadata={"origin": "test"}).to_bytes())
     assert path.read_bytes() == expected
     assert (size, sha256) == (len(expected), hashlib.sha256(expected).hexdigest())
     assert digest == ds.state_digest(state)  # hashed in the same pass
@@ -142,7 +142,7 @@ def test_published_anchor_equals_the_in_memory_anchor_and_leaves_no_temp_files(
             _change(state, step)
             publisher.publish(step, state)
             if step == 2:
-                expected = streamed(ds.anchor(state, step=2).to_bytes())
+                expected = without_checksum(ds.anchor(state, step=2).to_bytes())
     stored = (tmp_path / "store" / anchor_key(2)).read_bytes()
     assert stored == expected
     entry = json.loads((tmp_path / "store" / entry_key(2)).read_bytes())
@@ -164,7 +164,7 @@ def test_anchor_upload_from_a_file_on_every_store(store, private_tmp):
             _change(state, step)
             publisher.publish(step, state)
             if step == 3:
-                expected = streamed(ds.anchor(state, step=3).to_bytes())
+                expected = without_checksum(ds.anchor(state, step=3).to_bytes())
     assert store.get(anchor_key(3)) == expected
     replica = _fresh(state)
     assert ds.Subscriber(store).pull(replica) == 4
@@ -222,7 +222,7 @@ def test_the_next_publish_waits_for_the_anchor_file(tmp_path, monkeypatch):
         assert waiter.is_alive()  # waiting for the anchor file, the mirror untouched
         release.set()
         waiter.join(10)
-    assert store.get(anchor_key(0)) == streamed(ds.anchor(first, step=0).to_bytes())
+    assert store.get(anchor_key(0)) == without_checksum(ds.anchor(first, step=0).to_bytes())
     replica = _fresh(state)
     assert ds.Subscriber(store).pull(replica) == 1
     assert_states_equal(replica, state)
@@ -361,7 +361,7 @@ def test_a_resumed_publisher_streams_its_first_anchor(tmp_path, private_tmp):
         publisher.resume(state, step=5)
         _change(state, 6)
         publisher.publish(6, state)
-    assert store.get(anchor_key(6)) == streamed(ds.anchor(state, step=6).to_bytes())
+    assert store.get(anchor_key(6)) == without_checksum(ds.anchor(state, step=6).to_bytes())
     assert list(private_tmp.iterdir()) == []
 
 
