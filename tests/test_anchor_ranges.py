@@ -17,7 +17,7 @@ from deltasync_rs._ranged import PartialAnchor
 from deltasync_rs.delta import write_anchor_pieces
 from deltasync_rs.manifest import PIECES_HEADER_BYTES, Entry, anchor_key, entry_key, pieces_key
 from tests.conftest import s3_store
-from tests.helpers import counting_store, without_checksum
+from tests.helpers import counting_store
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -57,7 +57,7 @@ def test_pieces_are_the_hash_of_each_piece_of_the_file(tmp_path, algorithm):
     for piece in (1 << 10, 1 << 12, 1 << 20):
         size, sha256, digest, hashes = write_anchor_pieces(state, path, step=1, piece_bytes=piece, piece_hash=algorithm)
         data = path.read_bytes()
-        assert data == without_checksum(ds.anchor(state, step=1).to_bytes()) and size == len(data)
+        assert data == ds.anchor(state, step=1).to_bytes() and size == len(data)
         assert sha256 == hashlib.sha256(data).hexdigest() and digest == ds.state_digest(state)
         assert hashes == _piece_hashes(data, piece, algorithm)
         # Without the whole-file SHA-256 (protocol 2's default): the same file and pieces, no SHA-256.
@@ -77,8 +77,8 @@ def test_pieces_are_the_hash_of_each_piece_of_the_file(tmp_path, algorithm):
 @pytest.mark.parametrize(
     "algorithm, magic, pinned",
     [
-        ("sha256", b"DSPIECE1", "20a95bb02cf07080ab19bcc746f4df420efd1ae9c3efdf531d787214db5d2139"),
-        ("blake3", b"DSPIECE2", "971360b612b1af5af0712cc913071bddd1cc608905d2f91f63948462af7c5ee3"),
+        ("sha256", b"DSPIECE1", "202dc2665f2abe717abbc7b35d6945ac5e351ca48823cb6393d4e681b27170ed"),
+        ("blake3", b"DSPIECE2", "ef64ab1ed83b1a5d2bbdb1d5dcc43d35e741afe2048ca078971365953786ac19"),
     ],
 )
 def test_sidecar_layout_is_pinned(tmp_path, algorithm, magic, pinned):
@@ -110,7 +110,7 @@ def test_ranged_read_reads_only_the_pieces_it_needs_and_verifies_them(tmp_path):
     size = (root / anchor_key(3)).stat().st_size
     assert store.read[anchor_key(3)] == delta.covered_bytes < size / 2
     first = delta.names[0]
-    expected = without_checksum(ds.anchor(_state()).to_bytes())
+    expected = ds.anchor(_state()).to_bytes()
     header_end = 8 + int.from_bytes(expected[:8], "little")
     begin, end = json.loads(expected[8:header_end])[first]["data_offsets"]
     assert delta.tensor_bytes(first, 0, end - begin) == expected[header_end + begin : header_end + end]
@@ -451,31 +451,16 @@ def test_a_sidecar_of_another_piece_size_than_its_entry_is_refused():
 
 
 def test_an_anchor_that_carries_a_checksum_is_read_by_ranges_and_filled(tmp_path):
-    """docs/format.md §2.1: a publisher streams anchors without the file checksum, but an anchor laid out in memory
-    (``ds.anchor(...).to_bytes()``) carries one, and another writer may put one in a store. The ranged and filled
-    readers load a stand-in of the anchor (its checked header, zeros for its tensors) for the tensors' metadata:
-    that stand-in's checksum cannot match, and the sound anchor was refused as damaged (found by an adversarial
-    helper); its pieces are what those readers check."""
-    from deltasync_rs import _core
+    """docs/format.md §2.1: an anchor a publisher streams carries the file checksum, as one laid out in memory
+    (``ds.anchor(...).to_bytes()``) does. The ranged and filled readers load a stand-in of the anchor (its checked
+    header, zeros for its tensors) for the tensors' metadata: that stand-in's checksum cannot match, and the sound
+    anchor was refused as damaged (found by an adversarial helper); its pieces are what those readers check."""
     from deltasync_rs.delta import load_stand_in
-    from deltasync_rs.manifest import LATEST_KEY, pieces_document
 
     root = _published(tmp_path)
-    sealed = ds.anchor(_state(), step=3).to_bytes()
+    sealed = (root / anchor_key(3)).read_bytes()
     assert "file_xxh3" in json.loads(sealed[8 : 8 + int.from_bytes(sealed[:8], "little")])["__metadata__"]
-    (root / anchor_key(3)).write_bytes(sealed)
-    entry = json.loads((root / entry_key(3)).read_bytes())
-    pieces = entry["anchor"]["pieces"]
-    hashes = bytes(_core.file_piece_hashes(str(root / anchor_key(3)), pieces["piece_bytes"], "blake3"))
-    sidecar = pieces_document(len(sealed), pieces["piece_bytes"], hashes, "blake3")
-    (root / pieces_key(3)).write_bytes(sidecar)
-    entry["anchor"]["size"], pieces["size"] = len(sealed), len(sidecar)
-    pieces["sha256"] = hashlib.sha256(sidecar).hexdigest()
-    raw = json.dumps(entry, sort_keys=True).encode()
-    (root / entry_key(3)).write_bytes(raw)
-    latest = json.loads((root / LATEST_KEY).read_bytes())
-    latest["entry_sha256"] = hashlib.sha256(raw).hexdigest()
-    (root / LATEST_KEY).write_text(json.dumps(latest, sort_keys=True))
+    assert sealed == ds.anchor(_state(), step=3).to_bytes()
 
     state = {name: torch.zeros_like(t) for name, t in _state().items()}
     assert ds.Subscriber(root, retries=1).pull(state) == 3

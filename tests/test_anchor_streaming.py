@@ -18,7 +18,7 @@ import deltasync_rs.publisher as publisher_module
 from deltasync_rs.delta import load, write_anchor_file
 from deltasync_rs.manifest import pieces_key
 from deltasync_rs.sync import anchor_key, entry_key, verify_store
-from tests.helpers import assert_states_equal, clone_state, without_checksum
+from tests.helpers import assert_states_equal, clone_state
 
 
 def _state(seed=0):
@@ -59,7 +59,7 @@ def test_streamed_anchor_is_byte_identical_to_to_bytes(tmp_path):
     state["embed.T"] = state["embed.weight"].view(64, 300).contiguous()  # a copy of the same bytes, another shape
     state["embed.flat"] = state["embed.weight"].view(-1)  # the same memory as another shape
     size, sha256, digest = write_anchor_file(state, path, step=12, metadata={"origin": "test"})
-    expected = without_checksum(ds.anchor(state, step=12, metadata={"origin": "test"}).to_bytes())
+    expected = ds.anchor(state, step=12, metadata={"origin": "test"}).to_bytes()
     assert path.read_bytes() == expected
     assert (size, sha256) == (len(expected), hashlib.sha256(expected).hexdigest())
     assert digest == ds.state_digest(state)  # hashed in the same pass
@@ -142,7 +142,7 @@ def test_published_anchor_equals_the_in_memory_anchor_and_leaves_no_temp_files(
             _change(state, step)
             publisher.publish(step, state)
             if step == 2:
-                expected = without_checksum(ds.anchor(state, step=2).to_bytes())
+                expected = ds.anchor(state, step=2).to_bytes()
     stored = (tmp_path / "store" / anchor_key(2)).read_bytes()
     assert stored == expected
     entry = json.loads((tmp_path / "store" / entry_key(2)).read_bytes())
@@ -164,7 +164,7 @@ def test_anchor_upload_from_a_file_on_every_store(store, private_tmp):
             _change(state, step)
             publisher.publish(step, state)
             if step == 3:
-                expected = without_checksum(ds.anchor(state, step=3).to_bytes())
+                expected = ds.anchor(state, step=3).to_bytes()
     assert store.get(anchor_key(3)) == expected
     replica = _fresh(state)
     assert ds.Subscriber(store).pull(replica) == 4
@@ -222,7 +222,7 @@ def test_the_next_publish_waits_for_the_anchor_file(tmp_path, monkeypatch):
         assert waiter.is_alive()  # waiting for the anchor file, the mirror untouched
         release.set()
         waiter.join(10)
-    assert store.get(anchor_key(0)) == without_checksum(ds.anchor(first, step=0).to_bytes())
+    assert store.get(anchor_key(0)) == ds.anchor(first, step=0).to_bytes()
     replica = _fresh(state)
     assert ds.Subscriber(store).pull(replica) == 1
     assert_states_equal(replica, state)
@@ -323,6 +323,85 @@ def test_a_pull_from_a_damaged_anchor_is_refused_and_leaves_the_target_unchanged
     assert list(private_tmp.iterdir()) == []
 
 
+@pytest.mark.parametrize("whole_sha256", [False, True])
+def test_a_damaged_anchor_file_read_directly_is_refused(tmp_path, whole_sha256):
+    """A publisher's anchor carries the file checksum (docs/format.md §2.1), written after the data where no
+    whole-file SHA-256 is taken in the same pass, computed before it where one is. A byte changed in the data of the
+    file in the store folder (a copy, a backup, a bad disk) was applied, as other weights, by anything that read the
+    file itself rather than through a Subscriber: it is refused as damaged."""
+    state = _state()
+    store = ds.LocalStore(tmp_path / "store")
+    with ds.Publisher(store, background=False, whole_sha256=whole_sha256) as publisher:
+        publisher.publish(0, state)
+    path = tmp_path / "store" / anchor_key(0)
+    sound = path.read_bytes()
+    assert sound == ds.anchor(state, step=0).to_bytes()
+    replica = _fresh(state)
+    load(path, mmap=True).apply_(replica)
+    assert_states_equal(replica, state)
+    damaged = bytearray(sound)
+    damaged[-5] ^= 0x40  # a value of the last tensor: a sound safetensors file, other weights
+    path.write_bytes(bytes(damaged))
+    for read in (lambda: load(path), lambda: load(path, mmap=True), lambda: load(bytes(damaged))):
+        with pytest.raises(ds.DeltaFormatError, match="damaged"):
+            read()
+    # What the old reader did with it: without the key, the same bytes load and apply other weights.
+    from tests.helpers import without_checksum
+
+    def raw(tensor):
+        return (
+            tensor.tobytes() if isinstance(tensor, np.ndarray) else tensor.view(-1).view(torch.uint8).numpy().tobytes()
+        )
+
+    other = _fresh(state)
+    load(without_checksum(bytes(damaged))).apply_(other)
+    assert [name for name in state if raw(other[name]) != raw(state[name])]
+
+
+_LOAD_PEAK = r"""
+import json, sys, torch, deltasync_rs as ds
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in json.loads(sys.argv[2]).items()}
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+before = status("VmRSS")
+ds.load(sys.argv[1], mmap=True).apply_(target)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak through /proc")
+def test_checking_a_mapped_anchors_checksum_holds_little_of_it(tmp_path):
+    """``ds.load(path, mmap=True)`` of a 256 MB anchor that carries the file checksum, then ``apply_``: the checksum
+    reads the whole file before the apply, a window at a time, dropping the mapping's pages after each, so the peak
+    beyond the target stays small (hashing the whole mapping at once held all of it)."""
+    g = torch.Generator().manual_seed(1)
+    shapes = {f"layers.{i}.weight": (2048, 2048) for i in range(32)}
+    state = {
+        name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
+        for name, shape in shapes.items()
+    }
+    path = tmp_path / "anchor.safetensors"
+    path.touch()
+    write_anchor_file(state, path, step=0)
+    header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    assert "file_xxh3" in header["__metadata__"]
+    del state
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _LOAD_PEAK, str(path), json.dumps(shapes)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[-1]) < 64 << 20, run.stdout
+
+
 def test_pull_streams_the_anchor_to_a_file(tmp_path, private_tmp, monkeypatch):
     """The anchor is never read whole into memory: the subscriber uses get_file, not get."""
     state, store, _ = _one_anchor_store(tmp_path)
@@ -361,7 +440,7 @@ def test_a_resumed_publisher_streams_its_first_anchor(tmp_path, private_tmp):
         publisher.resume(state, step=5)
         _change(state, 6)
         publisher.publish(6, state)
-    assert store.get(anchor_key(6)) == without_checksum(ds.anchor(state, step=6).to_bytes())
+    assert store.get(anchor_key(6)) == ds.anchor(state, step=6).to_bytes()
     assert list(private_tmp.iterdir()) == []
 
 

@@ -362,7 +362,10 @@ def write_anchor_pieces(
     hashed in the same pass (docs/format.md §10). With ``whole_sha256=False`` the file's SHA-256 is not computed
     (None in its place; a pass on one core, the slowest part of the write) and ``piece_bytes`` must not be 0. With
     ``early_writeback=True`` (Linux) the kernel starts writing the file to disk every 64 MiB while the pass goes on,
-    so that an fsync right after it finds less left to write; it changes no byte."""
+    so that an fsync right after it finds less left to write; it changes no byte. The file carries its checksum
+    (docs/format.md §2.1), as ``to_bytes`` gives it: without the whole-file SHA-256 it is hashed in the same pass and
+    its digits are written over their placeholder at the end (the piece that holds them hashed again); with it, it
+    is computed from the tensors before the pass (one more read of them, on every core)."""
     if not whole_sha256 and not piece_bytes:
         raise DeltaSyncError("an anchor without a whole-file SHA-256 needs pieces (piece_bytes) to be checked by")
     entries = []
@@ -489,6 +492,13 @@ def load_stand_in(path: str | os.PathLike[str]) -> Delta:
     """The delta of a stand-in file: an anchor's header, already checked, and zeros where its tensors are, which are
     read by ranges and checked piece by piece (docs/format.md §10). Mapped, every check made but the file's
     checksum (§2.1), which the zeros cannot match."""
+    return Delta(RawDelta.map(os.fspath(path), checksum=False))
+
+
+def load_checked_copy(path: str | os.PathLike[str]) -> Delta:
+    """The delta of a private copy of a store's file whose every byte was just checked against its entry (the
+    whole-file SHA-256, or every piece against the sidecar): mapped, every check made but the file's checksum
+    (docs/format.md §2.1), which would read the whole file once more to check the same bytes less strongly."""
     return Delta(RawDelta.map(os.fspath(path), checksum=False))
 
 

@@ -31,7 +31,7 @@ from ._core import file_piece_hashes
 from ._outputs import remove_stale_temps, write_atomically
 from ._ranged import NeededRanges, read_ranged
 from ._turns import one_at_a_time, track
-from .delta import Delta, _check_step, load, state_digest_knowing
+from .delta import Delta, _check_step, load, load_checked_copy, state_digest_knowing
 from .errors import (
     BaseMismatchError,
     ChainError,
@@ -498,7 +498,7 @@ class Subscriber:
         os.close(fd)
         try:
             _copy_whole(source, ref, pieces, path)
-            delta = load(path, mmap=True)
+            delta = load_checked_copy(path)
         finally:
             remove_temp(path)
         if delta.step != step or not delta.is_anchor:
@@ -614,7 +614,7 @@ class Subscriber:
                 self._without_pieces(ref, error)
         path = self._checked_copy(ref, pieces, whole_sha256=False)
         try:
-            return load(path, mmap=True)
+            return load_checked_copy(path)
         finally:
             remove_temp(path)
 

@@ -34,13 +34,25 @@ pub const VALUES_SUFFIX: &str = ":val";
 /// The safetensors header's own key: no tensor may be stored under it.
 pub const METADATA_KEY: &str = "__metadata__";
 /// The metadata key of the file's checksum (§2.1): the base identity (§3.1) of the whole file with its own 16 digits
-/// read as zeros. `encode` writes it on every file (core::anchors streams anchors without it); readers check it
+/// read as zeros. `encode` writes it on every file, and core::anchors on the anchors it streams; readers check it
 /// wherever it is.
 pub const CHECKSUM_KEY: &str = "file_xxh3";
 /// Header keys the format owns; caller metadata may not use them.
 pub const RESERVED_KEYS: [&str; 7] = ["format", "format_version", "kind", "tensors", "step", "base_step", CHECKSUM_KEY];
 /// What the checksum's value stands in for while the file is hashed.
 const CHECKSUM_PLACEHOLDER: &str = "0000000000000000";
+
+/// Whether and how `encode_with` gives a file its checksum (§2.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Checksum {
+    /// No checksum key: a file as an older writer made it.
+    Absent,
+    /// The checksum, computed over the laid-out file (every piece read once).
+    Computed,
+    /// The key, with the 16 ASCII zeros the definition hashes in place of its digits: a writer that streams the file
+    /// hashes it as it writes, then writes the digits at `placeholder_at` (core::anchors).
+    Placeholder,
+}
 
 /// One safetensors entry of the output, usually borrowing its bytes from the delta.
 pub struct Entry<'a> {
@@ -57,6 +69,25 @@ pub struct Encoded<'a> {
 }
 
 impl Encoded<'_> {
+    /// Where the 16 zeros of the checksum's placeholder start, from the file's first byte: a file laid out by
+    /// `encode_with(.., Checksum::Placeholder)`.
+    pub fn checksum_at(&self) -> Result<usize> {
+        checksum_at(&self.header, CHECKSUM_PLACEHOLDER)
+            .map(|at| 8 + at)
+            .map_err(|problem| Error::invalid(format!("the file's checksum cannot be placed: {problem}")))
+    }
+
+    /// Computes the file's checksum (§2.1), every piece read once, writes its digits over the placeholder at `at`
+    /// (`checksum_at`) and returns it.
+    pub fn seal(&mut self, at: usize) -> u64 {
+        let length = (self.header.len() as u64).to_le_bytes();
+        let mut pieces: Vec<&[u8]> = vec![&length, &self.header];
+        pieces.extend(self.pieces.iter().map(|piece| &piece[..]));
+        let checksum = base::identity_of_pieces(&pieces);
+        self.header[at - 8..at - 8 + CHECKSUM_PLACEHOLDER.len()].copy_from_slice(base::to_hex(checksum).as_bytes());
+        checksum
+    }
+
     /// Total file size.
     pub fn len(&self) -> usize {
         8 + self.header.len() + self.pieces.iter().map(|p| p.len()).sum::<usize>()
@@ -215,12 +246,12 @@ pub fn version_of(delta: &Delta) -> &'static str {
 /// the file's checksum (§2.1). Streams loaded with their check left to the apply (`TensorDelta::unchecked`) are
 /// checked first: a file is only ever written with streams known to be sound.
 pub fn encode(delta: &Delta) -> Result<Encoded<'_>> {
-    encode_with(delta, true)
+    encode_with(delta, Checksum::Computed)
 }
 
-/// `encode`, with or without the checksum: core::anchors writes an anchor as it streams, header first, so it has
-/// none (the store's digests and pieces sidecar check those, §10).
-pub fn encode_with(delta: &Delta, checksummed: bool) -> Result<Encoded<'_>> {
+/// `encode`, with the checksum computed, left out, or as a placeholder for a writer that hashes the file as it
+/// streams it (core::anchors).
+pub fn encode_with(delta: &Delta, checksum: Checksum) -> Result<Encoded<'_>> {
     for tensor in &delta.tensors {
         check_tensor_name(&tensor.name)?;
     }
@@ -267,18 +298,13 @@ pub fn encode_with(delta: &Delta, checksummed: bool) -> Result<Encoded<'_>> {
     if let Some(base) = delta.base_step {
         metadata.insert("base_step".into(), base.to_string());
     }
-    if checksummed {
+    if checksum != Checksum::Absent {
         metadata.insert(CHECKSUM_KEY.into(), CHECKSUM_PLACEHOLDER.into());
     }
     let mut encoded = lay_out(&metadata, entries(delta, packed.then(|| records::to_packed(&records))))?;
-    if checksummed {
-        let at = checksum_at(&encoded.header, CHECKSUM_PLACEHOLDER)
-            .map_err(|problem| Error::invalid(format!("the file's checksum cannot be placed: {problem}")))?;
-        let length = (encoded.header.len() as u64).to_le_bytes();
-        let mut pieces: Vec<&[u8]> = vec![&length, &encoded.header];
-        pieces.extend(encoded.pieces.iter().map(|piece| &piece[..]));
-        let checksum = base::to_hex(base::identity_of_pieces(&pieces));
-        encoded.header[at..at + CHECKSUM_PLACEHOLDER.len()].copy_from_slice(checksum.as_bytes());
+    if checksum == Checksum::Computed {
+        let at = encoded.checksum_at()?;
+        encoded.seal(at);
     }
     Ok(encoded)
 }
@@ -307,8 +333,42 @@ pub fn reseal(bytes: &mut [u8]) -> bool {
     true
 }
 
-/// Checks the checksum `value` of the file in `bytes` (whole) whose JSON header is `header_len` bytes: §2.1.
-fn check_checksum(bytes: &[u8], header_len: usize, value: &str, source_name: &str) -> Result<()> {
+/// Blocks of a file hashed between two releases of a mapping's pages by `file_identity` (16 MiB).
+const CHECKSUM_WINDOW_BLOCKS: usize = 64;
+
+/// The checksum's hash (§2.1) of the file in `backing`, the 16 digits at `at` read as ASCII zeros: blocks hashed in
+/// parallel in the deltasync pool, a window at a time, and a mapped file's pages dropped from memory after each
+/// window, so that checking an anchor of any size holds little of it at once (applying reads its pages again).
+fn file_identity(backing: &Backing, at: usize) -> u64 {
+    let bytes: &[u8] = backing;
+    let digits = at..at + CHECKSUM_PLACEHOLDER.len();
+    let hash = |block: usize| -> u64 {
+        let range = block * base::BLOCK_BYTES..((block + 1) * base::BLOCK_BYTES).min(bytes.len());
+        if range.start >= digits.end || digits.start >= range.end {
+            return base::block_hash(&bytes[range]);
+        }
+        let mut copy = bytes[range.clone()].to_vec();
+        for i in digits.start.max(range.start)..digits.end.min(range.end) {
+            copy[i - range.start] = b'0';
+        }
+        base::block_hash(&copy)
+    };
+    let blocks = bytes.len().div_ceil(base::BLOCK_BYTES);
+    if blocks <= 1 {
+        return base::combine(&(0..blocks).map(hash).collect::<Vec<_>>());
+    }
+    let mut hashes = Vec::with_capacity(blocks);
+    for first in (0..blocks).step_by(CHECKSUM_WINDOW_BLOCKS) {
+        let end = (first + CHECKSUM_WINDOW_BLOCKS).min(blocks);
+        hashes.extend(crate::core::pool::install(|| (first..end).into_par_iter().map(hash).collect::<Vec<_>>()));
+        backing.release(first * base::BLOCK_BYTES..(end * base::BLOCK_BYTES).min(bytes.len()));
+    }
+    base::combine(&hashes)
+}
+
+/// Checks the checksum `value` of the file in `backing` (whole) whose JSON header is `header_len` bytes: §2.1.
+fn check_checksum(backing: &Backing, header_len: usize, value: &str, source_name: &str) -> Result<()> {
+    let bytes: &[u8] = backing;
     let bad = |message: String| Error::format(source_name, message);
     let expected = base::parse_hex(value)
         .ok_or_else(|| bad(format!("metadata {CHECKSUM_KEY:?} is {value:?}, not 16 lowercase hex digits")))?;
@@ -318,11 +378,7 @@ fn check_checksum(bytes: &[u8], header_len: usize, value: &str, source_name: &st
              was written?"
         ))
     })?;
-    let found = base::identity_of_pieces(&[
-        &bytes[..at],
-        CHECKSUM_PLACEHOLDER.as_bytes(),
-        &bytes[at + CHECKSUM_PLACEHOLDER.len()..],
-    ]);
+    let found = file_identity(backing, at);
     if found != expected {
         return Err(bad(format!(
             "the file is damaged: its bytes hash to {} where its checksum ({CHECKSUM_KEY}) says {value}; \
@@ -875,7 +931,7 @@ mod tests {
         .unwrap();
         let anchor = Delta { tensors: full, step: Some(1), base_step: None, metadata: BTreeMap::new(), packed: false };
         assert!(read_header(&to_bytes(&anchor).unwrap(), "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
-        let anchor_bytes = encode_with(&anchor, false).unwrap().to_vec();
+        let anchor_bytes = encode_with(&anchor, Checksum::Absent).unwrap().to_vec();
         assert!(!read_header(&anchor_bytes, "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
         assert!(from_bytes(anchor_bytes.clone(), "anchor").is_ok());
         let wrong = edit_header(&anchor_bytes, |h| {

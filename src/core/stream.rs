@@ -22,6 +22,17 @@ impl Deref for Backing {
     }
 }
 
+impl Backing {
+    /// Drops the pages of `range` from the process's memory when this is a file mapping, which keeps them: a later
+    /// read faults them in again (from the page cache, or the file). Elsewhere a no-op.
+    pub fn release(&self, range: Range<usize>) {
+        if let Backing::Mapped(map) = self {
+            // SAFETY: the mapping is read-only and private: dropping its pages only means re-reading the file.
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
+        }
+    }
+}
+
 /// An encoded stream: owned after a diff, or borrowed from the file it was read from.
 #[derive(Clone)]
 pub enum Stream {
@@ -38,11 +49,7 @@ impl Stream {
     /// a file mapping, which keeps them: a later read faults them in again. Elsewhere a no-op.
     pub fn release(&self, range: Range<usize>) {
         if let Stream::Shared { backing, range: window } = self {
-            if let Backing::Mapped(map) = &**backing {
-                let start = window.start + range.start;
-                // SAFETY: the mapping is read-only and private: dropping its pages only means re-reading the file.
-                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, range.len()) };
-            }
+            backing.release(window.start + range.start..window.start + range.end);
         }
     }
 }
