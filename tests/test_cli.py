@@ -188,11 +188,14 @@ def test_inspect_table_and_json(tmp_path, capsys, ckpts):
     expected = _num_changed(prev, curr)
     assert f"total: {expected} of {sum(t.numel() for t in curr.values())} elements changed" in total_lines[0]
     assert "step=3" in lines[0]
+    header = json.loads(delta_path.read_bytes()[8 : 8 + int.from_bytes(delta_path.read_bytes()[:8], "little")])
+    value = header["__metadata__"]["file_xxh3"]
+    assert lines[1] == f"  checksum: file_xxh3 {value}, checked"
 
     rc, out, err = _run(capsys, "inspect", delta_path, "--json")
     assert (rc, err) == (0, "")
     report = json.loads(out)
-    assert report["kind"] == "delta"
+    assert report["kind"] == "delta" and report["checksum"] == value
     assert report["num_changed"] == expected
     assert report["num_elements"] == sum(t.numel() for t in curr.values())
     by_name = {t["name"]: t for t in report["tensors"]}
@@ -212,8 +215,9 @@ def test_inspect_trl_file_has_unknown_shapes(tmp_path, capsys, ckpts):
     report = json.loads(out)
     assert report["num_changed"] == _num_changed(prev, curr)
     assert all(t["shape"] is None and t["density"] is None for t in report["tensors"])
+    assert report["checksum"] is None
     rc, out, _ = _run(capsys, "inspect", trl_path)
-    assert rc == 0 and "total:" in out and "lm_head.bias" in out
+    assert rc == 0 and "total:" in out and "lm_head.bias" in out and "checksum: none" in out
 
 
 def test_apply_to_mismatched_base_fails_cleanly(tmp_path, capsys, ckpts):

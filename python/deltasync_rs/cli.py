@@ -106,10 +106,21 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checksum_of(path: str) -> str | None:
+    """The file checksum (docs/format.md §2.1) in the header of the file at ``path``, which ``load`` has checked, or
+    None for a file written without one (an older writer, a TRL import)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        metadata = json.loads(f.read(length)).get("__metadata__") or {}
+    value = metadata.get("file_xxh3")
+    return value if isinstance(value, str) else None
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     require_regular_file(args.delta)
     delta = load(args.delta)
     raw: RawDelta = delta._raw
+    checksum = _checksum_of(args.delta)
     if args.json:
         print(
             json.dumps(
@@ -119,6 +130,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                     "step": delta.step,
                     "base_step": delta.base_step,
                     "metadata": delta.metadata,
+                    "checksum": checksum,
                     "num_changed": delta.num_changed,
                     "num_elements": delta.num_elements,
                     "nbytes": delta.nbytes,
@@ -132,6 +144,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(
         f"{args.delta}: {'anchor' if raw.is_anchor else 'delta'}{layout}, step={delta.step}, base_step={delta.base_step}"
     )
+    if checksum is None:
+        print("  checksum: none (an older writer's file: damage to it would go unnoticed)")
+    else:
+        print(f"  checksum: file_xxh3 {checksum}, checked")
     for key, value in sorted(delta.metadata.items()):
         print(f"  {key} = {value}")
     name_width = max([len(t.name) for t in delta.tensors] + [6])
