@@ -145,7 +145,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"{args.delta}: {'anchor' if raw.is_anchor else 'delta'}{layout}, step={delta.step}, base_step={delta.base_step}"
     )
     if checksum is None:
-        print("  checksum: none (an older writer's file: damage to it would go unnoticed)")
+        print("  checksum: none (an older writer's file, or a TRL patch: damage to it would go unnoticed)")
     else:
         print(f"  checksum: file_xxh3 {checksum}, checked")
     for key, value in sorted(delta.metadata.items()):
