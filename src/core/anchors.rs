@@ -574,7 +574,8 @@ pub struct AnchorOptions {
 /// §2.1), the checksum is hashed as the file is written, and its digits are written over the placeholder at the end;
 /// the pieces they fall in are hashed again from the file. A whole-file SHA-256 cannot be mended that way, so with
 /// `whole_sha256` the checksum is computed before the pass, from the tensors' memory (one more read of the state,
-/// in parallel: about 0.03 s per GB of CPU).
+/// in parallel: about 0.03 s per GB of CPU); so it is for a destination that is not a regular file (a pipe) or that
+/// this process may write but not read.
 pub fn write_anchor(
     inputs: &[FullInput<'_>],
     step: Option<u64>,
@@ -600,9 +601,21 @@ pub fn write_anchor(
     let delta = Delta { tensors, step, base_step: None, metadata: metadata.clone(), packed: false };
     let mut encoded = format::encode_with(&delta, Checksum::Placeholder)?;
     let digits = encoded.checksum_at()?;
-    let sealed = whole_sha256.then(|| crate::core::pool::install(|| encoded.seal(digits)));
-    let file =
-        std::fs::OpenOptions::new().read(true).write(true).truncate(true).open(path).map_err(|e| Error::io(path, e))?;
+    // The digits are written over the placeholder after the pass, through the same descriptor, into a regular file
+    // that can be read back (for the pieces they fall in). A whole-file SHA-256 (hashed in the pass), a file that
+    // cannot be rewritten in place (a pipe) or one this process may only write gets them before the pass instead.
+    let open = |read: bool| std::fs::OpenOptions::new().read(read).write(true).truncate(true).open(path);
+    let mut after = !whole_sha256 && std::fs::metadata(path).is_ok_and(|m| m.is_file());
+    let file = match open(after) {
+        Err(e) if after && e.kind() == std::io::ErrorKind::PermissionDenied => {
+            after = false;
+            open(false)
+        }
+        opened => opened,
+    }
+    .map_err(|e| Error::io(path, e))?;
+    after = after && file.metadata().is_ok_and(|m| m.is_file());
+    let sealed = (!after).then(|| crate::core::pool::install(|| encoded.seal(digits)));
     let mut pending: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
     for (index, input) in inputs.iter().enumerate() {
         pending.entry((input.data.as_ptr() as usize, input.data.len())).or_default().push(index);
@@ -658,7 +671,8 @@ pub fn write_anchor(
 }
 
 /// Writes the digits of `checksum` over the placeholder at `at` in the anchor just written to `file` (`size` bytes),
-/// and hashes again the pieces (of `piece_bytes`, hashed by `kind`) they fall in, from the file.
+/// and hashes again the pieces (of `piece_bytes`, hashed by `kind`) they fall in, from the file, a bounded buffer at
+/// a time.
 fn seal_written(
     mut file: &std::fs::File,
     at: usize,
@@ -674,14 +688,20 @@ fn seal_written(
     if piece_bytes == 0 {
         return Ok(());
     }
-    let mut buffer = Vec::new();
+    let mut buffer = vec![0u8; piece_bytes.min(READ_BYTES)];
     let (first, last) = (at / piece_bytes, (at + digits.len() - 1) / piece_bytes);
     for (index, hash) in pieces.iter_mut().enumerate().take(last + 1).skip(first) {
         let start = (index * piece_bytes) as u64;
-        buffer.resize((size - start).min(piece_bytes as u64) as usize, 0);
+        let mut left = (size - start).min(piece_bytes as u64) as usize;
+        let mut running = kind.running();
         file.seek(SeekFrom::Start(start))?;
-        file.read_exact(&mut buffer)?;
-        *hash = kind.digest(&buffer);
+        while left > 0 {
+            let take = left.min(buffer.len());
+            file.read_exact(&mut buffer[..take])?;
+            running.update(&buffer[..take]);
+            left -= take;
+        }
+        *hash = running.finish();
     }
     Ok(())
 }
@@ -813,6 +833,57 @@ mod tests {
             assert!(load_mapped(&path).is_ok());
         }
         assert_eq!(straddled, 15);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_pipe_gets_the_checksum_before_the_pass() {
+        // A pipe cannot be rewritten in place: its reader gets the whole anchor, checksum included, in one pass.
+        let data = vec![vec![3u8; 5000], vec![4u8; 8]];
+        let inputs = inputs(&data);
+        let folder = tempfile::tempdir().unwrap();
+        let path = folder.path().join("pipe");
+        let name = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        let reader = {
+            let path = path.clone();
+            std::thread::spawn(move || std::fs::read(path).unwrap())
+        };
+        let written =
+            write_anchor(&inputs, Some(2), &BTreeMap::new(), &path, options(MIN_PIECE_BYTES, PieceHash::Blake3, false))
+                .unwrap();
+        let received = reader.join().unwrap();
+        let anchor = Delta {
+            tensors: diff::full(&inputs).unwrap(),
+            step: Some(2),
+            base_step: None,
+            metadata: BTreeMap::new(),
+            packed: false,
+        };
+        assert!(received == format::encode(&anchor).unwrap().to_vec());
+        assert_eq!(written.pieces, piece_hashes(&received, MIN_PIECE_BYTES, PieceHash::Blake3));
+        assert!(format::from_bytes(received, "pipe").is_ok());
+    }
+
+    #[test]
+    fn a_file_whose_writer_stopped_before_the_checksum_says_so() {
+        let data = vec![vec![3u8; 5000]];
+        let inputs = inputs(&data);
+        let anchor = Delta {
+            tensors: diff::full(&inputs).unwrap(),
+            step: Some(2),
+            base_step: None,
+            metadata: BTreeMap::new(),
+            packed: false,
+        };
+        let mut unsealed = format::encode_with(&anchor, Checksum::Placeholder).unwrap().to_vec();
+        let err = format::from_bytes(unsealed.clone(), "unsealed").err().unwrap().to_string();
+        assert!(err.contains("still the writer's placeholder"), "{err}");
+        let last = unsealed.len() - 1;
+        unsealed.truncate(last);
+        let err = format::from_bytes(unsealed, "cut").err().unwrap().to_string();
+        assert!(err.contains("still the writer's placeholder"), "{err}");
     }
 
     #[test]

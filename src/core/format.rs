@@ -379,6 +379,12 @@ fn check_checksum(backing: &Backing, header_len: usize, value: &str, source_name
         ))
     })?;
     let found = file_identity(backing, at);
+    if found != expected && value == CHECKSUM_PLACEHOLDER {
+        return Err(bad(format!(
+            "the file is damaged: its checksum ({CHECKSUM_KEY}) is still the writer's placeholder, 16 zeros: the \
+             writer stopped before it wrote the checksum (a write cut short?); write, fetch or copy it again"
+        )));
+    }
     if found != expected {
         return Err(bad(format!(
             "the file is damaged: its bytes hash to {} where its checksum ({CHECKSUM_KEY}) says {value}; \
