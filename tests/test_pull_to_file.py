@@ -163,9 +163,12 @@ def test_a_delta_naming_a_tensor_the_anchor_lacks_is_refused(tmp_path, monkeypat
         bumped = {**extra, "extra": np.full(3, 2.0, dtype=np.float32)}
         publisher.publish(2, bumped)
     out = tmp_path / "out.safetensors"
-    with pytest.raises(ds.DeltaSyncError, match="not in the anchor"):
-        ds.Subscriber(tmp_path / "store").pull_to_file(out)
+    with pytest.raises(ds.ChainError, match="not in the anchor"):
+        ds.Subscriber(tmp_path / "store").pull_to_file(out, until=2)
     assert not out.exists()
+    # Without a step asked for, the newest step that has a consistent way is written (as pull does), and said.
+    assert ds.Subscriber(tmp_path / "store").pull_to_file(out) == 1
+    assert out.read_bytes() == _save_file_bytes(states[1], tmp_path / "expected.safetensors")
 
 
 def test_the_output_is_filled_patched_and_hashed_one_batch_at_a_time(tmp_path, monkeypatch):

@@ -982,8 +982,22 @@ class Subscriber:
         """Applies ``deltas`` in order; returns the state-digest hashes the writes made in passing
         (``Delta._apply``) of tensors that no later delta wrote again: the hashes of those tensors as they now are."""
         known: dict[str, bytes] = {}
-        for delta in deltas:
-            for name, hash_ in delta._apply(state, check_base=self.check_base, digest=True).items():
+        for index, delta in enumerate(deltas):
+            try:
+                hashes = delta._apply(state, check_base=self.check_base, digest=True)
+            except BaseMismatchError as error:
+                anchor = next((d for d in deltas[:index] if d._whole_state), None)
+                if anchor is None:
+                    raise
+                # Every base from the anchor on came from the store, whose anchor and this delta disagree (a
+                # publisher that wrote a wrong anchor): the state holds that anchor's bytes, unverified, so this
+                # subscriber holds no step of the store's now; a later pull starts afresh.
+                self.step, self._at = None, None
+                raise IntegrityError(
+                    f"{self.store.url}: the delta of step {delta.step} was not made against the state the anchor of "
+                    f"step {anchor.step} gives ({error}); the state holds that anchor's tensors, not a published step"
+                ) from error
+            for name, hash_ in hashes.items():
                 if hash_ is None:
                     known.pop(name, None)
                 else:
@@ -1011,7 +1025,15 @@ class Subscriber:
                 assert anchor_entry is not None and anchor_entry.anchor is not None  # no current step: from an anchor
                 deltas = self._download(None, chain)
                 step = chain[-1].step if chain else anchor_entry.step
-                out = self._anchor_file(anchor_entry.anchor, anchor_entry.step, temp, deltas)
+                try:
+                    out = self._anchor_file(anchor_entry.anchor, anchor_entry.step, temp, deltas)
+                except BaseMismatchError as error:
+                    # Every base here came from the store: its anchor and a delta after it disagree (a publisher
+                    # that wrote a wrong anchor), and an older anchor's way may not (tried next).
+                    raise IntegrityError(
+                        f"{self.store.url}: the anchor of step {anchor_entry.step} is not the base the deltas after "
+                        f"it were made against: {error}"
+                    ) from error
                 out.close()
                 if out.state_digest() != self.entry(step).state_digest:
                     # Every file of the way checked out, so another way is no answer: raised past the ways.

@@ -50,7 +50,7 @@ pub enum Checksum {
     /// The checksum, computed over the laid-out file (every piece read once).
     Computed,
     /// The key, with the 16 ASCII zeros the definition hashes in place of its digits: a writer that streams the file
-    /// hashes it as it writes, then writes the digits at `placeholder_at` (core::anchors).
+    /// hashes it as it writes, then writes the digits at `Encoded::checksum_at` (core::anchors).
     Placeholder,
 }
 
