@@ -654,3 +654,30 @@ def test_outputs_that_are_not_files_and_stores_that_cannot_be_read_back_are_refu
     rc, _, err = _run(capsys, "publish", "--store", store, curr_path, "--step", 1)
     assert rc == 1 and "store is signed" in err, err
     assert ds.Subscriber(store, signing_key="k" * 32).latest_step() == 0
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, ckpts):
+    """`deltasync inspect FILE | head -1`: the reader goes away before the output is written. That was a
+    BrokenPipeError traceback on stderr; now the command stops quietly with 141 (128 + SIGPIPE), as a shell reports
+    other commands a closed pipe ended."""
+    _, _, prev_path, curr_path = ckpts
+    delta_path = tmp_path / "d.safetensors"
+    assert (
+        _subprocess(
+            [sys.executable, "-m", "deltasync_rs.cli", "diff", prev_path, curr_path, "-o", delta_path], tmp_path
+        ).returncode
+        == 0
+    )
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "deltasync_rs.cli", "inspect", str(delta_path)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert (run.returncode, run.stderr) == (141, "")

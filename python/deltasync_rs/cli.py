@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import stat
 import struct
 import sys
 import threading
@@ -573,6 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_is_a_pipe() -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor, or closed
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):
@@ -592,6 +600,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"deltasync {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_is_a_pipe():
+            raise
+        # The reader of the output went away (`deltasync log | head`): stop quietly, as other commands do, with
+        # what is left of the output sent nowhere (Python flushes it at exit, which would fail again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe ended
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
