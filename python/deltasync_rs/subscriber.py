@@ -863,7 +863,9 @@ class Subscriber:
         returns the step it holds then. A subscriber never moves back: one already past ``until`` stays at its step
         and returns it (compare the result with ``until``). Each delta is applied all-or-nothing; when ``state``
         holds every published tensor, its digest is checked against the manifest, and a mismatch re-syncs from the
-        newest anchor before raising IntegrityError."""
+        newest anchor before raising IntegrityError. A delta that does not fit the store's anchor before it (a wrong
+        anchor, every file matching its entry) is an IntegrityError too, after which the subscriber holds no step:
+        ``state`` holds that anchor's tensors, not a published step."""
         _arrays.check_state(state, "state")
         this_target = _target_key(state)
         deltas = self._fetch_to_apply(self.step, until)
