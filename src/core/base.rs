@@ -59,6 +59,13 @@ pub fn identities(runs: &[&[u8]]) -> Vec<u64> {
 /// bytes laid end to end, without laying them out: a block that lies in one piece is hashed where it is, one cut
 /// by a piece boundary is gathered first. Blocks are hashed in parallel in the deltasync pool.
 pub fn identity_of_pieces(pieces: &[&[u8]]) -> u64 {
+    let total: usize = pieces.iter().map(|piece| piece.len()).sum();
+    combine(&block_hashes_of_pieces(pieces, 0..total.div_ceil(BLOCK_BYTES)))
+}
+
+/// The hashes of blocks `blocks` (by index) of the concatenation of `pieces`, as `identity_of_pieces` hashes them,
+/// in parallel in the deltasync pool when there are several: a caller can hash a long run a window at a time.
+pub fn block_hashes_of_pieces(pieces: &[&[u8]], blocks: std::ops::Range<usize>) -> Vec<u64> {
     let mut starts = Vec::with_capacity(pieces.len());
     let mut total = 0usize;
     for piece in pieces {
@@ -85,13 +92,11 @@ pub fn identity_of_pieces(pieces: &[&[u8]]) -> u64 {
         }
         block_hash(&gathered)
     };
-    let blocks = total.div_ceil(BLOCK_BYTES);
-    let hashes: Vec<u64> = if blocks <= 1 {
-        (0..blocks).map(hash).collect()
+    if blocks.len() <= 1 {
+        blocks.map(hash).collect()
     } else {
-        crate::core::pool::install(|| (0..blocks).into_par_iter().map(hash).collect())
-    };
-    combine(&hashes)
+        crate::core::pool::install(|| blocks.into_par_iter().map(hash).collect())
+    }
 }
 
 /// An identity as written in a record: 16 lowercase hex digits.

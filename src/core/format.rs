@@ -341,26 +341,12 @@ const CHECKSUM_WINDOW_BLOCKS: usize = 64;
 /// window, so that checking an anchor of any size holds little of it at once (applying reads its pages again).
 fn file_identity(backing: &Backing, at: usize) -> u64 {
     let bytes: &[u8] = backing;
-    let digits = at..at + CHECKSUM_PLACEHOLDER.len();
-    let hash = |block: usize| -> u64 {
-        let range = block * base::BLOCK_BYTES..((block + 1) * base::BLOCK_BYTES).min(bytes.len());
-        if range.start >= digits.end || digits.start >= range.end {
-            return base::block_hash(&bytes[range]);
-        }
-        let mut copy = bytes[range.clone()].to_vec();
-        for i in digits.start.max(range.start)..digits.end.min(range.end) {
-            copy[i - range.start] = b'0';
-        }
-        base::block_hash(&copy)
-    };
+    let pieces = [&bytes[..at], CHECKSUM_PLACEHOLDER.as_bytes(), &bytes[at + CHECKSUM_PLACEHOLDER.len()..]];
     let blocks = bytes.len().div_ceil(base::BLOCK_BYTES);
-    if blocks <= 1 {
-        return base::combine(&(0..blocks).map(hash).collect::<Vec<_>>());
-    }
     let mut hashes = Vec::with_capacity(blocks);
     for first in (0..blocks).step_by(CHECKSUM_WINDOW_BLOCKS) {
         let end = (first + CHECKSUM_WINDOW_BLOCKS).min(blocks);
-        hashes.extend(crate::core::pool::install(|| (first..end).into_par_iter().map(hash).collect::<Vec<_>>()));
+        hashes.extend(base::block_hashes_of_pieces(&pieces, first..end));
         backing.release(first * base::BLOCK_BYTES..(end * base::BLOCK_BYTES).min(bytes.len()));
     }
     base::combine(&hashes)
