@@ -358,7 +358,7 @@ def test_a_damaged_anchor_file_read_directly_is_refused(tmp_path, whole_sha256):
     assert [name for name in state if raw(other[name]) != raw(state[name])]
 
 
-_LOAD_PEAK = r"""
+_PEAK = r"""
 import json, sys, torch, deltasync_rs as ds
 
 def status(key):
@@ -366,13 +366,41 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
 
-target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in json.loads(sys.argv[2]).items()}
+how, source, shapes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
 before = status("VmRSS")
-ds.load(sys.argv[1], mmap=True).apply_(target)
+if how == "pull":
+    ds.Subscriber(source).pull(target)
+else:
+    ds.load(source, mmap=True).apply_(target)
 print(status("VmHWM") - before)
 """
+
+
+def _large_state(seed: int) -> tuple[dict[str, tuple[int, int]], dict[str, torch.Tensor]]:
+    """256 MB of random bf16 bits in 32 tensors, and their shapes."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {f"layers.{i}.weight": (2048, 2048) for i in range(32)}
+    state = {
+        name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
+        for name, shape in shapes.items()
+    }
+    return shapes, state
+
+
+def _peak_beyond_target(how: str, source, shapes) -> int:
+    """Peak resident bytes, beyond a zeroed target of ``shapes``, of a fresh process that fills it: ``"pull"``
+    from the store at ``source``, or ``"load"``: ``ds.load(source, mmap=True).apply_``."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _PEAK, how, str(source), json.dumps(shapes)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout.split()[-1])
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak through /proc")
@@ -380,26 +408,15 @@ def test_checking_a_mapped_anchors_checksum_holds_little_of_it(tmp_path):
     """``ds.load(path, mmap=True)`` of a 256 MB anchor that carries the file checksum, then ``apply_``: the checksum
     reads the whole file before the apply, a window at a time, dropping the mapping's pages after each, so the peak
     beyond the target stays small (hashing the whole mapping at once held all of it)."""
-    g = torch.Generator().manual_seed(1)
-    shapes = {f"layers.{i}.weight": (2048, 2048) for i in range(32)}
-    state = {
-        name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
-        for name, shape in shapes.items()
-    }
+    shapes, state = _large_state(1)
     path = tmp_path / "anchor.safetensors"
     path.touch()
     write_anchor_file(state, path, step=0)
     header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
     assert "file_xxh3" in header["__metadata__"]
     del state
-    import subprocess
-    import sys
-
-    run = subprocess.run(
-        [sys.executable, "-c", _LOAD_PEAK, str(path), json.dumps(shapes)], capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr
-    assert int(run.stdout.split()[-1]) < 64 << 20, run.stdout
+    peak = _peak_beyond_target("load", path, shapes)
+    assert peak < 64 << 20, peak
 
 
 def test_pull_streams_the_anchor_to_a_file(tmp_path, private_tmp, monkeypatch):
@@ -444,45 +461,18 @@ def test_a_resumed_publisher_streams_its_first_anchor(tmp_path, private_tmp):
     assert list(private_tmp.iterdir()) == []
 
 
-_PULL_PEAK = r"""
-import json, sys, torch, deltasync_rs as ds
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-target = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in json.loads(sys.argv[2]).items()}
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # VmHWM := VmRSS
-before = status("VmRSS")
-ds.Subscriber(sys.argv[1]).pull(target)
-print(status("VmHWM") - before)
-"""
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak through /proc")
 def test_a_fresh_pull_holds_little_beyond_its_target(tmp_path, private_tmp):
     """Peak resident memory of a fresh pull of a 256 MB anchor beyond the target: the download is a file, checked
     piece by piece through small reads and applied through a mapping whose pages are dropped as they are copied, so
     no step holds the anchor (checking the pieces through a mapping of the whole file held all of it)."""
-    g = torch.Generator().manual_seed(0)
-    shapes = {f"layers.{i}.weight": (2048, 2048) for i in range(32)}
-    state = {
-        name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g) for name, shape in shapes.items()
-    }
+    shapes, state = _large_state(0)
     store = tmp_path / "store"
     with ds.Publisher(store, background=False) as publisher:
-        publisher.publish(0, {name: t.view(torch.bfloat16) for name, t in state.items()})
+        publisher.publish(0, state)
     del state
-    import subprocess
-    import sys
-
-    run = subprocess.run(
-        [sys.executable, "-c", _PULL_PEAK, str(store), json.dumps(shapes)], capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr
-    assert int(run.stdout.split()[-1]) < 64 << 20, run.stdout
+    peak = _peak_beyond_target("pull", store, shapes)
+    assert peak < 64 << 20, peak
 
 
 def test_a_tensor_named_with_the_packed_layouts_prefix_but_not_reserved_is_pulled(tmp_path):

@@ -744,6 +744,12 @@ mod tests {
             .collect()
     }
 
+    /// The anchor of `inputs` at `step`, laid out in memory.
+    fn anchor_of(inputs: &[FullInput<'_>], step: u64, metadata: &BTreeMap<String, String>) -> Delta {
+        let tensors = diff::full(inputs).unwrap();
+        Delta { tensors, step: Some(step), base_step: None, metadata: metadata.clone(), packed: false }
+    }
+
     #[test]
     fn same_bytes_as_to_bytes_and_hash_matches() {
         let data: Vec<Vec<u8>> = [8usize, 4000, 3 * CHUNK_BYTES + 12]
@@ -752,21 +758,13 @@ mod tests {
             .collect();
         let inputs = inputs(&data);
         let metadata = BTreeMap::from([("who".to_owned(), "test".to_owned())]);
-        let anchor = Delta {
-            tensors: diff::full(&inputs).unwrap(),
-            step: Some(7),
-            base_step: None,
-            metadata: metadata.clone(),
-            packed: false,
-        };
+        let anchor = anchor_of(&inputs, 7, &metadata);
         // The very bytes `encode` lays out in memory, checksum included, whether that is computed before the pass
         // (with the whole-file SHA-256) or hashed in it and written at the end (without).
         let expected = format::encode(&anchor).unwrap().to_vec();
-        let checksum = format::from_bytes(expected.clone(), "expected").map(|_| ()).and_then(|()| {
-            let header = format::read_header(&expected, "expected")?;
-            Ok(base::parse_hex(&header.metadata[format::CHECKSUM_KEY]).unwrap())
-        });
-        let checksum = checksum.unwrap();
+        assert!(format::from_bytes(expected.clone(), "expected").is_ok());
+        let header = format::read_header(&expected, "expected").unwrap();
+        let checksum = base::parse_hex(&header.metadata[format::CHECKSUM_KEY]).unwrap();
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         for (piece_bytes, whole_sha256) in [(0, true), (MIN_PIECE_BYTES, false), (MIN_PIECE_BYTES, true)] {
@@ -820,13 +818,7 @@ mod tests {
                     .unwrap();
             let file = std::fs::read(&path).unwrap();
             assert_eq!(written.pieces, piece_hashes(&file, MIN_PIECE_BYTES, PieceHash::Sha256), "length {length}");
-            let anchor = Delta {
-                tensors: diff::full(&inputs).unwrap(),
-                step: Some(1),
-                base_step: None,
-                metadata: metadata.clone(),
-                packed: false,
-            };
+            let anchor = anchor_of(&inputs, 1, &metadata);
             assert!(file == format::encode(&anchor).unwrap().to_vec(), "length {length}");
             let at = memchr::memmem::find(&file, base::to_hex(written.checksum).as_bytes()).unwrap();
             straddled += usize::from(at / MIN_PIECE_BYTES != (at + 15) / MIN_PIECE_BYTES);
@@ -854,13 +846,7 @@ mod tests {
             write_anchor(&inputs, Some(2), &BTreeMap::new(), &path, options(MIN_PIECE_BYTES, PieceHash::Blake3, false))
                 .unwrap();
         let received = reader.join().unwrap();
-        let anchor = Delta {
-            tensors: diff::full(&inputs).unwrap(),
-            step: Some(2),
-            base_step: None,
-            metadata: BTreeMap::new(),
-            packed: false,
-        };
+        let anchor = anchor_of(&inputs, 2, &BTreeMap::new());
         assert!(received == format::encode(&anchor).unwrap().to_vec());
         assert_eq!(written.pieces, piece_hashes(&received, MIN_PIECE_BYTES, PieceHash::Blake3));
         assert!(format::from_bytes(received, "pipe").is_ok());
@@ -870,13 +856,7 @@ mod tests {
     fn a_file_whose_writer_stopped_before_the_checksum_says_so() {
         let data = vec![vec![3u8; 5000]];
         let inputs = inputs(&data);
-        let anchor = Delta {
-            tensors: diff::full(&inputs).unwrap(),
-            step: Some(2),
-            base_step: None,
-            metadata: BTreeMap::new(),
-            packed: false,
-        };
+        let anchor = anchor_of(&inputs, 2, &BTreeMap::new());
         let mut unsealed = format::encode_with(&anchor, Checksum::Placeholder).unwrap().to_vec();
         let err = format::from_bytes(unsealed.clone(), "unsealed").err().unwrap().to_string();
         assert!(err.contains("still the writer's placeholder"), "{err}");
