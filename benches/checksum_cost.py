@@ -37,6 +37,19 @@ def _without_checksum(blob: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + blob[8 + length :]
 
 
+def _alternated(reads, fresh_target, rounds: int) -> tuple[float, float]:
+    """Median ms of ``reads["with"]().apply_(target)`` and of ``reads["without"]``, alternated round by round, each
+    into a ``fresh_target()``."""
+    times: dict[str, list[float]] = {name: [] for name in reads}
+    for _ in range(rounds):
+        for name, read in reads.items():
+            target = fresh_target()
+            start = time.perf_counter()
+            read().apply_(target)
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["with"]) * 1e3, statistics.median(times["without"]) * 1e3
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 31
     g = torch.Generator().manual_seed(0)
@@ -50,19 +63,13 @@ def main() -> None:
         delta = ds.diff(prev, curr, codec=codec)
         sealed = delta.to_bytes()
         files = {"with": sealed, "without": _without_checksum(sealed)}
-        times: dict[str, list[float]] = {name: [] for name in files}
-        for _ in range(rounds):
-            for name, blob in files.items():
-                target = {n: t.clone() for n, t in prev.items()}
-                start = time.perf_counter()
-                ds.load(blob).apply_(target)
-                times[name].append(time.perf_counter() - start)
+        reads = {name: (lambda blob=blob: ds.load(blob)) for name, blob in files.items()}
+        with_, without = _alternated(reads, lambda: {n: t.clone() for n, t in prev.items()}, rounds)
         hashes = []
         for _ in range(rounds):
             start = time.perf_counter()
             _core.base_identity(sealed)
             hashes.append(time.perf_counter() - start)
-        with_, without = (statistics.median(times[name]) * 1e3 for name in ("with", "without"))
         print(
             f"{codec:8} {len(sealed) / 1e6:.2f} MB, {delta.num_changed:,} changes: load + apply {with_:.2f} ms with the "
             f"checksum, {without:.2f} ms without ({with_ / without:.3f}x); the file's hash alone "
@@ -73,14 +80,7 @@ def main() -> None:
         open(path, "wb").close()
         write_anchor_pieces(prev, path, step=0, piece_bytes=256 << 10, whole_sha256=False)
         reads = {"with": lambda: ds.load(path, mmap=True), "without": lambda: load_checked_copy(path)}
-        times = {name: [] for name in reads}
-        for _ in range(rounds):
-            for name, read in reads.items():
-                target = {n: torch.empty_like(t) for n, t in prev.items()}
-                start = time.perf_counter()
-                read().apply_(target)
-                times[name].append(time.perf_counter() - start)
-        with_, without = (statistics.median(times[name]) * 1e3 for name in ("with", "without"))
+        with_, without = _alternated(reads, lambda: {n: torch.empty_like(t) for n, t in prev.items()}, rounds)
         print(
             f"anchor   {os.path.getsize(path) / 1e6:.1f} MB, mapped: load + apply {with_:.1f} ms with the checksum, "
             f"{without:.1f} ms without ({with_ / without:.3f}x)"
