@@ -549,6 +549,22 @@ impl RawDelta {
         Ok(())
     }
 
+    /// Raises BaseMismatchError unless this delta, read to follow the anchor `anchor`, was made against the tensors
+    /// `anchor` stores whole (core::base::check_follows); with `usable` (indices into `anchor`), only those tensors
+    /// are compared (a reader that read the rest only in part). Returns how many records were checked.
+    #[pyo3(signature = (anchor, usable=None))]
+    fn check_follows(
+        &self,
+        py: Python<'_>,
+        anchor: PyRef<'_, RawDelta>,
+        usable: Option<Vec<usize>>,
+    ) -> PyResult<usize> {
+        let (held, delta) = (&anchor.delta, &self.delta);
+        let usable: Option<std::collections::HashSet<usize>> = usable.map(|indices| indices.into_iter().collect());
+        py.detach(|| base::check_follows(held, delta, |index| usable.as_ref().is_none_or(|set| set.contains(&index))))
+            .map_err(to_py)
+    }
+
     /// Raises BaseMismatchError unless each (index, identity) pair, a target's base identity computed elsewhere (16
     /// hex digits; on its device, deltasync_rs._identity), is the one recorded for its tensor (or none is).
     fn check_identities(&self, found: Vec<(usize, String)>) -> PyResult<()> {

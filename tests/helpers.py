@@ -211,3 +211,47 @@ def completion_threads(monkeypatch, kind: str) -> list[str]:
 
     monkeypatch.setattr(cls, "complete", recording)
     return names
+
+
+def piece_hashes(data: bytes, piece: int, algorithm: str = "blake3") -> bytes:
+    """Each piece's hash, by an implementation other than the core's (hashlib's SHA-256, the blake3 package)."""
+    import blake3
+
+    hash_ = (lambda b: hashlib.sha256(b).digest()) if algorithm == "sha256" else (lambda b: blake3.blake3(b).digest())
+    return b"".join(hash_(data[i : i + piece]) for i in range(0, len(data), piece))
+
+
+def republish_anchor(root: Path, step: int, blob: bytes, state_digest: str | None = None) -> None:
+    """Replaces the anchor of ``step`` in the local store at ``root`` by ``blob`` with everything that vouches for it
+    made to agree, as a buggy or hostile publisher of an unsigned store would: its pieces sidecar, its manifest
+    entry (and ``state_digest`` there, when given), the entries chained after it and latest.json."""
+    import deltasync_rs as ds
+    from deltasync_rs.manifest import PIECES_MAGICS, entry_key, listed_steps, pieces_document
+
+    root = Path(root)
+    entry = json.loads((root / entry_key(step)).read_text())
+    ref = entry["anchor"]
+    sidecar = root / ref["pieces"]["key"]
+    algorithm = PIECES_MAGICS[sidecar.read_bytes()[:8]]
+    piece = ref["pieces"]["piece_bytes"]
+    pieces = pieces_document(len(blob), piece, piece_hashes(blob, piece, algorithm), algorithm)
+    (root / ref["key"]).write_bytes(blob)
+    sidecar.write_bytes(pieces)
+    ref["size"] = len(blob)
+    if "sha256" in ref:
+        ref["sha256"] = hashlib.sha256(blob).hexdigest()
+    ref["pieces"].update(size=len(pieces), sha256=hashlib.sha256(pieces).hexdigest())
+    if state_digest is not None:
+        entry["state_digest"] = state_digest
+    (root / entry_key(step)).write_text(json.dumps(entry))
+
+    def sha256(s: int) -> str:
+        return hashlib.sha256((root / entry_key(s)).read_bytes()).hexdigest()
+
+    for step_after in [s for s in listed_steps(ds.LocalStore(root, create=False)) if s > step]:
+        successor = json.loads((root / entry_key(step_after)).read_text())
+        successor["base_entry_sha256"] = sha256(successor["base_step"])
+        (root / entry_key(step_after)).write_text(json.dumps(successor))
+    latest = json.loads((root / "latest.json").read_text())
+    latest["entry_sha256"] = sha256(latest["step"])
+    (root / "latest.json").write_text(json.dumps(latest))

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 
-import blake3
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from deltasync_rs._ranged import PartialAnchor
 from deltasync_rs.delta import write_anchor_pieces
 from deltasync_rs.manifest import PIECES_HEADER_BYTES, Entry, anchor_key, entry_key, pieces_key
 from tests.conftest import s3_store
-from tests.helpers import counting_store
+from tests.helpers import counting_store, piece_hashes
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -39,12 +38,6 @@ def _published(tmp_path, piece_bytes=1024, state=None, piece_hash="blake3", whol
     return root
 
 
-def _piece_hashes(data: bytes, piece: int, algorithm: str = "blake3") -> bytes:
-    """Each piece's hash, by an implementation other than the core's (hashlib's SHA-256, the blake3 package)."""
-    hash_ = (lambda b: hashlib.sha256(b).digest()) if algorithm == "sha256" else (lambda b: blake3.blake3(b).digest())
-    return b"".join(hash_(data[i : i + piece]) for i in range(0, len(data), piece))
-
-
 def _first_tensor_only(tensors):
     return [(tensors[0].start, tensors[0].end)]
 
@@ -59,7 +52,7 @@ def test_pieces_are_the_hash_of_each_piece_of_the_file(tmp_path, algorithm):
         data = path.read_bytes()
         assert data == ds.anchor(state, step=1).to_bytes() and size == len(data)
         assert sha256 == hashlib.sha256(data).hexdigest() and digest == ds.state_digest(state)
-        assert hashes == _piece_hashes(data, piece, algorithm)
+        assert hashes == piece_hashes(data, piece, algorithm)
         # Without the whole-file SHA-256 (protocol 2's default): the same file and pieces, no SHA-256.
         path.write_bytes(b"longer than the anchor is not" * 1000)
         options = {"step": 1, "piece_bytes": piece, "piece_hash": algorithm, "whole_sha256": False}
@@ -98,7 +91,7 @@ def test_sidecar_layout_is_pinned(tmp_path, algorithm, magic, pinned):
     assert sidecar[:8] == magic
     assert int.from_bytes(sidecar[8:16], "little") == len(anchor)
     assert int.from_bytes(sidecar[16:24], "little") == 1024
-    assert sidecar[PIECES_HEADER_BYTES:] == _piece_hashes(anchor, 1024, algorithm)
+    assert sidecar[PIECES_HEADER_BYTES:] == piece_hashes(anchor, 1024, algorithm)
     assert hashlib.sha256(sidecar).hexdigest() == pinned
 
 
@@ -196,7 +189,7 @@ def test_a_rewritten_sidecar_is_refused_by_the_signed_entry(tmp_path):
     _flip(anchor, anchor.stat().st_size // 8)
     data = anchor.read_bytes()
     sidecar = bytearray((root / pieces_key(3)).read_bytes())
-    sidecar[PIECES_HEADER_BYTES:] = _piece_hashes(data, 1024)
+    sidecar[PIECES_HEADER_BYTES:] = piece_hashes(data, 1024)
     (root / pieces_key(3)).write_bytes(bytes(sidecar))
     with pytest.raises(ds.ChainError, match="pieces: content does not match"):
         ds.Subscriber(root, retries=1, anchor_ranges=_first_tensor_only).fetch(None)
@@ -246,7 +239,7 @@ def test_verify_checks_the_whole_file_sha256_too(tmp_path):
     _flip(anchor, anchor.stat().st_size // 8)
     data = anchor.read_bytes()
     sidecar = bytearray((root / pieces_key(3)).read_bytes())
-    sidecar[PIECES_HEADER_BYTES:] = _piece_hashes(data, 1024)
+    sidecar[PIECES_HEADER_BYTES:] = piece_hashes(data, 1024)
     (root / pieces_key(3)).write_bytes(bytes(sidecar))
     entry_path = root / entry_key(3)
     document = json.loads(entry_path.read_bytes())

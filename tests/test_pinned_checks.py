@@ -5,11 +5,9 @@ store would write them: the file changed, its pieces sidecar, manifest entry, ch
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 
-import blake3
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -17,7 +15,8 @@ from safetensors.numpy import save_file
 import deltasync_rs as ds
 from deltasync_rs._ranged import PartialAnchor
 from deltasync_rs._sharded import checkpoint_files
-from deltasync_rs.manifest import PIECES_MAGICS, anchor_key, delta_key, entry_key, listed_steps, pieces_document
+from deltasync_rs.manifest import anchor_key, delta_key
+from tests.helpers import republish_anchor
 
 
 def _states(steps: int = 1) -> list[dict[str, np.ndarray]]:
@@ -63,40 +62,6 @@ def _laid_out(header, data: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + data
 
 
-def _piece_hashes(data: bytes, piece: int, algorithm: str) -> bytes:
-    hash_ = (lambda b: hashlib.sha256(b).digest()) if algorithm == "sha256" else (lambda b: blake3.blake3(b).digest())
-    return b"".join(hash_(data[i : i + piece]) for i in range(0, len(data), piece))
-
-
-def _republish_anchor(root, step: int, blob: bytes, state_digest: str | None = None) -> None:
-    """Replaces the anchor of ``step`` by ``blob`` with everything that vouches for it made to agree: its pieces
-    sidecar, its manifest entry (and ``state_digest`` there, when given), the entries chained after it and
-    latest.json."""
-    entry = json.loads((root / entry_key(step)).read_text())
-    ref = entry["anchor"]
-    sidecar = root / ref["pieces"]["key"]
-    algorithm = PIECES_MAGICS[sidecar.read_bytes()[:8]]
-    piece = ref["pieces"]["piece_bytes"]
-    pieces = pieces_document(len(blob), piece, _piece_hashes(blob, piece, algorithm), algorithm)
-    (root / ref["key"]).write_bytes(blob)
-    sidecar.write_bytes(pieces)
-    ref["size"] = len(blob)
-    if "sha256" in ref:
-        ref["sha256"] = hashlib.sha256(blob).hexdigest()
-    ref["pieces"].update(size=len(pieces), sha256=hashlib.sha256(pieces).hexdigest())
-    if state_digest is not None:
-        entry["state_digest"] = state_digest
-    (root / entry_key(step)).write_text(json.dumps(entry))
-    sha256 = lambda s: hashlib.sha256((root / entry_key(s)).read_bytes()).hexdigest()  # noqa: E731
-    for later in [s for s in listed_steps(ds.LocalStore(root, create=False)) if s > step]:
-        successor = json.loads((root / entry_key(later)).read_text())
-        successor["base_entry_sha256"] = sha256(successor["base_step"])
-        (root / entry_key(later)).write_text(json.dumps(successor))
-    latest = json.loads((root / "latest.json").read_text())
-    latest["entry_sha256"] = sha256(latest["step"])
-    (root / "latest.json").write_text(json.dumps(latest))
-
-
 def _last_tensor(header: dict) -> str:
     return max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
 
@@ -116,7 +81,7 @@ def test_a_tensor_spanning_more_bytes_than_its_shape_is_refused(tmp_path):
     header, data = _anchor(root)
     last = _last_tensor(header)
     header[last]["data_offsets"][1] += 8
-    _republish_anchor(root, 0, _laid_out(header, data + b"\xff" * 8))
+    republish_anchor(root, 0, _laid_out(header, data + b"\xff" * 8))
     _pull_to_file_refuses(root, tmp_path, f"tensor '{last}' takes 200 bytes, not its shape's")
 
 
@@ -169,7 +134,7 @@ def test_tensors_that_do_not_tile_the_data_are_refused(tmp_path, layout, match):
         n: np.frombuffer(data[i["data_offsets"][0] : i["data_offsets"][1]], np.float32).reshape(i["shape"])
         for n, i in tensors.items()
     }
-    _republish_anchor(root, 0, _laid_out(header, data), state_digest=ds.state_digest(state))
+    republish_anchor(root, 0, _laid_out(header, data), state_digest=ds.state_digest(state))
     (root / anchor_key(0)).write_bytes(bytes(blob))
     _pull_to_file_refuses(root, tmp_path, match)
 
@@ -180,7 +145,7 @@ def test_a_header_over_safetensors_cap_is_refused(tmp_path):
     root = _publish(tmp_path / "store", _states(), piece_bytes=1 << 20)
     header, data = _anchor(root)
     header["__metadata__"]["pad"] = "x" * 100_000_100
-    _republish_anchor(root, 0, _laid_out(header, data))
+    republish_anchor(root, 0, _laid_out(header, data))
     _pull_to_file_refuses(root, tmp_path, r"a header of 100000\d{3} bytes does not fit the file")
 
 
@@ -198,7 +163,7 @@ def test_an_anchor_whose_metadata_disagrees_is_refused(tmp_path, field, value, m
     root = _publish(tmp_path / "store", _states())
     header, data = _anchor(root)
     header["__metadata__"][field] = value
-    _republish_anchor(root, 0, _laid_out(header, data))
+    republish_anchor(root, 0, _laid_out(header, data))
     _pull_to_file_refuses(root, tmp_path, match)
 
 
@@ -231,7 +196,7 @@ def test_a_malformed_header_is_a_format_error_not_a_crash(tmp_path, edit, reader
     tries another way: not a bare KeyError, OverflowError or AttributeError out of the pull."""
     root = _publish(tmp_path / "store", _states())
     header, data = _anchor(root)
-    _republish_anchor(root, 0, _laid_out(edit(header), data))
+    republish_anchor(root, 0, _laid_out(edit(header), data))
     if reader == "pull_to_file":
         _pull_to_file_refuses(root, tmp_path, match)
     else:
@@ -281,7 +246,7 @@ def _wrong_newest_anchor(root, states):
     _publish(root, states, anchor_every=2)
     header, data = _anchor(root, 0)
     header["__metadata__"]["step"] = "2"
-    _republish_anchor(root, 2, _laid_out(header, data))
+    republish_anchor(root, 2, _laid_out(header, data))
 
 
 def test_pull_to_file_takes_an_older_anchor_where_the_newest_disagrees_with_its_deltas(tmp_path):
@@ -297,18 +262,63 @@ def test_pull_to_file_takes_an_older_anchor_where_the_newest_disagrees_with_its_
     assert out.read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
 
 
-def test_a_pull_whose_anchor_its_deltas_disagree_with_holds_no_step(tmp_path):
+@pytest.mark.parametrize("where", ["local", "copied"])
+def test_a_pull_takes_an_older_anchor_where_the_newest_disagrees_with_its_deltas(tmp_path, where):
     """pull() applied the wrong anchor of step 2 (step 0's tensors), then refused delta 3 as made for another base,
     and the subscriber went on saying it held step 2: a caller that logged the error and served on served step 0's
-    weights as step 2's. Now it is an IntegrityError naming the anchor, and the subscriber holds no step."""
+    weights as step 2's. Then it raised, holding no step, though anchor 0 and deltas 1 to 3 give step 3. Now it takes
+    that way: applied from a local store's file ("local"), the apply refuses delta 3 and the way is taken again from
+    anchor 0; read into a checked copy ("copied", as from a remote store), the anchor is compared with delta 3's
+    bases before anything is applied."""
     states = _states(4)
     root = tmp_path / "store"
     _wrong_newest_anchor(root, states)
+    store = ds.LocalStore(root, create=False)
+    if where == "copied":
+        store.open_local = lambda key: None  # type: ignore[method-assign]  # no file to fill from: a checked copy
+    state = {name: np.zeros_like(array) for name, array in states[0].items()}
+    subscriber = ds.Subscriber(store, retries=1)
+    assert subscriber.pull(state) == 3 and subscriber.step == 3
+    for name, array in states[3].items():
+        np.testing.assert_array_equal(state[name], array)
+    # The refused anchor is not taken again: the next pull from scratch goes the same way.
+    again = {name: np.zeros_like(array) for name, array in states[0].items()}
+    assert ds.Subscriber(store, retries=1).pull(again) == 3
+
+
+def test_a_pull_whose_only_anchor_its_deltas_disagree_with_holds_no_step(tmp_path):
+    """With no other anchor to take, the wrong anchor is an IntegrityError naming it, and the subscriber holds no
+    step (the state holds that anchor's tensors)."""
+    states = _states(3)
+    root = tmp_path / "store"
+    _publish(root, states)
+    republish_anchor(root, 0, ds.anchor(states[1], step=0).to_bytes())
     state = {name: np.zeros_like(array) for name, array in states[0].items()}
     subscriber = ds.Subscriber(root, retries=1)
-    with pytest.raises(ds.IntegrityError, match="was not made against the state the anchor of step 2 gives"):
+    with pytest.raises(ds.IntegrityError, match="was not made against the state the anchor of step 0 gives"):
         subscriber.pull(state)
     assert subscriber.step is None
+
+
+@pytest.mark.parametrize("ranged", [False, True])
+def test_fetch_returns_no_anchor_its_first_delta_was_not_made_against(tmp_path, ranged):
+    """fetch() from no step handed over the wrong anchor of step 2 and delta 3, every file matching its entry: a
+    caller applying them without a base check (as the vLLM workers do by default) held step 0's weights patched by
+    delta 3, reported as step 3. Now the anchor's tensors (those read whole, for an anchor read by ranges) are
+    compared with delta 3's base identities before anything is returned, and the way from anchor 0 is taken."""
+    states = [{name: array + step for name, array in _ranged_state().items()} for step in range(4)]
+    root = tmp_path / "store"
+    _wrong_newest_anchor(root, states)
+    subscriber = ds.Subscriber(root, retries=1, anchor_ranges=_first_tensor_only if ranged else None)
+    deltas = subscriber.fetch(None)
+    assert [d.step for d in deltas] == [0, 1, 2, 3]
+    assert isinstance(deltas[0], PartialAnchor) == ranged
+    if not ranged:
+        state = {name: np.zeros_like(array) for name, array in states[0].items()}
+        for delta in deltas:
+            delta.apply_(state)
+        for name, array in states[3].items():
+            np.testing.assert_array_equal(state[name], array)
 
 
 def test_a_numpy_target_that_is_a_strided_view_is_filled(tmp_path):

@@ -21,6 +21,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'deltasyn
 import deltasync_rs as ds  # noqa: E402
 from deltasync_rs import vllm as ds_vllm  # noqa: E402
 from tests import vllm_workers  # noqa: E402
+from tests.helpers import republish_anchor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -257,6 +258,23 @@ def test_worker_extension_pulls_in_order(published_store):
     with pytest.raises(ds.DeltaSyncError, match="current_step must be"):
         ds_vllm.apply_delta(model, ds.diff(states[3], states[3], values="abs"), current_step="3")
     assert worker.deltasync_step() == 3 and _bits_equal(_params(model), states[3])
+
+
+def test_a_worker_takes_an_older_anchor_where_the_newest_is_not_what_its_deltas_were_made_against(tmp_path):
+    """A wrong anchor of step 2 (step 0's weights, labelled step 2) in an unsigned store, every file matching its
+    entry: a worker starting afresh applied it, then delta 3 without a base check (the workers' default), and said
+    it held step 3 over other weights. The anchor's tensors are now compared with delta 3's base identities as it is
+    read, before anything is written, and the way from anchor 0 is taken."""
+    model, states = _tiny_states(steps=3)
+    store = tmp_path / "store"
+    with ds.Publisher(store, anchor_every=2, values="abs", background=False) as publisher:
+        for step, state in enumerate(states):
+            publisher.publish(step, state)
+    republish_anchor(store, 2, ds.anchor(states[0], step=2).to_bytes())
+    worker = ds_vllm.DeltaSyncWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=model)
+    assert worker.deltasync_pull(str(store)) == 3
+    assert _bits_equal(_params(model), states[3])
 
 
 def test_worker_extension_refuses_a_store_older_than_max_age(published_store, monkeypatch):

@@ -64,6 +64,15 @@ class PartialAnchor(Delta):
             raise DeltaSyncError(f"{self.key}: bytes {start}..{end} are outside tensor {name!r}")
         return first + start, first + end
 
+    def whole_tensors(self) -> list[int]:
+        """The indices of the tensors every byte of which was read and verified."""
+        whole = []
+        for index, name in enumerate(self.names):
+            first, last = self._offsets[name]
+            if all(p in self._covered for p in range(first // self._piece_bytes, -(-last // self._piece_bytes))):
+                whole.append(index)
+        return whole
+
     def require(self, name: str, start: int, end: int) -> None:
         """Raises IntegrityError unless bytes ``start .. end`` of tensor ``name`` were read and verified."""
         begin, stop = self._span(name, start, end)

@@ -29,7 +29,7 @@ from ._checkpoint import (
 )
 from ._core import file_piece_hashes
 from ._outputs import remove_stale_temps, write_atomically
-from ._ranged import NeededRanges, read_ranged
+from ._ranged import NeededRanges, PartialAnchor, read_ranged
 from ._turns import one_at_a_time, track
 from .delta import Delta, _check_step, load, load_checked_copy, state_digest_knowing
 from .errors import (
@@ -204,6 +204,8 @@ class Subscriber:
         self._run_confirmed = False  # an entry carried the run read from run.json
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._at: Entry | None = None  # the entry of `step`, once a pull got there
+        # Entries (by SHA-256) whose anchor the delta after it was not made against: no way starts from them.
+        self._refused_anchors: set[str] = set()
         self._gone_warned: int | None = None  # the held step last said to be gone from the store
         self._names: list[str] | None = None
         self._lock = threading.RLock()  # pulls take turns (one_at_a_time): each moves `step` and its target
@@ -667,6 +669,10 @@ class Subscriber:
             chain = self._walk_back(target, anchor_step, lambda e: e.step == anchor_step)
             if chain[0].anchor is None:
                 raise ChainError(f"step {anchor_step} has no anchor entry")
+            if chain[0].sha256 in self._refused_anchors:
+                raise ChainError(
+                    f"the anchor of step {anchor_step} is not the state the delta after it was made against"
+                )
             return chain[0], chain[1:]
 
         anchors = sorted(
@@ -686,7 +692,9 @@ class Subscriber:
     def fetch(self, current_step: int | None, *, until: int | None = None) -> list[Delta]:
         """Verified deltas that bring a state at ``current_step`` (None: no state yet) to the newest step, or to step
         ``until`` exactly (a ChainError naming it when it is not published or cannot be reached): an anchor first
-        when needed, then deltas in order; [] when already there or past it (a subscriber never moves back).
+        when needed, then deltas in order; [] when already there or past it (a subscriber never moves back). An
+        anchor is returned only with a first delta made against its tensors (their base identities compared), or
+        the way from an older anchor is taken.
 
         The entry of the step they reach is kept: a later ``fetch`` from that step requires its way on to start from
         that very entry (not another entry of the same number, of a history published over it), and takes an anchor
@@ -854,7 +862,27 @@ class Subscriber:
         finally:
             if bar is not None:
                 bar.close()
+        if anchor_entry is not None and len(out) > 1:
+            self._check_follows(anchor_entry, out[0], out[1])
         return out
+
+    def _check_follows(self, anchor_entry: Entry, anchor: Delta, delta: Delta) -> None:
+        """Refuses (IntegrityError) a way whose first delta was not made against the tensors of the anchor before it,
+        as far as they were read here: each record naming a base identity is compared with the identity of the
+        anchor's bytes (every tensor of an anchor read whole; of one read by ranges, those it read whole; none of a
+        FilledAnchor, which a pull checks against the state it fills instead). Every file of such a way matched its
+        entry, so the anchor is wrong (a publisher that wrote one), and an older anchor's way is taken instead
+        (``_fetch_to``), never this anchor's again. Nothing is applied before this check."""
+        usable = anchor.whole_tensors() if isinstance(anchor, PartialAnchor) else None
+        try:
+            delta._raw.check_follows(anchor._raw, usable)
+        except BaseMismatchError as error:
+            self._refused_anchors.add(anchor_entry.sha256)
+            raise _WrongAnchor(
+                f"{self.store.url}: the delta of step {delta.step} was not made against the state the anchor of step "
+                f"{anchor_entry.step} gives ({error}); that anchor is not used",
+                anchor_entry.sha256,
+            ) from error
 
     # -- applying -----------------------------------------------------------------------------------------------------
     @one_at_a_time
@@ -864,8 +892,9 @@ class Subscriber:
         and returns it (compare the result with ``until``). Each delta is applied all-or-nothing; when ``state``
         holds every published tensor, its digest is checked against the manifest, and a mismatch re-syncs from the
         newest anchor before raising IntegrityError. A delta that does not fit the store's anchor before it (a wrong
-        anchor, every file matching its entry) is an IntegrityError too, after which the subscriber holds no step:
-        ``state`` holds that anchor's tensors, not a published step."""
+        anchor, every file matching its entry) makes the pull take the way from an older anchor (never that one
+        again); where none is left it is an IntegrityError, after which the subscriber holds no step: ``state``
+        holds the last anchor tried, not a published step."""
         _arrays.check_state(state, "state")
         this_target = _target_key(state)
         deltas = self._fetch_to_apply(self.step, until)
@@ -892,7 +921,7 @@ class Subscriber:
         tied = self._untied_aliases(state, deltas[-1].step, deltas[0].names if deltas[0]._whole_state else self._names)
         try:
             try:
-                known = self._apply_all(state, deltas)
+                known = self._apply_from_anchors(state, deltas)
             except DeltaFormatError as error:
                 # A stream checked only as it was applied is malformed (its file matched its entry: the publisher
                 # wrote it so). Nothing of that delta was written: the state is at the step before it. Read the way
@@ -901,7 +930,7 @@ class Subscriber:
                 log.warning("%s; reading the way from step %s again with every stream checked first", error, self.step)
                 if self.step is not None:  # the entry the way on must continue from
                     self._at = self.entry(self.step)
-                known = self._apply_all(state, self._fetch_to_apply(self.step, until, defer=False))
+                known = self._apply_from_anchors(state, self._fetch_to_apply(self.step, until, defer=False))
         except BaseMismatchError as error:
             if not self.check_base or deltas[0]._whole_state:
                 raise
@@ -911,7 +940,7 @@ class Subscriber:
             target, held = deltas[-1].step, self.step
             self.step = None
             try:
-                known = self._apply_all(state, self._fetch_to_apply(None, target))
+                known = self._apply_from_anchors(state, self._fetch_to_apply(None, target))
             except BaseMismatchError:
                 if self.step is None:
                     # The anchor refused the target too (another dtype or shape), so nothing was applied: the state
@@ -980,6 +1009,22 @@ class Subscriber:
             raise ChainError(f"{self.store.url}: the pulled files name no step")
         return self.step
 
+    def _apply_from_anchors(self, state: Any, deltas: list[Delta]) -> dict[str, bytes]:
+        """``_apply_all``; where a delta turns out not to fit the anchor before it (``_WrongAnchor``: a wrong anchor
+        in the store, every file matching its entry), the way to the same step from an older anchor is taken, each
+        anchor at most once, and the error raised when none is left."""
+        while True:
+            try:
+                return self._apply_all(state, deltas)
+            except _WrongAnchor as error:
+                if not error.entry_sha256 or not deltas or deltas[-1].step is None:
+                    raise
+                log.warning("%s; taking the way from an older anchor", error)
+                try:
+                    deltas = self._fetch_to_apply(None, deltas[-1].step)
+                except ChainError as none_left:
+                    raise error from none_left
+
     def _apply_all(self, state: Any, deltas: list[Delta]) -> dict[str, bytes]:
         """Applies ``deltas`` in order; returns the state-digest hashes the writes made in passing
         (``Delta._apply``) of tensors that no later delta wrote again: the hashes of those tensors as they now are."""
@@ -993,11 +1038,17 @@ class Subscriber:
                     raise
                 # Every base from the anchor on came from the store, whose anchor and this delta disagree (a
                 # publisher that wrote a wrong anchor): the state holds that anchor's bytes, unverified, so this
-                # subscriber holds no step of the store's now; a later pull starts afresh.
+                # subscriber holds no step of the store's now. No way starts from that anchor again (pull tries
+                # an older anchor's).
                 self.step, self._at = None, None
-                raise IntegrityError(
+                held = self._entries.get(anchor.step) if anchor.step is not None else None
+                sha256 = "" if held is None else held.sha256
+                if sha256:
+                    self._refused_anchors.add(sha256)
+                raise _WrongAnchor(
                     f"{self.store.url}: the delta of step {delta.step} was not made against the state the anchor of "
-                    f"step {anchor.step} gives ({error}); the state holds that anchor's tensors, not a published step"
+                    f"step {anchor.step} gives ({error}); the state holds that anchor's tensors, not a published step",
+                    sha256,
                 ) from error
             for name, hash_ in hashes.items():
                 if hash_ is None:
@@ -1170,6 +1221,15 @@ class Subscriber:
             if isinstance(document, dict) and "signature" in document:
                 return True
         return False
+
+
+class _WrongAnchor(IntegrityError):
+    """A delta that does not fit the anchor before it, every file matching its entry: that anchor is wrong.
+    ``entry_sha256`` names the anchor's entry, which no later way starts from (``Subscriber._refused_anchors``)."""
+
+    def __init__(self, message: str, entry_sha256: str) -> None:
+        super().__init__(message)
+        self.entry_sha256 = entry_sha256
 
 
 class _NotTheState(Exception):

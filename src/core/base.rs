@@ -208,6 +208,45 @@ pub fn check_bases(delta: &Delta, targets: &[(usize, &[u8])]) -> Result<()> {
     results.into_iter().collect()
 }
 
+/// Checks that `next`, a delta read to follow the anchor `anchor`, was made against the tensors `anchor` holds:
+/// each record of `next` that names a base identity, for a tensor that `anchor` stores whole and `usable` accepts
+/// (by its index in `anchor`), must be of that tensor's dtype and shape and name the identity of its bytes there.
+/// A reader that has the anchor's bytes in hand (a mapped file) can so refuse a wrong anchor before writing
+/// anything, rather than applying it and the deltas after it. Returns how many records were checked; the tensors
+/// are hashed side by side in the deltasync pool, and the error is that of the first mismatch in `next`'s order.
+pub fn check_follows(anchor: &Delta, next: &Delta, usable: impl Fn(usize) -> bool) -> Result<usize> {
+    let by_name: std::collections::HashMap<&str, usize> =
+        anchor.tensors.iter().enumerate().map(|(index, tensor)| (tensor.name.as_str(), index)).collect();
+    let mut pairs = Vec::new();
+    for record in &next.tensors {
+        let (Some(_), Some(&index)) = (record.base, by_name.get(record.name.as_str())) else { continue };
+        let held = &anchor.tensors[index];
+        if !held.is_dense() || !usable(index) {
+            continue;
+        }
+        if held.dtype != record.dtype || (record.shape.is_some() && held.shape != record.shape) {
+            return Err(Error::mismatch(format!(
+                "tensor {:?}: the delta was made for a {:?} tensor of shape {:?}, the anchor holds a {:?} one of \
+                 shape {:?}",
+                record.name, record.dtype, record.shape, held.dtype, held.shape
+            )));
+        }
+        pairs.push((record, &held.values[..]));
+    }
+    let runs: Vec<&[u8]> = pairs.iter().map(|(_, bytes)| *bytes).collect();
+    for ((record, _), found) in pairs.iter().zip(identities(&runs)) {
+        if let Some(expected) = record.base.filter(|expected| *expected != found) {
+            return Err(Error::mismatch(format!(
+                "tensor {:?}: the delta was made against base identity {}, and the anchor holds {}",
+                record.name,
+                to_hex(expected),
+                to_hex(found)
+            )));
+        }
+    }
+    Ok(pairs.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,5 +407,60 @@ mod tests {
         assert!(err.to_string().contains("tensor \"b\""), "{err}");
         assert!(matches!(check_bases(&delta, &[(0, &b)]), Err(Error::BaseMismatch { .. })));
         assert!(matches!(check_bases(&delta, &[(2, &b)]), Err(Error::InvalidInput { .. })));
+    }
+
+    #[test]
+    fn a_delta_follows_only_the_anchor_it_was_made_against() {
+        use crate::core::diff::{full, FullInput};
+        let (a, b) = (bytes(3 * BLOCK_BYTES + 10, 1), bytes(3000, 2));
+        let (mut a2, mut b2) = (a.clone(), b.clone());
+        a2[5] ^= 1;
+        b2[7] ^= 1;
+        let changes = |a: &[u8], b: &[u8], a2: &[u8], b2: &[u8]| Delta {
+            tensors: diff(
+                &[
+                    DiffInput { name: "a".into(), dtype: Dtype::U8, shape: vec![a.len() as u64], old: a, new: a2 },
+                    DiffInput { name: "b".into(), dtype: Dtype::U8, shape: vec![3000], old: b, new: b2 },
+                ],
+                ValueCodec::Diff,
+                Codec::Compact,
+            )
+            .unwrap(),
+            ..Default::default()
+        };
+        let anchor = |a: &[u8], b: &[u8], b_dtype: Dtype| Delta {
+            tensors: full(&[
+                FullInput { name: "b".into(), dtype: b_dtype, shape: vec![3000 / b_dtype_width(b_dtype)], data: b },
+                FullInput { name: "a".into(), dtype: Dtype::U8, shape: vec![a.len() as u64], data: a },
+            ])
+            .unwrap(),
+            ..Default::default()
+        };
+        fn b_dtype_width(dtype: Dtype) -> u64 {
+            crate::core::dtype::width_of(dtype).unwrap() as u64
+        }
+        let next = changes(&a, &b, &a2, &b2);
+        assert_eq!(check_follows(&anchor(&a, &b, Dtype::U8), &next, |_| true).unwrap(), 2);
+        // The anchor of another state: each tensor named, by the anchor's bytes it holds.
+        let err = check_follows(&anchor(&a2, &b, Dtype::U8), &next, |_| true).unwrap_err();
+        assert!(matches!(err, Error::BaseMismatch { .. }) && err.to_string().contains("tensor \"a\""), "{err}");
+        let err = check_follows(&anchor(&a, &b2, Dtype::U8), &next, |_| true).unwrap_err();
+        assert!(err.to_string().contains("tensor \"b\""), "{err}");
+        // A tensor the reader did not read whole (by the anchor's index) is not checked.
+        assert_eq!(check_follows(&anchor(&a, &b2, Dtype::U8), &next, |index| index != 0).unwrap(), 1);
+        // Another dtype (or shape) is a mismatch whatever its bytes.
+        let err = check_follows(&anchor(&a, &b, Dtype::BF16), &next, |_| true).unwrap_err();
+        assert!(matches!(err, Error::BaseMismatch { .. }) && err.to_string().contains("tensor \"b\""), "{err}");
+        // Records without a base, and tensors the anchor lacks, are not checked.
+        let lone = Delta { tensors: vec![next.tensors[1].clone()], ..Default::default() };
+        let only_a = Delta {
+            tensors: full(&[FullInput { name: "a".into(), dtype: Dtype::U8, shape: vec![a.len() as u64], data: &a }])
+                .unwrap(),
+            ..Default::default()
+        };
+        assert_eq!(check_follows(&only_a, &lone, |_| true).unwrap(), 0);
+        let mut unbased = next.clone();
+        unbased.tensors.iter_mut().for_each(|tensor| tensor.base = None);
+        assert_eq!(check_follows(&anchor(&a2, &b2, Dtype::U8), &unbased, |_| true).unwrap(), 0);
     }
 }
