@@ -565,6 +565,13 @@ impl RawDelta {
             .map_err(to_py)
     }
 
+    /// The state digest (32 hex digits) of the tensors this anchor holds, or None when it does not hold every one
+    /// whole (a delta of changes).
+    fn whole_state_digest(&self, py: Python<'_>) -> Option<String> {
+        let delta = &self.delta;
+        py.detach(|| digest::of_whole_tensors(delta))
+    }
+
     /// Raises BaseMismatchError unless each (index, identity) pair, a target's base identity computed elsewhere (16
     /// hex digits; on its device, deltasync_rs._identity), is the one recorded for its tensor (or none is).
     fn check_identities(&self, found: Vec<(usize, String)>) -> PyResult<()> {

@@ -5,6 +5,7 @@ store would write them: the file changed, its pieces sidecar, manifest entry, ch
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 
@@ -15,7 +16,7 @@ from safetensors.numpy import save_file
 import deltasync_rs as ds
 from deltasync_rs._ranged import PartialAnchor
 from deltasync_rs._sharded import checkpoint_files
-from deltasync_rs.manifest import anchor_key, delta_key
+from deltasync_rs.manifest import anchor_key, delta_key, entry_key
 from tests.helpers import republish_anchor
 
 
@@ -26,6 +27,18 @@ def _states(steps: int = 1) -> list[dict[str, np.ndarray]]:
         "b.bias": rng.normal(size=(48,)).astype(np.float32),
     }
     return [{name: array + step for name, array in state.items()} for step in range(steps)]
+
+
+def _sparse_states(steps: int) -> list[dict[str, np.ndarray]]:
+    """States whose steps change a tenth and a seventh of their two tensors: deltas with a base for each."""
+    rng = np.random.default_rng(7)
+    states = [{"a": rng.normal(size=1000).astype(np.float32), "b": rng.normal(size=500).astype(np.float32)}]
+    for step in range(1, steps):
+        state = {name: array.copy() for name, array in states[-1].items()}
+        state["a"][step::10] += 1
+        state["b"][step::7] += 1
+        states.append(state)
+    return states
 
 
 def _ranged_state() -> dict[str, np.ndarray]:
@@ -319,6 +332,65 @@ def test_fetch_returns_no_anchor_its_first_delta_was_not_made_against(tmp_path, 
             delta.apply_(state)
         for name, array in states[3].items():
             np.testing.assert_array_equal(state[name], array)
+
+
+def test_fetch_refuses_an_anchor_whose_tensors_do_not_make_its_entrys_state_digest(tmp_path):
+    """The newest step's anchor holds step 0's tensors, every file matching its entry, whose state digest is the
+    real one's: no delta follows it to compare with, and fetch() handed it over (a vLLM worker applied it as that
+    step). Read whole, its tensors' digest is now compared with its entry's, and the way from anchor 0 is taken."""
+    states = _states(3)
+    root = tmp_path / "store"
+    _publish(root, states, anchor_every=2)
+    republish_anchor(root, 2, ds.anchor(states[0], step=2).to_bytes())
+    deltas = ds.Subscriber(root, retries=1).fetch(None)
+    assert [d.step for d in deltas] == [0, 1, 2]
+    state = {name: np.zeros_like(array) for name, array in states[0].items()}
+    for delta in deltas:
+        delta.apply_(state)
+    for name, array in states[2].items():
+        np.testing.assert_array_equal(state[name], array)
+
+
+def test_an_anchor_that_lacks_a_tensor_the_next_delta_was_made_against_is_refused(tmp_path):
+    """A wrong anchor of step 2 that holds only one of the two tensors (step 2's own), every file matching its entry:
+    fetch() handed it over with delta 3, whose other tensor then applied to whatever the caller held. A tensor the
+    delta names with a base must be in the anchor, of the record's dtype and shape: refused, anchor 0's way taken."""
+    states = _sparse_states(4)
+    root = tmp_path / "store"
+    _publish(root, states, anchor_every=2)
+    held = {"a": states[2]["a"]}  # and its entry's state digest made to agree
+    republish_anchor(root, 2, ds.anchor(held, step=2).to_bytes(), state_digest=ds.state_digest(held))
+    assert [d.step for d in ds.Subscriber(root, retries=1).fetch(None)] == [0, 1, 2, 3]
+
+
+def _republish_delta(root, step: int, blob: bytes) -> None:
+    """Replaces the delta of ``step`` by ``blob``, its entry, the chain after it and latest.json made to agree."""
+    entry = json.loads((root / entry_key(step)).read_text())
+    (root / delta_key(step)).write_bytes(blob)
+    entry["delta"].update(size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    (root / entry_key(step)).write_text(json.dumps(entry))
+    latest = json.loads((root / "latest.json").read_text())
+    latest["entry_sha256"] = hashlib.sha256((root / entry_key(latest["step"])).read_bytes()).hexdigest()
+    (root / "latest.json").write_text(json.dumps(latest))
+
+
+def test_a_delta_that_fits_no_state_of_its_way_refuses_no_anchor(tmp_path):
+    """Delta 5 made against step 3's state, labelled as applying to step 4 (anchors 0 and 3 are right): pull()
+    blamed the anchor before it for any delta that did not fit, refused anchors 3 and 0 both for good, and the same
+    subscriber could then pull no step at all. Only the delta right after an anchor incriminates it now: this is an
+    IntegrityError naming the way, no anchor is refused, and step 4 still pulls."""
+    states = _states(6)
+    root = tmp_path / "store"
+    _publish(root, states, anchor_every=3)
+    _republish_delta(root, 5, ds.diff(states[3], states[5], step=5, base_step=4).to_bytes())
+    subscriber = ds.Subscriber(root, retries=1)
+    state = {name: np.zeros_like(array) for name, array in states[0].items()}
+    with pytest.raises(ds.IntegrityError, match="the delta of step 5 was not made against the state the way from"):
+        subscriber.pull(state)
+    assert subscriber.step is None and not subscriber._refused_anchors
+    assert subscriber.pull(state, until=4) == 4
+    for name, array in states[4].items():
+        np.testing.assert_array_equal(state[name], array)
 
 
 def test_a_numpy_target_that_is_a_strided_view_is_filled(tmp_path):

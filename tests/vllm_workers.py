@@ -79,6 +79,7 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
     from safetensors.torch import save_file
 
     import deltasync_rs as ds
+    from tests.helpers import republish_anchor
 
     data = folder.with_name(folder.name + "-data")
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,6 +110,16 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
     with ds.Publisher(data / "store-deltas", background=False) as publisher:
         for step, state in enumerate(states):
             publisher.publish(step, state)
+    # A store whose anchor of step 1 is wrong (step 0's weights, every file made to agree with it) and whose step 2
+    # has no anchor: a fresh pull must take anchor 0's way (check_a_wrong_anchor_is_refused_by_every_rank).
+    wrong = data / "store-wrong-anchor"
+    with ds.Publisher(wrong, anchor_every=1, piece_bytes=RANGED_PIECE_BYTES, background=False) as publisher:
+        for step in (0, 1):
+            publisher.publish(step, states[step])
+    with ds.Publisher(wrong, anchor_every=1000, piece_bytes=RANGED_PIECE_BYTES, background=False) as publisher:
+        publisher.resume(states[1], step=1)
+        publisher.publish(2, states[2])
+    republish_anchor(wrong, 1, ds.anchor(states[0], step=1).to_bytes())
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
             for codec in ("varint", "compact", "context"):
@@ -718,6 +729,49 @@ def _fresh_worker(model):
     return worker
 
 
+def check_a_wrong_anchor_is_refused_by_every_rank(model, item: Prepared) -> None:
+    """The anchor of step 1 holds step 0's weights, every file matching its entry, and delta 2 was made against the
+    real step 1. A worker applied that anchor, then delta 2 without a base check (the default), and said it held
+    step 2 over other weights. Each rank now compares delta 2's base identities with the anchor's tensors it read
+    whole (at TP=2: the replicated and column-split ones), refuses that way and takes anchor 0's: bit-exact."""
+    import deltasync_rs as ds
+    from deltasync_rs.manifest import entry_key
+
+    store = item.path("store-wrong-anchor")
+    assert ds.Subscriber(store).entry(2).anchor is None and ds.Subscriber(store).entry(1).anchor is not None
+    assert Path(store, entry_key(2)).exists()
+    worker = _fresh_worker(model)
+    assert worker.deltasync_pull(store) == 2
+    _assert_equal_to_reload(model, item, 2)
+
+
+def check_ranks_that_start_from_different_anchors_refuse_together(model, item: Prepared) -> None:
+    """At TP=2, a rank that refuses a wrong anchor takes an older anchor's way, while a rank that read none of the
+    anchor's wrong tensors whole would take it: both reach the same step, one over wrong weights. The ranks compare
+    the anchors their ways start from and refuse together, nothing written. (Here rank 1 is made not to check.)"""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    import deltasync_rs as ds
+    from deltasync_rs.subscriber import Subscriber
+
+    if get_tensor_model_parallel_world_size() < 2:
+        return
+    store = item.path("store-wrong-anchor")
+    worker = _fresh_worker(model)
+    real = Subscriber._check_follows
+    if get_tensor_model_parallel_rank() == 1:
+        Subscriber._check_follows = lambda *args: None  # type: ignore[method-assign]
+    try:
+        _expect_untouched(
+            model, snapshot(model), ds.IntegrityError, lambda: worker.deltasync_pull(store), "from different anchors"
+        )
+    finally:
+        Subscriber._check_follows = real  # type: ignore[method-assign]
+    assert worker.deltasync_step() is None
+    assert worker.deltasync_pull(store) == 2
+    _assert_equal_to_reload(model, item, 2)
+
+
 def check_anchor_pull_reads_only_this_ranks_shard(model, item: Prepared) -> None:
     """Issue 16's "done when": at TP=2 a worker's anchor pull reads (by verified ranges) clearly less than the
     anchor, and the weights equal vLLM's dense reload bit for bit; at TP=1 it reads the anchor whole."""
@@ -1014,6 +1068,8 @@ CHECKS = [
     check_a_tie_the_served_model_does_not_hold_is_refused,
     check_ranks_refuse_together_what_one_rank_alone_can_see,
     check_anchor_pull_reads_only_this_ranks_shard,
+    check_a_wrong_anchor_is_refused_by_every_rank,
+    check_ranks_that_start_from_different_anchors_refuse_together,
     check_tampered_anchor_pieces_refused,
     check_diff_then_abs_match_dense_reload,
     check_compact_matches_dense_reload,

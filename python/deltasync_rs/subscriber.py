@@ -848,6 +848,7 @@ class Subscriber:
             if anchor_entry is not None:
                 assert anchor_entry.anchor is not None  # the plan chose an entry with an anchor
                 out.append(self._file(anchor_entry.anchor, anchor_entry.step, "anchor", fill=fill))
+                self._check_anchor(anchor_entry, out[0])
                 if bar is not None:
                     bar.update()
             for entry in chain:
@@ -856,32 +857,49 @@ class Subscriber:
                 if delta.base_step is not None and delta.base_step != entry.base_step:
                     raise IntegrityError(f"{entry.delta['key']}: base step {delta.base_step} differs from its entry")
                 delta.step, delta.base_step = entry.step, entry.base_step
+                if anchor_entry is not None and len(out) == 1:
+                    self._check_follows(anchor_entry, out[0], delta)
                 out.append(delta)
                 if bar is not None:
                     bar.update()
         finally:
             if bar is not None:
                 bar.close()
-        if anchor_entry is not None and len(out) > 1:
-            self._check_follows(anchor_entry, out[0], out[1])
         return out
 
+    def _refuse_anchor(self, anchor_entry: Entry, message: str) -> _WrongAnchor:
+        """The error for a wrong anchor (every file of its way matched its entry: a publisher that wrote one), which
+        no way starts from again; ``_fetch_to`` takes an older anchor's way instead."""
+        self._refused_anchors.add(anchor_entry.sha256)
+        return _WrongAnchor(f"{self.store.url}: {message}; that anchor is not used", anchor_entry.sha256)
+
+    def _check_anchor(self, anchor_entry: Entry, anchor: Delta) -> None:
+        """Refuses an anchor read whole whose tensors do not make its entry's state digest. (One read by ranges, or
+        a FilledAnchor, is checked piece by piece only: a pull checks the digest of the state it fills.)"""
+        if isinstance(anchor, PartialAnchor):
+            return
+        digest = anchor._raw.whole_state_digest()
+        if digest is not None and digest != anchor_entry.state_digest:
+            raise self._refuse_anchor(
+                anchor_entry,
+                f"the tensors of the anchor of step {anchor_entry.step} do not make the state digest of its entry "
+                f"({digest}, the entry says {anchor_entry.state_digest})",
+            )
+
     def _check_follows(self, anchor_entry: Entry, anchor: Delta, delta: Delta) -> None:
-        """Refuses (IntegrityError) a way whose first delta was not made against the tensors of the anchor before it,
-        as far as they were read here: each record naming a base identity is compared with the identity of the
-        anchor's bytes (every tensor of an anchor read whole; of one read by ranges, those it read whole; none of a
-        FilledAnchor, which a pull checks against the state it fills instead). Every file of such a way matched its
-        entry, so the anchor is wrong (a publisher that wrote one), and an older anchor's way is taken instead
-        (``_fetch_to``), never this anchor's again. Nothing is applied before this check."""
+        """Refuses a way whose first delta was not made against the tensors of the anchor before it, as far as they
+        were read here, before anything of the way is applied or further downloaded: each record naming a base
+        identity must be of a tensor the anchor holds, of its dtype and shape, and is compared with the identity of
+        the anchor's bytes (every tensor of an anchor read whole; of one read by ranges, those it read whole; none
+        of a FilledAnchor, which a pull checks against the state it fills instead)."""
         usable = anchor.whole_tensors() if isinstance(anchor, PartialAnchor) else None
         try:
             delta._raw.check_follows(anchor._raw, usable)
         except BaseMismatchError as error:
-            self._refused_anchors.add(anchor_entry.sha256)
-            raise _WrongAnchor(
-                f"{self.store.url}: the delta of step {delta.step} was not made against the state the anchor of step "
-                f"{anchor_entry.step} gives ({error}); that anchor is not used",
-                anchor_entry.sha256,
+            raise self._refuse_anchor(
+                anchor_entry,
+                f"the delta of step {delta.step} was not made against the state the anchor of step "
+                f"{anchor_entry.step} gives ({error})",
             ) from error
 
     # -- applying -----------------------------------------------------------------------------------------------------
@@ -994,7 +1012,7 @@ class Subscriber:
         if self._state_matches(state, known):
             return
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
-        known = self._apply_all(state, self._fetch_to_apply(None, self.step))
+        known = self._apply_from_anchors(state, self._fetch_to_apply(None, self.step))
         if not self._state_matches(state, known):
             raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
 
@@ -1013,12 +1031,14 @@ class Subscriber:
         """``_apply_all``; where a delta turns out not to fit the anchor before it (``_WrongAnchor``: a wrong anchor
         in the store, every file matching its entry), the way to the same step from an older anchor is taken, each
         anchor at most once, and the error raised when none is left."""
+        refused: set[str] = set()
         while True:
             try:
                 return self._apply_all(state, deltas)
             except _WrongAnchor as error:
-                if not error.entry_sha256 or not deltas or deltas[-1].step is None:
+                if not deltas or deltas[-1].step is None or error.entry_sha256 in refused:
                     raise
+                refused.add(error.entry_sha256)
                 log.warning("%s; taking the way from an older anchor", error)
                 try:
                     deltas = self._fetch_to_apply(None, deltas[-1].step)
@@ -1033,22 +1053,32 @@ class Subscriber:
             try:
                 hashes = delta._apply(state, check_base=self.check_base, digest=True)
             except BaseMismatchError as error:
-                anchor = next((d for d in deltas[:index] if d._whole_state), None)
-                if anchor is None:
+                at = next((i for i in range(index - 1, -1, -1) if deltas[i]._whole_state), None)
+                if at is None:
                     raise
-                # Every base from the anchor on came from the store, whose anchor and this delta disagree (a
-                # publisher that wrote a wrong anchor): the state holds that anchor's bytes, unverified, so this
-                # subscriber holds no step of the store's now. No way starts from that anchor again (pull tries
-                # an older anchor's).
+                # Every base from the anchor on came from the store, which disagrees with itself: the state holds
+                # bytes no entry vouches for, so this subscriber holds no step of the store's now.
                 self.step, self._at = None, None
-                held = self._entries.get(anchor.step) if anchor.step is not None else None
-                sha256 = "" if held is None else held.sha256
-                if sha256:
-                    self._refused_anchors.add(sha256)
-                raise _WrongAnchor(
-                    f"{self.store.url}: the delta of step {delta.step} was not made against the state the anchor of "
-                    f"step {anchor.step} gives ({error}); the state holds that anchor's tensors, not a published step",
-                    sha256,
+                anchor = deltas[at]
+                if at != index - 1 or anchor.step is None:
+                    # A later delta: that delta, or one before it, was not made as its entry says.
+                    raise IntegrityError(
+                        f"{self.store.url}: the delta of step {delta.step} was not made against the state the way "
+                        f"from the anchor of step {anchor.step} gives ({error}); the state holds no published step"
+                    ) from error
+                # The delta right after the anchor: the anchor is wrong (a publisher that wrote one). No way starts
+                # from it again (pull tries an older anchor's).
+                try:
+                    anchor_entry = self.entry(anchor.step)
+                except DeltaSyncError:
+                    raise IntegrityError(
+                        f"{self.store.url}: the delta of step {delta.step} was not made against the state the anchor "
+                        f"of step {anchor.step} gives ({error}); the state holds that anchor's tensors"
+                    ) from error
+                raise self._refuse_anchor(
+                    anchor_entry,
+                    f"the delta of step {delta.step} was not made against the state the anchor of step {anchor.step} "
+                    f"gives ({error}); the state holds that anchor's tensors, not a published step",
                 ) from error
             for name, hash_ in hashes.items():
                 if hash_ is None:

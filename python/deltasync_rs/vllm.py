@@ -36,7 +36,7 @@ from . import _arrays, _vllm_cpu, _write
 from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 from ._ranged import AnchorTensor, PartialAnchor
 from .delta import Delta, _check_step, load
-from .errors import ChainError, StaleStoreError
+from .errors import ChainError, IntegrityError, StaleStoreError
 
 log = logging.getLogger(__name__)
 
@@ -866,19 +866,33 @@ def _agreed(
     and must end at the same step, or their shards would hold different steps (``until=None`` is the newest step
     each rank finds, which a publish between two ranks' reads makes differ). The ranks all-gather where they start
     and the step they reached; the ranks ahead fetch again up to the step all reached. A failed fetch on any rank
-    makes every rank raise before anything is applied. Returns the deltas and the agreed step (``until`` at TP 1)."""
+    makes every rank raise before anything is applied. The ranks must also start from the same anchor (or none):
+    one that refused an anchor the others took (a wrong anchor, seen in the tensors it read whole) makes every rank
+    raise. Returns the deltas and the agreed step (``until`` at TP 1)."""
+
+    def summary(fetched: list[Delta]) -> tuple[int | None, int | None]:
+        reached = next((d.step for d in reversed(fetched) if d.step is not None), current_step)
+        return reached, fetched[0].step if fetched and fetched[0]._whole_state else None
+
     for _ in range(3):
 
         def fetch_to(to: int | None = until) -> list[Delta]:
             return fetch(current_step, to)
 
-        deltas, reached = _together(
-            fetch_to,
-            current_step,
-            "fetch the deltas",
-            lambda fetched: next((d.step for d in reversed(fetched) if d.step is not None), current_step),
-        )
+        deltas, summaries = _together(fetch_to, current_step, "fetch the deltas", summary)
+        reached = [step for step, _ in summaries]
         if len(set(reached)) == 1:
+            if len({anchor for _, anchor in summaries}) > 1:
+                starts = ", ".join(
+                    f"rank {rank}: {'no anchor' if anchor is None else f'the anchor of step {anchor}'}"
+                    for rank, (_, anchor) in enumerate(summaries)
+                )
+                raise _on_every_rank(
+                    IntegrityError(
+                        f"the tensor-parallel ranks reached step {reached[0]} from different anchors ({starts}): one "
+                        "refused an anchor another took; none applied"
+                    )
+                )
             return deltas, until
         until = min(reached, key=lambda step: -1 if step is None else step)
     raise _on_every_rank(

@@ -209,29 +209,39 @@ pub fn check_bases(delta: &Delta, targets: &[(usize, &[u8])]) -> Result<()> {
 }
 
 /// Checks that `next`, a delta read to follow the anchor `anchor`, was made against the tensors `anchor` holds:
-/// each record of `next` that names a base identity, for a tensor that `anchor` stores whole and `usable` accepts
-/// (by its index in `anchor`), must be of that tensor's dtype and shape and name the identity of its bytes there.
-/// A reader that has the anchor's bytes in hand (a mapped file) can so refuse a wrong anchor before writing
-/// anything, rather than applying it and the deltas after it. Returns how many records were checked; the tensors
-/// are hashed side by side in the deltasync pool, and the error is that of the first mismatch in `next`'s order.
+/// for each record of `next` that names a base identity, `anchor` must hold a tensor of that name stored whole,
+/// of the record's dtype and shape (checked from the header alone, for every record), and where `usable` accepts
+/// that tensor (by its index in `anchor`: a reader that read the others only in part leaves them out) the
+/// identity of its bytes must be the record's. A reader that has the anchor in hand can so refuse a wrong anchor
+/// before writing anything, rather than applying it and the deltas after it. Returns how many records' bytes were
+/// compared; the tensors are hashed side by side in the deltasync pool, and the error is that of the first mismatch
+/// in `next`'s order.
 pub fn check_follows(anchor: &Delta, next: &Delta, usable: impl Fn(usize) -> bool) -> Result<usize> {
     let by_name: std::collections::HashMap<&str, usize> =
         anchor.tensors.iter().enumerate().map(|(index, tensor)| (tensor.name.as_str(), index)).collect();
     let mut pairs = Vec::new();
-    for record in &next.tensors {
-        let (Some(_), Some(&index)) = (record.base, by_name.get(record.name.as_str())) else { continue };
-        let held = &anchor.tensors[index];
-        if !held.is_dense() || !usable(index) {
-            continue;
-        }
-        if held.dtype != record.dtype || (record.shape.is_some() && held.shape != record.shape) {
+    for record in next.tensors.iter().filter(|record| record.base.is_some()) {
+        let Some(&index) = by_name.get(record.name.as_str()) else {
             return Err(Error::mismatch(format!(
-                "tensor {:?}: the delta was made for a {:?} tensor of shape {:?}, the anchor holds a {:?} one of \
-                 shape {:?}",
-                record.name, record.dtype, record.shape, held.dtype, held.shape
+                "tensor {:?}: the delta was made against a base of it, and the anchor holds no such tensor",
+                record.name
+            )));
+        };
+        let held = &anchor.tensors[index];
+        if !held.is_dense() || held.dtype != record.dtype || (record.shape.is_some() && held.shape != record.shape) {
+            return Err(Error::mismatch(format!(
+                "tensor {:?}: the delta was made for a {} tensor of shape {:?}, and the anchor holds {} of shape {:?}{}",
+                record.name,
+                crate::core::dtype::name_of(record.dtype),
+                record.shape.as_deref().unwrap_or_default(),
+                crate::core::dtype::name_of(held.dtype),
+                held.shape.as_deref().unwrap_or_default(),
+                if held.is_dense() { "" } else { ", not stored whole" }
             )));
         }
-        pairs.push((record, &held.values[..]));
+        if usable(index) {
+            pairs.push((record, &held.values[..]));
+        }
     }
     let runs: Vec<&[u8]> = pairs.iter().map(|(_, bytes)| *bytes).collect();
     for ((record, _), found) in pairs.iter().zip(identities(&runs)) {
@@ -446,18 +456,23 @@ mod tests {
         assert!(matches!(err, Error::BaseMismatch { .. }) && err.to_string().contains("tensor \"a\""), "{err}");
         let err = check_follows(&anchor(&a, &b2, Dtype::U8), &next, |_| true).unwrap_err();
         assert!(err.to_string().contains("tensor \"b\""), "{err}");
-        // A tensor the reader did not read whole (by the anchor's index) is not checked.
+        // A tensor the reader did not read whole (by the anchor's index) is not hashed.
         assert_eq!(check_follows(&anchor(&a, &b2, Dtype::U8), &next, |index| index != 0).unwrap(), 1);
-        // Another dtype (or shape) is a mismatch whatever its bytes.
-        let err = check_follows(&anchor(&a, &b, Dtype::BF16), &next, |_| true).unwrap_err();
-        assert!(matches!(err, Error::BaseMismatch { .. }) && err.to_string().contains("tensor \"b\""), "{err}");
-        // Records without a base, and tensors the anchor lacks, are not checked.
-        let lone = Delta { tensors: vec![next.tensors[1].clone()], ..Default::default() };
+        // Another dtype (or shape) is a mismatch whatever its bytes, read or not.
+        for usable in [true, false] {
+            let err = check_follows(&anchor(&a, &b, Dtype::BF16), &next, |_| usable).unwrap_err();
+            assert!(matches!(err, Error::BaseMismatch { .. }) && err.to_string().contains("tensor \"b\""), "{err}");
+        }
+        // So is a tensor with a base that the anchor lacks; records without a base are not checked.
         let only_a = Delta {
             tensors: full(&[FullInput { name: "a".into(), dtype: Dtype::U8, shape: vec![a.len() as u64], data: &a }])
                 .unwrap(),
             ..Default::default()
         };
+        let err = check_follows(&only_a, &next, |_| false).unwrap_err();
+        assert!(err.to_string().contains("tensor \"b\"") && err.to_string().contains("no such tensor"), "{err}");
+        let mut lone = Delta { tensors: vec![next.tensors[1].clone()], ..Default::default() };
+        lone.tensors[0].base = None;
         assert_eq!(check_follows(&only_a, &lone, |_| true).unwrap(), 0);
         let mut unbased = next.clone();
         unbased.tensors.iter_mut().for_each(|tensor| tensor.base = None);

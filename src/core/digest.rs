@@ -134,6 +134,20 @@ pub fn state_digest(inputs: &[DigestInput<'_>]) -> String {
     combine(&named)
 }
 
+/// The state digest of the tensors `delta` holds, when it holds every one of them whole with its shape (an
+/// anchor); None otherwise (a delta of changes, or a file without shapes).
+pub fn of_whole_tensors(delta: &crate::core::delta::Delta) -> Option<String> {
+    let inputs: Option<Vec<DigestInput<'_>>> = delta
+        .tensors
+        .iter()
+        .map(|tensor| {
+            let shape = tensor.shape.as_deref().filter(|_| tensor.is_dense())?;
+            Some(DigestInput { name: &tensor.name, dtype: tensor.dtype, shape, data: &tensor.values[..] })
+        })
+        .collect();
+    inputs.map(|inputs| state_digest(&inputs))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
