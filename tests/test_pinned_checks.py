@@ -351,6 +351,39 @@ def test_fetch_refuses_an_anchor_whose_tensors_do_not_make_its_entrys_state_dige
         np.testing.assert_array_equal(state[name], array)
 
 
+def test_a_pull_takes_an_older_anchor_where_the_newest_step_is_a_wrong_anchor(tmp_path):
+    """The same store pulled from its local files (the anchor applied straight from its file, never read whole
+    first): the state's digest did not match step 2's entry, the re-sync took the same anchor, and the pull raised,
+    the subscriber still saying it held step 2 over step 0's weights (a second pull returned 2 at once). An anchor
+    that alone misses its entry's digest is now not used again: the way from anchor 0 is taken."""
+    states = _states(3)
+    root = tmp_path / "store"
+    _publish(root, states, anchor_every=2)
+    republish_anchor(root, 2, ds.anchor(states[0], step=2).to_bytes())
+    state = {name: np.zeros_like(array) for name, array in states[0].items()}
+    subscriber = ds.Subscriber(root, retries=1)
+    assert subscriber.pull(state) == 2 and subscriber.step == 2
+    for name, array in states[2].items():
+        np.testing.assert_array_equal(state[name], array)
+
+
+def test_a_pull_that_leaves_a_state_no_entry_vouches_for_holds_no_step(tmp_path):
+    """The only anchor is wrong (its entry's digest the real state's): an IntegrityError, and the subscriber holds
+    no step, so that a caller that goes on, or pulls again, is not told that the state is at step 0."""
+    states = _states(1)
+    root = tmp_path / "store"
+    _publish(root, states)
+    republish_anchor(root, 0, ds.anchor({name: array + 7 for name, array in states[0].items()}, step=0).to_bytes())
+    state = {name: np.zeros_like(array) for name, array in states[0].items()}
+    subscriber = ds.Subscriber(root, retries=1)
+    with pytest.raises(ds.IntegrityError, match="state digest at step 0 does not match"):
+        subscriber.pull(state)
+    assert subscriber.step is None
+    with pytest.raises(ds.ChainError, match="the anchor of step 0 was refused"):
+        subscriber.pull(state)
+    assert subscriber.step is None
+
+
 def test_an_anchor_that_lacks_a_tensor_the_next_delta_was_made_against_is_refused(tmp_path):
     """A wrong anchor of step 2 that holds only one of the two tensors (step 2's own), every file matching its entry:
     fetch() handed it over with delta 3, whose other tensor then applied to whatever the caller held. A tensor the

@@ -671,7 +671,8 @@ class Subscriber:
                 raise ChainError(f"step {anchor_step} has no anchor entry")
             if chain[0].sha256 in self._refused_anchors:
                 raise ChainError(
-                    f"the anchor of step {anchor_step} is not the state the delta after it was made against"
+                    f"the anchor of step {anchor_step} was refused: it is not the state its entry or the delta "
+                    "after it says"
                 )
             return chain[0], chain[1:]
 
@@ -1012,9 +1013,33 @@ class Subscriber:
         if self._state_matches(state, known):
             return
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
-        known = self._apply_from_anchors(state, self._fetch_to_apply(None, self.step))
-        if not self._state_matches(state, known):
-            raise IntegrityError(f"state digest at step {self.step} does not match the manifest after a re-sync")
+        target = self.step
+        deltas = self._fetch_to_apply(None, target)
+        while True:
+            known = self._apply_from_anchors(state, deltas)
+            if self._state_matches(state, known):
+                return
+            # The state holds bytes no entry vouches for: this subscriber holds no step of the store's (a caller
+            # that went on after the error, or pulled again, would otherwise be told it held the step).
+            held, self.step, self._at = self.step, None, None
+            error = IntegrityError(f"state digest at step {held} does not match the manifest after a re-sync")
+            anchor = deltas[0] if len(deltas) == 1 and deltas[0]._whole_state else None
+            if anchor is None or anchor.step is None:
+                raise error
+            # An anchor that alone does not make its entry's state digest (a publisher that wrote a wrong one,
+            # every file matching its entry; read whole, the download refuses it): the way from an older anchor.
+            try:
+                entry = self.entry(anchor.step)
+            except DeltaSyncError:
+                raise error from None
+            if entry.sha256 in self._refused_anchors:
+                raise error
+            log.warning("%s; the anchor of step %d is not used, trying an older anchor's way", error, anchor.step)
+            self._refused_anchors.add(entry.sha256)
+            try:
+                deltas = self._fetch_to_apply(None, target)
+            except ChainError as none_left:
+                raise error from none_left
 
     def _fetch_to_apply(self, current_step: int | None, until: int | None, *, defer: bool = True) -> list[Delta]:
         """``fetch``, for files applied at once: an anchor in a local store is applied straight from its file, and
