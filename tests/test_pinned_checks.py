@@ -384,6 +384,48 @@ def test_a_pull_that_leaves_a_state_no_entry_vouches_for_holds_no_step(tmp_path)
     assert subscriber.step is None
 
 
+def test_a_re_sync_that_fails_leaves_the_subscriber_holding_no_step(tmp_path):
+    """The state changed behind the subscriber's back (no base check), so its digest misses the entry after the
+    pull, and the re-sync from an anchor then failed (the store's anchors gone, here made to fail): the subscriber
+    went on saying it held the step over the changed weights."""
+    states = _sparse_states(3)
+    root = tmp_path / "store"
+    _publish(root, states)
+    subscriber = ds.Subscriber(root, retries=1, check_base=False)
+    state = {name: np.zeros_like(array) for name, array in states[0].items()}
+    assert subscriber.pull(state, until=1) == 1
+    state["a"][0] += 5
+    real = subscriber._fetch_to_apply
+
+    def no_anchor_left(current_step, until, **options):
+        if current_step is None:
+            raise ds.ChainError("the store holds no anchor now")
+        return real(current_step, until, **options)
+
+    subscriber._fetch_to_apply = no_anchor_left
+    with pytest.raises(ds.ChainError, match="holds no anchor now"):
+        subscriber.pull(state)
+    assert subscriber.step is None
+
+
+def test_an_older_anchors_way_that_fails_after_a_wrong_anchor_was_written_holds_no_step(tmp_path):
+    """A subscriber at step 3 whose state drifted re-syncs from the newest anchor (4, wrong: step 0's tensors),
+    refuses it after writing it, and the older anchor's way (2, wrong too: a tensor more) is refused before writing
+    anything: the re-sync put back the step it held (3), though the state held anchor 4's tensors."""
+    states = _sparse_states(6)
+    root = tmp_path / "store"
+    _publish(root, states, anchor_every=2, keep_anchors=10)
+    republish_anchor(root, 2, ds.anchor({**states[2], "c": np.ones(4, np.float32)}, step=2).to_bytes())
+    republish_anchor(root, 4, ds.anchor(states[0], step=4).to_bytes())
+    subscriber = ds.Subscriber(root, retries=1)
+    state = {name: np.zeros_like(array) for name, array in states[0].items()}
+    assert subscriber.pull(state, until=1) == 1 and subscriber.pull(state, until=3) == 3
+    state["a"][0] += 1
+    with pytest.raises(ds.IntegrityError, match="the way from an older anchor, taken after a wrong anchor"):
+        subscriber.pull(state)
+    assert subscriber.step is None
+
+
 def test_an_anchor_that_lacks_a_tensor_the_next_delta_was_made_against_is_refused(tmp_path):
     """A wrong anchor of step 2 that holds only one of the two tensors (step 2's own), every file matching its entry:
     fetch() handed it over with delta 3, whose other tensor then applied to whatever the caller held. A tensor the

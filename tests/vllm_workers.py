@@ -747,27 +747,44 @@ def check_a_wrong_anchor_is_refused_by_every_rank(model, item: Prepared) -> None
 
 def check_ranks_that_start_from_different_anchors_refuse_together(model, item: Prepared) -> None:
     """At TP=2, a rank that refuses a wrong anchor takes an older anchor's way, while a rank that read none of the
-    anchor's wrong tensors whole would take it: both reach the same step, one over wrong weights. The ranks compare
-    the anchors their ways start from and refuse together, nothing written. (Here rank 1 is made not to check.)"""
+    anchor's wrong tensors whole would take it: both reach the same step, one over wrong weights (they crashed in a
+    collective of the apply). The ranks compare the anchors their ways start from: what one refused, every rank
+    refuses, and they fetch again (here rank 1 is made not to check: both take anchor 0's way). Ranks that still
+    start from different anchors (one could not read the anchor another took) refuse together, nothing written."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     import deltasync_rs as ds
+    from deltasync_rs.manifest import anchor_key
     from deltasync_rs.subscriber import Subscriber
 
     if get_tensor_model_parallel_world_size() < 2:
         return
     store = item.path("store-wrong-anchor")
-    worker = _fresh_worker(model)
-    real = Subscriber._check_follows
-    if get_tensor_model_parallel_rank() == 1:
-        Subscriber._check_follows = lambda *args: None  # type: ignore[method-assign]
+    rank = get_tensor_model_parallel_rank()
+    check, read = Subscriber._check_follows, Subscriber._file
     try:
+        if rank == 1:
+            Subscriber._check_follows = lambda *args: None  # type: ignore[method-assign]
+        worker = _fresh_worker(model)
+        assert worker.deltasync_pull(store) == 2
+        _assert_equal_to_reload(model, item, 2)
+        # Rank 0 takes the wrong anchor (it does not check), rank 1 cannot read it and takes anchor 0's way.
+        Subscriber._check_follows = lambda *args: None  # type: ignore[method-assign]
+        if rank == 1:
+
+            def unreadable(self, ref, *args, **kwargs):
+                if ref["key"] == anchor_key(1):
+                    raise ds.StoreError(f"{ref['key']}: unreadable here")
+                return read(self, ref, *args, **kwargs)
+
+            Subscriber._file = unreadable  # type: ignore[method-assign]
+        worker = _fresh_worker(model)
         _expect_untouched(
             model, snapshot(model), ds.IntegrityError, lambda: worker.deltasync_pull(store), "from different anchors"
         )
+        assert worker.deltasync_step() is None
     finally:
-        Subscriber._check_follows = real  # type: ignore[method-assign]
-    assert worker.deltasync_step() is None
+        Subscriber._check_follows, Subscriber._file = check, read  # type: ignore[method-assign]
     assert worker.deltasync_pull(store) == 2
     _assert_equal_to_reload(model, item, 2)
 

@@ -1013,16 +1013,17 @@ class Subscriber:
         if self._state_matches(state, known):
             return
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
-        target = self.step
+        # The state holds bytes no entry vouches for: until a way is applied that makes the digest, this subscriber
+        # holds no step of the store's (a caller that went on after an error, or pulled again, would otherwise be
+        # told it held the step).
+        target, self.step, self._at = self.step, None, None
         deltas = self._fetch_to_apply(None, target)
         while True:
             known = self._apply_from_anchors(state, deltas)
             if self._state_matches(state, known):
                 return
-            # The state holds bytes no entry vouches for: this subscriber holds no step of the store's (a caller
-            # that went on after the error, or pulled again, would otherwise be told it held the step).
-            held, self.step, self._at = self.step, None, None
-            error = IntegrityError(f"state digest at step {held} does not match the manifest after a re-sync")
+            self.step, self._at = None, None
+            error = IntegrityError(f"state digest at step {target} does not match the manifest after a re-sync")
             anchor = deltas[0] if len(deltas) == 1 and deltas[0]._whole_state else None
             if anchor is None or anchor.step is None:
                 raise error
@@ -1069,6 +1070,16 @@ class Subscriber:
                     deltas = self._fetch_to_apply(None, deltas[-1].step)
                 except ChainError as none_left:
                     raise error from none_left
+            except DeltaSyncError as error:
+                if not refused:
+                    raise
+                # On an older anchor's way, after a wrong anchor was written: the state holds no published step
+                # (callers that restore the step they held where nothing was written must not).
+                self.step, self._at = None, None
+                raise IntegrityError(
+                    f"{self.store.url}: the way from an older anchor, taken after a wrong anchor was applied, failed "
+                    f"({type(error).__name__}: {error}); the state holds no published step"
+                ) from error
 
     def _apply_all(self, state: Any, deltas: list[Delta]) -> dict[str, bytes]:
         """Applies ``deltas`` in order; returns the state-digest hashes the writes made in passing

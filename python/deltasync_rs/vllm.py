@@ -833,7 +833,7 @@ class _StepTracker:
                 # step published again), the subscriber takes an anchor instead.
                 subscriber._at = self.entry
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
-        deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, start, until)
+        deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, start, until, subscriber._refused_anchors)
         try:
             step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         except DeltaFormatError as error:
@@ -844,7 +844,9 @@ class _StepTracker:
             )
             if self.entry is not None and self.entry.step == self.current_step:
                 subscriber._at = self.entry
-            deltas, _ = _agreed(lambda at, to: subscriber.fetch(at, until=to), self.current_step, until)
+            deltas, _ = _agreed(
+                lambda at, to: subscriber.fetch(at, until=to), self.current_step, until, subscriber._refused_anchors
+            )
             step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         return step
 
@@ -860,19 +862,24 @@ def _entry_aliases(entries: Callable[[int], Any] | None, step: int | None) -> Ma
 
 
 def _agreed(
-    fetch: Callable[[int | None, int | None], list[Delta]], current_step: int | None, until: int | None
+    fetch: Callable[[int | None, int | None], list[Delta]],
+    current_step: int | None,
+    until: int | None,
+    refused: set[str] | None = None,
 ) -> tuple[list[Delta], int | None]:
     """``fetch(current_step, until)``, agreed on by every tensor-parallel rank: they pull together (collective_rpc),
     and must end at the same step, or their shards would hold different steps (``until=None`` is the newest step
     each rank finds, which a publish between two ranks' reads makes differ). The ranks all-gather where they start
     and the step they reached; the ranks ahead fetch again up to the step all reached. A failed fetch on any rank
     makes every rank raise before anything is applied. The ranks must also start from the same anchor (or none):
-    one that refused an anchor the others took (a wrong anchor, seen in the tensors it read whole) makes every rank
-    raise. Returns the deltas and the agreed step (``until`` at TP 1)."""
+    the anchors one rank refused (``refused``, the entries of wrong anchors it saw in the tensors it read whole) are
+    refused by every rank and the ranks fetch again; ranks that still start from different anchors (one could not
+    read an anchor another took) raise together. Returns the deltas and the agreed step (``until`` at TP 1)."""
+    refused = set() if refused is None else refused
 
-    def summary(fetched: list[Delta]) -> tuple[int | None, int | None]:
+    def summary(fetched: list[Delta]) -> tuple[int | None, int | None, list[str]]:
         reached = next((d.step for d in reversed(fetched) if d.step is not None), current_step)
-        return reached, fetched[0].step if fetched and fetched[0]._whole_state else None
+        return reached, fetched[0].step if fetched and fetched[0]._whole_state else None, sorted(refused)
 
     for _ in range(3):
 
@@ -880,17 +887,21 @@ def _agreed(
             return fetch(current_step, to)
 
         deltas, summaries = _together(fetch_to, current_step, "fetch the deltas", summary)
-        reached = [step for step, _ in summaries]
+        reached = [step for step, _, _ in summaries]
         if len(set(reached)) == 1:
-            if len({anchor for _, anchor in summaries}) > 1:
+            if len({anchor for _, anchor, _ in summaries}) > 1:
+                seen = set().union(*(set(shas) for _, _, shas in summaries))
+                if any(set(shas) != seen for _, _, shas in summaries):
+                    refused |= seen  # every rank refuses what one refused, and all fetch again
+                    continue
                 starts = ", ".join(
                     f"rank {rank}: {'no anchor' if anchor is None else f'the anchor of step {anchor}'}"
-                    for rank, (_, anchor) in enumerate(summaries)
+                    for rank, (_, anchor, _) in enumerate(summaries)
                 )
                 raise _on_every_rank(
                     IntegrityError(
                         f"the tensor-parallel ranks reached step {reached[0]} from different anchors ({starts}): one "
-                        "refused an anchor another took; none applied"
+                        "refused or could not read an anchor another took; none applied"
                     )
                 )
             return deltas, until

@@ -1,0 +1,78 @@
+"""What a reader's checks of an anchor it holds whole cost (docs/format.md §10, "Reading": a wrong anchor in the
+store): the anchor's tensors hashed into the state digest its entry must match, and the first delta's base
+identities compared with the anchor's tensors (``RawDelta.check_follows``). Both against reading the anchor's bytes
+once (a numpy sum over uint64 views on 2 threads, the read floor) and against the pull of that anchor and delta from a
+local store (``Subscriber.fetch``), round by round.
+
+    python benches/anchor_checks.py [GiB] [rounds]
+
+A synthetic bf16 state of 32 equal tensors (default 1 GiB) and a delta moving 1% of its elements by one. Prints
+medians in ms and ratios. Nothing is asserted on timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import deltasync_rs as ds
+from deltasync_rs._peers import read_floor
+
+
+def main() -> None:
+    gib = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 7
+    numel = int(gib * (1 << 30)) // 2 // 32
+    generator = torch.Generator().manual_seed(0)
+    prev = {f"layer{i}.weight": torch.randn(numel, generator=generator).to(torch.bfloat16) for i in range(32)}
+    curr = {}
+    for name, tensor in prev.items():
+        bits = tensor.view(torch.int16).clone()
+        bits[torch.randperm(numel, generator=generator)[: numel // 100]] += 1
+        curr[name] = bits.view(torch.bfloat16)
+    with tempfile.TemporaryDirectory() as folder:
+        store = Path(folder, "store")
+        with ds.Publisher(store, background=False) as publisher:
+            publisher.publish(0, prev)
+            publisher.publish(1, curr)
+        subscriber = ds.Subscriber(store)
+        anchor_entry = subscriber.entry(0)
+        deltas = subscriber.fetch(None)
+        anchor, delta = deltas[0], deltas[1]
+        assert anchor._raw.whole_state_digest() == anchor_entry.state_digest
+        names = list(prev)  # read_floor reads the two states it is given, paired by name: each tensor once
+        evens = {names[i]: prev[names[i]] for i in range(0, len(names), 2)}
+        odds = {names[i]: prev[names[i + 1]] for i in range(0, len(names), 2)}
+
+        def read() -> None:
+            read_floor(evens, odds, threads=2)
+
+        timings: dict[str, list[float]] = {"read floor": [], "digest": [], "check_follows": [], "fetch": []}
+        work = {
+            "read floor": read,
+            "digest": anchor._raw.whole_state_digest,
+            "check_follows": lambda: delta._raw.check_follows(anchor._raw),
+            "fetch": lambda: ds.Subscriber(store).fetch(None),
+        }
+        for _ in range(rounds):
+            for what, run in work.items():
+                start = time.perf_counter()
+                run()
+                timings[what].append(time.perf_counter() - start)
+    median = {what: statistics.median(times) * 1e3 for what, times in timings.items()}
+    print(f"{gib:g} GiB anchor, {rounds} rounds, medians in ms")
+    for what, ms in median.items():
+        print(f"  {what:<14} {ms:8.1f}")
+    checks = median["digest"] + median["check_follows"]
+    print(
+        f"  both checks / read floor {checks / median['read floor']:.2f}; both checks / fetch {checks / median['fetch']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
