@@ -252,6 +252,18 @@ def test_pull_to_file_checks_each_delta_against_the_base_it_patches(tmp_path):
     apply_to([delta], {name: array.copy() for name, array in states[0].items()}, check_base=True)  # the right base
 
 
+def _applied_to_zeros(deltas, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    state = {name: np.zeros_like(array) for name, array in like.items()}
+    for delta in deltas:
+        delta.apply_(state)
+    return state
+
+
+def _assert_holds(state: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    for name, array in expected.items():
+        np.testing.assert_array_equal(state[name], array)
+
+
 def _wrong_newest_anchor(root, states):
     """Anchors at steps 0 and 2, deltas 1 to 3; the anchor of step 2 replaced by step 0's tensors, labelled step 2,
     with everything that vouches for it made to agree: a publisher that wrote a wrong anchor into an unsigned store.
@@ -292,8 +304,7 @@ def test_a_pull_takes_an_older_anchor_where_the_newest_disagrees_with_its_deltas
     state = {name: np.zeros_like(array) for name, array in states[0].items()}
     subscriber = ds.Subscriber(store, retries=1)
     assert subscriber.pull(state) == 3 and subscriber.step == 3
-    for name, array in states[3].items():
-        np.testing.assert_array_equal(state[name], array)
+    _assert_holds(state, states[3])
     # The refused anchor is not taken again: the next pull from scratch goes the same way.
     again = {name: np.zeros_like(array) for name, array in states[0].items()}
     assert ds.Subscriber(store, retries=1).pull(again) == 3
@@ -327,11 +338,7 @@ def test_fetch_returns_no_anchor_its_first_delta_was_not_made_against(tmp_path, 
     assert [d.step for d in deltas] == [0, 1, 2, 3]
     assert isinstance(deltas[0], PartialAnchor) == ranged
     if not ranged:
-        state = {name: np.zeros_like(array) for name, array in states[0].items()}
-        for delta in deltas:
-            delta.apply_(state)
-        for name, array in states[3].items():
-            np.testing.assert_array_equal(state[name], array)
+        _assert_holds(_applied_to_zeros(deltas, states[0]), states[3])
 
 
 def test_fetch_refuses_an_anchor_whose_tensors_do_not_make_its_entrys_state_digest(tmp_path):
@@ -344,11 +351,7 @@ def test_fetch_refuses_an_anchor_whose_tensors_do_not_make_its_entrys_state_dige
     republish_anchor(root, 2, ds.anchor(states[0], step=2).to_bytes())
     deltas = ds.Subscriber(root, retries=1).fetch(None)
     assert [d.step for d in deltas] == [0, 1, 2]
-    state = {name: np.zeros_like(array) for name, array in states[0].items()}
-    for delta in deltas:
-        delta.apply_(state)
-    for name, array in states[2].items():
-        np.testing.assert_array_equal(state[name], array)
+    _assert_holds(_applied_to_zeros(deltas, states[0]), states[2])
 
 
 def test_a_pull_takes_an_older_anchor_where_the_newest_step_is_a_wrong_anchor(tmp_path):
@@ -363,8 +366,7 @@ def test_a_pull_takes_an_older_anchor_where_the_newest_step_is_a_wrong_anchor(tm
     state = {name: np.zeros_like(array) for name, array in states[0].items()}
     subscriber = ds.Subscriber(root, retries=1)
     assert subscriber.pull(state) == 2 and subscriber.step == 2
-    for name, array in states[2].items():
-        np.testing.assert_array_equal(state[name], array)
+    _assert_holds(state, states[2])
 
 
 def test_a_pull_that_leaves_a_state_no_entry_vouches_for_holds_no_step(tmp_path):
@@ -464,8 +466,7 @@ def test_a_delta_that_fits_no_state_of_its_way_refuses_no_anchor(tmp_path):
         subscriber.pull(state)
     assert subscriber.step is None and not subscriber._refused_anchors
     assert subscriber.pull(state, until=4) == 4
-    for name, array in states[4].items():
-        np.testing.assert_array_equal(state[name], array)
+    _assert_holds(state, states[4])
 
 
 def test_a_numpy_target_that_is_a_strided_view_is_filled(tmp_path):
