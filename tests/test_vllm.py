@@ -20,6 +20,8 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'deltasyn
 
 import deltasync_rs as ds  # noqa: E402
 from deltasync_rs import vllm as ds_vllm  # noqa: E402
+from deltasync_rs.manifest import anchor_key  # noqa: E402
+from deltasync_rs.subscriber import Subscriber  # noqa: E402
 from tests import vllm_workers  # noqa: E402
 from tests.helpers import republish_anchor  # noqa: E402
 
@@ -260,7 +262,9 @@ def test_worker_extension_pulls_in_order(published_store):
     assert worker.deltasync_step() == 3 and _bits_equal(_params(model), states[3])
 
 
-def test_a_worker_takes_an_older_anchor_where_the_newest_is_not_what_its_deltas_were_made_against(tmp_path):
+def test_a_worker_takes_an_older_anchor_where_the_newest_is_not_what_its_deltas_were_made_against(
+    tmp_path, monkeypatch
+):
     """A wrong anchor of step 2 (step 0's weights, labelled step 2) in an unsigned store, every file matching its
     entry: a worker starting afresh applied it, then delta 3 without a base check (the workers' default), and said
     it held step 3 over other weights. The anchor's tensors are now compared with delta 3's base identities as it is
@@ -275,6 +279,17 @@ def test_a_worker_takes_an_older_anchor_where_the_newest_is_not_what_its_deltas_
     worker.model_runner = SimpleNamespace(model=model)
     assert worker.deltasync_pull(str(store)) == 3
     assert _bits_equal(_params(model), states[3])
+    # The worker remembers the anchor it refused: a later pull from no step does not download it again.
+    assert len(worker._deltasync_tracker().refused_anchors) == 1
+    read = []
+    real = Subscriber._file
+    monkeypatch.setattr(
+        Subscriber, "_file", lambda self, ref, *a, **k: read.append(ref["key"]) or real(self, ref, *a, **k)
+    )
+    worker.deltasync_set_step(None)
+    assert worker.deltasync_pull(str(store)) == 3
+    assert _bits_equal(_params(model), states[3])
+    assert anchor_key(2) not in read and anchor_key(0) in read
 
 
 def test_worker_extension_refuses_a_store_older_than_max_age(published_store, monkeypatch):

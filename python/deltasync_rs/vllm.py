@@ -667,6 +667,9 @@ class _StepTracker:
         #: Each parameter's sampled positions and their bits when the weights were last known at the step.
         self._marks: dict[str, tuple[int, Any, Any]] | None = None
         self._indexes: dict[tuple[str, int, Any], Any] = {}
+        #: Manifest entries (by SHA-256) of anchors a pull found wrong (Subscriber._refused_anchors): each pull's
+        #: subscriber is new, and no later pull downloads such an anchor again.
+        self.refused_anchors: set[str] = set()
 
     @property
     def current_step(self) -> int | None:
@@ -807,6 +810,7 @@ class _StepTracker:
         # A rank of a mapped model at TP > 1 reads, of an anchor, only the verified pieces its own shard needs.
         ranges = anchor_ranges(model) if path != "loader" and _tensor_parallel() > 1 and is_mapped(model) else None
         subscriber = Subscriber(store, signing_key=signing_key, anchor_ranges=ranges, max_age=max_age)
+        subscriber._refused_anchors = self.refused_anchors
         held = self.entry
 
         def run() -> Any:  # the store's run, where the entry held names one
