@@ -923,6 +923,13 @@ class Subscriber:
             if this_target != self._target or self._aliases_at != self.step:
                 # Not the target this subscriber brought to its step (a new or replaced one, or one a pull left part
                 # way): it must hold that step, or be brought there, before the step is reported.
+                missing = [name for name in self._names or () if name not in state]
+                if missing:
+                    # Nothing would be written into it (the digest check needs every tensor), yet the step reported.
+                    raise BaseMismatchError(
+                        f"{len(missing)} published tensor(s) of step {self.step} are not in the target: "
+                        f"{', '.join(repr(name) for name in missing[:5])}; nothing was written"
+                    )
                 tied = self._untied_aliases(state, self.step, self._names)
                 try:
                     self._hold_the_step(state, {})
