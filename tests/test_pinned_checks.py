@@ -408,6 +408,16 @@ def test_a_re_sync_that_fails_leaves_the_subscriber_holding_no_step(tmp_path):
     with pytest.raises(ds.ChainError, match="holds no anchor now"):
         subscriber.pull(state)
     assert subscriber.step is None
+    # A subscriber at the newest step given a new target, which it cannot bring there: nothing is written into that
+    # target, so the step stays that of the state it pulled.
+    subscriber = ds.Subscriber(root, retries=1)
+    assert subscriber.pull({name: np.zeros_like(array) for name, array in states[0].items()}) == 2
+    real = subscriber._fetch_to_apply
+    subscriber._fetch_to_apply = no_anchor_left
+    target = {name: np.zeros_like(array) for name, array in states[0].items()}
+    with pytest.raises(ds.ChainError, match="holds step 2, which the store can no longer rebuild"):
+        subscriber.pull(target)
+    assert subscriber.step == 2 and not any(array.any() for array in target.values())
 
 
 def test_an_older_anchors_way_that_fails_after_a_wrong_anchor_was_written_holds_no_step(tmp_path):

@@ -932,7 +932,7 @@ class Subscriber:
                     )
                 tied = self._untied_aliases(state, self.step, self._names)
                 try:
-                    self._hold_the_step(state, {})
+                    self._hold_the_step(state, {}, written=False)
                 except (MissingObjectError, ChainError) as error:
                     raise ChainError(
                         f"{self.store.url}: this subscriber holds step {self.step}, which the store can no longer "
@@ -1014,17 +1014,25 @@ class Subscriber:
                 untied.append((alias, name))
         return untied
 
-    def _hold_the_step(self, state: Any, known: Mapping[str, bytes]) -> None:
+    def _hold_the_step(self, state: Any, known: Mapping[str, bytes], *, written: bool = True) -> None:
         """Makes sure ``state`` holds this subscriber's step (``_state_matches``): where its digest differs, it is
-        re-synced from the newest anchor, and IntegrityError raised if it still differs."""
+        re-synced from the newest anchor, and IntegrityError raised if it still differs. Until a way makes the
+        digest the subscriber holds no step, unless the way cannot be read and this pull has not ``written`` into
+        ``state`` (a new target: the step stays that of the target it was pulled into)."""
         if self._state_matches(state, known):
             return
         log.warning("state digest mismatch at step %d; re-syncing from the newest anchor", self.step)
         # The state holds bytes no entry vouches for: until a way is applied that makes the digest, this subscriber
         # holds no step of the store's (a caller that went on after an error, or pulled again, would otherwise be
         # told it held the step).
-        target, self.step, self._at = self.step, None, None
-        deltas = self._fetch_to_apply(None, target)
+        target, at = self.step, self._at
+        self.step, self._at = None, None
+        try:
+            deltas = self._fetch_to_apply(None, target)
+        except BaseException:
+            if not written:  # a target this pull has not written into: the subscriber's step is as it was
+                self.step, self._at = target, at
+            raise
         while True:
             known = self._apply_from_anchors(state, deltas)
             if self._state_matches(state, known):
