@@ -225,8 +225,7 @@ def republish_anchor(root: Path, step: int, blob: bytes, state_digest: str | Non
     """Replaces the anchor of ``step`` in the local store at ``root`` by ``blob`` with everything that vouches for it
     made to agree, as a buggy or hostile publisher of an unsigned store would: its pieces sidecar, its manifest
     entry (and ``state_digest`` there, when given), the entries chained after it and latest.json."""
-    import deltasync_rs as ds
-    from deltasync_rs.manifest import PIECES_MAGICS, entry_key, listed_steps, pieces_document
+    from deltasync_rs.manifest import PIECES_MAGICS, entry_key, pieces_document
 
     root = Path(root)
     entry = json.loads((root / entry_key(step)).read_text())
@@ -244,13 +243,24 @@ def republish_anchor(root: Path, step: int, blob: bytes, state_digest: str | Non
     if state_digest is not None:
         entry["state_digest"] = state_digest
     (root / entry_key(step)).write_text(json.dumps(entry))
+    relink(root, step)
+
+
+def relink(root: Path, step: int) -> None:
+    """After entry ``step`` of the local store at ``root`` was rewritten: the entries after it name it (and each
+    other) again by SHA-256, and latest.json names its step's entry again, as the publisher would have written them."""
+    import deltasync_rs as ds
+    from deltasync_rs.manifest import entry_key, listed_steps
+
+    root = Path(root)
 
     def sha256(s: int) -> str:
         return hashlib.sha256((root / entry_key(s)).read_bytes()).hexdigest()
 
     for step_after in [s for s in listed_steps(ds.LocalStore(root, create=False)) if s > step]:
         successor = json.loads((root / entry_key(step_after)).read_text())
-        successor["base_entry_sha256"] = sha256(successor["base_step"])
+        if successor.get("base_step") is not None:
+            successor["base_entry_sha256"] = sha256(successor["base_step"])
         (root / entry_key(step_after)).write_text(json.dumps(successor))
     latest = json.loads((root / "latest.json").read_text())
     latest["entry_sha256"] = sha256(latest["step"])

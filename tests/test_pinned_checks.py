@@ -17,7 +17,7 @@ import deltasync_rs as ds
 from deltasync_rs._ranged import PartialAnchor
 from deltasync_rs._sharded import checkpoint_files
 from deltasync_rs.manifest import anchor_key, delta_key, entry_key
-from tests.helpers import republish_anchor
+from tests.helpers import relink, republish_anchor
 
 
 def _states(steps: int = 1) -> list[dict[str, np.ndarray]]:
@@ -456,9 +456,7 @@ def _republish_delta(root, step: int, blob: bytes) -> None:
     (root / delta_key(step)).write_bytes(blob)
     entry["delta"].update(size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
     (root / entry_key(step)).write_text(json.dumps(entry))
-    latest = json.loads((root / "latest.json").read_text())
-    latest["entry_sha256"] = hashlib.sha256((root / entry_key(latest["step"])).read_bytes()).hexdigest()
-    (root / "latest.json").write_text(json.dumps(latest))
+    relink(root, step)
 
 
 def test_a_delta_that_fits_no_state_of_its_way_refuses_no_anchor(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 import deltasync_rs as ds
 from deltasync_rs.manifest import anchor_key, delta_key, entry_key
+from tests.helpers import relink
 
 
 def _states(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -66,20 +67,7 @@ def _rewrite_entry(root, step: int, change) -> None:
     document = json.loads(path.read_text())
     change(document)
     path.write_text(json.dumps(document))
-    _relink(root, step)
-
-
-def _relink(root, step: int) -> None:
-    sha256 = lambda s: hashlib.sha256((root / entry_key(s)).read_bytes()).hexdigest()  # noqa: E731
-    later = sorted(int(p.stem.removeprefix("step_")) for p in (root / "manifest").iterdir())
-    for successor in [s for s in later if s > step]:
-        document = json.loads((root / entry_key(successor)).read_text())
-        if document.get("base_step") is not None:
-            document["base_entry_sha256"] = sha256(document["base_step"])
-        (root / entry_key(successor)).write_text(json.dumps(document))
-    latest = json.loads((root / "latest.json").read_text())
-    latest["entry_sha256"] = sha256(latest["step"])
-    (root / "latest.json").write_text(json.dumps(latest))
+    relink(root, step)
 
 
 def test_a_pieces_sidecar_of_an_unknown_hash_is_an_integrity_error_not_a_type_error(tmp_path):

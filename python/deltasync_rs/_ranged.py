@@ -64,20 +64,17 @@ class PartialAnchor(Delta):
             raise DeltaSyncError(f"{self.key}: bytes {start}..{end} are outside tensor {name!r}")
         return first + start, first + end
 
+    def _verified(self, begin: int, stop: int) -> bool:
+        """True when every piece holding file bytes ``begin .. stop`` was read and verified."""
+        return all(p in self._covered for p in range(begin // self._piece_bytes, -(-stop // self._piece_bytes)))
+
     def whole_tensors(self) -> list[int]:
         """The indices of the tensors every byte of which was read and verified."""
-        whole = []
-        for index, name in enumerate(self.names):
-            first, last = self._offsets[name]
-            if all(p in self._covered for p in range(first // self._piece_bytes, -(-last // self._piece_bytes))):
-                whole.append(index)
-        return whole
+        return [index for index, name in enumerate(self.names) if self._verified(*self._offsets[name])]
 
     def require(self, name: str, start: int, end: int) -> None:
         """Raises IntegrityError unless bytes ``start .. end`` of tensor ``name`` were read and verified."""
-        begin, stop = self._span(name, start, end)
-        pieces = range(begin // self._piece_bytes, -(-stop // self._piece_bytes))
-        if any(p not in self._covered for p in pieces):
+        if not self._verified(*self._span(name, start, end)):
             raise IntegrityError(
                 f"{self.key}: bytes {start}..{end} of tensor {name!r} were not read and verified by this reader"
             )
