@@ -1033,29 +1033,25 @@ class Subscriber:
             if not written:  # a target this pull has not written into: the subscriber's step is as it was
                 self.step, self._at = target, at
             raise
-        while True:
-            known = self._apply_from_anchors(state, deltas)
+
+        def made(way: list[Delta], known: Mapping[str, bytes]) -> None:
+            """Raises unless the way applied made the state digest; an anchor that alone misses it (a publisher that
+            wrote a wrong one, every file matching its entry; read whole, the download refuses it) is refused, and
+            the way from an older anchor taken (``_apply_from_anchors``)."""
             if self._state_matches(state, known):
                 return
             self.step, self._at = None, None
-            error = IntegrityError(f"state digest at step {target} does not match the manifest after a re-sync")
-            anchor = deltas[0] if len(deltas) == 1 and deltas[0]._whole_state else None
-            if anchor is None or anchor.step is None:
-                raise error
-            # An anchor that alone does not make its entry's state digest (a publisher that wrote a wrong one,
-            # every file matching its entry; read whole, the download refuses it): the way from an older anchor.
+            message = f"state digest at step {target} does not match the manifest after a re-sync"
+            step = way[0].step if len(way) == 1 and way[0]._whole_state else None
             try:
-                entry = self.entry(anchor.step)
+                entry = None if step is None else self.entry(step)
             except DeltaSyncError:
-                raise error from None
-            if entry.sha256 in self._refused_anchors:
-                raise error
-            log.warning("%s; the anchor of step %d is not used, trying an older anchor's way", error, anchor.step)
-            self._refused_anchors.add(entry.sha256)
-            try:
-                deltas = self._fetch_to_apply(None, target)
-            except ChainError as none_left:
-                raise error from none_left
+                entry = None
+            if entry is not None and entry.sha256 not in self._refused_anchors:
+                raise self._refuse_anchor(entry, f"{message}: the anchor of step {entry.step} alone misses it")
+            raise IntegrityError(message)
+
+        self._apply_from_anchors(state, deltas, made)
 
     def _fetch_to_apply(self, current_step: int | None, until: int | None, *, defer: bool = True) -> list[Delta]:
         """``fetch``, for files applied at once: an anchor in a local store is applied straight from its file, and
@@ -1068,14 +1064,23 @@ class Subscriber:
             raise ChainError(f"{self.store.url}: the pulled files name no step")
         return self.step
 
-    def _apply_from_anchors(self, state: Any, deltas: list[Delta]) -> dict[str, bytes]:
-        """``_apply_all``; where a delta turns out not to fit the anchor before it (``_WrongAnchor``: a wrong anchor
-        in the store, every file matching its entry), the way to the same step from an older anchor is taken, each
-        anchor at most once, and the error raised when none is left."""
+    def _apply_from_anchors(
+        self,
+        state: Any,
+        deltas: list[Delta],
+        check: Callable[[list[Delta], Mapping[str, bytes]], None] | None = None,
+    ) -> dict[str, bytes]:
+        """``_apply_all``, then ``check(way, known)`` where given; where a delta turns out not to fit the anchor
+        before it, or ``check`` refuses the way's anchor (``_WrongAnchor``: a wrong anchor in the store, every file
+        matching its entry), the way to the same step from an older anchor is taken, each anchor at most once, and
+        the error raised when none is left."""
         refused: set[str] = set()
         while True:
             try:
-                return self._apply_all(state, deltas)
+                known = self._apply_all(state, deltas)
+                if check is not None:
+                    check(deltas, known)
+                return known
             except _WrongAnchor as error:
                 if not deltas or deltas[-1].step is None or error.entry_sha256 in refused:
                     raise
