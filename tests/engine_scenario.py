@@ -207,6 +207,16 @@ def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[d
             refused = f"{type(error).__name__}: {error}"
         assert llm.collective_rpc("deltasync_step") == [3] * TP
         assert llm.collective_rpc("deltasync_set_step", args=(3,)) == [3] * TP
+        # The same through the native weight-transfer API, whose update vLLM keeps open per rank: the refusal ends
+        # the update on every rank (a new one starts everywhere), and each later call still gets its own replies.
+        llm.start_weight_update()
+        try:
+            llm.update_weights({"update_info": {"step": 98}})
+        except Exception as error:  # noqa: BLE001  (the worker's error comes back wrapped by vLLM)
+            refused = f"{refused} | {type(error).__name__}: {error}"
+        llm.start_weight_update()
+        llm.finish_weight_update()
+        assert llm.collective_rpc("deltasync_step") == [3] * TP
     else:
         assert llm.collective_rpc("deltasync_pull", kwargs={"store": store, "step": 3, "path": "loader"}) == [3] * TP
         llm.reset_prefix_cache()

@@ -35,10 +35,13 @@ def test_engine_at_tp2_in_multiprocess_mode(tmp_path):
     """vLLM's default layout (workers in their own processes) with two tensor-parallel ranks, one core each: every
     rank writes its row- or column-split slice of a varint delta, then of a compact one, then of a context one (whose
     ranks exchange their slices' class counts), pulled as the newest step, which the ranks agree on; a refused pull
-    leaves every later call answered by its own replies."""
+    (through the worker extension, then through the native API's update_weights) leaves every later call answered by
+    its own replies."""
     result = _run("qwen3-untied", tmp_path, "--multiprocess", DELTASYNC_ENGINE_TP="2", VLLM_CPU_OMP_THREADS_BIND="0|1")
     assert result["steps"] == [0, 1, 2, 3] and result["mismatches"] == []  # step 3: context positions at TP=2
     assert result["steps_whose_generation_moved"] >= 1
     # A pull of a step never published is refused (by the last rank alone: vLLM's executor reads the replies in rank
     # order and stops at the first error, so the next calls returned the refused call's replies).
     assert "99" in (result["refused_second_application"] or ""), result["refused_second_application"]
+    # And one through the native API's update_weights, after which every rank starts the next update.
+    assert "98" in (result["refused_second_application"] or ""), result["refused_second_application"]

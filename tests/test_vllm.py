@@ -528,6 +528,53 @@ def test_weight_transfer_engine_native_flow(published_store):
         engine.update_weights({"bucket": "x"})
 
 
+def _native_worker(engine):
+    """vLLM 0.33's own worker class around ``engine``: its start/update/finish methods, and the "update active" flag
+    they keep, are vLLM's (built without a device or a model runner, which these methods do not need)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker = object.__new__(Worker)
+    worker.weight_transfer_engine, worker.vllm_config, worker.rank = engine, engine.vllm_config, 0
+    worker._weight_update_active = worker._weight_update_is_draft = False
+    worker.model_runner = SimpleNamespace(reset_lora_state=lambda: None)
+    return worker
+
+
+def test_a_refusal_every_rank_shares_ends_the_native_update_on_every_rank(published_store, monkeypatch):
+    """At TP > 1 vLLM's executor reads the ranks' replies in order and stops at the first error: a rank before the
+    last that raised left the later replies unread (the next calls got them), and one that returned stayed in its
+    update (vLLM clears its flag only where update_weights raised), refusing every later start. Such a rank now
+    ends the update as vLLM's worker does on an error, and returns; the last rank raises."""
+    model, states, store = published_store
+    engine = _engine(model)
+    engine.init_transfer_engine(engine.parse_init_info({"store": store, "current_step": 0}))
+    worker = _native_worker(engine)
+    # Rank 0 of 2 under the mp executor; the other rank's all-gathered summaries are this one's.
+    monkeypatch.setattr(ds_vllm, "_tensor_parallel", lambda: 2)
+    monkeypatch.setattr(ds_vllm, "_all_gather", lambda mine: [mine, mine])
+    monkeypatch.setattr(ds_vllm, "_replies_before_the_last", lambda vllm_config: True)
+    worker.start_weight_update()
+    assert worker.update_weights({"step": 99}) is None  # refused (never published): the last rank raises it
+    assert not worker._weight_update_active and engine.tracker.current_step == 0
+    assert _bits_equal(_params(model), states[0])
+    # A failure not every rank shares is raised where it happens, and vLLM ends that rank's update.
+    worker.start_weight_update()  # a new update starts
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "receive_weights", lambda info: (_ for _ in ()).throw(OSError("disk gone")))
+        with pytest.raises(OSError, match="disk gone"):
+            worker.update_weights({"step": 1})
+    assert not worker._weight_update_active
+    monkeypatch.undo()  # one rank: every refusal is raised, and vLLM ends the update
+    worker.start_weight_update()
+    worker.update_weights({"step": 1})
+    worker.finish_weight_update()
+    assert _bits_equal(_params(model), states[1]) and engine.tracker.current_step == 1
+    worker.start_weight_update()
+    with pytest.raises(ds.DeltaSyncError, match="step 99 is not published"):
+        worker.update_weights({"step": 99})
+    assert not worker._weight_update_active and engine.tracker.current_step == 1
+
+
 def test_a_refused_engine_init_changes_nothing(published_store):
     """init_transfer_engine took the store and key before it checked max_age: a refused init left the new store set
     and the key dropped, so the next update pulled another store unsigned (found by reviewing max_age)."""

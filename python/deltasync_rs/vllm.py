@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Union
 
 import numpy as np
@@ -988,6 +990,38 @@ def _one_reply_per_failure(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _end_refused_update(engine: WeightTransferEngine[Any, Any], error: BaseException) -> bool:
+    """On a rank whose reply vLLM reads before the last one's, ends the native API's weight update that ``error``
+    (a refusal every rank shares) refused, as vLLM's worker does where ``update_weights`` raises; True where it did,
+    and the rank may then return instead of raising.
+
+    vLLM keeps an "update active" flag per worker and clears it only on a rank whose ``update_weights`` raised; a
+    rank that returned would stay in the update (its next ``start_weight_update`` refused), while a rank that raised
+    before the last leaves the later ranks' replies unread (``_one_reply_per_failure``). The flag lives on the
+    worker, which calls this engine's ``update_weights`` and holds it as ``weight_transfer_engine``: it is looked for
+    among the callers' frames. False (raise on every rank, as before) where it is not found, under another vLLM."""
+    if not getattr(error, _EVERY_RANK, False) or not _replies_before_the_last(getattr(engine, "vllm_config", None)):
+        return False
+    frame: FrameType | None = sys._getframe(1)
+    worker: Any = None
+    for _ in range(8):
+        if frame is None:
+            return False
+        worker = frame.f_locals.get("self")
+        if getattr(worker, "weight_transfer_engine", None) is engine and isinstance(
+            getattr(worker, "_weight_update_active", None), bool
+        ):
+            break
+        frame = frame.f_back
+    else:
+        return False
+    worker._weight_update_active = False
+    reset = getattr(engine, "reset_weight_update_target", None)
+    if reset is not None:
+        reset()
+    return True
+
+
 def _replies_before_the_last(vllm_config: Any) -> bool:
     """True on a worker whose ``collective_rpc`` reply vLLM's multiprocess executor reads before the last one's."""
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -1258,7 +1292,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        """Pulls or applies what ``update_info`` names. A refusal every rank shares ends the update on every rank and
+        is raised by the last rank alone, where ``_one_reply_per_failure`` would let it (see ``_end_refused_update``)."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except Exception as error:
+            if not _end_refused_update(self, error):
+                raise
+            log.error("update_weights: %s (raised by the last tensor-parallel rank)", error)
+            return
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 

@@ -208,11 +208,11 @@ class DeltaSyncWeightTransfer:
                     "/update_weights", {"update_info": {"step": step, "store": self.store_url}}, self.update_timeout
                 )
             except ServerError:
-                try:  # vLLM's worker ends the update itself on an error: this is for other servers
-                    self._post("/finish_weight_update", None)
-                    self._update_open = False
-                except (ServerError, _Unreachable) as cleanup:
-                    log.debug("finish_weight_update after a failed update: %s", cleanup)
+                # vLLM's worker ends the update itself on an error (every tensor-parallel rank, docs/vllm.md §4), so
+                # no finish is posted: vLLM refuses it on every rank, and at TP > 1 a refusal every rank raises
+                # leaves replies unread that later calls would get. A server that keeps the update open refuses the
+                # next start, which `_start_update` then finishes.
+                self._update_open = False
                 raise
             self._post("/finish_weight_update", None)
             self._update_open = False
