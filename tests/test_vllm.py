@@ -573,6 +573,13 @@ def test_a_refusal_every_rank_shares_ends_the_native_update_on_every_rank(publis
     with pytest.raises(ds.DeltaSyncError, match="step 99 is not published"):
         worker.update_weights({"step": 99})
     assert not worker._weight_update_active and engine.tracker.current_step == 1
+    # A refused init (its arguments are every rank's) is raised by the last rank alone too, and changes nothing.
+    monkeypatch.setattr(ds_vllm, "_replies_before_the_last", lambda vllm_config: True)
+    assert engine.init_transfer_engine(engine.parse_init_info({"store": "s3://other/run", "max_age": "soon"})) is None
+    assert (engine.store, engine.tracker.current_step) == (store, 1)
+    monkeypatch.undo()
+    with pytest.raises(ds.DeltaSyncError, match="max_age must be"):
+        engine.init_transfer_engine(engine.parse_init_info({"store": "s3://other/run", "max_age": "soon"}))
 
 
 def test_a_refused_engine_init_changes_nothing(published_store):

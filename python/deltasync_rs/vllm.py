@@ -1274,6 +1274,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def tracker(self) -> _StepTracker:
         return _tracker_for(self.model)
 
+    @_one_reply_per_failure
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         """Sets the default store and key; ``current_step``, when given, declares the step the weights are at
         (otherwise the step the worker reached, through either way in, is kept)."""
