@@ -662,4 +662,55 @@ mod tests {
         assert!(fresh.tensors.is_empty());
         assert!(delta.tensors[0].same_changes(&again[1]) && delta.tensors.len() == 3);
     }
+
+    // Pins `&& self.numel().is_some()` in `TensorDelta::check_can_wait`
+    // (src/core/delta.rs): a `rice` tensor whose record has no shape must be checked at load even with `defer`, so that
+    // its last position is known and `check_target` refuses a target too short for it. Left to the apply, nothing
+    // bounds its positions (the element count is taken as u64::MAX) and the scatter indexes past the target: a panic.
+    #[test]
+    fn a_tensor_of_unknown_shape_is_checked_at_load_and_bounded_by_its_target() {
+        let old: Vec<u8> = vec![0; 2 * 1000];
+        let mut new = old.clone();
+        for i in (0..1000).step_by(7) {
+            new[2 * i] = 1;
+        }
+        let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![1000], old: &old, new: &new };
+        let mut tensor = diff(&[input], ValueCodec::Diff, Codec::Compact).unwrap().remove(0);
+        assert!(tensor.check_can_wait(), "rice positions, differences, a known shape");
+        tensor.shape = None;
+        assert!(!tensor.check_can_wait(), "without a shape nothing bounds the positions an apply decodes");
+        tensor.validate("mem", true).unwrap();
+        assert!(!tensor.unchecked);
+        assert_eq!(tensor.last_position, Some(994));
+        let delta = Delta { tensors: vec![tensor], ..Default::default() };
+        let mut short = vec![0u8; 2 * 500];
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| apply(&delta, vec![(0, &mut short[..])])));
+        assert!(matches!(result, Ok(Err(_))), "a target too short for the positions is refused, not overrun");
+        assert!(short.iter().all(|&b| b == 0), "nothing written");
+    }
+
+    // Pins `last >= elements` in `check_target`: for a tensor whose record
+    // has no shape (a TRL import, or `"shape": null`), the only bound on its positions is the target's length; with
+    // `last > elements` a target exactly one element too short is accepted and the scatter writes past it (a panic).
+    #[test]
+    fn a_target_one_element_short_of_the_last_position_is_refused_when_the_shape_is_unknown() {
+        let old: Vec<u8> = vec![0; 2 * 1000];
+        let mut new = old.clone();
+        new[2 * 10] = 1;
+        new[2 * 999] = 1;
+        let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![1000], old: &old, new: &new };
+        let mut tensor = diff(&[input], ValueCodec::Diff, Codec::Varint).unwrap().remove(0);
+        tensor.shape = None;
+        tensor.validate("mem", false).unwrap();
+        assert_eq!(tensor.last_position, Some(999));
+        assert!(check_target(&tensor, Dtype::BF16, None, 2 * 1000).is_ok());
+        assert!(check_target(&tensor, Dtype::BF16, None, 2 * 999).is_err(), "position 999 of 999 elements");
+        let delta = Delta { tensors: vec![tensor], ..Default::default() };
+        let mut short = vec![0u8; 2 * 999];
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| apply(&delta, vec![(0, &mut short[..])])));
+        assert!(matches!(result, Ok(Err(_))), "refused, not written past the target");
+        assert!(short.iter().all(|&b| b == 0), "nothing written");
+    }
 }

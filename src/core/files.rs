@@ -251,3 +251,40 @@ pub fn apply_files(base: &[PathBuf], delta: &Delta, outs: &[PathBuf], check_base
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writes a safetensors file of BF16 tensors `(name, elements)`, each element's bits `fill`.
+    fn checkpoint(path: &Path, tensors: &[(&str, usize)], fill: u8) {
+        let data: Vec<Vec<u8>> = tensors.iter().map(|&(_, n)| vec![fill; 2 * n]).collect();
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .zip(&data)
+            .map(|(&(name, n), bytes)| {
+                (name, safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![n], bytes).unwrap())
+            })
+            .collect();
+        std::fs::write(path, safetensors::tensor::serialize(views, None).unwrap()).unwrap();
+    }
+
+    /// A sharded checkpoint holds each tensor once: with a tensor in two files only one copy would be compared or
+    /// patched, and the other would stay as it was. (Found by mutation testing: no test refused such a layout.)
+    #[test]
+    fn a_tensor_in_two_files_of_a_checkpoint_is_refused() {
+        let folder = tempfile::tempdir().unwrap();
+        let (a, b) = (folder.path().join("a.safetensors"), folder.path().join("b.safetensors"));
+        checkpoint(&a, &[("w", 4), ("x", 2)], 1);
+        checkpoint(&b, &[("w", 4), ("y", 3)], 2);
+        let base = [a.clone(), b.clone()];
+        let error = apply_files(&base, &Delta::default(), &[folder.path().join("o1"), folder.path().join("o2")], false)
+            .unwrap_err();
+        assert!(format!("{error}").contains("tensor \"w\" is also in"), "{error}");
+        assert!(!folder.path().join("o1").exists() && !folder.path().join("o2").exists());
+        let error = diff_files(&base, &base, ValueCodec::Diff, Codec::Compact, &mut |_, _| true).unwrap_err();
+        assert!(format!("{error}").contains("tensor \"w\" is also in"), "{error}");
+        checkpoint(&b, &[("y", 3)], 2); // each tensor once: taken
+        apply_files(&base, &Delta::default(), &[folder.path().join("o1"), folder.path().join("o2")], false).unwrap();
+    }
+}

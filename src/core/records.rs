@@ -415,4 +415,27 @@ mod tests {
         packed[flags_at] |= 0x80;
         assert!(from_packed(&packed).unwrap_err().contains("unknown flags"));
     }
+
+    // Pins `shared > name.len()` in `from_packed`: a record may share
+    // no more bytes than the previous record's name has; without the check `truncate` is a no-op and the malformed
+    // list is read as if it were well formed.
+    #[test]
+    fn a_name_sharing_more_than_the_previous_name_is_refused() {
+        let list = |shared: u8| {
+            let mut bytes = vec![3, 4];
+            bytes.extend_from_slice(b"BF16");
+            bytes.push(6);
+            bytes.extend_from_slice(b"varint");
+            bytes.push(4);
+            bytes.extend_from_slice(b"diff");
+            // One record: shared prefix, rest "w", dtype 0, positions 1, values 2, no flags, changed 0, lengths 0, 0.
+            bytes.extend_from_slice(&[1, shared, 1, b'w', 0, 1, 2, 0, 0, 0, 0]);
+            bytes
+        };
+        let records = from_packed(&list(0)).unwrap();
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].name, "w");
+        let error = from_packed(&list(1)).unwrap_err();
+        assert!(error.contains("shares 1 bytes"), "{error}");
+    }
 }

@@ -218,4 +218,24 @@ mod tests {
         // ±1 take two bits each.
         assert_eq!(diffbits_roundtrip::<2>(&[1, u64::MAX, 1, 1]), 1);
     }
+
+    // Pins the final `bits.is_exhausted()` of `check_diffbits`,
+    // the load-time check of `diffbits` values beside `varint`, `context` or `all` positions (`rice` + `diffbits`
+    // is checked by pairs::check_rice_diffbits instead). A stream with bytes after its last value must be refused
+    // at load: accepted there, the apply's walk finds them only after writing every change, and fails with the
+    // target already written (a checked tensor's writes are not taken back).
+    #[test]
+    fn check_diffbits_refuses_bytes_after_the_last_value() {
+        let mut out = BitWriter::with_capacity(0);
+        for d in [1u64, u64::MAX, 300, 1, 1] {
+            put_difference(&mut out, d & mask(2), 2);
+        }
+        let stream = out.finish();
+        assert_eq!(check_diffbits::<2>(&stream, 5), Ok(()));
+        for tail in [&[0u8][..], &[0xff], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]] {
+            let longer = [&stream[..], tail].concat();
+            assert!(check_diffbits::<2>(&longer, 5).is_err(), "{} bytes after the last value", tail.len());
+        }
+        assert!(check_diffbits::<2>(&stream, 4).is_err(), "a value after the last change");
+    }
 }

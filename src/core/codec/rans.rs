@@ -794,4 +794,20 @@ mod tests {
             crate::core::codec::with_width!(width, W => { roundtrip::<W>(&differences); });
         }
     }
+
+    // Pins `sum != PROB_SCALE` in `RansReader::new`: a table whose
+    // frequencies sum to less than 4096 leaves slots that map to token 0 whatever its frequency, so the decoder is no
+    // longer the encoder's inverse; such a table must be refused before any value is decoded.
+    #[test]
+    fn a_table_summing_to_less_than_the_scale_is_refused() {
+        let states = [0u8, 0, 0x80, 0, 0, 0, 0x80, 0]; // both states 2^23, the encoder's start
+                                                       // Two entries of frequency 127: they sum to 254.
+        let short = [&[0x01u8, 0x7f, 0x7f][..], &states].concat();
+        let error = RansReader::new(&short, 2).err().expect("a table summing to 254 is refused");
+        assert!(error.contains("sum to 254"), "{error}");
+        assert!(check_rans::<2>(&short, 0).is_err());
+        // One entry of frequency 4096 (0x80 0x20), the same states: a valid stream of no values.
+        let whole = [&[0x00u8, 0x80, 0x20][..], &states].concat();
+        assert!(RansReader::new(&whole, 2).is_ok());
+    }
 }

@@ -274,4 +274,24 @@ mod tests {
         let mut reader = RiceReader::new(&[0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 1], u64::MAX).unwrap();
         assert!(reader.next_position().is_err());
     }
+
+    // Pins `out[filled - 1] >= reader.numel` in `read_positions`
+    // (the bulk reader that decodes an unchecked `rice` + `rans` tensor during the apply): a position equal to the
+    // element count must be refused; with `>` it is handed out, and core::apply indexes one element past the target.
+    #[test]
+    fn read_positions_refuses_a_position_at_the_element_count() {
+        // k = 2, gaps 3 then 0s: positions 3, 4, 5, ... Hundreds of codes follow, so that the bulk reader (which
+        // runs while 16 bytes or more are left) decodes the first ones, not the checked one-by-one reader.
+        let stream = write_rice(std::iter::once(3u64).chain(std::iter::repeat_n(0, 400)), 2);
+        let read = |numel: u64, len: usize| {
+            let mut reader = RiceReader::new(&stream, numel).unwrap();
+            let mut out = vec![0u64; len];
+            read_positions(&mut reader, &mut out).map(|()| out)
+        };
+        assert_eq!(read(5, 2), Ok(vec![3, 4]));
+        assert_eq!(read(64, 8), Ok((3..11).collect::<Vec<u64>>()));
+        assert!(read(4, 2).is_err(), "position 4 of a tensor of 4 elements");
+        assert!(read(3, 1).is_err(), "position 3 of a tensor of 3 elements");
+        assert!(read(10, 8).is_err(), "position 10 of a tensor of 10 elements");
+    }
 }

@@ -270,4 +270,15 @@ mod tests {
         assert_eq!(reader.next_position(), Ok(2));
         assert!(reader.next_position().is_err());
     }
+
+    // Pins `end <= numel` in `check_varint` at its boundary: the
+    // last position must be below the element count; `end <= numel + 1` would let a file whose last position is the
+    // element count load (it is refused only later, at the apply, as a target mismatch).
+    #[test]
+    fn check_varint_refuses_a_last_position_equal_to_the_element_count() {
+        assert_eq!(check_varint(&[0, 0], 2, 2), Ok(Some(1)));
+        assert!(check_varint(&[0, 0], 2, 1).is_err(), "positions 0 and 1 of 1 element");
+        assert_eq!(check_varint(&[4], 1, 5), Ok(Some(4)));
+        assert!(check_varint(&[5], 1, 5).is_err(), "position 5 of 5 elements");
+    }
 }
