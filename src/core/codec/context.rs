@@ -1562,4 +1562,30 @@ mod tests {
         assert!(decode(&huge, field, &base, count).is_err());
         assert!(check(&[0xff], Exponent::of(Dtype::F16).unwrap(), 0, 0).is_err(), "reference over 31");
     }
+
+    #[test]
+    fn a_rank_past_its_class_in_the_base_is_refused_even_where_the_count_matches() {
+        // Decoded against another base whose classes are smaller, ranks listed past a class's size place nothing;
+        // a record whose count equals what the others place must still be refused (a malformed stream, or a wrong
+        // base that the count alone does not reveal), not applied. (Found by mutation testing: the rank check
+        // after the walk was pinned by no test.)
+        let field = Exponent::of(Dtype::BF16).unwrap();
+        let (base, positions) = sample(5000, 9);
+        let stream = encode(&base, field, &positions);
+        let listed = listed(&stream, field, positions.len() as u64, 5000).unwrap();
+        let table = class_table(listed.reference);
+        // The second half of the base made zeros (class 0 here, or another class than most elements had).
+        let mut other = base.clone();
+        other[base.len() / 2..].fill(0);
+        let (mut seen, mut placed) = ([0u64; CLASSES], 0u64);
+        field.for_each(&other, |exponent| {
+            let class = usize::from(table[exponent]);
+            placed += u64::from(listed.ranks[class].binary_search(&seen[class]).is_ok() != listed.complement[class]);
+            seen[class] += 1;
+        });
+        let past = (0..CLASSES).filter(|&c| listed.ranks[c].last().is_some_and(|&r| r >= seen[c])).count();
+        assert!(past > 0, "some class lists a rank past its size in the other base");
+        let error = decode(&stream, field, &other, placed).unwrap_err();
+        assert!(error.contains("lists rank"), "{error}");
+    }
 }
