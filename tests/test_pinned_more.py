@@ -377,3 +377,16 @@ def test_a_torch_mirror_steps_delta_gives_a_tied_name_its_own_tensors_record():
     target = {name: torch.zeros(4, 4, dtype=torch.bfloat16) for name in source}  # the names held apart
     delta.apply_(target, check_base=True)
     assert_states_equal(target, {name: t.to(torch.bfloat16) for name, t in source.items()})
+
+
+def test_a_later_trl_sync_refuses_a_tensor_of_another_shape_of_the_same_size(tmp_path):
+    """A weight first sent as [8, 4] and later as [4, 8] (the same elements, another shape): the shape is part of
+    what the server maps each tensor by, so the sync is refused rather than published under the first shape."""
+    from deltasync_rs.integrations.trl import DeltaSyncWeightTransfer
+
+    with ds.Publisher(tmp_path / "store", background=False) as publisher:
+        transfer = DeltaSyncWeightTransfer(publisher, "http://127.0.0.1:9", timeout=1.0)
+        transfer.send_weights(iter([("w", torch.zeros(8, 4))]))  # server out of reach: published, then behind
+        with pytest.raises(ds.BaseMismatchError, match=r"'w': sent as torch.bfloat16\[4, 8\], mirrored as"):
+            transfer.send_weights(iter([("w", torch.ones(4, 8))]))
+        assert transfer.step == 0 and ds.Subscriber(publisher.store).latest_step() == 0
