@@ -682,12 +682,7 @@ mod tests {
         tensor.validate("mem", true).unwrap();
         assert!(!tensor.unchecked);
         assert_eq!(tensor.last_position, Some(994));
-        let delta = Delta { tensors: vec![tensor], ..Default::default() };
-        let mut short = vec![0u8; 2 * 500];
-        let result =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| apply(&delta, vec![(0, &mut short[..])])));
-        assert!(matches!(result, Ok(Err(_))), "a target too short for the positions is refused, not overrun");
-        assert!(short.iter().all(|&b| b == 0), "nothing written");
+        refused_untouched(tensor, 500);
     }
 
     // Pins `last >= elements` in `check_target`: for a tensor whose record
@@ -706,11 +701,17 @@ mod tests {
         assert_eq!(tensor.last_position, Some(999));
         assert!(check_target(&tensor, Dtype::BF16, None, 2 * 1000).is_ok());
         assert!(check_target(&tensor, Dtype::BF16, None, 2 * 999).is_err(), "position 999 of 999 elements");
+        refused_untouched(tensor, 999);
+    }
+
+    /// Applies the BF16 `tensor` to a zeroed target of `elements` elements, too short for its positions: refused
+    /// with an error (not a panic writing past it), and nothing written.
+    fn refused_untouched(tensor: TensorDelta, elements: usize) {
         let delta = Delta { tensors: vec![tensor], ..Default::default() };
-        let mut short = vec![0u8; 2 * 999];
+        let mut short = vec![0u8; 2 * elements];
         let result =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| apply(&delta, vec![(0, &mut short[..])])));
-        assert!(matches!(result, Ok(Err(_))), "refused, not written past the target");
+        assert!(matches!(result, Ok(Err(_))), "a target too short for the positions is refused, not overrun");
         assert!(short.iter().all(|&b| b == 0), "nothing written");
     }
 }
