@@ -982,7 +982,7 @@ def _one_reply_per_failure(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, *args, **kwargs)
         except Exception as error:
-            if getattr(error, _EVERY_RANK, False) and _replies_before_the_last(getattr(self, "vllm_config", None)):
+            if _left_to_the_last_rank(error, getattr(self, "vllm_config", None)):
                 log.error("%s: %s (raised by the last tensor-parallel rank)", method.__name__, error)
                 return None
             raise
@@ -1000,7 +1000,7 @@ def _end_refused_update(engine: WeightTransferEngine[Any, Any], error: BaseExcep
     before the last leaves the later ranks' replies unread (``_one_reply_per_failure``). The flag lives on the
     worker, which calls this engine's ``update_weights`` and holds it as ``weight_transfer_engine``: it is looked for
     among the callers' frames. False (raise on every rank, as before) where it is not found, under another vLLM."""
-    if not getattr(error, _EVERY_RANK, False) or not _replies_before_the_last(getattr(engine, "vllm_config", None)):
+    if not _left_to_the_last_rank(error, getattr(engine, "vllm_config", None)):
         return False
     frame: FrameType | None = sys._getframe(1)
     worker: Any = None
@@ -1020,6 +1020,12 @@ def _end_refused_update(engine: WeightTransferEngine[Any, Any], error: BaseExcep
     if reset is not None:
         reset()
     return True
+
+
+def _left_to_the_last_rank(error: BaseException, vllm_config: Any) -> bool:
+    """True where ``error`` is a refusal every rank shares and this rank's reply is read before the last one's: the
+    last rank alone raises it."""
+    return bool(getattr(error, _EVERY_RANK, False)) and _replies_before_the_last(vllm_config)
 
 
 def _replies_before_the_last(vllm_config: Any) -> bool:
