@@ -1076,6 +1076,18 @@ fn range_identities(py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, usize, usize)
     Ok(identities.into_iter().map(base::to_hex).collect())
 }
 
+/// The XXH3-64 of each 256 KiB block of a buffer or CPU contiguous tensor's bytes (the last block may be
+/// shorter), little-endian u64s in order: the hashes a base identity combines (docs/format.md §3.1).
+#[pyfunction]
+fn block_hashes<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let (held, slice) = export(data, &|| "block_hashes' argument".to_owned(), false)?;
+    // SAFETY: `held` keeps the buffer exported until after the call.
+    let hashes = py.detach(|| base::block_hashes(unsafe { slice.get() }));
+    drop(held);
+    let bytes: Vec<u8> = hashes.iter().flat_map(|hash| hash.to_le_bytes()).collect();
+    Ok(PyBytes::new(py, &bytes))
+}
+
 /// The base identity (16 hex digits) of bytes whose whole blocks were hashed elsewhere (on a device, by
 /// deltasync_rs._identity): `block_hashes` holds each whole block's hash, little-endian u64s in order, and `tail`
 /// the bytes after the last whole block (shorter than a block; empty when none), hashed here.
@@ -1173,6 +1185,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(base_identity, m)?)?;
     m.add_function(wrap_pyfunction!(range_identities, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity_from_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_hash_from_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(piece_hash, m)?)?;

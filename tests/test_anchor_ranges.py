@@ -468,3 +468,63 @@ def test_an_anchor_that_carries_a_checksum_is_read_by_ranges_and_filled(tmp_path
     with pytest.raises(ds.DeltaFormatError, match="damaged"):
         ds.load(stand_in, mmap=True)
     assert [t.name for t in load_stand_in(stand_in).tensors] == [t.name for t in ds.load(sealed).tensors]
+
+
+def _rows(name, first, last):
+    """anchor_ranges for a reader of rows ``first .. last`` of tensor ``name`` (a row split) and nothing else."""
+
+    def needed(tensors):
+        (tensor,) = [t for t in tensors if t.name == name]
+        row = (tensor.end - tensor.start) // tensor.shape[0]
+        return [(tensor.start + first * row, tensor.start + last * row)]
+
+    return needed
+
+
+@pytest.mark.parametrize("shape, split", [((1000, 700), 503), ((1024, 512), 512), ((300, 64), 150)])
+def test_readers_that_each_hold_rows_of_a_tensor_find_its_base_identity_together(tmp_path, shape, split):
+    """Two tensor-parallel readers of a row-split tensor each read their own rows; from the hashes of the 256 KiB
+    blocks each holds whole and the bytes of a block cut by their boundary (none when the boundary falls between
+    blocks), both find the tensor's base identity, which neither could alone."""
+    from deltasync_rs._core import base_identity
+    from deltasync_rs._ranged import fragment_plan, fragments, held_tensors, split_identities
+
+    rows, cols = shape
+    big = (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 0.001).to(torch.bfloat16)
+    state = _state() | {"big.weight": big}
+    root = _published(tmp_path, piece_bytes=4096, state=state)
+    readers = [
+        ds.Subscriber(root, anchor_ranges=_rows("big.weight", *span)).fetch(None)[0]
+        for span in ((0, split), (split, rows))
+    ]
+    assert all(isinstance(reader, PartialAnchor) for reader in readers)
+    names = ["big.weight", "layer0.weight"]
+    held = [held_tensors(reader, names) for reader in readers]
+    assert all(h["big.weight"] is not None for h in held)
+    plan = fragment_plan(held)
+    nbytes = rows * cols * 2
+    cut = split * cols * 2
+    if cut % (1 << 18) == 0:
+        assert plan == []
+    else:
+        # the block the boundary falls in, from both readers (the bytes each verified reach past the boundary)
+        assert {block for _, _, block, _, _ in plan} == {cut >> 18} and {s for s, *_ in plan} <= {0, 1}
+    sent = [fragments(reader, plan, rank) for rank, reader in enumerate(readers)]
+    identities, conflicts = split_identities(held, plan, sent)
+    expected = base_identity(big.contiguous().view(torch.uint8).numpy().tobytes())
+    assert identities == {"big.weight": expected} and conflicts == []
+    assert sum(len(data) for part in sent for data in part.values()) <= min(nbytes, 1 << 18)  # one block at most
+    # One reader alone holds too little: the tensor cannot be checked (no identity, no conflict).
+    assert split_identities(held[:1], fragment_plan(held[:1]), sent[:1]) == ({}, [])
+    # A reader that read the tensor whole checks it alone: nothing to combine.
+    whole = ds.Subscriber(root).fetch(None)[0]
+    assert held_tensors(whole, names) == {"big.weight": None, "layer0.weight": None}
+    assert split_identities([held[0], held_tensors(whole, names)], [], [{}, {}]) == ({}, [])
+    # Hashes of other bytes (a wrong anchor's) make another identity; readers that hash a block differently hold
+    # different bytes of the anchor: a conflict, no identity.
+    part = held[0]["big.weight"]
+    if part.hashes:
+        forged = part._replace(hashes=tuple((first, bytes(len(run))) for first, run in part.hashes))
+        assert split_identities([{"big.weight": forged}, held[1]], plan, sent)[0]["big.weight"] != expected
+        everyone = [held[0], held[1], {"big.weight": forged}]
+        assert split_identities(everyone, fragment_plan(everyone), [*sent, {}]) == ({}, ["big.weight"])

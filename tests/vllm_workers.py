@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,11 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
         publisher.resume(states[1], step=1)
         publisher.publish(2, states[2])
     republish_anchor(wrong, 1, ds.anchor(states[0], step=1).to_bytes())
+    # The same, with an anchor of step 1 that is wrong only in tensors vLLM splits by rows at TP=2 (gate/up, q/k/v),
+    # of which each rank reads only its own rows (check_a_wrong_anchor_in_row_split_tensors_is_refused).
+    rows = data / "store-wrong-rows"
+    shutil.copytree(wrong, rows)
+    republish_anchor(rows, 1, ds.anchor(states[1] | _row_split(states[0]), step=1).to_bytes())
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
             for codec in ("varint", "compact", "context"):
@@ -128,6 +134,16 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
                     data / f"delta_{step}_{values}{suffix}.safetensors"
                 )
     return Prepared(name, str(folder), str(data))
+
+
+def _row_split(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` that vLLM splits by rows at TP=2 (a rank holds some rows, all columns): the MLP's
+    gate and up projections and the attention's query projection (the key/value ones of one KV head are replicated)."""
+    return {
+        name: tensor
+        for name, tensor in state.items()
+        if name.endswith(("gate_proj.weight", "up_proj.weight", "q_proj.weight"))
+    }
 
 
 def build_vllm_model(prepared: Prepared):
@@ -745,6 +761,19 @@ def check_a_wrong_anchor_is_refused_by_every_rank(model, item: Prepared) -> None
     _assert_equal_to_reload(model, item, 2)
 
 
+def check_a_wrong_anchor_in_row_split_tensors_is_refused(model, item: Prepared) -> None:
+    """As above, with an anchor of step 1 that differs from the real one only in tensors split by rows at TP=2: each
+    rank reads only its rows of them, so neither could compare them with delta 2's base identities, and at TP=2 the
+    ranks took that anchor and said they held step 2 over wrong weights. The ranks now combine the hashes of the
+    blocks they hold (and the bytes of blocks their boundary cuts) into each such tensor's identity, refuse the
+    anchor together and take anchor 0's way: bit-exact."""
+    worker = _fresh_worker(model)
+    worker._deltasync_tracker().refused_anchors.clear()  # the model's tracker outlives the checks
+    assert worker.deltasync_pull(item.path("store-wrong-rows")) == 2
+    _assert_equal_to_reload(model, item, 2)
+    assert len(worker._deltasync_tracker().refused_anchors) == 1
+
+
 def check_ranks_that_start_from_different_anchors_refuse_together(model, item: Prepared) -> None:
     """At TP=2, a rank that refuses a wrong anchor takes an older anchor's way, while a rank that read none of the
     anchor's wrong tensors whole would take it: both reach the same step, one over wrong weights (they crashed in a
@@ -1088,6 +1117,7 @@ CHECKS = [
     check_ranks_refuse_together_what_one_rank_alone_can_see,
     check_anchor_pull_reads_only_this_ranks_shard,
     check_a_wrong_anchor_is_refused_by_every_rank,
+    check_a_wrong_anchor_in_row_split_tensors_is_refused,
     check_ranks_that_start_from_different_anchors_refuse_together,
     check_tampered_anchor_pieces_refused,
     check_diff_then_abs_match_dense_reload,

@@ -20,6 +20,7 @@ __all__ = [
     "range_identities",
     "base_identity",
     "base_identity_from_blocks",
+    "block_hashes",
     "checkpoint_layout",
     "combine_hashes",
     "copy_checked_pieces",
@@ -148,6 +149,10 @@ def range_identities(ranges: list[tuple[Any, int, int]]) -> list[str]:
 
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""
+
+def block_hashes(data: Any) -> bytes:
+    """The XXH3-64 of each 256 KiB block of a buffer or CPU contiguous tensor's bytes (the last may be shorter),
+    little-endian u64s in order: what a base identity combines (docs/format.md §3.1)."""
 
 def base_identity_from_blocks(block_hashes: bytes, tail: Any) -> str:
     """The base identity of bytes whose whole blocks were hashed elsewhere: each whole block's XXH3-64 as

@@ -18,6 +18,8 @@ from .store import Store, private_temp, remove_temp
 
 #: safetensors' own cap on the header (docs/format.md §1).
 MAX_HEADER_BYTES = 100_000_000
+#: Bytes per base-identity block (docs/format.md §3.1).
+BLOCK_BYTES = 1 << 18
 #: The most bytes asked for in one ranged read; longer runs of pieces are split.
 _RUN_BYTES = 64 << 20
 
@@ -79,12 +81,39 @@ class PartialAnchor(Delta):
                 f"{self.key}: bytes {start}..{end} of tensor {name!r} were not read and verified by this reader"
             )
 
+    def verified_intervals(self, name: str) -> list[tuple[int, int]]:
+        """The byte intervals [start, end) of tensor ``name`` (tensor offsets, in order, disjoint) that were read and
+        verified: the tensor's bytes in the verified pieces."""
+        first, last = self._offsets[name]
+        out: list[tuple[int, int]] = []
+        if first == last:
+            return out
+        for piece in range(first // self._piece_bytes, -(-last // self._piece_bytes)):
+            if piece not in self._covered:
+                continue
+            begin = max(first, piece * self._piece_bytes) - first
+            end = min(last, (piece + 1) * self._piece_bytes) - first
+            if out and out[-1][1] == begin:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((begin, end))
+        return out
+
     def tensor_bytes(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``start .. end`` of tensor ``name``, which must have been verified."""
         self.require(name, start, end)
         assert self._map is not None
         begin, stop = self._span(name, start, end)
         return self._map[begin:stop]
+
+    def tensor_view(self, name: str, start: int, end: int) -> memoryview:
+        """As :meth:`tensor_bytes`, without a copy: a read-only view of the mapped file (release it after use)."""
+        self.require(name, start, end)
+        begin, stop = self._span(name, start, end)
+        if begin == stop:
+            return memoryview(b"")
+        assert self._map is not None
+        return memoryview(self._map)[begin:stop]
 
     def _refused(self) -> DeltaSyncError:
         return DeltaSyncError(
@@ -188,6 +217,156 @@ def _runs(indices: list[int], most: int) -> Iterable[list[int]]:
         yield run
 
 
+class HeldTensor(NamedTuple):
+    """What one reader holds of a tensor of an anchor it read by ranges (:func:`held_tensors`): the tensor's size,
+    the byte intervals it verified (tensor offsets, in order, disjoint), and the hashes of the base-identity blocks
+    (docs/format.md §3.1) wholly inside them, as runs ``(first block, its hash and the next ones', 8 bytes each)``."""
+
+    nbytes: int
+    intervals: tuple[tuple[int, int], ...]
+    hashes: tuple[tuple[int, bytes], ...]
+
+
+#: One part of a block that no reader holds whole: (rank that sends it, tensor, block, first byte, end byte).
+Fragment = tuple[int, str, int, int, int]
+
+
+def held_tensors(anchor: Delta, names: Iterable[str]) -> dict[str, HeldTensor | None]:
+    """For each of ``names`` that ``anchor`` holds: None where this reader read the tensor whole (it checks that
+    tensor alone), else what it holds of it, for :func:`split_identities` to combine with the other readers' parts.
+    Small enough to all-gather: 8 bytes per 256 KiB block."""
+    from ._core import block_hashes
+
+    present = set(anchor.names)
+    whole = set(anchor.whole_tensors()) if isinstance(anchor, PartialAnchor) else None
+    out: dict[str, HeldTensor | None] = {}
+    for name in names:
+        if name not in present:
+            continue
+        if whole is None or anchor.names.index(name) in whole:
+            out[name] = None
+            continue
+        assert isinstance(anchor, PartialAnchor)
+        first, last = anchor._offsets[name]
+        nbytes = last - first
+        intervals = anchor.verified_intervals(name)
+        runs = []
+        for start, end in intervals:
+            first_block = -(-start // BLOCK_BYTES)
+            end_block = _blocks(nbytes) if end == nbytes else end // BLOCK_BYTES
+            if end_block > first_block:
+                with anchor.tensor_view(name, first_block * BLOCK_BYTES, min(end_block * BLOCK_BYTES, nbytes)) as view:
+                    runs.append((first_block, block_hashes(view)))
+        out[name] = HeldTensor(nbytes, tuple(intervals), tuple(runs))
+    return out
+
+
+def _blocks(nbytes: int) -> int:
+    return -(-nbytes // BLOCK_BYTES)
+
+
+def fragment_plan(everyone: list[dict[str, HeldTensor | None]]) -> list[Fragment]:
+    """The parts of blocks that the readers (``everyone``: each one's :func:`held_tensors`, in rank order) must send
+    each other so that every block of a tensor none holds whole can be hashed: for each block no reader holds
+    whole, the verified bytes that cover it, taken from the reader whose interval reaches furthest (the lowest rank
+    among equals). A tensor whose blocks the readers do not cover between them gets none (it cannot be checked).
+    The same on every reader, which all compute it from the same gathered parts."""
+    plan: list[Fragment] = []
+    for name in sorted(_split_names(everyone)):
+        parts = [(rank, held[name]) for rank, held in enumerate(everyone) if held.get(name) is not None]
+        nbytes = parts[0][1].nbytes  # type: ignore[union-attr]
+        hashed = {block for _, part in parts for block in _hashed_blocks(part)}  # type: ignore[arg-type]
+        wanted: list[Fragment] = []
+        for block in range(_blocks(nbytes)):
+            if block in hashed:
+                continue
+            at, end = block * BLOCK_BYTES, min((block + 1) * BLOCK_BYTES, nbytes)
+            while at < end:
+                reach = [
+                    (stop, -rank)
+                    for rank, part in parts
+                    for start, stop in part.intervals  # type: ignore[union-attr]
+                    if start <= at < stop
+                ]
+                if not reach:
+                    break
+                stop, rank = max(reach)
+                wanted.append((-rank, name, block, at, min(stop, end)))
+                at = min(stop, end)
+            if at < end:
+                wanted = []  # a gap no reader holds: this tensor cannot be checked
+                break
+        plan.extend(wanted)
+    return plan
+
+
+def _split_names(everyone: list[dict[str, HeldTensor | None]], *, sizes_differ: bool = False) -> set[str]:
+    """The tensors that no reader holds whole but some hold in part, all of one size (with ``sizes_differ``: those
+    whose readers disagree on its size)."""
+    parts: dict[str, set[int]] = {}
+    whole: set[str] = set()
+    for held in everyone:
+        for name, part in held.items():
+            if part is None:
+                whole.add(name)
+            else:
+                parts.setdefault(name, set()).add(part.nbytes)
+    return {name for name, sizes in parts.items() if name not in whole and (len(sizes) > 1) == sizes_differ}
+
+
+def _hashed_blocks(part: HeldTensor) -> Iterable[int]:
+    for first, hashes in part.hashes:
+        yield from range(first, first + len(hashes) // 8)
+
+
+def fragments(anchor: Delta, plan: list[Fragment], rank: int) -> dict[tuple[str, int], bytes]:
+    """This reader's share of ``plan``: its verified bytes of each fragment it sends, by (tensor, first byte)."""
+    mine = [(name, start, end) for sender, name, _, start, end in plan if sender == rank]
+    if not isinstance(anchor, PartialAnchor):
+        if not mine:
+            return {}
+        raise DeltaSyncError("this reader holds the anchor whole, but the plan has it send parts of it")
+    return {(name, start): anchor.tensor_bytes(name, start, end) for name, start, end in mine}
+
+
+def split_identities(
+    everyone: list[dict[str, HeldTensor | None]], plan: list[Fragment], sent: list[dict[tuple[str, int], bytes]]
+) -> tuple[dict[str, str], list[str]]:
+    """The base identities of the tensors that no reader holds whole, from every reader's parts (``everyone``, in
+    rank order), the ``plan`` of fragments and what each reader ``sent`` of it: for each tensor whose blocks the
+    readers cover between them, its identity, and the tensors whose readers disagree on a block's hash (they hold
+    different bytes of the one anchor). The same on every reader."""
+    from ._core import base_identity_from_blocks, block_hashes
+
+    by_block: dict[tuple[str, int], list[tuple[int, bytes]]] = {}
+    for sender, name, block, start, end in plan:
+        data = sent[sender].get((name, start))
+        if data is None or len(data) != end - start:
+            raise IntegrityError(f"tensor {name!r}: reader {sender} sent no bytes {start}..{end} of it")
+        by_block.setdefault((name, block), []).append((start, data))
+    identities: dict[str, str] = {}
+    conflicts = sorted(_split_names(everyone, sizes_differ=True))
+    for name in sorted(_split_names(everyone)):
+        parts = [held[name] for held in everyone if held.get(name) is not None]
+        nbytes = parts[0].nbytes  # type: ignore[union-attr]
+        hashes: dict[int, bytes] = {}
+        disagree = False
+        for part in parts:
+            for first, run in part.hashes:  # type: ignore[union-attr]
+                for i in range(len(run) // 8):
+                    found = run[8 * i : 8 * i + 8]
+                    disagree |= hashes.setdefault(first + i, found) != found
+        for block in range(_blocks(nbytes)):
+            if block not in hashes and (name, block) in by_block:
+                data = b"".join(part for _, part in sorted(by_block[(name, block)]))
+                hashes[block] = block_hashes(data)
+        if disagree:
+            conflicts.append(name)
+        elif len(hashes) == _blocks(nbytes):
+            identities[name] = base_identity_from_blocks(b"".join(hashes[b] for b in range(len(hashes))), b"")
+    return identities, conflicts
+
+
 def anchor_tensors(header: bytes, data_start: int, size: int, key: str) -> list[AnchorTensor]:
     """The tensors a safetensors header lists, with absolute byte offsets; a malformed header is a format error
     (the core's reader checks the whole file again when it is loaded)."""
@@ -217,4 +396,15 @@ def anchor_tensors(header: bytes, data_start: int, size: int, key: str) -> list[
     return out
 
 
-__all__ = ["AnchorTensor", "NeededRanges", "PartialAnchor", "read_ranged"]
+__all__ = [
+    "AnchorTensor",
+    "Fragment",
+    "HeldTensor",
+    "NeededRanges",
+    "PartialAnchor",
+    "fragment_plan",
+    "fragments",
+    "held_tensors",
+    "read_ranged",
+    "split_identities",
+]

@@ -34,7 +34,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-from . import _arrays, _vllm_cpu, _write
+from . import _arrays, _ranged, _vllm_cpu, _write
 from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 from ._ranged import AnchorTensor, PartialAnchor
 from .delta import Delta, _check_step, load
@@ -838,8 +838,14 @@ class _StepTracker:
                 # The way on from this step must start from the very entry the model holds; where it does not (a
                 # step published again), the subscriber takes an anchor instead.
                 subscriber._at = self.entry
+
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
-        deltas, until = _agreed(subscriber._fetch_checked_by_the_apply, start, until, subscriber._refused_anchors)
+        def anchor_entry(step: int) -> str:
+            return subscriber.entry(step).sha256
+
+        deltas, until = _agreed(
+            subscriber._fetch_checked_by_the_apply, start, until, subscriber._refused_anchors, anchor_entry
+        )
         try:
             step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         except DeltaFormatError as error:
@@ -851,7 +857,11 @@ class _StepTracker:
             if self.entry is not None and self.entry.step == self.current_step:
                 subscriber._at = self.entry
             deltas, _ = _agreed(
-                lambda at, to: subscriber.fetch(at, until=to), self.current_step, until, subscriber._refused_anchors
+                lambda at, to: subscriber.fetch(at, until=to),
+                self.current_step,
+                until,
+                subscriber._refused_anchors,
+                anchor_entry,
             )
             step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         return step
@@ -872,6 +882,7 @@ def _agreed(
     current_step: int | None,
     until: int | None,
     refused: set[str] | None = None,
+    anchor_entry: Callable[[int], str] | None = None,
 ) -> tuple[list[Delta], int | None]:
     """``fetch(current_step, until)``, agreed on by every tensor-parallel rank: they pull together (collective_rpc),
     and must end at the same step, or their shards would hold different steps (``until=None`` is the newest step
@@ -880,7 +891,10 @@ def _agreed(
     makes every rank raise before anything is applied. The ranks must also start from the same anchor (or none):
     the anchors one rank refused (``refused``, the entries of wrong anchors it saw in the tensors it read whole) are
     refused by every rank and the ranks fetch again; ranks that still start from different anchors (one could not
-    read an anchor another took) raise together. Returns the deltas and the agreed step (``until`` at TP 1)."""
+    read an anchor another took) raise together. A tensor of the anchor that no rank read whole (a row split: each
+    rank read its own rows) is checked by the ranks together against the first delta's base identity
+    (``_split_anchor_error``); a wrong one refuses the anchor (its entry's SHA-256 by ``anchor_entry(step)``) on
+    every rank, and they fetch again. Returns the deltas and the agreed step (``until`` at TP 1)."""
     refused = set() if refused is None else refused
 
     def summary(fetched: list[Delta]) -> tuple[int | None, int | None, list[str]]:
@@ -910,11 +924,56 @@ def _agreed(
                         "refused or could not read an anchor another took; none applied"
                     )
                 )
+            anchor_step = summaries[0][1]
+            if anchor_entry is not None and anchor_step is not None and len(deltas) > 1:
+                wrong = _split_anchor_error(deltas[0], deltas[1], current_step)
+                if wrong is not None:
+                    log.warning("%s; that anchor is not used", wrong)
+                    refused.add(anchor_entry(anchor_step))
+                    continue
             return deltas, until
         until = min(reached, key=lambda step: -1 if step is None else step)
     raise _on_every_rank(
         DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
     )
+
+
+def _split_anchor_error(anchor: Delta, first: Delta, current_step: int | None) -> str | None:
+    """At TP > 1, why ``anchor`` is not the state ``first`` (the delta after it) was made against, found in the
+    tensors that no rank read whole: each rank holds some rows of such a tensor (a row split reads only those), the
+    ranks all-gather the hashes of the 256 KiB blocks they hold whole and the bytes of those that none holds whole,
+    and every rank combines them into the tensor's base identity (docs/format.md §3.1) and compares it with the one
+    ``first`` records. None where all agree; the same answer on every rank (each rank checks the tensors it read
+    whole alone, in the fetch). A few KiB per GiB of anchor cross, plus at most one block per rank boundary that
+    falls inside a block."""
+    if _tensor_parallel() <= 1:
+        return None
+    from vllm.distributed import parallel_state
+
+    bases = {name: first.base_identity(index) for index, name in enumerate(first.names)}
+    wanted = [name for name, base in bases.items() if base is not None]
+    _, everyone = _together(
+        lambda: _ranged.held_tensors(anchor, wanted), current_step, "hash its part of the anchor", lambda held: held
+    )
+    plan = _ranged.fragment_plan(everyone)
+    sent: list[Any] = []
+    if plan:  # the same on every rank
+        rank = parallel_state.get_tp_group().rank_in_group
+        _, sent = _together(
+            lambda: _ranged.fragments(anchor, plan, rank), current_step, "send its part of the anchor", lambda own: own
+        )
+    identities, conflicts = _ranged.split_identities(everyone, plan, sent)
+    step = f"the anchor of step {anchor.step}"
+    if conflicts:
+        return f"the tensor-parallel ranks read different bytes of tensor {conflicts[0]!r} of {step}"
+    for name, identity in sorted(identities.items()):
+        if identity != bases[name]:
+            return (
+                f"the delta of step {first.step} was not made against the state {step} gives (tensor {name!r}, "
+                f"read in parts by the tensor-parallel ranks: base {identity}, the delta was made against "
+                f"{bases[name]})"
+            )
+    return None
 
 
 def _together(

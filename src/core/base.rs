@@ -30,14 +30,20 @@ pub fn combine(block_hashes: &[u64]) -> u64 {
     hasher.finish()
 }
 
-/// The identity of `bytes`, its blocks hashed in parallel in the deltasync pool.
-pub fn identity(bytes: &[u8]) -> u64 {
-    let hashes: Vec<u64> = if bytes.len() <= BLOCK_BYTES {
+/// The hash of each block of `bytes` (the last one may be shorter; none for no bytes), in order, hashed in
+/// parallel in the deltasync pool: `combine` of them is the identity of `bytes`. Readers that each hold part of a
+/// tensor hash the blocks they hold whole this way and combine everyone's.
+pub fn block_hashes(bytes: &[u8]) -> Vec<u64> {
+    if bytes.len() <= BLOCK_BYTES {
         bytes.chunks(BLOCK_BYTES).map(block_hash).collect()
     } else {
         crate::core::pool::install(|| bytes.par_chunks(BLOCK_BYTES).map(block_hash).collect())
-    };
-    combine(&hashes)
+    }
+}
+
+/// The identity of `bytes`, its blocks hashed in parallel in the deltasync pool.
+pub fn identity(bytes: &[u8]) -> u64 {
+    combine(&block_hashes(bytes))
 }
 
 /// The identities of several runs of bytes at once, as `identity` of each: all their blocks are hashed side by side
@@ -290,6 +296,17 @@ mod tests {
             assert_eq!(identity(&data), reference(&data), "{len} bytes");
         }
         assert_eq!(identity(&[]), xxh3_64(&[]));
+    }
+
+    #[test]
+    fn block_hashes_are_each_blocks_hash_and_combine_to_the_identity() {
+        for len in SIZES {
+            let data = bytes(len, len as u64 + 7);
+            let hashes = block_hashes(&data);
+            let expected: Vec<u64> = data.chunks(1 << 18).map(xxh3_64).collect();
+            assert_eq!(hashes, expected, "{len} bytes");
+            assert_eq!(combine(&hashes), reference(&data), "{len} bytes");
+        }
     }
 
     #[test]
