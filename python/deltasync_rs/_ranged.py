@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+from ._identity import BLOCK_BYTES
 from .delta import Delta, load_stand_in
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
 from .manifest import Pieces
@@ -18,8 +19,6 @@ from .store import Store, private_temp, remove_temp
 
 #: safetensors' own cap on the header (docs/format.md §1).
 MAX_HEADER_BYTES = 100_000_000
-#: Bytes per base-identity block (docs/format.md §3.1).
-BLOCK_BYTES = 1 << 18
 #: The most bytes asked for in one ranged read; longer runs of pieces are split.
 _RUN_BYTES = 64 << 20
 
