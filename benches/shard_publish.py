@@ -61,8 +61,8 @@ def main() -> None:
     forward, backward = shard_parts(w.prev, w.curr, ranks), shard_parts(w.curr, w.prev, ranks)
 
     def before(publisher: ds.Publisher, step: int, parts, proofs) -> None:
-        publisher._check_proofs(parts, proofs)
-        publisher.publish_delta(step, ds.Delta(join_shards([p._raw for p in parts], "compact")))
+        identities = publisher._check_proofs(parts, proofs)  # the joined tensors' base identities, as they record
+        publisher.publish_delta(step, ds.Delta(join_shards([p._raw for p in parts], "compact", identities=identities)))
 
     contenders = {
         "publish_shards": lambda publisher, step, parts, proofs: publisher.publish_shards(step, parts, proofs=proofs),

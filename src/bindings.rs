@@ -1048,17 +1048,19 @@ fn base_identity(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<String> {
     Ok(base::to_hex(identity))
 }
 
-/// The base identities (16 hex digits each) of byte ranges, each given as (buffer or CPU contiguous tensor, first
-/// byte, bytes): all their blocks hashed side by side in one call.
-#[pyfunction]
-fn range_identities(py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, usize, usize)>) -> PyResult<Vec<String>> {
+/// Byte ranges (buffer or CPU contiguous tensor, first byte, bytes) exported, each checked to lie in its buffer.
+#[allow(clippy::type_complexity)]
+fn export_ranges(
+    ranges: &[(Bound<'_, PyAny>, usize, usize)],
+    what: &str,
+) -> PyResult<(Vec<Held>, Vec<(RawSlice, usize, usize)>)> {
     let mut held = Vec::with_capacity(ranges.len());
     let mut runs = Vec::with_capacity(ranges.len());
     for (index, (data, start, len)) in ranges.iter().enumerate() {
-        let (buffer, slice) = export(data, &|| format!("range {index} of range_identities"), false)?;
+        let (buffer, slice) = export(data, &|| format!("range {index} of {what}"), false)?;
         if start.checked_add(*len).is_none_or(|end| end > slice.len) {
             return Err(DeltaSyncError::new_err(format!(
-                "range {index} of range_identities: bytes {start}..{} of a buffer of {}",
+                "range {index} of {what}: bytes {start}..{} of a buffer of {}",
                 start.saturating_add(*len),
                 slice.len
             )));
@@ -1066,6 +1068,14 @@ fn range_identities(py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, usize, usize)
         held.push(buffer);
         runs.push((slice, *start, *len));
     }
+    Ok((held, runs))
+}
+
+/// The base identities (16 hex digits each) of byte ranges, each given as (buffer or CPU contiguous tensor, first
+/// byte, bytes): all their blocks hashed side by side in one call.
+#[pyfunction]
+fn range_identities(py: Python<'_>, ranges: Vec<(Bound<'_, PyAny>, usize, usize)>) -> PyResult<Vec<String>> {
+    let (held, runs) = export_ranges(&ranges, "range_identities")?;
     let identities = py.detach(|| {
         // SAFETY: `held` keeps every buffer exported until after this call; each range lies inside its buffer.
         let runs: Vec<&[u8]> =
@@ -1086,6 +1096,27 @@ fn block_hashes<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Boun
     drop(held);
     let bytes: Vec<u8> = hashes.iter().flat_map(|hash| hash.to_le_bytes()).collect();
     Ok(PyBytes::new(py, &bytes))
+}
+
+/// `block_hashes` of byte ranges, each given as (buffer or CPU contiguous tensor, first byte, bytes): all their
+/// blocks hashed side by side in one call.
+#[pyfunction]
+fn range_block_hashes<'py>(
+    py: Python<'py>,
+    ranges: Vec<(Bound<'py, PyAny>, usize, usize)>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let (held, runs) = export_ranges(&ranges, "range_block_hashes")?;
+    let hashes = py.detach(|| {
+        // SAFETY: `held` keeps every buffer exported until after this call; each range lies inside its buffer.
+        let runs: Vec<&[u8]> =
+            runs.iter().map(|(slice, start, len)| &unsafe { slice.get() }[*start..start + len]).collect();
+        base::runs_block_hashes(&runs)
+    });
+    drop(held);
+    Ok(hashes
+        .iter()
+        .map(|run| PyBytes::new(py, &run.iter().flat_map(|hash| hash.to_le_bytes()).collect::<Vec<u8>>()))
+        .collect())
 }
 
 /// The base identity (16 hex digits) of bytes whose whole blocks were hashed elsewhere (on a device, by
@@ -1186,6 +1217,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(range_identities, m)?)?;
     m.add_function(wrap_pyfunction!(base_identity_from_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(range_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_hash_from_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(piece_hash, m)?)?;

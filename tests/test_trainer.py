@@ -1204,7 +1204,56 @@ def test_publish_shards_leaves_the_compact_encoding_to_the_upload_thread(tmp_pat
         publisher.publish(0, prev)
         publisher.publish_shards(1, parts, proofs=proofs)
     assert completed_on == ["deltasync-publisher"]
-    assert store.get(ds.sync.delta_key(1)) == join_shards([p._raw for p in parts], "compact").to_bytes()
+    identities = [("w", base_identity(prev["w"].view(torch.uint8).numpy()))]  # the whole tensor's, which it records
+    expected = join_shards([p._raw for p in parts], "compact", identities=identities)
+    assert store.get(ds.sync.delta_key(1)) == expected.to_bytes()
+    state = {n: t.clone() for n, t in prev.items()}
+    assert ds.Subscriber(store).pull(state) == 1
+    assert_same(state, curr)
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+@pytest.mark.parametrize("bounds", [(0, 131072, 300000), (0, 100001, 300000), (0, 131072, 262144, 300000)])
+def test_publish_shards_records_each_joined_tensors_base_identity(tmp_path, codec, bounds):
+    """A joined shard delta recorded no base identity (no rank holds a whole tensor), so nothing checked that it
+    was applied to the state it was made from, and a wrong anchor before it went unseen. The publisher holds the
+    state: it records the identity of each whole tensor, from the hashes of the proofs' ranges where they start on
+    256 KiB blocks of the tensor (first two bounds: a cut at byte 262144), the tensor hashed otherwise; as `diff` of
+    the whole state records them. A tensor a rank stores whole records none."""
+    numel = bounds[-1]
+    prev = {"w": torch.randn(numel).to(torch.bfloat16), "b": torch.randn(8).to(torch.bfloat16)}
+    curr = {n: t.clone() for n, t in prev.items()}
+    curr["w"].view(torch.int16)[::97] += 1
+    curr["b"].view(torch.int16).add_(1)  # every element: stored whole by the rank that holds it
+    parts, proofs = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        builder = MirrorDiff("diff", "varint")
+        builder.begin("w", "BF16", [numel])
+        mirror = prev["w"][lo:hi].clone()
+        builder.update(mirror.view(torch.uint8).numpy(), curr["w"][lo:hi].view(torch.uint8).numpy(), lo)
+        builder.finish(None)
+        if lo == 0:
+            builder.begin("b", "BF16", [8])
+            mirror_b = prev["b"].clone()
+            builder.update(mirror_b.view(torch.uint8).numpy(), curr["b"].view(torch.uint8).numpy(), 0)
+            builder.finish(mirror_b.view(torch.uint8).numpy())
+        raw = builder.take()
+        raw.step, raw.base_step = 1, 0
+        parts.append(ds.Delta(raw))
+        proofs.append(builder.take_shard_bases())
+    store = LocalStore(tmp_path / "store")
+    with ds.Publisher(store, codec=codec) as publisher:
+        publisher.publish(0, prev)
+        publisher.publish_shards(1, parts, proofs=proofs)
+    published = ds.load(store.get(ds.sync.delta_key(1)))
+    whole = ds.diff(prev, curr, codec=codec)
+    bases = {name: published.base_identity(i) for i, name in enumerate(published.names)}
+    assert bases == {"w": base_identity(prev["w"].view(torch.uint8).numpy()), "b": None}
+    assert bases["w"] == whole.base_identity(whole.names.index("w"))
+    drifted = {n: t.clone() for n, t in prev.items()}
+    drifted["w"].view(torch.int16)[numel - 1] += 3
+    with pytest.raises(BaseMismatchError, match='tensor "w": the target is not the base'):
+        published.apply_(drifted, check_base=True)
     state = {n: t.clone() for n, t in prev.items()}
     assert ds.Subscriber(store).pull(state) == 1
     assert_same(state, curr)

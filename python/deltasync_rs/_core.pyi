@@ -21,6 +21,7 @@ __all__ = [
     "base_identity",
     "base_identity_from_blocks",
     "block_hashes",
+    "range_block_hashes",
     "checkpoint_layout",
     "combine_hashes",
     "copy_checked_pieces",
@@ -147,6 +148,9 @@ def write_anchor(
 def range_identities(ranges: list[tuple[Any, int, int]]) -> list[str]:
     """The base identities of byte ranges, each (buffer or CPU contiguous tensor, first byte, bytes), in one call."""
 
+def range_block_hashes(ranges: list[tuple[Any, int, int]]) -> list[bytes]:
+    """``block_hashes`` of byte ranges, each (buffer or CPU contiguous tensor, first byte, bytes), in one call."""
+
 def base_identity(data: Any) -> str:
     """The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3)."""
 
@@ -206,7 +210,10 @@ def fill_checked_pieces(
     size: nothing written) or ("piece", the first piece that differs: the targets hold the groups that matched)."""
 
 def join_shards(
-    parts: list[RawDelta], codec: str = "compact", bases: list[tuple[str, Any]] | None = None
+    parts: list[RawDelta],
+    codec: str = "compact",
+    bases: list[tuple[str, Any]] | None = None,
+    identities: list[tuple[str, str]] | None = None,
 ) -> RawDelta: ...
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...

@@ -131,12 +131,13 @@ class Mirror:
             )
         return {name: _arrays.check_same_kind(self._tensors[name], new, name) for name, new in state.items()}
 
-    def apply(self, delta: Delta) -> None:
-        """Moves the mirror forward by a delta made elsewhere, which must start at the mirror's step."""
+    def apply(self, delta: Delta, *, check_base: bool = True) -> None:
+        """Moves the mirror forward by a delta made elsewhere, which must start at the mirror's step and, with
+        ``check_base`` (the default), from exactly this state (every base identity it records)."""
         self._check_writable()
         if delta.base_step is not None and self.step is not None and delta.base_step != self.step:
             raise BaseMismatchError(f"delta starts at step {delta.base_step} but the mirror is at step {self.step}")
-        delta.apply_(self._tensors, check_base=True)  # a delta made elsewhere must start from exactly this state
+        delta.apply_(self._tensors, check_base=check_base)
         self.step = delta.step
 
     def digest(self) -> str:

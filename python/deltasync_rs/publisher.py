@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _arrays
+from ._identity import BLOCK_BYTES
 from ._turns import one_at_a_time, track
 from .delta import Delta, _check_step, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
 from .errors import (
@@ -558,9 +559,10 @@ class Publisher:
         """Publishes a delta made elsewhere (e.g. by the trainer's mirror) against the last published state."""
         self._publish_delta(step, delta, recode=False)
 
-    def _publish_delta(self, step: int, delta: Delta, *, recode: bool) -> None:
+    def _publish_delta(self, step: int, delta: Delta, *, recode: bool, checked: bool = False) -> None:
         """``publish_delta``; with ``recode`` the file published is ``delta`` re-encoded in the compact codec by the
-        upload thread (as ``join_shards`` of it alone encodes it), for joined shard deltas."""
+        upload thread (as ``join_shards`` of it alone encodes it), for joined shard deltas; ``checked``: its base
+        identities were just made from the mirror, which then skips their check."""
         self._check_open()
         self._raise_errors(step)
         self._check_step(step)
@@ -573,7 +575,7 @@ class Publisher:
         if delta.base_step is None:
             delta.base_step = self._mirror.step
         self._wait_for_mirror()
-        self._mirror.apply(delta)
+        self._mirror.apply(delta, check_base=not checked)
         self._mirror.step = step
         delta.step = step
         self._enqueue(step, _Recode(delta, "compact") if recode else delta)
@@ -614,7 +616,7 @@ class Publisher:
                     f"is step {self._mirror.step}: the shards moved on without it (did a publish raise?); re-anchor "
                     "from the shards' state"
                 )
-        self._check_proofs(parts, proofs or [()] * len(parts))
+        identities = self._check_proofs(parts, proofs or [()] * len(parts))
         if self.codec == "context":
             # Coded against the whole last published state, which the mirror holds only until the delta moves it.
             bases = [(name, _arrays.host_bytes(tensor)[0]) for name, tensor in self._mirror.tensors.items()]
@@ -622,20 +624,27 @@ class Publisher:
             return
         # Joined as the parts are, applied to the mirror so; the upload thread re-encodes the joined delta in this
         # publisher's codec (every rank waits for this call to return).
-        joined = Delta(join_shards([part._raw for part in parts], "varint"))
-        self._publish_delta(step, joined, recode=self.codec == "compact")
+        joined = Delta(join_shards([part._raw for part in parts], "varint", identities=identities))
+        # Its bases are the identities of this mirror's tensors, just hashed: not checked again by the apply.
+        self._publish_delta(step, joined, recode=self.codec == "compact", checked=True)
 
-    def _check_proofs(self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]]) -> None:
+    def _check_proofs(self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]]) -> list[tuple[str, str]]:
         """Checks that the shards vouch for every element of the last published state, and truly (publish_shards):
-        the coverage first, then every range's identity, all hashed in one call."""
-        from ._core import range_identities
+        the coverage first, then every range's identity, all hashed in one call. Returns the base identity of each
+        whole tensor that a part records a change of (not stored whole), for the joined delta to record: from the
+        same hashes where its ranges start on 256 KiB blocks of the tensor (FSDP's shards of most weights), the
+        tensor hashed in the same call otherwise."""
+        from ._core import base_identity_from_blocks, range_block_hashes
 
         # name -> (first, end, identity, rank); no identity where a part stores the tensor whole (it then does not
         # depend on the base at all).
         spans: dict[str, list[tuple[int, int, str | None, int]]] = {}
+        based: set[str] = set()  # tensors a part records not stored whole: the joined delta records their bases
         for rank, (part, listed) in enumerate(zip(parts, proofs, strict=True)):
             raw = part._raw
-            for index, (name, _, shape, _, positions, *_) in enumerate(raw.tensors()):
+            for index, (name, _, shape, _, positions, values, *_) in enumerate(raw.tensors()):
+                if positions != "all" or values != "abs":
+                    based.add(name)
                 identity = raw.base_identity(index)
                 if shape is not None and (identity is not None or positions == "all"):
                     spans.setdefault(name, []).append((0, math.prod(shape), identity, rank))
@@ -650,12 +659,15 @@ class Publisher:
                 spans.setdefault(name, []).append((first, first + elements, identity, rank))
         step = self._mirror.step
         checks: list[tuple[str, int, int, str, int]] = []  # (name, first, end, identity sent, rank)
-        ranges: list[tuple[Any, int, int]] = []  # the published bytes of each, for range_identities
+        ranges: list[tuple[Any, int, int]] = []  # the published bytes of each, for range_block_hashes
+        wholes: dict[str, list[int] | None] = {}  # name -> its tiling checks' indices, or None: hashed whole
+        whole_ranges: list[tuple[Any, int, int]] = []  # the tensors hashed whole, in order
         for name, tensor in self._mirror.tensors.items():
             data = _arrays.flat_host_bytes(tensor)
             numel = math.prod(_arrays.describe(tensor, name)[1])
             width = len(data) // numel if numel else 0
             covered, gap_end = 0, numel
+            tiles: list[int] | None = []  # the checks that tile the tensor, each from a block boundary
             for first, end, identity, rank in sorted(spans.pop(name, []), key=lambda span: span[:2]):
                 if first > covered:
                     gap_end = first
@@ -664,7 +676,11 @@ class Publisher:
                     raise BaseMismatchError(
                         f"tensor {name!r}: shard {rank} vouches for elements {first} to {end} of a tensor of {numel}"
                     )
+                if tiles is not None and (identity is None or first != covered or (first * width) % BLOCK_BYTES):
+                    tiles = None
                 if identity is not None:
+                    if tiles is not None:
+                        tiles.append(len(checks))
                     checks.append((name, first, end, identity, rank))
                     ranges.append((data, first * width, (end - first) * width))
                 covered = max(covered, end)
@@ -674,17 +690,28 @@ class Publisher:
                     f"state (step {step}): every shard delta must come with proofs of what its mirror held "
                     "(ds.torch.Mirror.last_bases)"
                 )
+            if name in based:
+                wholes[name] = tiles if tiles else None
+                if not tiles:
+                    whole_ranges.append((data, 0, len(data)))
         if spans:
             raise BaseMismatchError(
                 f"shard deltas hold tensors the last published state (step {step}) does not: {sorted(spans)[:5]}"
             )
-        for (name, first, end, identity, rank), found in zip(checks, range_identities(ranges), strict=True):
+        hashes = range_block_hashes(ranges + whole_ranges)
+        for (name, first, end, identity, rank), blocks in zip(checks, hashes, strict=False):
+            found = base_identity_from_blocks(blocks, b"")
             if found != identity:
                 raise BaseMismatchError(
                     f"tensor {name!r}: shard {rank} did not start from the last published state (step {step}) "
                     f"over elements {first} to {end} (base identity {identity} sent, {found} published): its "
                     "mirror drifted, or a step failed part way on it; re-anchor from the shards' state"
                 )
+        extra = iter(hashes[len(checks) :])
+        return [
+            (name, base_identity_from_blocks(b"".join(hashes[i] for i in tiles) if tiles else next(extra), b""))
+            for name, tiles in wholes.items()
+        ]
 
     @one_at_a_time
     def publish_shared(

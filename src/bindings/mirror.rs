@@ -303,14 +303,24 @@ impl DeferredDelta {
 /// disjoint element ranges with positions in the whole tensor's index space. With `codec="compact"` each joined
 /// tensor is re-encoded as `diff` would encode it (never stored whole); `codec="context"` needs `bases`, each
 /// tensor's whole bytes before the step (buffers or CPU contiguous tensors, by name), and records their identities.
+/// `identities`, (name, 16 hex digits) pairs, are whole tensors' base identities known elsewhere (a publisher's, of
+/// the state it keeps), recorded on each joined tensor that is not stored whole and has none of its own.
 #[pyfunction]
-#[pyo3(signature = (parts, codec = "compact", bases = None))]
+#[pyo3(signature = (parts, codec = "compact", bases = None, identities = None))]
 pub fn join_shards(
     py: Python<'_>,
     parts: Vec<PyRef<'_, RawDelta>>,
     codec: &str,
     bases: Option<Vec<(String, Bound<'_, PyAny>)>>,
+    identities: Option<Vec<(String, String)>>,
 ) -> PyResult<RawDelta> {
+    let mut known = std::collections::BTreeMap::new();
+    for (name, hex) in identities.into_iter().flatten() {
+        let identity = crate::core::base::parse_hex(&hex).ok_or_else(|| {
+            DeltaSyncError::new_err(format!("tensor {name:?}: base identity {hex:?} is not 16 lowercase hex digits"))
+        })?;
+        known.insert(name, identity);
+    }
     let codec = match (bases.is_some(), parse_codec(codec)?) {
         (true, Codec::Context) => Codec::Context,
         (true, _) => return Err(DeltaSyncError::new_err("bases are for codec=\"context\" only")),
@@ -328,7 +338,7 @@ pub fn join_shards(
         .detach(|| {
             // SAFETY: `held` keeps every buffer exported until after this call.
             let bases = slices.iter().map(|(name, slice)| (name.clone(), unsafe { slice.get() })).collect();
-            crate::core::shards::join(deltas, codec, &bases)
+            crate::core::shards::join(deltas, codec, &bases, &known)
         })
         .map_err(to_py)?;
     drop(held);

@@ -49,6 +49,11 @@ pub fn identity(bytes: &[u8]) -> u64 {
 /// The identities of several runs of bytes at once, as `identity` of each: all their blocks are hashed side by side
 /// in the deltasync pool, so that many small runs (a model's tensors, or their shards) keep every core busy.
 pub fn identities(runs: &[&[u8]]) -> Vec<u64> {
+    runs_block_hashes(runs).iter().map(|hashes| combine(hashes)).collect()
+}
+
+/// `block_hashes` of several runs of bytes at once, all their blocks hashed side by side in the deltasync pool.
+pub fn runs_block_hashes(runs: &[&[u8]]) -> Vec<Vec<u64>> {
     let blocks: Vec<&[u8]> = runs.iter().flat_map(|run| run.chunks(BLOCK_BYTES)).collect();
     let hashes: Vec<u64> = crate::core::pool::install(|| blocks.par_iter().map(|block| block_hash(block)).collect());
     let mut at = 0;
@@ -56,7 +61,7 @@ pub fn identities(runs: &[&[u8]]) -> Vec<u64> {
         .map(|run| {
             let count = run.len().div_ceil(BLOCK_BYTES);
             at += count;
-            combine(&hashes[at - count..at])
+            hashes[at - count..at].to_vec()
         })
         .collect()
 }

@@ -118,7 +118,14 @@ fn to_compact(tensor: TensorDelta, base: Option<&[u8]>) -> Result<TensorDelta> {
 /// Joins the deltas of all shards (in rank order) into one: tensors in order of first appearance, each one's
 /// parts joined in rank order, in the stream family `codec`. Step, base step and metadata come from the first delta.
 /// `Codec::Context` needs every tensor's whole base bytes in `bases` (by name), which the joiner must hold.
-pub fn join(deltas: Vec<Delta>, codec: Codec, bases: &BTreeMap<String, &[u8]>) -> Result<Delta> {
+/// `identities` (by name) are the base identities of whole tensors, which the joiner found elsewhere (a publisher,
+/// in the state it keeps): each is recorded on its joined tensor unless that is stored whole or has its own.
+pub fn join(
+    deltas: Vec<Delta>,
+    codec: Codec,
+    bases: &BTreeMap<String, &[u8]>,
+    identities: &BTreeMap<String, u64>,
+) -> Result<Delta> {
     let mut deltas = deltas.into_iter();
     let first = deltas.next().ok_or_else(|| Error::invalid("no shard deltas to join"))?;
     let mut order: Vec<String> = Vec::new();
@@ -137,7 +144,10 @@ pub fn join(deltas: Vec<Delta>, codec: Codec, bases: &BTreeMap<String, &[u8]>) -
         by_name.entry(tensor.name.clone()).or_default().push(tensor);
     }
     for name in order {
-        let tensor = join_tensor(by_name.remove(&name).expect("collected above"))?;
+        let mut tensor = join_tensor(by_name.remove(&name).expect("collected above"))?;
+        if tensor.base.is_none() && !tensor.is_dense() {
+            tensor.base = identities.get(&name).copied();
+        }
         out.tensors.push(match codec {
             Codec::Varint => tensor,
             Codec::Compact => to_compact(tensor, None)?,
@@ -158,6 +168,7 @@ pub fn join(deltas: Vec<Delta>, codec: Codec, bases: &BTreeMap<String, &[u8]>) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::base;
     use crate::core::codec::ValueCodec;
     use crate::core::diff::{diff, DiffInput};
     use crate::core::dtype::Dtype;
@@ -181,7 +192,7 @@ mod tests {
         for bounds in [vec![0, 500, 1000], vec![0, 334, 668, 1000], vec![0, 0, 1000], vec![0, 2, 1000]] {
             let parts: Vec<Delta> =
                 bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
-            let joined = join(parts, Codec::Varint, &BTreeMap::new()).unwrap();
+            let joined = join(parts, Codec::Varint, &BTreeMap::new(), &BTreeMap::new()).unwrap();
             let input =
                 DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
             let whole = diff(&[input], ValueCodec::Diff, crate::core::codec::Codec::Varint).unwrap().remove(0);
@@ -190,6 +201,17 @@ mod tests {
             assert_eq!(&tensor.positions[..], &whole.positions[..]);
             assert_eq!(&tensor.values[..], &whole.values[..]);
             assert_eq!(tensor.base, None, "a joined shard delta records no base");
+            // Unless the joiner knows the whole tensor's identity (a publisher, from the state it keeps): then it is
+            // the identity `diff` records, in either family.
+            let known = BTreeMap::from([("w".to_owned(), base::identity(&old))]);
+            for codec in [Codec::Varint, Codec::Compact] {
+                let parts: Vec<Delta> =
+                    bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
+                let joined = join(parts, codec, &BTreeMap::new(), &known).unwrap();
+                assert_eq!(joined.tensors[0].base, whole.base);
+                base::check_bases(&joined, &[(0, &old[..])]).unwrap();
+                assert!(base::check_bases(&joined, &[(0, &new[..])]).is_err());
+            }
         }
         // A tensor one rank held whole is its part as it is, with the base identity that rank recorded, in every
         // family, and stored whole where it was (as a small tensor whose elements all changed is).
@@ -201,7 +223,9 @@ mod tests {
             assert_eq!((whole[0].base.is_some(), whole[0].is_dense()), (!dense, dense));
             for codec in [Codec::Varint, Codec::Compact] {
                 let part = Delta { tensors: whole.clone(), ..Delta::default() };
-                let joined = join(vec![part], codec, &BTreeMap::new()).unwrap();
+                // An identity the joiner knows changes nothing here: the part's own, or none where stored whole.
+                let known = BTreeMap::from([("w".to_owned(), 7u64)]);
+                let joined = join(vec![part], codec, &BTreeMap::new(), &known).unwrap();
                 assert_eq!(joined.tensors[0].base, whole[0].base);
                 assert_eq!(joined.tensors[0].is_dense(), dense);
                 let mut target = old.clone();
@@ -226,7 +250,12 @@ mod tests {
             ..Delta::default()
         };
         assert!(whole.tensors[0].is_dense());
-        let err = join(vec![shard_delta(&old, &new, 0..10, numel as u64), whole], Codec::Varint, &BTreeMap::new());
+        let err = join(
+            vec![shard_delta(&old, &new, 0..10, numel as u64), whole],
+            Codec::Varint,
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
         assert!(err.unwrap_err().to_string().contains("must be sparse"));
     }
 
@@ -240,7 +269,7 @@ mod tests {
         }
         let parts: Vec<Delta> =
             [0usize, 1000, 2001, 3000].windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
-        let joined = join(parts, Codec::Compact, &BTreeMap::new()).unwrap();
+        let joined = join(parts, Codec::Compact, &BTreeMap::new(), &BTreeMap::new()).unwrap();
         let input = DiffInput { name: "w".into(), dtype: Dtype::BF16, shape: vec![numel as u64], old: &old, new: &new };
         let whole = diff(&[input], ValueCodec::Diff, Codec::Compact).unwrap().remove(0);
         let tensor = &joined.tensors[0];
@@ -273,7 +302,7 @@ mod tests {
         for bounds in [vec![0, numel], vec![0, 13_001, numel], vec![0, 1, 20_000, numel]] {
             let parts: Vec<Delta> =
                 bounds.windows(2).map(|b| shard_delta(&old, &new, b[0]..b[1], numel as u64)).collect();
-            let joined = join(parts, Codec::Context, &bases).unwrap();
+            let joined = join(parts, Codec::Context, &bases, &BTreeMap::new()).unwrap();
             assert!(joined.packed);
             let tensor = &joined.tensors[0];
             assert_eq!((tensor.positions_codec, tensor.values_codec), (whole.positions_codec, whole.values_codec));
@@ -285,10 +314,10 @@ mod tests {
         }
         // Without the base, or with one of another size, the join refuses by the tensor's name.
         let parts = || vec![shard_delta(&old, &new, 0..numel, numel as u64)];
-        let err = join(parts(), Codec::Context, &BTreeMap::new()).unwrap_err().to_string();
+        let err = join(parts(), Codec::Context, &BTreeMap::new(), &BTreeMap::new()).unwrap_err().to_string();
         assert!(err.contains("\"w\"") && err.contains("base"), "{err}");
         let short = BTreeMap::from([("w".to_owned(), &old[2..])]);
-        let err = join(parts(), Codec::Context, &short).unwrap_err().to_string();
+        let err = join(parts(), Codec::Context, &short, &BTreeMap::new()).unwrap_err().to_string();
         assert!(err.contains("\"w\"") && err.contains("bytes"), "{err}");
     }
 
@@ -298,7 +327,7 @@ mod tests {
         let old = vec![0u8; 20];
         let new = vec![1u8; 20];
         let parts = vec![shard_delta(&old, &new, 5..10, numel), shard_delta(&old, &new, 0..5, numel)];
-        let err = join(parts, Codec::Varint, &BTreeMap::new()).unwrap_err();
+        let err = join(parts, Codec::Varint, &BTreeMap::new(), &BTreeMap::new()).unwrap_err();
         assert!(err.to_string().contains("\"w\""), "{err}");
     }
 }
