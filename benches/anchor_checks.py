@@ -2,7 +2,11 @@
 store): the anchor's tensors hashed into the state digest its entry must match, and the first delta's base
 identities compared with the anchor's tensors (``RawDelta.check_follows``). Both against reading the anchor's bytes
 once (a numpy sum over uint64 views on 2 threads, the read floor) and against the pull of that anchor and delta from a
-local store (``Subscriber.fetch``), round by round.
+local store (``Subscriber.fetch``), round by round. And what tensor-parallel readers pay to check the tensors none
+of them read whole (vLLM at TP > 1, docs/vllm.md §7): two readers each read half of every tensor by ranges (cut
+a little past the middle, so that each cut falls inside a 256 KiB block); one reader's share of the check (hashing
+the blocks it holds, ``held_tensors``, and sending its bytes of the cut blocks) and combining both readers' parts
+into every tensor's identity (``split_identities``), against that reader's ranged fetch.
 
     python benches/anchor_checks.py [GiB] [rounds]
 
@@ -22,6 +26,7 @@ import torch
 
 import deltasync_rs as ds
 from deltasync_rs._peers import read_floor
+from deltasync_rs._ranged import PartialAnchor, fragment_plan, fragments, held_tensors, split_identities
 
 
 def main() -> None:
@@ -52,12 +57,44 @@ def main() -> None:
         def read() -> None:
             read_floor(evens, odds, threads=2)
 
-        timings: dict[str, list[float]] = {"read floor": [], "digest": [], "check_follows": [], "fetch": []}
+        def half(first: bool):
+            def needed(tensors):
+                cuts = [(t.start, t.start + (t.end - t.start) // 2 + 6) for t in tensors]
+                return [(a, b) if first else (b - 8, t.end) for (a, b), t in zip(cuts, tensors)]
+
+            return needed
+
+        readers = [ds.Subscriber(store, anchor_ranges=half(first)).fetch(None)[0] for first in (True, False)]
+        assert all(isinstance(reader, PartialAnchor) for reader in readers)
+
+        held = [held_tensors(reader, names) for reader in readers]
+        plan = fragment_plan(held)
+        sent = [fragments(reader, plan, rank) for rank, reader in enumerate(readers)]
+
+        def share() -> None:  # reader 0's part: its blocks hashed, its bytes of the cut blocks
+            fragments(readers[0], fragment_plan([held_tensors(readers[0], names), held[1]]), 0)
+
+        def combine() -> None:
+            identities, conflicts = split_identities(held, plan, sent)
+            assert len(identities) == len(names) and not conflicts
+
+        timings: dict[str, list[float]] = {
+            "read floor": [],
+            "digest": [],
+            "check_follows": [],
+            "fetch": [],
+            "split: 1 reader": [],
+            "split: combine": [],
+            "ranged fetch": [],
+        }
         work = {
             "read floor": read,
             "digest": anchor._raw.whole_state_digest,
             "check_follows": lambda: delta._raw.check_follows(anchor._raw),
             "fetch": lambda: ds.Subscriber(store).fetch(None),
+            "split: 1 reader": share,
+            "split: combine": combine,
+            "ranged fetch": lambda: ds.Subscriber(store, anchor_ranges=half(True)).fetch(None),
         }
         for _ in range(rounds):
             for what, run in work.items():
@@ -71,6 +108,9 @@ def main() -> None:
     checks = median["digest"] + median["check_follows"]
     print(
         f"  both checks / read floor {checks / median['read floor']:.2f}; both checks / fetch {checks / median['fetch']:.2f}"
+    )
+    print(
+        f"  split check, one reader's share / its ranged fetch {median['split: 1 reader'] / median['ranged fetch']:.2f}"
     )
 
 
