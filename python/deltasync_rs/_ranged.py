@@ -236,13 +236,13 @@ def held_tensors(anchor: Delta, names: Iterable[str]) -> dict[str, HeldTensor | 
     Small enough to all-gather: 8 bytes per 256 KiB block."""
     from ._core import block_hashes
 
-    present = set(anchor.names)
+    index = {name: i for i, name in enumerate(anchor.names)}
     whole = set(anchor.whole_tensors()) if isinstance(anchor, PartialAnchor) else None
     out: dict[str, HeldTensor | None] = {}
     for name in names:
-        if name not in present:
+        if name not in index:
             continue
-        if whole is None or anchor.names.index(name) in whole:
+        if whole is None or index[name] in whole:
             out[name] = None
             continue
         assert isinstance(anchor, PartialAnchor)
