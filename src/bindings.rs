@@ -1038,6 +1038,37 @@ fn combine_hashes(tensors: Vec<(String, [u8; 16])>) -> String {
     digest::combine(&named)
 }
 
+/// The state of a tensor's `tensor_hashes` hash before its first byte (core::digest::TensorHashParts), as bytes:
+/// feed it the tensor's bytes in order with `tensor_hash_feed`, possibly on several holders in turn, then
+/// `tensor_hash_finish`.
+#[pyfunction]
+fn tensor_hash_begin<'py>(py: Python<'py>, dtype: &str, shape: Vec<u64>) -> PyResult<Bound<'py, PyBytes>> {
+    let dtype = parse_dtype(dtype, "a tensor hashed in parts")?;
+    let parts = digest::TensorHashParts::begin(dtype, &shape).map_err(to_py)?;
+    Ok(PyBytes::new(py, &parts.to_bytes()))
+}
+
+/// `state` (of `tensor_hash_begin` or an earlier feed) with the tensor's next bytes, a buffer or CPU contiguous
+/// tensor, fed.
+#[pyfunction]
+fn tensor_hash_feed<'py>(py: Python<'py>, state: &[u8], data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let mut parts = digest::TensorHashParts::from_bytes(state).map_err(to_py)?;
+    let (held, slice) = export(data, &|| "the bytes fed to a tensor's hash".to_owned(), false)?;
+    // SAFETY: `held` keeps the buffer exported until after the call.
+    let fed = py.detach(|| parts.feed(unsafe { slice.get() }));
+    drop(held);
+    fed.map_err(to_py)?;
+    Ok(PyBytes::new(py, &parts.to_bytes()))
+}
+
+/// The tensor's `tensor_hashes` hash (16 bytes) from a `state` fed every byte of it.
+#[pyfunction]
+fn tensor_hash_finish<'py>(py: Python<'py>, state: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let parts = digest::TensorHashParts::from_bytes(state).map_err(to_py)?;
+    let hash = parts.finish().map_err(to_py)?;
+    Ok(PyBytes::new(py, &hash.to_le_bytes()))
+}
+
 /// The base identity of a buffer or CPU contiguous tensor's bytes: 16 hex digits (docs/format.md §3).
 #[pyfunction]
 fn base_identity(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<String> {
@@ -1218,6 +1249,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(base_identity_from_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(range_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_hash_begin, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_hash_feed, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_hash_finish, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_hash_from_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(file_piece_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(piece_hash, m)?)?;

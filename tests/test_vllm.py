@@ -678,3 +678,142 @@ def test_ds_vllm_is_there_after_a_plain_import():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# ------------------------------------------ tensor-parallel ranks checking an anchor together (threads, in process)
+
+
+class _Ranks:
+    """``n`` tensor-parallel ranks run as threads: vLLM's tensor-parallel all-gather becomes an exchange through a
+    barrier (each rank's object pickled, as ``all_gather_object`` does) and the rank is the thread's."""
+
+    def __init__(self, monkeypatch, n: int) -> None:
+        import pickle
+        import threading
+
+        from vllm.distributed import parallel_state
+
+        self.n, self.local = n, threading.local()
+        self.barrier = threading.Barrier(n, timeout=60)
+        self.slots: list = [None] * n
+        ranks = self
+
+        class Group:
+            world_size = n
+
+            @property
+            def rank_in_group(self) -> int:
+                return ranks.local.rank
+
+        def all_gather(mine):
+            self.slots[self.local.rank] = pickle.loads(pickle.dumps(mine))
+            self.barrier.wait()
+            everyone = list(self.slots)
+            self.barrier.wait()
+            return everyone
+
+        monkeypatch.setattr(ds_vllm, "_tensor_parallel", lambda: n)
+        monkeypatch.setattr(ds_vllm, "_all_gather", all_gather)
+        monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group())
+
+    def run(self, work):
+        """``work(rank)`` on every rank at once: each rank's result, or the exception it raised."""
+        import threading
+
+        results: list = [None] * self.n
+
+        def go(rank: int) -> None:
+            self.local.rank = rank
+            try:
+                results[rank] = work(rank)
+            except BaseException as error:  # noqa: BLE001 (returned to the test)
+                results[rank] = error
+
+        threads = [threading.Thread(target=go, args=(rank,)) for rank in range(self.n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return results
+
+
+def _tp_states(steps: int = 4) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    states = [
+        {
+            "big.weight": torch.randn(1000, 700, generator=generator).to(torch.bfloat16),
+            "norm.weight": torch.randn(700, generator=generator).to(torch.bfloat16),
+            "f.weight": torch.randn(300, 33, generator=generator),
+        }
+    ]
+    for step in range(1, steps):
+        state = {name: tensor.clone() for name, tensor in states[-1].items()}
+        for tensor in state.values():
+            bits = tensor.view(torch.int16 if tensor.dtype == torch.bfloat16 else torch.int32).view(-1)
+            bits[step::53] += 1
+        states.append(state)
+    return states
+
+
+def _rows(layout: dict[str, tuple[int, int]]):
+    """anchor_ranges for a rank that reads rows ``(first, last)`` of the tensors ``layout`` names, others whole."""
+
+    def needed(tensors):
+        out = []
+        for tensor in tensors:
+            if tensor.name in layout:
+                first, last = layout[tensor.name]
+                row = (tensor.end - tensor.start) // tensor.shape[0]
+                out.append((tensor.start + first * row, tensor.start + last * row))
+            else:
+                out.append((tensor.start, tensor.end))
+        return out
+
+    return needed
+
+
+_TP_LAYOUTS = {
+    "halves": [{"big.weight": (0, 500), "f.weight": (0, 150)}, {"big.weight": (500, 1000), "f.weight": (150, 300)}],
+    "cut inside blocks": [
+        {"big.weight": (0, 377), "f.weight": (0, 1)},
+        {"big.weight": (377, 1000), "f.weight": (1, 300)},
+    ],
+    "three ranks, two overlapping": [{"big.weight": (0, 400)}, {"big.weight": (300, 700)}, {"big.weight": (300, 1000)}],
+}
+
+
+@pytest.mark.parametrize("layout", list(_TP_LAYOUTS))
+@pytest.mark.parametrize("after", ["a delta", "nothing"])
+@pytest.mark.parametrize("wrong", [None, "big.weight", "norm.weight", "f.weight"])
+def test_ranks_that_read_an_anchor_in_parts_check_it_together(tmp_path, monkeypatch, layout, after, wrong):
+    """At TP > 1 each rank reads only its rows of a row-split tensor, so no rank could compare such a tensor with
+    the first delta's base identities, nor make the anchor's state digest where no delta follows it: a wrong anchor
+    (every file matching its entry) was applied. The ranks now check them together, with the hashes of the blocks
+    each holds and the bytes of those a cut falls in (an anchor and a delta), or by hashing each such tensor in turn
+    (the anchor alone); a wrong anchor is refused on every rank and the older anchor's way taken. A right one is
+    taken (any piece size, cuts inside blocks and pieces, overlapping ranks)."""
+    states = _tp_states()
+    root = tmp_path / "store"
+    with ds.Publisher(root, background=False, anchor_every=1 if after == "nothing" else 2, piece_bytes=4096) as p:
+        for step, state in enumerate(states):
+            p.publish(step, state)
+    wrong_anchor = 3 if after == "nothing" else 2
+    if wrong is not None:
+        republish_anchor(root, wrong_anchor, ds.anchor(states[wrong_anchor] | {wrong: states[1][wrong]}).to_bytes())
+    ranks = _Ranks(monkeypatch, len(_TP_LAYOUTS[layout]))
+    subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for rows in _TP_LAYOUTS[layout]]
+
+    def pull(rank: int):
+        subscriber = subscribers[rank]
+        deltas, _ = ds_vllm._agreed(
+            subscriber._fetch_checked_by_the_apply, None, None, subscriber._refused_anchors, subscriber.entry
+        )
+        return [delta.step for delta in deltas], isinstance(deltas[0], ds_vllm.PartialAnchor)
+
+    results = ranks.run(pull)
+    expected = [wrong_anchor] + list(range(wrong_anchor + 1, len(states)))
+    if wrong is not None:  # the older anchor's way
+        older = wrong_anchor - (1 if after == "nothing" else 2)
+        expected = [older] + list(range(older + 1, len(states)))
+    assert results == [(expected, True)] * ranks.n
+    assert [len(s._refused_anchors) for s in subscribers] == [int(wrong is not None)] * ranks.n

@@ -126,6 +126,12 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
     rows = data / "store-wrong-rows"
     shutil.copytree(wrong, rows)
     republish_anchor(rows, 1, ds.anchor(states[1] | _row_split(states[0]), step=1).to_bytes())
+    # A store whose newest step's anchor is wrong, no delta after it (check_a_wrong_newest_anchor_is_refused).
+    newest = data / "store-wrong-newest"
+    with ds.Publisher(newest, anchor_every=1, piece_bytes=RANGED_PIECE_BYTES, background=False) as publisher:
+        for step in (0, 1, 2):
+            publisher.publish(step, states[step])
+    republish_anchor(newest, 2, ds.anchor(states[1], step=2).to_bytes())
     for step in range(1, steps + 1):
         for values in ("diff", "abs"):
             for codec in ("varint", "compact", "context"):
@@ -774,6 +780,23 @@ def check_a_wrong_anchor_in_row_split_tensors_is_refused(model, item: Prepared) 
     assert len(worker._deltasync_tracker().refused_anchors) == 1
 
 
+def check_a_wrong_newest_anchor_is_refused(model, item: Prepared) -> None:
+    """The anchor of the newest step, 2, holds step 1's weights (every file matching its entry but the state
+    digest); no delta follows it. At TP=1 the worker reads it whole and its tensors do not make the entry's state
+    digest. At TP=2 each rank read only its shard and nothing checked it: the ranks applied it and said they held
+    step 2. Now they make the digest together (each hashes the tensors it read whole, and the row-split ones in
+    turn, handing the hash on), refuse the anchor and take anchor 1's way: bit-exact."""
+    import deltasync_rs as ds
+
+    store = item.path("store-wrong-newest")
+    assert ds.Subscriber(store).entry(2).delta is not None
+    worker = _fresh_worker(model)
+    worker._deltasync_tracker().refused_anchors.clear()  # the model's tracker outlives the checks
+    assert worker.deltasync_pull(store) == 2
+    _assert_equal_to_reload(model, item, 2)
+    assert len(worker._deltasync_tracker().refused_anchors) == 1
+
+
 def check_ranks_that_start_from_different_anchors_refuse_together(model, item: Prepared) -> None:
     """At TP=2, a rank that refuses a wrong anchor takes an older anchor's way, while a rank that read none of the
     anchor's wrong tensors whole would take it: both reach the same step, one over wrong weights (they crashed in a
@@ -1118,6 +1141,7 @@ CHECKS = [
     check_anchor_pull_reads_only_this_ranks_shard,
     check_a_wrong_anchor_is_refused_by_every_rank,
     check_a_wrong_anchor_in_row_split_tensors_is_refused,
+    check_a_wrong_newest_anchor_is_refused,
     check_ranks_that_start_from_different_anchors_refuse_together,
     check_tampered_anchor_pieces_refused,
     check_diff_then_abs_match_dense_reload,

@@ -22,6 +22,9 @@ __all__ = [
     "base_identity_from_blocks",
     "block_hashes",
     "range_block_hashes",
+    "tensor_hash_begin",
+    "tensor_hash_feed",
+    "tensor_hash_finish",
     "checkpoint_layout",
     "combine_hashes",
     "copy_checked_pieces",
@@ -176,6 +179,16 @@ def piece_hash(data: Buffer, piece_hash: str) -> bytes:
 
 def tensor_hashes(entries: list[tuple[str, str, list[int], Buffer]]) -> list[bytes]:
     """Each tensor's own hash in a state digest (16 bytes, little-endian), for (name, dtype, shape, bytes) entries."""
+
+def tensor_hash_begin(dtype: str, shape: list[int]) -> bytes:
+    """The state of a tensor's ``tensor_hashes`` hash before its first byte: feed it the tensor's bytes in order
+    (``tensor_hash_feed``, possibly on several holders in turn), then ``tensor_hash_finish``."""
+
+def tensor_hash_feed(state: bytes, data: Any) -> bytes:
+    """``state`` with the tensor's next bytes (a buffer or CPU contiguous tensor) fed."""
+
+def tensor_hash_finish(state: bytes) -> bytes:
+    """The tensor's ``tensor_hashes`` hash (16 bytes) from a state fed every byte of it."""
 
 def combine_hashes(tensors: list[tuple[str, bytes]]) -> str:
     """The digest of a state from each tensor's name and ``tensor_hashes`` hash, in any order: 32 hex digits."""

@@ -230,10 +230,11 @@ class HeldTensor(NamedTuple):
 Fragment = tuple[int, str, int, int, int]
 
 
-def held_tensors(anchor: Delta, names: Iterable[str]) -> dict[str, HeldTensor | None]:
+def held_tensors(anchor: Delta, names: Iterable[str], *, hashes: bool = True) -> dict[str, HeldTensor | None]:
     """For each of ``names`` that ``anchor`` holds: None where this reader read the tensor whole (it checks that
-    tensor alone), else what it holds of it, for :func:`split_identities` to combine with the other readers' parts.
-    Small enough to all-gather: 8 bytes per 256 KiB block."""
+    tensor alone), else what it holds of it, for :func:`split_identities` to combine with the other readers' parts
+    (without ``hashes``, its intervals alone, for :func:`segments`). Small enough to all-gather: 8 bytes per 256 KiB
+    block."""
     from ._core import block_hashes
 
     index = {name: i for i, name in enumerate(anchor.names)}
@@ -250,7 +251,7 @@ def held_tensors(anchor: Delta, names: Iterable[str]) -> dict[str, HeldTensor | 
         nbytes = last - first
         intervals = anchor.verified_intervals(name)
         runs = []
-        for start, end in intervals:
+        for start, end in intervals if hashes else ():
             first_block = -(-start // BLOCK_BYTES)
             end_block = _blocks(nbytes) if end == nbytes else end // BLOCK_BYTES
             if end_block > first_block:
@@ -297,6 +298,34 @@ def fragment_plan(everyone: list[dict[str, HeldTensor | None]]) -> list[Fragment
                 break
         plan.extend(wanted)
     return plan
+
+
+def segments(everyone: list[dict[str, HeldTensor | None]]) -> dict[str, list[tuple[int, int, int]] | None]:
+    """For each tensor that no reader holds whole (``everyone``: each one's :func:`held_tensors`, in rank order):
+    its bytes cut into consecutive segments ``(rank, start, end)``, each held by its rank (the one whose interval
+    reaches furthest, the lowest rank among equals), for the readers to hash it in turn; None for a tensor whose
+    bytes the readers do not cover between them. The same on every reader."""
+    out: dict[str, list[tuple[int, int, int]] | None] = {}
+    for name in sorted(_split_names(everyone)):
+        parts = [(rank, held[name]) for rank, held in enumerate(everyone) if held.get(name) is not None]
+        nbytes = parts[0][1].nbytes  # type: ignore[union-attr]
+        cut: list[tuple[int, int, int]] | None = []
+        at = 0
+        while at < nbytes:
+            reach = [
+                (stop, -rank)
+                for rank, part in parts
+                for start, stop in part.intervals  # type: ignore[union-attr]
+                if start <= at < stop
+            ]
+            if not reach:
+                cut = None
+                break
+            stop, rank = max(reach)
+            cut.append((-rank, at, stop))  # type: ignore[union-attr]
+            at = stop
+        out[name] = cut
+    return out
 
 
 def _split_names(everyone: list[dict[str, HeldTensor | None]], *, sizes_differ: bool = False) -> set[str]:
@@ -405,5 +434,6 @@ __all__ = [
     "fragments",
     "held_tensors",
     "read_ranged",
+    "segments",
     "split_identities",
 ]

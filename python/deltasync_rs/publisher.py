@@ -616,7 +616,8 @@ class Publisher:
                     f"is step {self._mirror.step}: the shards moved on without it (did a publish raise?); re-anchor "
                     "from the shards' state"
                 )
-        identities = self._check_proofs(parts, proofs or [()] * len(parts))
+        # `context` joins against the whole bases, which records their identities itself.
+        identities = self._check_proofs(parts, proofs or [()] * len(parts), identities=self.codec != "context")
         if self.codec == "context":
             # Coded against the whole last published state, which the mirror holds only until the delta moves it.
             bases = [(name, _arrays.host_bytes(tensor)[0]) for name, tensor in self._mirror.tensors.items()]
@@ -628,12 +629,14 @@ class Publisher:
         # Its bases are the identities of this mirror's tensors, just hashed: not checked again by the apply.
         self._publish_delta(step, joined, recode=self.codec == "compact", checked=True)
 
-    def _check_proofs(self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]]) -> list[tuple[str, str]]:
+    def _check_proofs(
+        self, parts: Sequence[Delta], proofs: Sequence[Sequence[ShardProof]], *, identities: bool = True
+    ) -> list[tuple[str, str]]:
         """Checks that the shards vouch for every element of the last published state, and truly (publish_shards):
         the coverage first, then every range's identity, all hashed in one call. Returns the base identity of each
         whole tensor that a part records a change of (not stored whole), for the joined delta to record: from the
         same hashes where its ranges start on 256 KiB blocks of the tensor (FSDP's shards of most weights), the
-        tensor hashed in the same call otherwise."""
+        tensor hashed in the same call otherwise (none without ``identities``)."""
         from ._core import base_identity_from_blocks, range_block_hashes
 
         # name -> (first, end, identity, rank); no identity where a part stores the tensor whole (it then does not
@@ -690,7 +693,7 @@ class Publisher:
                     f"state (step {step}): every shard delta must come with proofs of what its mirror held "
                     "(ds.torch.Mirror.last_bases)"
                 )
-            if name in based:
+            if identities and name in based:
                 wholes[name] = tiles if tiles else None
                 if not tiles:
                     whole_ranges.append((data, 0, len(data)))

@@ -453,6 +453,8 @@ class Subscriber:
                 raise IntegrityError(f"{ref['key']}: the file says step {delta.step}, its entry step {step}")
             if kind == "anchor" and not delta.is_anchor:
                 raise IntegrityError(f"{ref['key']}: not an anchor")
+            if delta.step is None:  # a file that names no step (an older writer's): its entry's step
+                delta.step = step
             return delta
 
         return self._retry(ref["key"], read)

@@ -39,6 +39,7 @@ from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 from ._ranged import AnchorTensor, PartialAnchor
 from .delta import Delta, _check_step, load
 from .errors import ChainError, IntegrityError, StaleStoreError
+from .manifest import Entry
 
 log = logging.getLogger(__name__)
 
@@ -840,8 +841,8 @@ class _StepTracker:
                 subscriber._at = self.entry
 
         # The deltas' bit-packed streams are checked as they are decoded for the apply, not decoded twice.
-        def anchor_entry(step: int) -> str:
-            return subscriber.entry(step).sha256
+        def anchor_entry(step: int) -> Entry:
+            return subscriber.entry(step)
 
         deltas, until = _agreed(
             subscriber._fetch_checked_by_the_apply, start, until, subscriber._refused_anchors, anchor_entry
@@ -882,7 +883,7 @@ def _agreed(
     current_step: int | None,
     until: int | None,
     refused: set[str] | None = None,
-    anchor_entry: Callable[[int], str] | None = None,
+    anchor_entry: Callable[[int], Entry] | None = None,
 ) -> tuple[list[Delta], int | None]:
     """``fetch(current_step, until)``, agreed on by every tensor-parallel rank: they pull together (collective_rpc),
     and must end at the same step, or their shards would hold different steps (``until=None`` is the newest step
@@ -893,7 +894,8 @@ def _agreed(
     refused by every rank and the ranks fetch again; ranks that still start from different anchors (one could not
     read an anchor another took) raise together. A tensor of the anchor that no rank read whole (a row split: each
     rank read its own rows) is checked by the ranks together against the first delta's base identity
-    (``_split_anchor_error``); a wrong one refuses the anchor (its entry's SHA-256 by ``anchor_entry(step)``) on
+    (``_split_anchor_error``), or, where no delta follows the anchor, the state digest of its entry
+    (``anchor_entry(step)``) is made by the ranks together (``_split_digest_error``); a wrong anchor is refused on
     every rank, and they fetch again. Returns the deltas and the agreed step (``until`` at TP 1)."""
     refused = set() if refused is None else refused
 
@@ -901,7 +903,9 @@ def _agreed(
         reached = next((d.step for d in reversed(fetched) if d.step is not None), current_step)
         return reached, fetched[0].step if fetched and fetched[0]._whole_state else None, sorted(refused)
 
-    for _ in range(3):
+    tries = 0  # fetches that ended at different steps; a fetch whose anchor is refused does not count (each
+    # refusal adds an anchor to `refused`, which no way starts from again, so they end)
+    while tries < 3:
 
         def fetch_to(to: int | None = until) -> list[Delta]:
             return fetch(current_step, to)
@@ -925,14 +929,21 @@ def _agreed(
                     )
                 )
             anchor_step = summaries[0][1]
-            if anchor_entry is not None and anchor_step is not None and len(deltas) > 1:
-                wrong = _split_anchor_error(deltas[0], deltas[1], current_step)
+            if anchor_entry is not None and anchor_step is not None and _tensor_parallel() > 1:
+                entry = anchor_entry(anchor_step)
+                if len(deltas) > 1:
+                    wrong = _split_anchor_error(deltas[0], deltas[1], current_step)
+                else:
+                    wrong = _split_digest_error(deltas[0], entry.state_digest, current_step)
                 if wrong is not None:
+                    if entry.sha256 in refused:  # never expected: a refused anchor is not taken again
+                        raise _on_every_rank(IntegrityError(f"{wrong}; that anchor was refused before; none applied"))
                     log.warning("%s; that anchor is not used", wrong)
-                    refused.add(anchor_entry(anchor_step))
+                    refused.add(entry.sha256)
                     continue
             return deltas, until
         until = min(reached, key=lambda step: -1 if step is None else step)
+        tries += 1
     raise _on_every_rank(
         DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
     )
@@ -974,6 +985,81 @@ def _split_anchor_error(anchor: Delta, first: Delta, current_step: int | None) -
                 f"{bases[name]})"
             )
     return None
+
+
+def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | None) -> str | None:
+    """At TP > 1, where no delta follows ``anchor`` on the way: why it does not make ``state_digest``, its entry's,
+    found by the ranks together; None where it does, or where a rank read it whole (that rank checked it alone, in
+    the fetch). Each rank hashes the tensors it read whole (docs/format.md §10: the state digest is over every
+    tensor's own XXH3-128); a tensor no rank read whole is hashed by the ranks in turn, each feeding its own bytes
+    of it, in order, into the hash the previous one handed on (core::digest::TensorHashParts: a few hundred bytes
+    per tensor per turn cross, not the bytes). The same answer on every rank."""
+    from ._core import combine_hashes, tensor_hash_begin, tensor_hash_feed, tensor_hash_finish, tensor_hashes
+
+    infos = {info.name: info for info in anchor.tensors}
+
+    def local() -> tuple[bool, dict[str, Any], dict[str, bytes]]:
+        if not isinstance(anchor, PartialAnchor):
+            return False, {}, {}
+        held = _ranged.held_tensors(anchor, list(infos), hashes=False)
+        whole = [name for name, part in held.items() if part is None]
+        views = [anchor.tensor_view(name, 0, infos[name].nbytes) for name in whole]
+        try:
+            entries: list[tuple[str, str, list[int], Any]] = [
+                (name, infos[name].dtype, list(infos[name].shape or ()), view)
+                for name, view in zip(whole, views, strict=True)
+            ]
+            return True, held, dict(zip(whole, tensor_hashes(entries), strict=True))
+        finally:
+            for view in views:
+                view.release()
+
+    _, everyone = _together(local, current_step, "hash the anchor's tensors it read whole", lambda mine: mine)
+    if not all(partial for partial, _, _ in everyone):
+        return None
+    found: dict[str, bytes] = {}
+    for _, _, hashes in everyone:
+        for name, hash_ in hashes.items():
+            if found.setdefault(name, hash_) != hash_:
+                return (
+                    f"the tensor-parallel ranks read different bytes of tensor {name!r} of the anchor of step "
+                    f"{anchor.step}"
+                )
+    cuts = _ranged.segments([held for _, held, _ in everyone])
+    if any(cut is None for cut in cuts.values()) or set(found) | set(cuts) != set(infos):
+        return None  # bytes no rank read: the digest cannot be made here
+    from vllm.distributed import parallel_state
+
+    rank = parallel_state.get_tp_group().rank_in_group
+    states: dict[str, bytes] = {}
+    for turn in range(max((len(cut) for cut in cuts.values() if cut), default=0)):
+
+        def hash_mine(turn: int = turn) -> dict[str, bytes]:
+            out = {}
+            for name, cut in cuts.items():
+                assert cut is not None
+                if turn >= len(cut) or cut[turn][0] != rank:
+                    continue
+                info = infos[name]
+                state = tensor_hash_begin(info.dtype, list(info.shape or ())) if turn == 0 else states[name]
+                with anchor.tensor_view(name, cut[turn][1], cut[turn][2]) as view:  # type: ignore[attr-defined]
+                    state = tensor_hash_feed(state, view)
+                out[name] = tensor_hash_finish(state) if turn == len(cut) - 1 else state
+            return out
+
+        _, handed = _together(hash_mine, current_step, "hash its part of the anchor", lambda mine: mine)
+        for part in handed:
+            for name, value in part.items():
+                cut = cuts[name]
+                assert cut is not None
+                (found if turn == len(cut) - 1 else states)[name] = value
+    digest = combine_hashes(sorted(found.items()))
+    if digest == state_digest:
+        return None
+    return (
+        f"the tensors of the anchor of step {anchor.step}, read in parts by the tensor-parallel ranks, do not make "
+        f"the state digest of its entry ({digest}, the entry says {state_digest})"
+    )
 
 
 def _together(

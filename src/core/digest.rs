@@ -106,6 +106,168 @@ fn tensor_hash(input: &DigestInput<'_>) -> u128 {
     hasher.digest128()
 }
 
+/// A tensor's hash (`tensor_hasher`'s) from its bytes fed in order a part at a time, possibly by several holders
+/// in turn: tensor-parallel readers that each hold some rows of a tensor hash theirs and hand the state on
+/// (`to_bytes`, `from_bytes`: a few hundred bytes) instead of the bytes. The stream (the prefix, then the tensor's
+/// bytes) is chained round by round as XXH3-128's long-input loop does (xxh3::Long128); a stream of up to 240
+/// bytes, which XXH3 hashes another way, is kept whole until `finish`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorHashParts {
+    /// The stream's length, and the prefix's.
+    len: u64,
+    prefix_len: u64,
+    /// Stream bytes fed so far.
+    fed: u64,
+    /// The chain's state (xxh3::Long128::state); unused for a short stream.
+    chain: ([u64; 8], u64, [u64; 8]),
+    /// Fed bytes not summed yet: those after the last stripe summed (fewer than 64, or the bytes after the stream's
+    /// last regular stripe), or every byte of a short stream.
+    carry: Vec<u8>,
+    /// The last (up to) 64 stream bytes fed.
+    last: Vec<u8>,
+}
+
+impl TensorHashParts {
+    /// The state before the tensor's first byte (its prefix fed).
+    pub fn begin(dtype: Dtype, shape: &[u64]) -> Result<Self> {
+        let nbytes = dtype::numel(shape)
+            .and_then(|n| n.checked_mul(dtype::width_of(dtype).ok()? as u64))
+            .ok_or_else(|| Error::invalid(format!("a {shape:?} tensor of {} is too large", dtype::name_of(dtype))))?;
+        let prefix = tensor_prefix(dtype, shape);
+        let prefix_len = prefix.len() as u64;
+        let len = nbytes + prefix_len;
+        let chain = xxh3::Long128::new(len.max(xxh3::Long128::MIN_LEN)).state();
+        let mut parts = TensorHashParts { len, prefix_len, fed: 0, chain, carry: Vec::new(), last: Vec::new() };
+        parts.take(&prefix);
+        Ok(parts)
+    }
+
+    /// The tensor's bytes fed so far.
+    pub fn tensor_fed(&self) -> u64 {
+        self.fed - self.prefix_len
+    }
+
+    /// Feeds the tensor's next bytes.
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() as u64 > self.len - self.fed {
+            return Err(Error::invalid(format!(
+                "{} bytes fed after {} of a tensor of {}",
+                bytes.len(),
+                self.tensor_fed(),
+                self.len - self.prefix_len
+            )));
+        }
+        self.take(bytes);
+        Ok(())
+    }
+
+    fn take(&mut self, bytes: &[u8]) {
+        let keep = xxh3::STRIPE.min(self.last.len() + bytes.len());
+        let from_bytes = keep.min(bytes.len());
+        let from_last = keep - from_bytes;
+        self.last.drain(..self.last.len() - from_last);
+        self.last.extend_from_slice(&bytes[bytes.len() - from_bytes..]);
+        let start = self.fed;
+        self.fed += bytes.len() as u64;
+        if self.len < xxh3::Long128::MIN_LEN {
+            self.carry.extend_from_slice(bytes);
+            return;
+        }
+        let stripe = xxh3::STRIPE as u64;
+        let summed = (start - self.carry.len() as u64) / stripe; // stripes summed so far
+        let regular = xxh3::Long128::regular_stripes(self.len);
+        let until = (self.fed / stripe).min(regular);
+        if until <= summed {
+            self.carry.extend_from_slice(bytes);
+            return;
+        }
+        let mut chain = xxh3::Long128::resume(self.len, self.chain).expect("a state this type made");
+        let mut at = 0usize; // bytes of `bytes` summed
+        let mut next = summed;
+        if !self.carry.is_empty() {
+            let mut first = std::mem::take(&mut self.carry);
+            at = xxh3::STRIPE - first.len();
+            first.extend_from_slice(&bytes[..at]);
+            chain.add_sums(&xxh3::StripeSums::of(&first, 0, next, 1));
+            next += 1;
+        }
+        if until > next {
+            chain.add_sums(&xxh3::StripeSums::of(bytes, at, next, until - next));
+            at += ((until - next) * stripe) as usize;
+        }
+        self.carry = bytes[at..].to_vec();
+        self.chain = chain.state();
+    }
+
+    /// The tensor's hash, once every byte was fed.
+    pub fn finish(&self) -> Result<u128> {
+        if self.fed != self.len {
+            return Err(Error::invalid(format!(
+                "{} of the {} bytes of a tensor were fed",
+                self.tensor_fed(),
+                self.len - self.prefix_len
+            )));
+        }
+        if self.len < xxh3::Long128::MIN_LEN {
+            let mut hasher = Xxh3::new();
+            hasher.update(&self.carry);
+            return Ok(hasher.digest128());
+        }
+        let chain = xxh3::Long128::resume(self.len, self.chain).expect("a state this type made");
+        Ok(chain.finish(&self.last))
+    }
+
+    /// The state as bytes, for `from_bytes`.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(200 + self.carry.len());
+        for value in [self.len, self.prefix_len, self.fed, self.chain.1] {
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+        for value in self.chain.0.iter().chain(&self.chain.2) {
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+        out.extend_from_slice(&(self.carry.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.carry);
+        out.extend_from_slice(&self.last);
+        out
+    }
+
+    /// A state `to_bytes` wrote; an error for bytes that do not make a consistent one.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let bad = || Error::invalid(format!("{} bytes are not the state of a tensor's hash", bytes.len()));
+        let word = |i: usize| -> Result<u64> {
+            Ok(u64::from_le_bytes(bytes.get(8 * i..8 * i + 8).ok_or_else(bad)?.try_into().expect("8")))
+        };
+        let (len, prefix_len, fed, round) = (word(0)?, word(1)?, word(2)?, word(3)?);
+        let mut acc = [0u64; 8];
+        let mut pending = [0u64; 8];
+        for lane in 0..8 {
+            acc[lane] = word(4 + lane)?;
+            pending[lane] = word(12 + lane)?;
+        }
+        let at = 8 * 20;
+        let carry_len = u32::from_le_bytes(bytes.get(at..at + 4).ok_or_else(bad)?.try_into().expect("4")) as usize;
+        let carry = bytes.get(at + 4..at + 4 + carry_len).ok_or_else(bad)?.to_vec();
+        let last = bytes.get(at + 4 + carry_len..).ok_or_else(bad)?.to_vec();
+        let short = len < xxh3::Long128::MIN_LEN;
+        let stripe = xxh3::STRIPE as u64;
+        let summed_end = fed.checked_sub(carry_len as u64).ok_or_else(bad)?;
+        if prefix_len > fed
+            || fed > len
+            || last.len() as u64 != fed.min(stripe)
+            || (short && carry_len as u64 != fed)
+            || (!short
+                && (!summed_end.is_multiple_of(stripe)
+                    || summed_end / stripe > xxh3::Long128::regular_stripes(len)
+                    || carry_len as u64 >= 2 * stripe
+                    || xxh3::Long128::resume(len, (acc, round, pending)).is_none()))
+        {
+            return Err(bad());
+        }
+        Ok(TensorHashParts { len, prefix_len, fed, chain: (acc, round, pending), carry, last })
+    }
+}
+
 /// The state digest from each tensor's name and hash (`tensor_hasher`'s result), in any order.
 pub fn combine(tensors: &[(&str, u128)]) -> String {
     let mut order: Vec<&(&str, u128)> = tensors.iter().collect();
@@ -151,6 +313,45 @@ pub fn of_whole_tensors(delta: &crate::core::delta::Delta) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tensor_hashed_a_part_at_a_time_by_holders_in_turn_is_its_hash() {
+        let mut next = crate::core::testing::xorshift(17);
+        // Streams short (XXH3's other algorithms), at the long loop's threshold, around rounds, and over a block.
+        for numel in [0u64, 1, 50, 105, 106, 107, 480, 497, 498, 511, 512, 513, 1000, 5000, 131_072, 140_001] {
+            let data: Vec<u8> = (0..numel * 2).map(|_| next() as u8).collect();
+            let shape = [numel];
+            let mut whole = tensor_hasher(Dtype::BF16, &shape);
+            whole.update(&data);
+            let expected = whole.digest128();
+            for cuts in 0..6 {
+                // The bytes cut at random places (empty parts included), the state handed on as bytes at each cut.
+                let mut bounds: Vec<usize> =
+                    (0..cuts).map(|_| (next() % (data.len() as u64 + 1)) as usize).collect();
+                bounds.extend([0, data.len()]);
+                bounds.sort_unstable();
+                let mut parts = TensorHashParts::begin(Dtype::BF16, &shape).unwrap();
+                for pair in bounds.windows(2) {
+                    parts.feed(&data[pair[0]..pair[1]]).unwrap();
+                    let moved = TensorHashParts::from_bytes(&parts.to_bytes()).unwrap();
+                    assert_eq!(moved, parts);
+                    parts = moved;
+                }
+                assert_eq!(parts.tensor_fed(), data.len() as u64);
+                assert_eq!(parts.finish().unwrap(), expected, "{numel} elements cut at {bounds:?}");
+            }
+            // Too few or too many bytes are refused; so is a state cut short or lengthened.
+            let mut parts = TensorHashParts::begin(Dtype::BF16, &shape).unwrap();
+            if !data.is_empty() {
+                parts.feed(&data[..data.len() - 1]).unwrap();
+                assert!(parts.finish().is_err());
+            }
+            assert!(parts.feed(&[0, 0]).is_err());
+            let bytes = parts.to_bytes();
+            assert!(TensorHashParts::from_bytes(&bytes[..bytes.len() - 1]).is_err());
+            assert!(TensorHashParts::from_bytes(&[&bytes[..], &[0]].concat()).is_err());
+        }
+    }
 
     #[test]
     fn order_independent_and_sensitive_to_everything() {

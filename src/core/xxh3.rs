@@ -126,7 +126,7 @@ pub struct StripeSums {
 
 impl StripeSums {
     /// Sums the `count` stripes starting `lead` bytes into `data`, the first one being the stream's stripe `first`
-    /// (one lane at a time: it sums the few stripes at a stream's ends; the bulk is summed elsewhere).
+    /// (with AVX2 where the CPU has it).
     pub fn of(data: &[u8], lead: usize, first: u64, count: u64) -> Self {
         let count_usize = usize::try_from(count).expect("stripes in memory");
         assert!(
@@ -137,6 +137,7 @@ impl StripeSums {
         if count == 0 {
             return StripeSums { first, count, rounds: Vec::new() };
         }
+        let accumulate = accumulator();
         let mut rounds = Vec::with_capacity(count_usize / STRIPES + 2);
         let mut lane = (first % STRIPES as u64) as usize;
         let (mut at, mut left) = (lead, count_usize);
@@ -145,13 +146,26 @@ impl StripeSums {
             let mut sum = [0u64; 8];
             for key in lane..lane + stripes {
                 let stripe = at + (key - lane) * STRIPE;
-                accumulate_portable(&mut sum, &data[stripe..stripe + STRIPE], &SECRET[8 * key..8 * key + STRIPE]);
+                accumulate(&mut sum, &data[stripe..stripe + STRIPE], &SECRET[8 * key..8 * key + STRIPE]);
             }
             rounds.push(sum);
             (at, left, lane) = (at + stripes * STRIPE, left - stripes, 0);
         }
         StripeSums { first, count, rounds }
     }
+}
+
+/// The fastest `accumulate` of this CPU (a stripe and its key, 64 bytes each).
+fn accumulator() -> fn(&mut [u64; 8], &[u8], &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, and both slices hold 64 bytes (asserted).
+        return |acc, stripe, key| {
+            assert!(stripe.len() >= STRIPE && key.len() >= STRIPE);
+            unsafe { x86::accumulate_avx2(acc, stripe.as_ptr(), key.as_ptr()) }
+        };
+    }
+    accumulate_portable
 }
 
 /// The fastest `scramble` of this CPU.
@@ -230,6 +244,22 @@ impl Long128 {
         for sum in rest {
             self.add(self.round + 1, sum);
         }
+    }
+
+    /// The chain's state (the accumulators, the round `pending` sums, its sums), which `resume` takes up again
+    /// elsewhere: a stream hashed a part at a time by several holders in turn (core::digest::TensorHashParts).
+    pub fn state(&self) -> ([u64; 8], u64, [u64; 8]) {
+        (self.acc, self.round, self.pending)
+    }
+
+    /// A chain of a stream of `len` bytes taken up from `state`; None where the round lies past the stream's.
+    pub fn resume(len: u64, state: ([u64; 8], u64, [u64; 8])) -> Option<Self> {
+        let mut chain = Self::new(len);
+        if state.1 > chain.full_rounds {
+            return None;
+        }
+        (chain.acc, chain.round, chain.pending) = state;
+        Some(chain)
     }
 
     /// The hash, given the stream's last 64 bytes, once every regular stripe was added.
