@@ -6,7 +6,9 @@ local store (``Subscriber.fetch``), round by round. And what tensor-parallel rea
 of them read whole (vLLM at TP > 1, docs/vllm.md §7): two readers each read half of every tensor by ranges (cut
 a little past the middle, so that each cut falls inside a 256 KiB block); one reader's share of the check (hashing
 the blocks it holds, ``held_tensors``, and sending its bytes of the cut blocks) and combining both readers' parts
-into every tensor's identity (``split_identities``), against that reader's ranged fetch.
+into every tensor's identity (``split_identities``), against that reader's ranged fetch; and, where no delta
+follows the anchor, one reader's turn of the state digest made in turns (its rows fed into each tensor's XXH3-128,
+one tensor after another here).
 
     python benches/anchor_checks.py [GiB] [rounds]
 
@@ -25,8 +27,9 @@ from pathlib import Path
 import torch
 
 import deltasync_rs as ds
+from deltasync_rs._core import tensor_hash_begin, tensor_hash_feed
 from deltasync_rs._peers import read_floor
-from deltasync_rs._ranged import PartialAnchor, fragment_plan, fragments, held_tensors, split_identities
+from deltasync_rs._ranged import PartialAnchor, fragment_plan, fragments, held_tensors, segments, split_identities
 
 
 def main() -> None:
@@ -74,6 +77,17 @@ def main() -> None:
         def share() -> None:  # reader 0's part: its blocks hashed, its bytes of the cut blocks
             fragments(readers[0], fragment_plan([held_tensors(readers[0], names), held[1]]), 0)
 
+        cuts = segments([held_tensors(reader, names, hashes=False) for reader in readers])
+        infos = {info.name: info for info in readers[0].tensors}
+
+        def digest_turn() -> None:  # reader 0's turn of the state digest: its rows fed into each tensor's XXH3-128
+            for name, cut in cuts.items():
+                rank, start, end = cut[0]
+                if rank == 0:
+                    state = tensor_hash_begin(infos[name].dtype, list(infos[name].shape))
+                    with readers[0].tensor_view(name, start, end) as view:
+                        tensor_hash_feed(state, view)
+
         def combine() -> None:
             identities, conflicts = split_identities(held, plan, sent)
             assert len(identities) == len(names) and not conflicts
@@ -85,6 +99,7 @@ def main() -> None:
             "fetch": [],
             "split: 1 reader": [],
             "split: combine": [],
+            "digest: 1 reader's turn": [],
             "ranged fetch": [],
         }
         work = {
@@ -94,6 +109,7 @@ def main() -> None:
             "fetch": lambda: ds.Subscriber(store).fetch(None),
             "split: 1 reader": share,
             "split: combine": combine,
+            "digest: 1 reader's turn": digest_turn,
             "ranged fetch": lambda: ds.Subscriber(store, anchor_ranges=half(True)).fetch(None),
         }
         for _ in range(rounds):
@@ -104,7 +120,7 @@ def main() -> None:
     median = {what: statistics.median(times) * 1e3 for what, times in timings.items()}
     print(f"{gib:g} GiB anchor, {rounds} rounds, medians in ms")
     for what, ms in median.items():
-        print(f"  {what:<14} {ms:8.1f}")
+        print(f"  {what:<24} {ms:8.1f}")
     checks = median["digest"] + median["check_follows"]
     print(
         f"  both checks / read floor {checks / median['read floor']:.2f}; both checks / fetch {checks / median['fetch']:.2f}"

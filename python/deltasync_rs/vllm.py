@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Union
@@ -1035,17 +1036,19 @@ def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | No
     for turn in range(max((len(cut) for cut in cuts.values() if cut), default=0)):
 
         def hash_mine(turn: int = turn) -> dict[str, bytes]:
-            out = {}
-            for name, cut in cuts.items():
+            def one(name: str) -> bytes:
+                cut = cuts[name]
                 assert cut is not None
-                if turn >= len(cut) or cut[turn][0] != rank:
-                    continue
                 info = infos[name]
                 state = tensor_hash_begin(info.dtype, list(info.shape or ())) if turn == 0 else states[name]
                 with anchor.tensor_view(name, cut[turn][1], cut[turn][2]) as view:  # type: ignore[attr-defined]
                     state = tensor_hash_feed(state, view)
-                out[name] = tensor_hash_finish(state) if turn == len(cut) - 1 else state
-            return out
+                return tensor_hash_finish(state) if turn == len(cut) - 1 else state
+
+            mine = [name for name, cut in cuts.items() if cut is not None and turn < len(cut) and cut[turn][0] == rank]
+            # One tensor's turn is one stream; the tensors side by side (the core releases the GIL as it hashes).
+            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+                return dict(zip(mine, pool.map(one, mine), strict=True))
 
         _, handed = _together(hash_mine, current_step, "hash its part of the anchor", lambda mine: mine)
         for part in handed:
