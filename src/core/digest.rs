@@ -326,8 +326,7 @@ mod tests {
             let expected = whole.digest128();
             for cuts in 0..6 {
                 // The bytes cut at random places (empty parts included), the state handed on as bytes at each cut.
-                let mut bounds: Vec<usize> =
-                    (0..cuts).map(|_| (next() % (data.len() as u64 + 1)) as usize).collect();
+                let mut bounds: Vec<usize> = (0..cuts).map(|_| (next() % (data.len() as u64 + 1)) as usize).collect();
                 bounds.extend([0, data.len()]);
                 bounds.sort_unstable();
                 let mut parts = TensorHashParts::begin(Dtype::BF16, &shape).unwrap();
