@@ -268,35 +268,21 @@ def _blocks(nbytes: int) -> int:
 def fragment_plan(everyone: list[dict[str, HeldTensor | None]]) -> list[Fragment]:
     """The parts of blocks that the readers (``everyone``: each one's :func:`held_tensors`, in rank order) must send
     each other so that every block of a tensor none holds whole can be hashed: for each block no reader holds
-    whole, the verified bytes that cover it, taken from the reader whose interval reaches furthest (the lowest rank
-    among equals). A tensor whose blocks the readers do not cover between them gets none (it cannot be checked).
-    The same on every reader, which all compute it from the same gathered parts."""
+    whole, its bytes in each of the tensor's :func:`segments` that meet it. A tensor whose bytes the readers do not
+    cover between them gets none (it cannot be checked). The same on every reader, which all compute it from the
+    same gathered parts."""
     plan: list[Fragment] = []
-    for name in sorted(_split_names(everyone)):
-        parts = [(rank, held[name]) for rank, held in enumerate(everyone) if held.get(name) is not None]
-        nbytes = parts[0][1].nbytes  # type: ignore[union-attr]
-        hashed = {block for _, part in parts for block in _hashed_blocks(part)}  # type: ignore[arg-type]
-        wanted: list[Fragment] = []
-        for block in range(_blocks(nbytes)):
-            if block in hashed:
-                continue
-            at, end = block * BLOCK_BYTES, min((block + 1) * BLOCK_BYTES, nbytes)
-            while at < end:
-                reach = [
-                    (stop, -rank)
-                    for rank, part in parts
-                    for start, stop in part.intervals  # type: ignore[union-attr]
-                    if start <= at < stop
-                ]
-                if not reach:
-                    break
-                stop, rank = max(reach)
-                wanted.append((-rank, name, block, at, min(stop, end)))
-                at = min(stop, end)
-            if at < end:
-                wanted = []  # a gap no reader holds: this tensor cannot be checked
-                break
-        plan.extend(wanted)
+    for name, cut in segments(everyone).items():
+        if cut is None:
+            continue
+        parts = [held[name] for held in everyone if held.get(name) is not None]
+        hashed = {block for part in parts for block in _hashed_blocks(part)}  # type: ignore[arg-type]
+        nbytes = cut[-1][2] if cut else 0
+        for rank, start, end in cut:
+            for block in range(start // BLOCK_BYTES, _blocks(end)):
+                if block not in hashed:
+                    low, high = block * BLOCK_BYTES, min((block + 1) * BLOCK_BYTES, nbytes)
+                    plan.append((rank, name, block, max(start, low), min(end, high)))
     return plan
 
 
