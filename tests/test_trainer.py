@@ -1172,21 +1172,14 @@ def test_publish_shards_refuses_parts_whose_proofs_do_not_hold():
         assert_same(state, curr)
 
 
-def test_publish_shards_leaves_the_compact_encoding_to_the_upload_thread(tmp_path, monkeypatch):
-    """Every rank waits for rank 0's publish_shards: it joins the parts as they are (varint) and applies them to its
-    mirror, and the upload thread re-encodes the joined delta in the compact codec. The file is what joining the
-    parts in that codec at once makes."""
-    from deltasync_rs._core import join_shards
-
-    completed_on = completion_threads(monkeypatch, "_Recode")
-    prev = {"w": torch.randn(5000).to(torch.bfloat16), "b": torch.randn(8).to(torch.bfloat16)}
-    curr = {n: t.clone() for n, t in prev.items()}
-    curr["w"].view(torch.int16)[::7] += 1
-    curr["b"].view(torch.int16).add_(1)  # every element: the rank that holds it stores it whole
+def _w_and_b_shards(prev, curr, bounds, codec):
+    """Each rank's delta from ``prev`` to ``curr`` and its proofs, made by sharded mirrors (``MirrorDiff`` in
+    ``codec``): ``w`` cut at ``bounds``, ``b`` held whole by the first rank (which stores it whole where every element
+    changed)."""
     parts, proofs = [], []
-    for lo, hi in ((0, 3000), (3000, 5000)):
-        builder = MirrorDiff("diff", "compact")
-        builder.begin("w", "BF16", [5000])
+    for lo, hi in zip(bounds, bounds[1:]):
+        builder = MirrorDiff("diff", codec)
+        builder.begin("w", "BF16", [bounds[-1]])
         mirror = prev["w"][lo:hi].clone()
         builder.update(mirror.view(torch.uint8).numpy(), curr["w"][lo:hi].view(torch.uint8).numpy(), lo)
         builder.finish(None)
@@ -1199,6 +1192,21 @@ def test_publish_shards_leaves_the_compact_encoding_to_the_upload_thread(tmp_pat
         raw.step, raw.base_step = 1, 0
         parts.append(ds.Delta(raw))
         proofs.append(builder.take_shard_bases())
+    return parts, proofs
+
+
+def test_publish_shards_leaves_the_compact_encoding_to_the_upload_thread(tmp_path, monkeypatch):
+    """Every rank waits for rank 0's publish_shards: it joins the parts as they are (varint) and applies them to its
+    mirror, and the upload thread re-encodes the joined delta in the compact codec. The file is what joining the
+    parts in that codec at once makes."""
+    from deltasync_rs._core import join_shards
+
+    completed_on = completion_threads(monkeypatch, "_Recode")
+    prev = {"w": torch.randn(5000).to(torch.bfloat16), "b": torch.randn(8).to(torch.bfloat16)}
+    curr = {n: t.clone() for n, t in prev.items()}
+    curr["w"].view(torch.int16)[::7] += 1
+    curr["b"].view(torch.int16).add_(1)  # every element: the rank that holds it stores it whole
+    parts, proofs = _w_and_b_shards(prev, curr, (0, 3000, 5000), "compact")
     store = LocalStore(tmp_path / "store")
     with ds.Publisher(store) as publisher:
         publisher.publish(0, prev)
@@ -1225,22 +1233,7 @@ def test_publish_shards_records_each_joined_tensors_base_identity(tmp_path, code
     curr = {n: t.clone() for n, t in prev.items()}
     curr["w"].view(torch.int16)[::97] += 1
     curr["b"].view(torch.int16).add_(1)  # every element: stored whole by the rank that holds it
-    parts, proofs = [], []
-    for lo, hi in zip(bounds, bounds[1:]):
-        builder = MirrorDiff("diff", "varint")
-        builder.begin("w", "BF16", [numel])
-        mirror = prev["w"][lo:hi].clone()
-        builder.update(mirror.view(torch.uint8).numpy(), curr["w"][lo:hi].view(torch.uint8).numpy(), lo)
-        builder.finish(None)
-        if lo == 0:
-            builder.begin("b", "BF16", [8])
-            mirror_b = prev["b"].clone()
-            builder.update(mirror_b.view(torch.uint8).numpy(), curr["b"].view(torch.uint8).numpy(), 0)
-            builder.finish(mirror_b.view(torch.uint8).numpy())
-        raw = builder.take()
-        raw.step, raw.base_step = 1, 0
-        parts.append(ds.Delta(raw))
-        proofs.append(builder.take_shard_bases())
+    parts, proofs = _w_and_b_shards(prev, curr, bounds, "varint")
     store = LocalStore(tmp_path / "store")
     with ds.Publisher(store, codec=codec) as publisher:
         publisher.publish(0, prev)
