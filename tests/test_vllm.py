@@ -817,3 +817,28 @@ def test_ranks_that_read_an_anchor_in_parts_check_it_together(tmp_path, monkeypa
         expected = [older] + list(range(older + 1, len(states)))
     assert results == [(expected, True)] * ranks.n
     assert [len(s._refused_anchors) for s in subscribers] == [int(wrong is not None)] * ranks.n
+
+
+def test_a_rank_whose_work_panics_does_not_leave_the_others_waiting(monkeypatch):
+    """A panic in the core reaches Python as a BaseException that is not an Exception: a rank whose part of a
+    collective step raised one did not tell the others, which then waited for it in the next all-gather. Every
+    rank raises now."""
+
+    class Panic(BaseException):  # as pyo3's PanicException is
+        pass
+
+    ranks = _Ranks(monkeypatch, 3)
+
+    def work(rank: int):
+        def mine():
+            if rank == 1:
+                raise Panic("assertion failed in the core")
+            return rank
+
+        return ds_vllm._together(mine, 4, "hash its part of the anchor")
+
+    results = ranks.run(work)
+    assert isinstance(results[1], Panic)
+    for rank in (0, 2):
+        assert isinstance(results[rank], ds.DeltaSyncError), results[rank]
+        assert "rank 1 could not hash its part of the anchor (Panic: assertion failed" in str(results[rank])

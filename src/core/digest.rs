@@ -128,6 +128,9 @@ pub struct TensorHashParts {
 }
 
 impl TensorHashParts {
+    /// The longest stream taken (2^56 bytes, 64 PiB): no tensor in memory comes near it.
+    const MAX_LEN: u64 = 1 << 56;
+
     /// The state before the tensor's first byte (its prefix fed).
     pub fn begin(dtype: Dtype, shape: &[u64]) -> Result<Self> {
         let nbytes = dtype::numel(shape)
@@ -135,7 +138,10 @@ impl TensorHashParts {
             .ok_or_else(|| Error::invalid(format!("a {shape:?} tensor of {} is too large", dtype::name_of(dtype))))?;
         let prefix = tensor_prefix(dtype, shape);
         let prefix_len = prefix.len() as u64;
-        let len = nbytes + prefix_len;
+        let len = nbytes
+            .checked_add(prefix_len)
+            .filter(|&len| len <= Self::MAX_LEN)
+            .ok_or_else(|| Error::invalid(format!("a {shape:?} tensor of {} is too large", dtype::name_of(dtype))))?;
         let chain = xxh3::Long128::new(len.max(xxh3::Long128::MIN_LEN)).state();
         let mut parts = TensorHashParts { len, prefix_len, fed: 0, chain, carry: Vec::new(), last: Vec::new() };
         parts.take(&prefix);
@@ -252,17 +258,29 @@ impl TensorHashParts {
         let short = len < xxh3::Long128::MIN_LEN;
         let stripe = xxh3::STRIPE as u64;
         let summed_end = fed.checked_sub(carry_len as u64).ok_or_else(bad)?;
-        if prefix_len > fed
-            || fed > len
-            || last.len() as u64 != fed.min(stripe)
-            || (short && carry_len as u64 != fed)
-            || (!short
-                && (!summed_end.is_multiple_of(stripe)
-                    || summed_end / stripe > xxh3::Long128::regular_stripes(len)
-                    || carry_len as u64 >= 2 * stripe
-                    || xxh3::Long128::resume(len, (acc, round, pending)).is_none()))
-        {
+        if len > Self::MAX_LEN || prefix_len > fed || fed > len || last.len() as u64 != fed.min(stripe) {
             return Err(bad());
+        }
+        if short {
+            if carry_len as u64 != fed || round != 0 {
+                return Err(bad());
+            }
+        } else {
+            // As `take` leaves them: whole stripes summed, the chain at the round of the last one, and fewer than
+            // 64 bytes carried, or the bytes after the last regular stripe.
+            let summed = summed_end / stripe;
+            let regular = xxh3::Long128::regular_stripes(len);
+            let stripes = xxh3::STRIPES as u64;
+            let at_round = if summed == 0 { 0 } else { (summed - 1) / stripes };
+            if !summed_end.is_multiple_of(stripe)
+                || summed > regular
+                || round != at_round
+                || (summed < regular && carry_len as u64 >= stripe)
+                || (summed == regular && fed - summed_end > len - regular * stripe)
+                || xxh3::Long128::resume(len, (acc, round, pending)).is_none()
+            {
+                return Err(bad());
+            }
         }
         Ok(TensorHashParts { len, prefix_len, fed, chain: (acc, round, pending), carry, last })
     }
@@ -350,6 +368,19 @@ mod tests {
             assert!(TensorHashParts::from_bytes(&bytes[..bytes.len() - 1]).is_err());
             assert!(TensorHashParts::from_bytes(&[&bytes[..], &[0]].concat()).is_err());
         }
+        // States no `take` leaves are refused, not taken into a panic (found by review): the chain's round ahead
+        // of the stripes summed, a carry of a stripe or more before the last regular stripe, a stream too long.
+        let mut parts = TensorHashParts::begin(Dtype::U8, &[5000]).unwrap();
+        parts.feed(&[7; 1500]).unwrap();
+        for bad in [
+            TensorHashParts { chain: (parts.chain.0, parts.chain.1 + 1, parts.chain.2), ..parts.clone() },
+            TensorHashParts { fed: parts.fed + 64, carry: [&parts.carry[..], &[0; 64]].concat(), ..parts.clone() },
+            TensorHashParts { len: 1 << 62, ..parts.clone() },
+        ] {
+            assert!(TensorHashParts::from_bytes(&bad.to_bytes()).is_err(), "{bad:?}");
+        }
+        assert!(TensorHashParts::begin(Dtype::U8, &[u64::MAX - 10]).is_err());
+        assert!(TensorHashParts::begin(Dtype::I64, &[(1 << 61) - 1]).is_err());
     }
 
     #[test]
