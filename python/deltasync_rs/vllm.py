@@ -958,10 +958,6 @@ def _split_anchor_error(anchor: Delta, first: Delta, current_step: int | None) -
     ``first`` records. None where all agree; the same answer on every rank (each rank checks the tensors it read
     whole alone, in the fetch). A few KiB per GiB of anchor cross, plus at most one block per rank boundary that
     falls inside a block."""
-    if _tensor_parallel() <= 1:
-        return None
-    from vllm.distributed import parallel_state
-
     bases = {name: first.base_identity(index) for index, name in enumerate(first.names)}
     wanted = [name for name, base in bases.items() if base is not None]
     _, everyone = _together(
@@ -970,14 +966,14 @@ def _split_anchor_error(anchor: Delta, first: Delta, current_step: int | None) -
     plan = _ranged.fragment_plan(everyone)
     sent: list[Any] = []
     if plan:  # the same on every rank
-        rank = parallel_state.get_tp_group().rank_in_group
+        rank = _tp_rank()
         _, sent = _together(
             lambda: _ranged.fragments(anchor, plan, rank), current_step, "send its part of the anchor", lambda own: own
         )
     identities, conflicts = _ranged.split_identities(everyone, plan, sent)
     step = f"the anchor of step {anchor.step}"
     if conflicts:
-        return f"the tensor-parallel ranks read different bytes of tensor {conflicts[0]!r} of {step}"
+        return _read_differently(conflicts[0], anchor)
     for name, identity in sorted(identities.items()):
         if identity != bases[name]:
             return (
@@ -986,6 +982,10 @@ def _split_anchor_error(anchor: Delta, first: Delta, current_step: int | None) -
                 f"{bases[name]})"
             )
     return None
+
+
+def _read_differently(name: str, anchor: Delta) -> str:
+    return f"the tensor-parallel ranks read different bytes of tensor {name!r} of the anchor of step {anchor.step}"
 
 
 def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | None) -> str | None:
@@ -1022,10 +1022,7 @@ def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | No
     for _, _, hashes in everyone:
         for name, hash_ in hashes.items():
             if found.setdefault(name, hash_) != hash_:
-                return (
-                    f"the tensor-parallel ranks read different bytes of tensor {name!r} of the anchor of step "
-                    f"{anchor.step}"
-                )
+                return _read_differently(name, anchor)
     cuts = _ranged.segments([held for _, held, _ in everyone])
     unread = sorted(name for name, cut in cuts.items() if cut is None) + sorted(set(infos) - set(found) - set(cuts))
     if unread:  # the digest cannot be made here
@@ -1036,9 +1033,7 @@ def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | No
             ", ".join(repr(name) for name in unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else ""),
         )
         return None
-    from vllm.distributed import parallel_state
-
-    rank = parallel_state.get_tp_group().rank_in_group
+    rank = _tp_rank()
     states: dict[str, bytes] = {}
     for turn in range(max((len(cut) for cut in cuts.values() if cut), default=0)):
 
@@ -1202,6 +1197,13 @@ def _replies_before_the_last(vllm_config: Any) -> bool:
 
     group = parallel_state.get_tp_group()
     return bool(group.rank_in_group < group.world_size - 1)
+
+
+def _tp_rank() -> int:
+    """This worker's rank in vLLM's tensor-parallel group."""
+    from vllm.distributed import parallel_state
+
+    return int(parallel_state.get_tp_group().rank_in_group)
 
 
 def _all_gather(mine: Any) -> list[Any]:
