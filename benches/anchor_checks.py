@@ -8,7 +8,9 @@ a little past the middle, so that each cut falls inside a 256 KiB block); one re
 the blocks it holds, ``held_tensors``, and sending its bytes of the cut blocks) and combining both readers' parts
 into every tensor's identity (``split_identities``), against that reader's ranged fetch; and, where no delta
 follows the anchor, one reader's turn of the state digest made in turns (its rows fed into each tensor's XXH3-128,
-one tensor after another here).
+one tensor after another here), and the whole digest made in turns by the two readers, each a thread hashing on
+one core as ranks on their own cores do, a barrier between turns (vLLM's all-gather): in the staggered turns the
+readers take (``hash_turns``), and with every tensor started in the first turn (the readers one after another).
 
     python benches/anchor_checks.py [GiB] [rounds]
 
@@ -21,15 +23,24 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 import deltasync_rs as ds
-from deltasync_rs._core import tensor_hash_begin, tensor_hash_feed
+from deltasync_rs._core import combine_hashes, tensor_hash_begin, tensor_hash_feed, tensor_hash_finish
 from deltasync_rs._peers import read_floor
-from deltasync_rs._ranged import PartialAnchor, fragment_plan, fragments, held_tensors, segments, split_identities
+from deltasync_rs._ranged import (
+    PartialAnchor,
+    fragment_plan,
+    fragments,
+    hash_turns,
+    held_tensors,
+    segments,
+    split_identities,
+)
 
 
 def main() -> None:
@@ -88,6 +99,37 @@ def main() -> None:
                     with readers[0].tensor_view(name, start, end) as view:
                         tensor_hash_feed(state, view)
 
+        def in_turns(plan: list[list[tuple[str, int]]]):
+            def run() -> None:
+                states: dict[str, bytes] = {}
+                barrier = threading.Barrier(len(readers))
+
+                def reader(rank: int) -> None:
+                    for turn in plan:
+                        for name, index in turn:
+                            owner, start, end = cuts[name][index]
+                            if owner == rank:
+                                info = infos[name]
+                                state = states[name] if index else tensor_hash_begin(info.dtype, list(info.shape))
+                                with readers[rank].tensor_view(name, start, end) as view:
+                                    state = tensor_hash_feed(state, view)
+                                last = index == len(cuts[name]) - 1
+                                states[name] = tensor_hash_finish(state) if last else state
+                        barrier.wait()
+
+                threads = [threading.Thread(target=reader, args=(rank,)) for rank in range(len(readers))]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                assert combine_hashes(sorted(states.items())) == anchor_entry.state_digest
+
+            return run
+
+        staggered = hash_turns(cuts, len(readers))
+        longest = max(len(cut) for cut in cuts.values())
+        in_rank_order = [[(name, k) for name, cut in cuts.items() if k < len(cut)] for k in range(longest)]
+
         def combine() -> None:
             identities, conflicts = split_identities(held, plan, sent)
             assert len(identities) == len(names) and not conflicts
@@ -100,6 +142,8 @@ def main() -> None:
             "split: 1 reader": [],
             "split: combine": [],
             "digest: 1 reader's turn": [],
+            "digest in turns, staggered": [],
+            "digest in turns, in rank order": [],
             "ranged fetch": [],
         }
         work = {
@@ -110,6 +154,8 @@ def main() -> None:
             "split: 1 reader": share,
             "split: combine": combine,
             "digest: 1 reader's turn": digest_turn,
+            "digest in turns, staggered": in_turns(staggered),
+            "digest in turns, in rank order": in_turns(in_rank_order),
             "ranged fetch": lambda: ds.Subscriber(store, anchor_ranges=half(True)).fetch(None),
         }
         for _ in range(rounds):
@@ -120,13 +166,18 @@ def main() -> None:
     median = {what: statistics.median(times) * 1e3 for what, times in timings.items()}
     print(f"{gib:g} GiB anchor, {rounds} rounds, medians in ms")
     for what, ms in median.items():
-        print(f"  {what:<24} {ms:8.1f}")
+        print(f"  {what:<32} {ms:8.1f}")
     checks = median["digest"] + median["check_follows"]
     print(
         f"  both checks / read floor {checks / median['read floor']:.2f}; both checks / fetch {checks / median['fetch']:.2f}"
     )
     print(
         f"  split check, one reader's share / its ranged fetch {median['split: 1 reader'] / median['ranged fetch']:.2f}"
+    )
+    turns, one_turn = median["digest in turns, staggered"], median["digest: 1 reader's turn"]
+    print(
+        f"  digest in turns ({len(staggered)} staggered turns) / in rank order "
+        f"{turns / median['digest in turns, in rank order']:.2f}; staggered / one reader's turn {turns / one_turn:.2f}"
     )
 
 

@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import deltasync_rs as ds
 from deltasync_rs._ranged import PartialAnchor
@@ -528,3 +530,72 @@ def test_readers_that_each_hold_rows_of_a_tensor_find_its_base_identity_together
         assert split_identities([{"big.weight": forged}, held[1]], plan, sent)[0]["big.weight"] != expected
         everyone = [held[0], held[1], {"big.weight": forged}]
         assert split_identities(everyone, fragment_plan(everyone), [*sent, {}]) == ({}, ["big.weight"])
+
+
+def _makespan(plan, cuts) -> int:
+    """What hashing in ``plan``'s turns costs: over the turns, the most bytes any reader hashes in that turn."""
+    total = 0
+    for turn in plan:
+        per_reader: dict[int, int] = {}
+        for name, index in turn:
+            rank, start, end = cuts[name][index]
+            per_reader[rank] = per_reader.get(rank, 0) + end - start
+        total += max(per_reader.values())
+    return total
+
+
+@given(
+    readers=st.integers(1, 6),
+    tensors=st.lists(
+        st.lists(st.tuples(st.integers(0, 5), st.integers(1, 1 << 20)), min_size=0, max_size=6), max_size=40
+    ),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_turns_of_a_digest_made_in_parts_hash_each_segment_once_in_order(readers, tensors):
+    """Every segment of every tensor is hashed once, a tensor's segments in consecutive turns in their order (each
+    goes on from the state the one before handed on); tensors start in at most 4 turns per reader; tensors no
+    reader covers (None) or with no bytes are not in it; and the plan does not depend on the order of ``cuts``."""
+    from deltasync_rs._ranged import hash_turns
+
+    cuts: dict[str, list[tuple[int, int, int]] | None] = {}
+    for i, parts in enumerate(tensors):
+        at, cut = 0, []
+        for rank, size in parts:
+            cut.append((rank % readers, at, at + size))
+            at += size
+        cuts[f"t{i}"] = cut
+    cuts["unread"] = None
+    plan = hash_turns(cuts, readers)
+    assert plan == hash_turns(dict(reversed(cuts.items())), readers)
+    where: dict[str, list[int]] = {}
+    for turn, pairs in enumerate(plan):
+        assert pairs, "a turn with nothing to hash"
+        for name, index in pairs:
+            assert len(where.setdefault(name, [])) == index
+            where[name].append(turn)
+    assert set(where) == {name for name, cut in cuts.items() if cut}
+    for name, turns in where.items():
+        assert turns == list(range(turns[0], turns[0] + len(cuts[name])))
+    assert len({turns[0] for turns in where.values()}) <= 4 * readers
+
+
+@pytest.mark.parametrize("readers", [2, 4, 8])
+def test_readers_hash_their_rows_side_by_side_not_one_after_another(readers):
+    """Row-split tensors cut into one segment per reader, in rank order (vLLM's shards): with every tensor started
+    in the first turn, reader r would hash only in turn r, so the digest took ``readers`` times one reader's share.
+    Staggered, every reader hashes in most turns: the plan costs little more than one reader's share."""
+    from deltasync_rs._ranged import hash_turns
+
+    rows = [1 << 20, 3 << 19, 1 << 18]  # bytes per reader of three kinds of tensor (q/k/v, gate/up, norms)
+    cuts = {
+        f"layer{layer}.{kind}": [(r, r * size, (r + 1) * size) for r in range(readers)]
+        for layer in range(24)
+        for kind, size in enumerate(rows)
+    }
+    share = 24 * sum(rows)  # one reader's bytes
+    plan = hash_turns(cuts, readers)
+    assert _makespan(plan, cuts) <= share * (1 + (readers - 1) / (4 * readers)) * 1.05
+    assert _makespan([[pair for turn in plan for pair in turn if pair[1] == r] for r in range(readers)], cuts) == (
+        readers * share
+    )
+    assert len(plan) <= 5 * readers - 1

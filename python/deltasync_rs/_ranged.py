@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -314,6 +314,41 @@ def segments(everyone: list[dict[str, HeldTensor | None]]) -> dict[str, list[tup
     return out
 
 
+def hash_turns(cuts: Mapping[str, list[tuple[int, int, int]] | None], readers: int) -> list[list[tuple[str, int]]]:
+    """The turns in which the readers hash the tensors :func:`segments` cut (``cuts``), among ``readers``: for each
+    turn, the ``(tensor, segment index)`` pairs hashed in it. A tensor's segments go one per turn, in order (each
+    goes on from the hash state the previous one handed on), so its segments take consecutive turns from the one it
+    starts in. Were every tensor to start in the first turn, the readers would hash one after another (the second
+    reader's rows only once the first's are done); tensors start instead in up to ``4 * readers`` different turns,
+    the largest first, each where it adds least to the sum over turns of the most bytes any reader hashes in that
+    turn (the earliest among equals), so that the readers hash side by side in most turns. The same on every
+    reader (``cuts`` is)."""
+    load: list[dict[int, int]] = []  # per turn: the bytes each reader hashes in it
+    plan: list[list[tuple[str, int]]] = []
+    chains = sorted(
+        ((name, cut) for name, cut in cuts.items() if cut),
+        key=lambda item: (-(item[1][-1][2] - item[1][0][1]), item[0]),
+    )
+    for name, cut in chains:
+        best: tuple[int, int] | None = None
+        for start in range(min(4 * max(readers, 1), len(load) + 1)):
+            added = 0
+            for index, (rank, begin, end) in enumerate(cut):
+                turn = load[start + index] if start + index < len(load) else {}
+                added += max(0, turn.get(rank, 0) + end - begin - max(turn.values(), default=0))
+            if best is None or added < best[0]:
+                best = (added, start)
+        assert best is not None
+        for index, (rank, begin, end) in enumerate(cut):
+            while len(load) <= best[1] + index:
+                load.append({})
+                plan.append([])
+            turn = load[best[1] + index]
+            turn[rank] = turn.get(rank, 0) + end - begin
+            plan[best[1] + index].append((name, index))
+    return plan
+
+
 def _split_names(everyone: list[dict[str, HeldTensor | None]], *, sizes_differ: bool = False) -> set[str]:
     """The tensors that no reader holds whole but some hold in part, all of one size (with ``sizes_differ``: those
     whose readers disagree on its size)."""
@@ -418,6 +453,7 @@ __all__ = [
     "PartialAnchor",
     "fragment_plan",
     "fragments",
+    "hash_turns",
     "held_tensors",
     "read_ranged",
     "segments",

@@ -994,7 +994,8 @@ def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | No
     the fetch). Each rank hashes the tensors it read whole (docs/format.md §10: the state digest is over every
     tensor's own XXH3-128); a tensor no rank read whole is hashed by the ranks in turn, each feeding its own bytes
     of it, in order, into the hash the previous one handed on (core::digest::TensorHashParts: a few hundred bytes
-    per tensor per turn cross, not the bytes). The same answer on every rank."""
+    per tensor per turn cross, not the bytes); tensors start in staggered turns (``_ranged.hash_turns``), so that
+    the ranks hash side by side rather than one after another. The same answer on every rank."""
     from ._core import combine_hashes, tensor_hash_begin, tensor_hash_feed, tensor_hash_finish, tensor_hashes
 
     infos = {info.name: info for info in anchor.tensors}
@@ -1034,30 +1035,29 @@ def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | No
         )
         return None
     rank = _tp_rank()
+    split = {name: cut for name, cut in cuts.items() if cut is not None}  # every one, the unread being refused above
     states: dict[str, bytes] = {}
-    for turn in range(max((len(cut) for cut in cuts.values() if cut), default=0)):
+    for turn in _ranged.hash_turns(split, len(everyone)):
 
-        def hash_mine(turn: int = turn) -> dict[str, bytes]:
-            def one(name: str) -> bytes:
-                cut = cuts[name]
-                assert cut is not None
-                info = infos[name]
-                state = tensor_hash_begin(info.dtype, list(info.shape or ())) if turn == 0 else states[name]
-                with anchor.tensor_view(name, cut[turn][1], cut[turn][2]) as view:  # type: ignore[attr-defined]
+        def hash_mine(turn: list[tuple[str, int]] = turn) -> dict[str, bytes]:
+            def one(segment: tuple[str, int]) -> bytes:
+                name, index = segment
+                cut, info = split[name], infos[name]
+                state = tensor_hash_begin(info.dtype, list(info.shape or ())) if index == 0 else states[name]
+                with anchor.tensor_view(name, cut[index][1], cut[index][2]) as view:  # type: ignore[attr-defined]
                     state = tensor_hash_feed(state, view)
-                return tensor_hash_finish(state) if turn == len(cut) - 1 else state
+                return tensor_hash_finish(state) if index == len(cut) - 1 else state
 
-            mine = [name for name, cut in cuts.items() if cut is not None and turn < len(cut) and cut[turn][0] == rank]
-            # One tensor's turn is one stream; the tensors side by side (the core releases the GIL as it hashes).
+            mine = [(name, index) for name, index in turn if split[name][index][0] == rank]
+            # One segment is one stream; the tensors side by side (the core releases the GIL as it hashes).
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-                return dict(zip(mine, pool.map(one, mine), strict=True))
+                return {name: state for (name, _), state in zip(mine, pool.map(one, mine), strict=True)}
 
         _, handed = _together(hash_mine, current_step, "hash its part of the anchor", lambda mine: mine)
+        ended = {name for name, index in turn if index == len(split[name]) - 1}
         for part in handed:
             for name, value in part.items():
-                cut = cuts[name]
-                assert cut is not None
-                (found if turn == len(cut) - 1 else states)[name] = value
+                (found if name in ended else states)[name] = value
     digest = combine_hashes(sorted(found.items()))
     if digest == state_digest:
         return None
