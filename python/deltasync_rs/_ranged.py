@@ -324,6 +324,7 @@ def hash_turns(cuts: Mapping[str, list[tuple[int, int, int]] | None], readers: i
     turn (the earliest among equals), so that the readers hash side by side in most turns. The same on every
     reader (``cuts`` is)."""
     load: list[dict[int, int]] = []  # per turn: the bytes each reader hashes in it
+    peak: list[int] = []  # per turn: the most of them
     plan: list[list[tuple[str, int]]] = []
     chains = sorted(
         ((name, cut) for name, cut in cuts.items() if cut),
@@ -334,18 +335,22 @@ def hash_turns(cuts: Mapping[str, list[tuple[int, int, int]] | None], readers: i
         for start in range(min(4 * max(readers, 1), len(load) + 1)):
             added = 0
             for index, (rank, begin, end) in enumerate(cut):
-                turn = load[start + index] if start + index < len(load) else {}
-                added += max(0, turn.get(rank, 0) + end - begin - max(turn.values(), default=0))
+                if start + index < len(load):
+                    added += max(0, load[start + index].get(rank, 0) + end - begin - peak[start + index])
+                else:
+                    added += end - begin
             if best is None or added < best[0]:
                 best = (added, start)
         assert best is not None
         for index, (rank, begin, end) in enumerate(cut):
-            while len(load) <= best[1] + index:
+            at = best[1] + index
+            while len(load) <= at:
                 load.append({})
+                peak.append(0)
                 plan.append([])
-            turn = load[best[1] + index]
-            turn[rank] = turn.get(rank, 0) + end - begin
-            plan[best[1] + index].append((name, index))
+            load[at][rank] = load[at].get(rank, 0) + end - begin
+            peak[at] = max(peak[at], load[at][rank])
+            plan[at].append((name, index))
     return plan
 
 
