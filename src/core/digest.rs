@@ -94,9 +94,9 @@ pub fn tensor_hash_from_rounds(
     }
     let mut chain = xxh3::Long128::new(len);
     let stripes = |first_round: u64| first_round * xxh3::STRIPES as u64;
-    chain.add_sums(&xxh3::StripeSums::of(&head_stream, 0, 0, stripes(first_round)));
+    chain.add_stripes(&head_stream, 0, stripes(first_round));
     chain.add_rounds(first_round, rounds);
-    chain.add_sums(&xxh3::StripeSums::of(tail, 0, stripes(end_round), regular - stripes(end_round)));
+    chain.add_stripes(tail, stripes(end_round), regular - stripes(end_round));
     Ok(chain.finish(last))
 }
 
@@ -194,11 +194,11 @@ impl TensorHashParts {
             let mut first = std::mem::take(&mut self.carry);
             at = xxh3::STRIPE - first.len();
             first.extend_from_slice(&bytes[..at]);
-            chain.add_sums(&xxh3::StripeSums::of(&first, 0, next, 1));
+            chain.add_stripes(&first, next, 1);
             next += 1;
         }
         if until > next {
-            chain.add_sums(&xxh3::StripeSums::of(bytes, at, next, until - next));
+            chain.add_stripes(&bytes[at..], next, until - next);
             at += ((until - next) * stripe) as usize;
         }
         self.carry = bytes[at..].to_vec();

@@ -137,35 +137,37 @@ impl StripeSums {
         if count == 0 {
             return StripeSums { first, count, rounds: Vec::new() };
         }
-        let accumulate = accumulator();
         let mut rounds = Vec::with_capacity(count_usize / STRIPES + 2);
         let mut lane = (first % STRIPES as u64) as usize;
         let (mut at, mut left) = (lead, count_usize);
         while left > 0 {
             let stripes = (STRIPES - lane).min(left);
-            let mut sum = [0u64; 8];
-            for key in lane..lane + stripes {
-                let stripe = at + (key - lane) * STRIPE;
-                accumulate(&mut sum, &data[stripe..stripe + STRIPE], &SECRET[8 * key..8 * key + STRIPE]);
-            }
-            rounds.push(sum);
+            rounds.push(round_sum(&data[at..at + stripes * STRIPE], lane));
             (at, left, lane) = (at + stripes * STRIPE, left - stripes, 0);
         }
         StripeSums { first, count, rounds }
     }
 }
 
-/// The fastest `accumulate` of this CPU (a stripe and its key, 64 bytes each).
-fn accumulator() -> fn(&mut [u64; 8], &[u8], &[u8]) {
+/// The sum of the terms of the stripes of `data` (whole stripes), the first keyed as stripe `lane` of its round
+/// (with AVX2 where the CPU has it: the sum stays in registers from stripe to stripe).
+fn round_sum(data: &[u8], lane: usize) -> [u64; 8] {
+    let stripes = data.len() / STRIPE;
+    assert!(
+        data.len().is_multiple_of(STRIPE) && lane + stripes <= STRIPES,
+        "{} bytes from stripe {lane} of a round",
+        data.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2, and both slices hold 64 bytes (asserted).
-        return |acc, stripe, key| {
-            assert!(stripe.len() >= STRIPE && key.len() >= STRIPE);
-            unsafe { x86::accumulate_avx2(acc, stripe.as_ptr(), key.as_ptr()) }
-        };
+        // SAFETY: the CPU has AVX2; `data` holds `stripes` stripes, and their keys lie in the secret (asserted).
+        return unsafe { x86::round_sum_avx2(data.as_ptr(), lane, stripes) };
     }
-    accumulate_portable
+    let mut sum = [0u64; 8];
+    for (stripe, key) in data.chunks_exact(STRIPE).zip(lane..) {
+        accumulate_portable(&mut sum, stripe, &SECRET[8 * key..8 * key + STRIPE]);
+    }
+    sum
 }
 
 /// The fastest `scramble` of this CPU.
@@ -220,6 +222,20 @@ impl Long128 {
         }
         for (pending, term) in self.pending.iter_mut().zip(sum) {
             *pending = pending.wrapping_add(*term);
+        }
+    }
+
+    /// Adds the terms of the `count` stripes at the start of `data`, the first being the stream's stripe `first`,
+    /// summed round by round as they are read (what `add_sums` of their `StripeSums` adds, without keeping them).
+    pub fn add_stripes(&mut self, data: &[u8], first: u64, count: u64) {
+        let count = usize::try_from(count).expect("stripes in memory");
+        assert!(count * STRIPE <= data.len(), "{count} stripes of {} bytes", data.len());
+        let (mut round, mut lane) = (first / STRIPES as u64, (first % STRIPES as u64) as usize);
+        let (mut at, mut left) = (0, count);
+        while left > 0 {
+            let stripes = (STRIPES - lane).min(left);
+            self.add(round, &round_sum(&data[at..at + stripes * STRIPE], lane));
+            (at, left, lane, round) = (at + stripes * STRIPE, left - stripes, 0, round + 1);
         }
     }
 
@@ -345,6 +361,29 @@ pub mod x86 {
         }
     }
 
+    /// The sum of the terms of `stripes` stripes at `data`, the first keyed as stripe `lane` of its round.
+    ///
+    /// # Safety
+    /// `stripes * 64` readable bytes at `data`; `lane + stripes <= 16`; the CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn round_sum_avx2(data: *const u8, lane: usize, stripes: usize) -> [u64; 8] {
+        let mut sums = [_mm256_setzero_si256(); 2];
+        for stripe in 0..stripes {
+            let (data, key) = (data.add(64 * stripe), super::SECRET.as_ptr().add(8 * (lane + stripe)));
+            for (half, sum) in sums.iter_mut().enumerate() {
+                let data = _mm256_loadu_si256(data.add(32 * half).cast());
+                let mixed = _mm256_xor_si256(data, _mm256_loadu_si256(key.add(32 * half).cast()));
+                let product = _mm256_mul_epu32(mixed, _mm256_srli_epi64::<32>(mixed));
+                let swapped = _mm256_shuffle_epi32::<0x4e>(data);
+                *sum = _mm256_add_epi64(product, _mm256_add_epi64(*sum, swapped));
+            }
+        }
+        let mut out = [0u64; 8];
+        _mm256_storeu_si256(out.as_mut_ptr().cast(), sums[0]);
+        _mm256_storeu_si256(out.as_mut_ptr().add(4).cast(), sums[1]);
+        out
+    }
+
     /// `scramble_avx512` in two halves.
     ///
     /// # Safety
@@ -416,14 +455,17 @@ mod tests {
             let regular = Long128::regular_stripes(len as u64);
             // Cut the regular stripes into parts at every kind of place: whole, at round edges, inside rounds.
             for cuts in [vec![], vec![1], vec![16, 17], vec![5, 31, 32, 48], (1..regular).step_by(7).collect()] {
-                let mut chain = Long128::new(len as u64);
+                // Each part as `StripeSums` and as stripes added straight away.
+                let (mut summed, mut added) = (Long128::new(len as u64), Long128::new(len as u64));
                 let mut start = 0u64;
                 for end in cuts.into_iter().filter(|&c| c < regular).chain([regular]) {
                     let at = start as usize * STRIPE;
-                    chain.add_sums(&StripeSums::of(&bytes[at..], 0, start, end - start));
+                    summed.add_sums(&StripeSums::of(&bytes[at..], 0, start, end - start));
+                    added.add_stripes(&bytes[at..], start, end - start);
                     start = end;
                 }
-                assert_eq!(chain.finish(&bytes[len - STRIPE..]), want, "{len} bytes");
+                assert_eq!(summed.finish(&bytes[len - STRIPE..]), want, "{len} bytes");
+                assert_eq!(added.finish(&bytes[len - STRIPE..]), want, "{len} bytes, stripes added");
             }
         }
     }
@@ -441,6 +483,21 @@ mod tests {
         }
         let last = &data[len as usize - STRIPE..len as usize];
         assert_eq!(one_by_one.finish(last), xxhash_rust::xxh3::xxh3_128(&data[..len as usize]));
+    }
+
+    #[test]
+    fn a_rounds_sum_is_its_stripes_terms_from_any_lane() {
+        let mut next = crate::core::testing::xorshift(0x51de);
+        let data: Vec<u8> = (0..ROUND_BYTES).map(|_| next() as u8).collect();
+        for lane in 0..STRIPES {
+            for stripes in 0..=STRIPES - lane {
+                let mut want = [0u64; 8];
+                for (stripe, key) in data.chunks_exact(STRIPE).take(stripes).zip(lane..) {
+                    accumulate_portable(&mut want, stripe, &SECRET[8 * key..8 * key + STRIPE]);
+                }
+                assert_eq!(round_sum(&data[..stripes * STRIPE], lane), want, "{stripes} stripes from lane {lane}");
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
