@@ -1040,4 +1040,93 @@ mod tests {
             assert!(buffers.iter().all(|b| b.iter().all(|&x| x == 0)));
         }
     }
+
+    /// A small checked source: 5000 bytes in 1 KiB SHA-256 pieces.
+    fn small_source(folder: &Path) -> (std::path::PathBuf, Vec<u8>, Vec<[u8; 32]>) {
+        let path = folder.join("source");
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 + i / 1024) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let hashes = piece_hashes(&data, MIN_PIECE_BYTES, PieceHash::Sha256);
+        (path, data, hashes)
+    }
+
+    #[test]
+    fn segments_whose_ends_overflow_are_refused() {
+        let folder = tempfile::tempdir().unwrap();
+        let (path, data, hashes) = small_source(folder.path());
+        let checked = CheckedSource {
+            path: &path,
+            size: data.len() as u64,
+            piece_bytes: MIN_PIECE_BYTES,
+            kind: PieceHash::Sha256,
+            expected: &hashes,
+        };
+        // Its end in the source overflows: outside the source, never a wrapped (empty) range of pieces.
+        assert!(checked.open(&[Segment { from: u64::MAX - 5, len: 10, to: 0 }]).is_err());
+        // A fill at such an offset is an error, not Ok(None) with its target never written.
+        let mut buffer = [0xAAu8; 10];
+        let mut targets: Vec<&mut [u8]> = vec![&mut buffer[..]];
+        assert!(fill_checked(&checked, &mut targets, &[(u64::MAX - 5, 0)]).is_err());
+        assert!(buffer.iter().all(|&b| b == 0xAA));
+        // Its end in the destination overflows: refused before anything is written at a wrapped offset.
+        assert!(checked.open(&[Segment { from: 0, len: 10, to: u64::MAX - 5 }]).is_err());
+        let dest = folder.path().join("dest");
+        std::fs::write(&dest, b"").unwrap();
+        let outcome = copy_checked_pieces(&checked, &dest, &[Segment { from: 0, len: 10, to: u64::MAX - 5 }]);
+        assert!(outcome.is_err());
+        assert!(std::fs::read(&dest).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_source_that_grew_or_hashes_for_more_pieces_are_refused() {
+        let folder = tempfile::tempdir().unwrap();
+        let (path, data, hashes) = small_source(folder.path());
+        let checked = CheckedSource {
+            path: &path,
+            size: data.len() as u64,
+            piece_bytes: MIN_PIECE_BYTES,
+            kind: PieceHash::Sha256,
+            expected: &hashes,
+        };
+        // One hash more than the source has pieces: the hashes are not this source's.
+        let extra = [hashes.as_slice(), &[[0u8; 32]]].concat();
+        assert!(CheckedSource { expected: &extra, ..checked }.open(&[]).is_err());
+        // A source longer than its expected size (it changed since): Size, and nothing written.
+        std::fs::write(&path, [data.as_slice(), b"x"].concat()).unwrap();
+        let dest = folder.path().join("dest");
+        std::fs::write(&dest, vec![0u8; 10]).unwrap();
+        let outcome = copy_checked_pieces(&checked, &dest, &[Segment { from: 0, len: 10, to: 0 }]).unwrap();
+        assert_eq!(outcome, Some(Unchecked::Size(data.len() as u64 + 1)));
+        assert_eq!(std::fs::read(&dest).unwrap(), vec![0u8; 10]);
+        let mut buffer = [0xAAu8; 10];
+        let mut targets: Vec<&mut [u8]> = vec![&mut buffer[..]];
+        let outcome = fill_checked(&checked, &mut targets, &[(0, 0)]).unwrap();
+        assert_eq!(outcome, Some(Unchecked::Size(data.len() as u64 + 1)));
+        assert!(buffer.iter().all(|&b| b == 0xAA));
+    }
+
+    #[test]
+    fn only_the_pieces_a_segment_touches_are_checked() {
+        // A changed piece a read group could reach but no segment touches is not this copy's concern.
+        let folder = tempfile::tempdir().unwrap();
+        let (path, data, hashes) = small_source(folder.path());
+        let mut changed = data.clone();
+        changed[4 * MIN_PIECE_BYTES + 3] ^= 1;
+        std::fs::write(&path, &changed).unwrap();
+        let checked = CheckedSource {
+            path: &path,
+            size: data.len() as u64,
+            piece_bytes: MIN_PIECE_BYTES,
+            kind: PieceHash::Sha256,
+            expected: &hashes,
+        };
+        let mut buffer = [0u8; 100];
+        let mut targets: Vec<&mut [u8]> = vec![&mut buffer[..]];
+        assert_eq!(fill_checked(&checked, &mut targets, &[(MIN_PIECE_BYTES as u64 + 5, 0)]).unwrap(), None);
+        assert!(buffer[..] == data[MIN_PIECE_BYTES + 5..MIN_PIECE_BYTES + 105]);
+        let mut buffer = [0u8; 100];
+        let mut targets: Vec<&mut [u8]> = vec![&mut buffer[..]];
+        let outcome = fill_checked(&checked, &mut targets, &[(4 * MIN_PIECE_BYTES as u64, 0)]).unwrap();
+        assert_eq!(outcome, Some(Unchecked::Piece(4)));
+    }
 }

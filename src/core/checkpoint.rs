@@ -124,4 +124,29 @@ mod tests {
         let tensors = vec![("w".to_owned(), Dtype::F32, vec![u64::MAX, 2])];
         assert!(layout(&tensors).is_err());
     }
+
+    #[test]
+    fn the_size_is_the_end_of_the_last_tensor_in_the_file_not_in_the_callers_order() {
+        // The caller's last tensor (F32) comes first in the file, where safetensors puts the widest dtype.
+        let tensors = vec![("b".to_owned(), Dtype::U8, vec![3u64]), ("a".to_owned(), Dtype::F32, vec![4u64])];
+        let layout = layout(&tensors).unwrap();
+        let start = layout.header.len() as u64;
+        assert_eq!(layout.ranges, vec![(start + 16, start + 19), (start, start + 16)]);
+        assert_eq!(layout.size, start + 19);
+        let (bytes_b, bytes_a) = (vec![1u8; 3], vec![2u8; 16]);
+        let views = vec![
+            ("b", safetensors::tensor::TensorView::new(Dtype::U8, vec![3], &bytes_b).unwrap()),
+            ("a", safetensors::tensor::TensorView::new(Dtype::F32, vec![4], &bytes_a).unwrap()),
+        ];
+        assert_eq!(safetensors::tensor::serialize(views, None).unwrap().len() as u64, layout.size);
+    }
+
+    #[test]
+    fn a_checkpoint_of_no_tensors_is_its_header() {
+        let layout = layout(&[]).unwrap();
+        assert!(layout.ranges.is_empty());
+        assert_eq!(layout.size, layout.header.len() as u64);
+        let empty: Vec<(&str, safetensors::tensor::TensorView<'_>)> = Vec::new();
+        assert_eq!(safetensors::tensor::serialize(empty, None).unwrap(), layout.header);
+    }
 }
