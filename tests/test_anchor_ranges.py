@@ -599,3 +599,33 @@ def test_readers_hash_their_rows_side_by_side_not_one_after_another(readers):
         readers * share
     )
     assert len(plan) <= 5 * readers - 1
+
+
+def test_readers_that_disagree_on_a_tensors_size_conflict():
+    """Readers whose parts of one tensor have different sizes read different anchors: a conflict, no identity."""
+    from deltasync_rs._ranged import HeldTensor, differently_sized, split_identities
+
+    everyone = [
+        {"t": HeldTensor(1 << 20, ((0, 1 << 19),), ())},
+        {"t": HeldTensor(1 << 21, (((1 << 19), 1 << 21),), ())},
+    ]
+    assert split_identities(everyone, [], [{}, {}]) == ({}, ["t"])
+    assert differently_sized(everyone) == ["t"] and differently_sized(everyone[:1]) == []
+
+
+def test_a_fragment_of_the_wrong_length_is_refused():
+    """A reader that sends more or fewer bytes of a fragment than the plan names is refused, not hashed."""
+    from deltasync_rs._ranged import HeldTensor, split_identities
+    from deltasync_rs.errors import IntegrityError
+
+    block = 1 << 18
+    everyone = [
+        {"t": HeldTensor(2 * block, ((0, block + 10),), ())},
+        {"t": HeldTensor(2 * block, ((block + 10, 2 * block),), ())},
+    ]
+    plan = [(0, "t", 1, block, block + 10), (1, "t", 1, block + 10, 2 * block)]
+    good = [{("t", block): bytes(10)}, {("t", block + 10): bytes(block - 10)}]
+    split_identities(everyone, plan, good)  # the right lengths: no error
+    for sent in ([{("t", block): bytes(11)}, good[1]], [{("t", block): bytes(9)}, good[1]]):
+        with pytest.raises(IntegrityError, match="sent no bytes"):
+            split_identities(everyone, plan, sent)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import tomllib
 from pathlib import Path
@@ -842,3 +843,202 @@ def test_a_rank_whose_work_panics_does_not_leave_the_others_waiting(monkeypatch)
     for rank in (0, 2):
         assert isinstance(results[rank], ds.DeltaSyncError), results[rank]
         assert "rank 1 could not hash its part of the anchor (Panic: assertion failed" in str(results[rank])
+
+
+def _agreed_pull(subscriber: Subscriber, forget=None) -> list[int]:
+    """What a vLLM worker's pull agrees on with the other ranks: the steps of the deltas it would apply."""
+    deltas, _ = ds_vllm._agreed(
+        subscriber._fetch_checked_by_the_apply,
+        None,
+        None,
+        subscriber._refused_anchors,
+        subscriber.entry,
+        forget or subscriber._entries.clear,
+    )
+    return [delta.step for delta in deltas]
+
+
+def _store_and_a_rewritten_copy(tmp_path, after: str):
+    """A store, and a copy of it whose newest anchor was published again with other bytes (of tensors every rank
+    reads whole, or of rows that two of `three ranks, two overlapping`'s ranks read)."""
+    states = _tp_states()
+    root = tmp_path / "store"
+    with ds.Publisher(root, background=False, anchor_every=1 if after == "nothing" else 2, piece_bytes=4096) as p:
+        for step, state in enumerate(states):
+            p.publish(step, state)
+    other = tmp_path / "other"
+    shutil.copytree(root, other)
+    step = 3 if after == "nothing" else 2
+    wrong = {name: tensor.clone() for name, tensor in states[step].items()}
+    if after == "a delta":  # rows 300..700 of big.weight, which ranks 1 and 2 both read
+        wrong["big.weight"][300:700] = states[1]["big.weight"][300:700]
+    else:  # norm.weight, which every rank reads whole
+        wrong["norm.weight"] = states[1]["norm.weight"]
+    republish_anchor(other, step, ds.anchor(wrong).to_bytes())
+    return states, root, other, step
+
+
+@pytest.mark.parametrize("after", ["a delta", "nothing"])
+def test_ranks_that_read_other_entries_of_a_step_fetch_again(tmp_path, monkeypatch, after):
+    """Rank 2 reads the store while it is published into (another anchor for the newest anchor's step): the ranks
+    reach the same step from the same anchor step, but by other manifest entries, so rank 2 would apply other
+    bytes. They now compare the entries they read, forget what they cached and fetch again: where the store has
+    settled, every rank takes the same way; where the ranks keep reading different entries, every rank raises."""
+    states, root, other, step = _store_and_a_rewritten_copy(tmp_path, after)
+    layout = _TP_LAYOUTS["three ranks, two overlapping"]
+    ranks = _Ranks(monkeypatch, len(layout))
+    subscribers = [Subscriber(p, anchor_ranges=_rows(rows)) for p, rows in zip([root, root, other], layout)]
+    settled = Subscriber(root).store
+
+    def settle() -> None:  # rank 2's next reads find the store as it is now
+        subscribers[2]._entries.clear()
+        subscribers[2].store = settled
+
+    results = ranks.run(lambda rank: _agreed_pull(subscribers[rank], settle if rank == 2 else None))
+    assert results == [list(range(step, len(states)))] * 3, results
+    # Ranks that keep reading different entries: all raise, none applies.
+    subscribers = [Subscriber(p, anchor_ranges=_rows(rows)) for p, rows in zip([root, root, other], layout)]
+    results = ranks.run(lambda rank: _agreed_pull(subscribers[rank]))
+    assert all(isinstance(r, ds.DeltaSyncError) and "same manifest entries" in str(r) for r in results), results
+
+
+@pytest.mark.parametrize("after", ["a delta", "nothing"])
+def test_ranks_that_read_different_bytes_of_one_anchor_refuse_it(tmp_path, monkeypatch, after):
+    """Beneath the entries' comparison: the ranks' checks of an anchor they read in parts refuse one of which they
+    hold different bytes (rank 2 reads another file, differing from the others' in bytes that rank 1 also holds:
+    rank 0 and 1's bytes, first in rank order, make the right identity or digest, so only the ranks' disagreement
+    shows the wrong bytes rank 2 would apply)."""
+    states, root, other, step = _store_and_a_rewritten_copy(tmp_path, after)
+    layout = _TP_LAYOUTS["three ranks, two overlapping"]
+    ranks = _Ranks(monkeypatch, len(layout))
+    subscribers = [Subscriber(p, anchor_ranges=_rows(rows)) for p, rows in zip([root, root, other], layout)]
+    digest = subscribers[0].entry(step).state_digest
+
+    def check(rank: int):
+        deltas = subscribers[rank].fetch(None)
+        assert deltas[0].step == step
+        if after == "a delta":
+            return ds_vllm._split_anchor_error(deltas[0], deltas[1], None)
+        return ds_vllm._split_digest_error(deltas[0], digest, None)
+
+    results = ranks.run(check)
+    assert all(isinstance(r, str) and "read different bytes" in r for r in results), results
+
+
+def test_ranks_whose_parts_of_a_tensor_differ_in_size_refuse_the_anchor(tmp_path, monkeypatch):
+    """Parts of one tensor of different sizes are parts of different anchors: the ranks making the state digest
+    together refuse it (it was taken, with a warning that it could not be checked)."""
+    states = _tp_states()
+    roots = [tmp_path / "store", tmp_path / "other"]
+    for root, big in zip(roots, ["big.weight", None]):
+        with ds.Publisher(root, background=False, anchor_every=1, piece_bytes=4096) as p:
+            for step, state in enumerate(states):
+                p.publish(step, state | ({} if big else {"big.weight": state["big.weight"][:900]}))
+    layout = [{"big.weight": (0, 500)}, {"big.weight": (450, 900)}]  # rank 1's anchor has 900 rows
+    ranks = _Ranks(monkeypatch, 2)
+    subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for root, rows in zip(roots, layout)]
+    digest = subscribers[0].entry(3).state_digest
+    results = ranks.run(lambda rank: ds_vllm._split_digest_error(subscribers[rank].fetch(None)[0], digest, None))
+    assert all(isinstance(r, str) and "read different bytes of tensor 'big.weight'" in r for r in results), results
+
+
+@pytest.mark.parametrize("after", ["a delta", "nothing"])
+@pytest.mark.parametrize("wrong", [None, "big.weight"])
+def test_a_rank_that_reads_the_anchor_whole_and_one_that_reads_part_agree(tmp_path, monkeypatch, after, wrong):
+    """Rank 0 reads the anchor whole (no anchor_ranges), rank 1 its half of big.weight. A right anchor is taken by
+    both; a wrong one is refused by rank 0 alone in its fetch, and that refusal is shared: both take the older
+    anchor's way (nothing hangs, nothing raises)."""
+    states = _tp_states()
+    root = tmp_path / "store"
+    with ds.Publisher(root, background=False, anchor_every=1 if after == "nothing" else 2, piece_bytes=4096) as p:
+        for step, state in enumerate(states):
+            p.publish(step, state)
+    wrong_anchor = 3 if after == "nothing" else 2
+    if wrong is not None:
+        republish_anchor(root, wrong_anchor, ds.anchor(states[wrong_anchor] | {wrong: states[1][wrong]}).to_bytes())
+    ranks = _Ranks(monkeypatch, 2)
+    subscribers = [Subscriber(root), Subscriber(root, anchor_ranges=_rows({"big.weight": (500, 1000)}))]
+
+    def pull(rank: int):
+        subscriber = subscribers[rank]
+        deltas, _ = ds_vllm._agreed(
+            subscriber._fetch_checked_by_the_apply, None, None, subscriber._refused_anchors, subscriber.entry
+        )
+        return [delta.step for delta in deltas], isinstance(deltas[0], ds_vllm.PartialAnchor)
+
+    results = ranks.run(pull)
+    start = wrong_anchor if wrong is None else wrong_anchor - (1 if after == "nothing" else 2)
+    steps = list(range(start, len(states)))
+    assert results == [(steps, False), (steps, True)], results
+
+
+def test_ranks_that_leave_rows_of_a_tensor_unread_take_a_right_anchor_unchecked(tmp_path, monkeypatch, caplog):
+    """Where no rank reads some rows of a row-split tensor and no delta follows the anchor, the state digest cannot
+    be made: the anchor is taken (a warning says it was not checked), not refused as if it were wrong."""
+    states = _tp_states()
+    root = tmp_path / "store"
+    with ds.Publisher(root, background=False, anchor_every=1, piece_bytes=4096) as p:
+        for step, state in enumerate(states):
+            p.publish(step, state)
+    layout = [{"big.weight": (0, 400), "f.weight": (0, 150)}, {"big.weight": (600, 1000), "f.weight": (150, 300)}]
+    ranks = _Ranks(monkeypatch, 2)
+    subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for rows in layout]
+    with caplog.at_level("WARNING"):
+        results = ranks.run(lambda rank: _agreed_pull(subscribers[rank]))
+    assert results == [[3]] * 2, results
+    assert "is not checked against its entry's state digest" in caplog.text
+    assert all(not s._refused_anchors for s in subscribers)
+
+
+@pytest.mark.parametrize("layout", ["halves", "three ranks, two overlapping"])
+def test_ranks_refuse_a_split_anchor_whose_entry_vouches_for_it_but_the_next_delta_does_not(
+    tmp_path, monkeypatch, layout
+):
+    """A wrong anchor whose entry's state digest was made to agree with it (a buggy or hostile publisher) still
+    is not the state the next delta was made against: with a delta after it, the ranks compare the tensor they read
+    in parts with that delta's base identity, not only with the entry's digest."""
+    states = _tp_states()
+    root = tmp_path / "store"
+    with ds.Publisher(root, background=False, anchor_every=2, piece_bytes=4096) as p:
+        for step, state in enumerate(states):
+            p.publish(step, state)
+    held = states[2] | {"big.weight": states[1]["big.weight"]}
+    republish_anchor(root, 2, ds.anchor(held).to_bytes(), state_digest=ds.state_digest(held))
+    ranks = _Ranks(monkeypatch, len(_TP_LAYOUTS[layout]))
+    subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for rows in _TP_LAYOUTS[layout]]
+    results = ranks.run(lambda rank: _agreed_pull(subscribers[rank]))
+    assert results == [[0, 1, 2, 3]] * len(_TP_LAYOUTS[layout]), results
+
+
+def test_every_rank_raises_the_failed_ranks_kind_of_error(monkeypatch):
+    """A rank whose work raised DeltaFormatError makes every rank raise a DeltaFormatError (not a bare
+    DeltaSyncError), so that all take the same way on (a pull reads a delta with a malformed stream again on it)."""
+    ranks = _Ranks(monkeypatch, 3)
+
+    def work(rank: int):
+        def mine():
+            if rank == 2:
+                raise ds.DeltaFormatError("a malformed stream")
+            return rank
+
+        return ds_vllm._together(mine, 4, "fetch the deltas")
+
+    results = ranks.run(work)
+    assert all(isinstance(result, ds.DeltaFormatError) for result in results), results
+
+
+def test_ranks_that_reach_different_steps_fetch_again_up_to_the_step_all_reached(monkeypatch):
+    """Rank 0 finds step 3, rank 1 only step 2 (a publish between their reads): the rank ahead fetches again up
+    to step 2, which every rank reached, and both return deltas to step 2."""
+    ranks = _Ranks(monkeypatch, 2)
+    newest = [3, 2]
+
+    def pull(rank: int):
+        def fetch(at, until):
+            last = newest[rank] if until is None else min(until, newest[rank])
+            return [SimpleNamespace(step=step, _whole_state=False) for step in range(1, last + 1)]
+
+        deltas, until = ds_vllm._agreed(fetch, 0, None)
+        return [d.step for d in deltas], until
+
+    assert ranks.run(pull) == [([1, 2], 2)] * 2

@@ -126,6 +126,14 @@ def prepare(name: str, folder: Path, *, steps: int = 2, lr: float = 3e-5, seed: 
     rows = data / "store-wrong-rows"
     shutil.copytree(wrong, rows)
     republish_anchor(rows, 1, ds.anchor(states[1] | _row_split(states[0]), step=1).to_bytes())
+    # Stores of one step each, made here so that every rank pulls the same store: ranks that read different
+    # manifest entries for a step fetch again and then refuse (vllm._agreed).
+    with ds.Publisher(data / "store-tied-anchor", piece_bytes=1 << 10, background=False) as publisher:
+        publisher.publish(7, _lm_head_off_by_a_row(states[2]))
+    with ds.Publisher(data / "store-tied-trainer", background=False) as publisher:
+        publisher.publish_shared(
+            7, _without_lm_head(states[2]), aliases={"lm_head.weight": "model.embed_tokens.weight"}
+        )
     # A store whose newest step's anchor is wrong, no delta after it (check_a_wrong_newest_anchor_is_refused).
     newest = data / "store-wrong-newest"
     with ds.Publisher(newest, anchor_every=1, piece_bytes=RANGED_PIECE_BYTES, background=False) as publisher:
@@ -918,20 +926,27 @@ def check_tampered_anchor_pieces_refused(model, item: Prepared) -> None:
         )
 
 
+def _lm_head_off_by_a_row(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with an lm_head that differs from its embeddings in the last vocabulary row only."""
+    state = dict(state)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["lm_head.weight"][-1, :3] += 1
+    return state
+
+
+def _without_lm_head(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as a trainer that ties lm_head to the embeddings publishes it: lm_head left out."""
+    return {name: tensor for name, tensor in state.items() if name != "lm_head.weight"}
+
+
 def check_ranks_refuse_together_what_one_rank_alone_can_see(model, item: Prepared) -> None:
     """A tied model pulls an anchor whose lm_head differs from its embeddings in the last vocabulary row only: at
     TP=2 only the last rank reads that row (each reads its own rows of the anchor), yet every rank must refuse, and
     none write (rank 0 applied the anchor and moved on before, the group left at two steps). Untied: applied."""
-    import tempfile
-
     import deltasync_rs as ds
 
-    state = _state(item, 2)
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    state["lm_head.weight"][-1, :3] += 1
-    root = tempfile.mkdtemp(prefix="tied-anchor-")
-    with ds.Publisher(root, piece_bytes=1 << 10, background=False) as publisher:
-        publisher.publish(7, state)
+    state = _lm_head_off_by_a_row(_state(item, 2))
+    root = item.path("store-tied-anchor")
     if MODELS[item.name][1]["tie_word_embeddings"]:
         _expect_untouched(
             model,
@@ -958,15 +973,10 @@ def check_a_tie_the_served_model_does_not_hold_is_refused(model, item: Prepared)
     """The trainer's model ties lm_head to the embeddings and publishes them once (the entry's ``aliases``). A
     served model that holds lm_head as a parameter of its own (untied) would keep its old lm_head: refused by every
     rank before anything is written, on both paths. A tied served model takes the step."""
-    import tempfile
-
     import deltasync_rs as ds
 
-    state = _state(item, 2)
-    del state["lm_head.weight"]
-    root = tempfile.mkdtemp(prefix="tied-trainer-")
-    with ds.Publisher(root, background=False) as publisher:
-        publisher.publish_shared(7, state, aliases={"lm_head.weight": "model.embed_tokens.weight"})
+    state = _without_lm_head(_state(item, 2))
+    root = item.path("store-tied-trainer")
     if MODELS[item.name][1]["tie_word_embeddings"]:
         _pulled_as_dense_reload(model, root, 7, state)
         return

@@ -354,6 +354,12 @@ def hash_turns(cuts: Mapping[str, list[tuple[int, int, int]] | None], readers: i
     return plan
 
 
+def differently_sized(everyone: list[dict[str, HeldTensor | None]]) -> list[str]:
+    """The tensors no reader holds whole whose readers (``everyone``: each one's :func:`held_tensors`) hold parts of
+    different sizes: they read different anchors. The same on every reader."""
+    return sorted(_split_names(everyone, sizes_differ=True))
+
+
 def _split_names(everyone: list[dict[str, HeldTensor | None]], *, sizes_differ: bool = False) -> set[str]:
     """The tensors that no reader holds whole but some hold in part, all of one size (with ``sizes_differ``: those
     whose readers disagree on its size)."""
@@ -399,7 +405,7 @@ def split_identities(
             raise IntegrityError(f"tensor {name!r}: reader {sender} sent no bytes {start}..{end} of it")
         by_block.setdefault((name, block), []).append((start, data))
     identities: dict[str, str] = {}
-    conflicts = sorted(_split_names(everyone, sizes_differ=True))
+    conflicts = differently_sized(everyone)
     for name in sorted(_split_names(everyone)):
         parts = [held[name] for held in everyone if held.get(name) is not None]
         nbytes = parts[0].nbytes  # type: ignore[union-attr]
@@ -456,6 +462,7 @@ __all__ = [
     "HeldTensor",
     "NeededRanges",
     "PartialAnchor",
+    "differently_sized",
     "fragment_plan",
     "fragments",
     "hash_turns",

@@ -846,7 +846,12 @@ class _StepTracker:
             return subscriber.entry(step)
 
         deltas, until = _agreed(
-            subscriber._fetch_checked_by_the_apply, start, until, subscriber._refused_anchors, anchor_entry
+            subscriber._fetch_checked_by_the_apply,
+            start,
+            until,
+            subscriber._refused_anchors,
+            anchor_entry,
+            subscriber._entries.clear,
         )
         try:
             step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
@@ -864,6 +869,7 @@ class _StepTracker:
                 until,
                 subscriber._refused_anchors,
                 anchor_entry,
+                subscriber._entries.clear,
             )
             step = self.apply(model, deltas, path=path, check_base=check_base, entries=subscriber.entry)
         return step
@@ -885,6 +891,7 @@ def _agreed(
     until: int | None,
     refused: set[str] | None = None,
     anchor_entry: Callable[[int], Entry] | None = None,
+    forget_entries: Callable[[], None] | None = None,
 ) -> tuple[list[Delta], int | None]:
     """``fetch(current_step, until)``, agreed on by every tensor-parallel rank: they pull together (collective_rpc),
     and must end at the same step, or their shards would hold different steps (``until=None`` is the newest step
@@ -897,12 +904,18 @@ def _agreed(
     rank read its own rows) is checked by the ranks together against the first delta's base identity
     (``_split_anchor_error``), or, where no delta follows the anchor, the state digest of its entry
     (``anchor_entry(step)``) is made by the ranks together (``_split_digest_error``); a wrong anchor is refused on
-    every rank, and they fetch again. Returns the deltas and the agreed step (``until`` at TP 1)."""
+    every rank, and they fetch again. With ``anchor_entry`` (the verified manifest entry of a step) the ranks also
+    compare the entries of the steps they fetched: ranks that reached the same step by different entries (the store
+    was published into between their reads) hold different files, so they forget the entries they cached
+    (``forget_entries``) and fetch again. Returns the deltas and the agreed step (``until`` at TP 1)."""
     refused = set() if refused is None else refused
 
-    def summary(fetched: list[Delta]) -> tuple[int | None, int | None, list[str]]:
+    def summary(fetched: list[Delta]) -> tuple[int | None, int | None, list[str], list[str]]:
         reached = next((d.step for d in reversed(fetched) if d.step is not None), current_step)
-        return reached, fetched[0].step if fetched and fetched[0]._whole_state else None, sorted(refused)
+        anchor = fetched[0].step if fetched and fetched[0]._whole_state else None
+        # What each rank verified its files against: one entry's SHA-256 binds its files' (or pieces').
+        read = [anchor_entry(d.step).sha256 for d in fetched if d.step is not None] if anchor_entry else []
+        return reached, anchor, sorted(refused), read
 
     tries = 0  # fetches that ended at different steps; a fetch whose anchor is refused does not count (each
     # refusal adds an anchor to `refused`, which no way starts from again, so they end)
@@ -912,16 +925,24 @@ def _agreed(
             return fetch(current_step, to)
 
         deltas, summaries = _together(fetch_to, current_step, "fetch the deltas", summary)
-        reached = [step for step, _, _ in summaries]
+        reached = [step for step, _, _, _ in summaries]
+        same_start = len({anchor for _, anchor, _, _ in summaries}) == 1
+        if len(set(reached)) == 1 and same_start and len({tuple(read) for _, _, _, read in summaries}) > 1:
+            # The same way by other entries: other files. Fetch again, every entry read afresh.
+            log.warning("the tensor-parallel ranks read different manifest entries on the way to step %s", reached[0])
+            if forget_entries is not None:
+                forget_entries()
+            tries += 1
+            continue
         if len(set(reached)) == 1:
-            if len({anchor for _, anchor, _ in summaries}) > 1:
-                seen = set().union(*(set(shas) for _, _, shas in summaries))
-                if any(set(shas) != seen for _, _, shas in summaries):
+            if len({anchor for _, anchor, _, _ in summaries}) > 1:
+                seen = set().union(*(set(shas) for _, _, shas, _ in summaries))
+                if any(set(shas) != seen for _, _, shas, _ in summaries):
                     refused |= seen  # every rank refuses what one refused, and all fetch again
                     continue
                 starts = ", ".join(
                     f"rank {rank}: {'no anchor' if anchor is None else f'the anchor of step {anchor}'}"
-                    for rank, (_, anchor, _) in enumerate(summaries)
+                    for rank, (_, anchor, _, _) in enumerate(summaries)
                 )
                 raise _on_every_rank(
                     IntegrityError(
@@ -946,7 +967,10 @@ def _agreed(
         until = min(reached, key=lambda step: -1 if step is None else step)
         tries += 1
     raise _on_every_rank(
-        DeltaSyncError("the tensor-parallel ranks did not reach the same step in three fetches; none applied")
+        DeltaSyncError(
+            "the tensor-parallel ranks did not reach the same step by the same manifest entries in three fetches "
+            "(the store was published into as they read it); none applied"
+        )
     )
 
 
@@ -1024,6 +1048,9 @@ def _split_digest_error(anchor: Delta, state_digest: str, current_step: int | No
         for name, hash_ in hashes.items():
             if found.setdefault(name, hash_) != hash_:
                 return _read_differently(name, anchor)
+    differ = _ranged.differently_sized([held for _, held, _ in everyone])
+    if differ:  # parts of one tensor of different sizes: parts of different anchors
+        return _read_differently(differ[0], anchor)
     cuts = _ranged.segments([held for _, held, _ in everyone])
     unread = sorted(name for name, cut in cuts.items() if cut is None) + sorted(set(infos) - set(found) - set(cuts))
     if unread:  # the digest cannot be made here
