@@ -914,11 +914,13 @@ def _agreed(
         reached = next((d.step for d in reversed(fetched) if d.step is not None), current_step)
         anchor = fetched[0].step if fetched and fetched[0]._whole_state else None
         # What each rank verified its files against: one entry's SHA-256 binds its files' (or pieces').
-        read = [anchor_entry(d.step).sha256 for d in fetched if d.step is not None] if anchor_entry else []
+        if anchor_entry is None or _tensor_parallel() <= 1:
+            return reached, anchor, sorted(refused), []
+        read = [anchor_entry(d.step).sha256 for d in fetched if d.step is not None]
         return reached, anchor, sorted(refused), read
 
-    tries = 0  # fetches that ended at different steps; a fetch whose anchor is refused does not count (each
-    # refusal adds an anchor to `refused`, which no way starts from again, so they end)
+    tries = 0  # fetches that ended at different steps, or at one by different entries; a fetch whose anchor is
+    # refused does not count (each refusal adds an anchor to `refused`, which no way starts from again, so they end)
     while tries < 3:
 
         def fetch_to(to: int | None = until) -> list[Delta]:
