@@ -1042,3 +1042,27 @@ def test_ranks_that_reach_different_steps_fetch_again_up_to_the_step_all_reached
         return [d.step for d in deltas], until
 
     assert ranks.run(pull) == [([1, 2], 2)] * 2
+
+
+def test_ranks_that_start_from_different_anchors_without_a_refusal_raise_together(monkeypatch):
+    """Ranks that reach the same step from different anchors, none of them having refused one (rank 1 could not
+    read the anchor rank 0 took), raise together at once, naming each rank's start: nothing to refuse, so fetching
+    again would only repeat it."""
+    ranks = _Ranks(monkeypatch, 2)
+    starts = [2, 0]
+    calls = [0, 0]
+
+    def pull(rank: int):
+        def fetch(at, until):
+            calls[rank] += 1
+            if calls[rank] > 3:
+                raise AssertionError("fetched again and again")
+            anchor = SimpleNamespace(step=starts[rank], _whole_state=True)
+            return [anchor] + [SimpleNamespace(step=s, _whole_state=False) for s in range(starts[rank] + 1, 4)]
+
+        return ds_vllm._agreed(fetch, None, None, set())
+
+    results = ranks.run(pull)
+    assert all(isinstance(r, ds.IntegrityError) and "from different anchors" in str(r) for r in results), results
+    assert "rank 0: the anchor of step 2, rank 1: the anchor of step 0" in str(results[0])
+    assert calls == [1, 1]
