@@ -1050,17 +1050,22 @@ mod tests {
         (path, data, hashes)
     }
 
+    /// `small_source`'s file checked against its pieces.
+    fn small_checked<'a>(path: &'a Path, data: &[u8], hashes: &'a [[u8; 32]]) -> CheckedSource<'a> {
+        CheckedSource {
+            path,
+            size: data.len() as u64,
+            piece_bytes: MIN_PIECE_BYTES,
+            kind: PieceHash::Sha256,
+            expected: hashes,
+        }
+    }
+
     #[test]
     fn segments_whose_ends_overflow_are_refused() {
         let folder = tempfile::tempdir().unwrap();
         let (path, data, hashes) = small_source(folder.path());
-        let checked = CheckedSource {
-            path: &path,
-            size: data.len() as u64,
-            piece_bytes: MIN_PIECE_BYTES,
-            kind: PieceHash::Sha256,
-            expected: &hashes,
-        };
+        let checked = small_checked(&path, &data, &hashes);
         // Its end in the source overflows: outside the source, never a wrapped (empty) range of pieces.
         assert!(checked.open(&[Segment { from: u64::MAX - 5, len: 10, to: 0 }]).is_err());
         // A fill at such an offset is an error, not Ok(None) with its target never written.
@@ -1081,13 +1086,7 @@ mod tests {
     fn a_source_that_grew_or_hashes_for_more_pieces_are_refused() {
         let folder = tempfile::tempdir().unwrap();
         let (path, data, hashes) = small_source(folder.path());
-        let checked = CheckedSource {
-            path: &path,
-            size: data.len() as u64,
-            piece_bytes: MIN_PIECE_BYTES,
-            kind: PieceHash::Sha256,
-            expected: &hashes,
-        };
+        let checked = small_checked(&path, &data, &hashes);
         // One hash more than the source has pieces: the hashes are not this source's.
         let extra = [hashes.as_slice(), &[[0u8; 32]]].concat();
         assert!(CheckedSource { expected: &extra, ..checked }.open(&[]).is_err());
@@ -1113,13 +1112,7 @@ mod tests {
         let mut changed = data.clone();
         changed[4 * MIN_PIECE_BYTES + 3] ^= 1;
         std::fs::write(&path, &changed).unwrap();
-        let checked = CheckedSource {
-            path: &path,
-            size: data.len() as u64,
-            piece_bytes: MIN_PIECE_BYTES,
-            kind: PieceHash::Sha256,
-            expected: &hashes,
-        };
+        let checked = small_checked(&path, &data, &hashes);
         let mut buffer = [0u8; 100];
         let mut targets: Vec<&mut [u8]> = vec![&mut buffer[..]];
         assert_eq!(fill_checked(&checked, &mut targets, &[(MIN_PIECE_BYTES as u64 + 5, 0)]).unwrap(), None);

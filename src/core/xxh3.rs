@@ -128,25 +128,28 @@ impl StripeSums {
     /// Sums the `count` stripes starting `lead` bytes into `data`, the first one being the stream's stripe `first`
     /// (with AVX2 where the CPU has it).
     pub fn of(data: &[u8], lead: usize, first: u64, count: u64) -> Self {
-        let count_usize = usize::try_from(count).expect("stripes in memory");
-        assert!(
-            count == 0 || lead + count_usize * STRIPE <= data.len(),
-            "{count} stripes from byte {lead} of {}",
-            data.len()
-        );
-        if count == 0 {
-            return StripeSums { first, count, rounds: Vec::new() };
-        }
-        let mut rounds = Vec::with_capacity(count_usize / STRIPES + 2);
-        let mut lane = (first % STRIPES as u64) as usize;
-        let (mut at, mut left) = (lead, count_usize);
-        while left > 0 {
-            let stripes = (STRIPES - lane).min(left);
-            rounds.push(round_sum(&data[at..at + stripes * STRIPE], lane));
-            (at, left, lane) = (at + stripes * STRIPE, left - stripes, 0);
-        }
+        let rounds = round_sums(&data[lead.min(data.len())..], first, count).map(|(_, sum)| sum).collect();
         StripeSums { first, count, rounds }
     }
+}
+
+/// The sums of the `count` stripes at the start of `data`, the first being the stream's stripe `first`, round by
+/// round: each round's number and the sum of its stripes there.
+fn round_sums(data: &[u8], first: u64, count: u64) -> impl Iterator<Item = (u64, [u64; 8])> + '_ {
+    let count = usize::try_from(count).expect("stripes in memory");
+    assert!(count * STRIPE <= data.len(), "{count} stripes of {} bytes", data.len());
+    let (mut round, mut lane) = (first / STRIPES as u64, (first % STRIPES as u64) as usize);
+    let (mut at, mut left) = (0, count);
+    std::iter::from_fn(move || {
+        if left == 0 {
+            return None;
+        }
+        let stripes = (STRIPES - lane).min(left);
+        let sum = round_sum(&data[at..at + stripes * STRIPE], lane);
+        let out = (round, sum);
+        (at, left, lane, round) = (at + stripes * STRIPE, left - stripes, 0, round + 1);
+        Some(out)
+    })
 }
 
 /// The sum of the terms of the stripes of `data` (whole stripes), the first keyed as stripe `lane` of its round
@@ -228,14 +231,8 @@ impl Long128 {
     /// Adds the terms of the `count` stripes at the start of `data`, the first being the stream's stripe `first`,
     /// summed round by round as they are read (what `add_sums` of their `StripeSums` adds, without keeping them).
     pub fn add_stripes(&mut self, data: &[u8], first: u64, count: u64) {
-        let count = usize::try_from(count).expect("stripes in memory");
-        assert!(count * STRIPE <= data.len(), "{count} stripes of {} bytes", data.len());
-        let (mut round, mut lane) = (first / STRIPES as u64, (first % STRIPES as u64) as usize);
-        let (mut at, mut left) = (0, count);
-        while left > 0 {
-            let stripes = (STRIPES - lane).min(left);
-            self.add(round, &round_sum(&data[at..at + stripes * STRIPE], lane));
-            (at, left, lane, round) = (at + stripes * STRIPE, left - stripes, 0, round + 1);
+        for (round, sum) in round_sums(data, first, count) {
+            self.add(round, &sum);
         }
     }
 
