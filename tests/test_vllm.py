@@ -783,6 +783,21 @@ _TP_LAYOUTS = {
 }
 
 
+def _tp_store(tmp_path, after: str, wrong: str | None = None):
+    """`_tp_states` published with an anchor every step (``after="nothing"``: no delta follows the newest anchor)
+    or every other step (a delta follows it); with ``wrong``, that anchor published again holding step 1's
+    ``wrong`` tensor, every file made to agree with it. The states, the store and that anchor's step."""
+    states = _tp_states()
+    root = tmp_path / "store"
+    with ds.Publisher(root, background=False, anchor_every=1 if after == "nothing" else 2, piece_bytes=4096) as p:
+        for step, state in enumerate(states):
+            p.publish(step, state)
+    step = 3 if after == "nothing" else 2
+    if wrong is not None:
+        republish_anchor(root, step, ds.anchor(states[step] | {wrong: states[1][wrong]}).to_bytes())
+    return states, root, step
+
+
 @pytest.mark.parametrize("layout", list(_TP_LAYOUTS))
 @pytest.mark.parametrize("after", ["a delta", "nothing"])
 @pytest.mark.parametrize("wrong", [None, "big.weight", "norm.weight", "f.weight"])
@@ -793,22 +808,12 @@ def test_ranks_that_read_an_anchor_in_parts_check_it_together(tmp_path, monkeypa
     each holds and the bytes of those a cut falls in (an anchor and a delta), or by hashing each such tensor in turn
     (the anchor alone); a wrong anchor is refused on every rank and the older anchor's way taken. A right one is
     taken (any piece size, cuts inside blocks and pieces, overlapping ranks)."""
-    states = _tp_states()
-    root = tmp_path / "store"
-    with ds.Publisher(root, background=False, anchor_every=1 if after == "nothing" else 2, piece_bytes=4096) as p:
-        for step, state in enumerate(states):
-            p.publish(step, state)
-    wrong_anchor = 3 if after == "nothing" else 2
-    if wrong is not None:
-        republish_anchor(root, wrong_anchor, ds.anchor(states[wrong_anchor] | {wrong: states[1][wrong]}).to_bytes())
+    states, root, wrong_anchor = _tp_store(tmp_path, after, wrong)
     ranks = _Ranks(monkeypatch, len(_TP_LAYOUTS[layout]))
     subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for rows in _TP_LAYOUTS[layout]]
 
     def pull(rank: int):
-        subscriber = subscribers[rank]
-        deltas, _ = ds_vllm._agreed(
-            subscriber._fetch_checked_by_the_apply, None, None, subscriber._refused_anchors, subscriber.entry
-        )
+        deltas = _agreed_pull(subscribers[rank])
         return [delta.step for delta in deltas], isinstance(deltas[0], ds_vllm.PartialAnchor)
 
     results = ranks.run(pull)
@@ -845,8 +850,12 @@ def test_a_rank_whose_work_panics_does_not_leave_the_others_waiting(monkeypatch)
         assert "rank 1 could not hash its part of the anchor (Panic: assertion failed" in str(results[rank])
 
 
-def _agreed_pull(subscriber: Subscriber, forget=None) -> list[int]:
-    """What a vLLM worker's pull agrees on with the other ranks: the steps of the deltas it would apply."""
+def _steps(deltas: list) -> list[int]:
+    return [delta.step for delta in deltas]
+
+
+def _agreed_pull(subscriber: Subscriber, forget=None) -> list:
+    """What a vLLM worker's pull agrees on with the other ranks: the deltas it would apply."""
     deltas, _ = ds_vllm._agreed(
         subscriber._fetch_checked_by_the_apply,
         None,
@@ -855,20 +864,15 @@ def _agreed_pull(subscriber: Subscriber, forget=None) -> list[int]:
         subscriber.entry,
         forget or subscriber._entries.clear,
     )
-    return [delta.step for delta in deltas]
+    return deltas
 
 
 def _store_and_a_rewritten_copy(tmp_path, after: str):
     """A store, and a copy of it whose newest anchor was published again with other bytes (of tensors every rank
     reads whole, or of rows that two of `three ranks, two overlapping`'s ranks read)."""
-    states = _tp_states()
-    root = tmp_path / "store"
-    with ds.Publisher(root, background=False, anchor_every=1 if after == "nothing" else 2, piece_bytes=4096) as p:
-        for step, state in enumerate(states):
-            p.publish(step, state)
+    states, root, step = _tp_store(tmp_path, after)
     other = tmp_path / "other"
     shutil.copytree(root, other)
-    step = 3 if after == "nothing" else 2
     wrong = {name: tensor.clone() for name, tensor in states[step].items()}
     if after == "a delta":  # rows 300..700 of big.weight, which ranks 1 and 2 both read
         wrong["big.weight"][300:700] = states[1]["big.weight"][300:700]
@@ -894,11 +898,11 @@ def test_ranks_that_read_other_entries_of_a_step_fetch_again(tmp_path, monkeypat
         subscribers[2]._entries.clear()
         subscribers[2].store = settled
 
-    results = ranks.run(lambda rank: _agreed_pull(subscribers[rank], settle if rank == 2 else None))
+    results = ranks.run(lambda rank: _steps(_agreed_pull(subscribers[rank], settle if rank == 2 else None)))
     assert results == [list(range(step, len(states)))] * 3, results
     # Ranks that keep reading different entries: all raise, none applies.
     subscribers = [Subscriber(p, anchor_ranges=_rows(rows)) for p, rows in zip([root, root, other], layout)]
-    results = ranks.run(lambda rank: _agreed_pull(subscribers[rank]))
+    results = ranks.run(lambda rank: _steps(_agreed_pull(subscribers[rank])))
     assert all(isinstance(r, ds.DeltaSyncError) and "same manifest entries" in str(r) for r in results), results
 
 
@@ -948,22 +952,12 @@ def test_a_rank_that_reads_the_anchor_whole_and_one_that_reads_part_agree(tmp_pa
     """Rank 0 reads the anchor whole (no anchor_ranges), rank 1 its half of big.weight. A right anchor is taken by
     both; a wrong one is refused by rank 0 alone in its fetch, and that refusal is shared: both take the older
     anchor's way (nothing hangs, nothing raises)."""
-    states = _tp_states()
-    root = tmp_path / "store"
-    with ds.Publisher(root, background=False, anchor_every=1 if after == "nothing" else 2, piece_bytes=4096) as p:
-        for step, state in enumerate(states):
-            p.publish(step, state)
-    wrong_anchor = 3 if after == "nothing" else 2
-    if wrong is not None:
-        republish_anchor(root, wrong_anchor, ds.anchor(states[wrong_anchor] | {wrong: states[1][wrong]}).to_bytes())
+    states, root, wrong_anchor = _tp_store(tmp_path, after, wrong)
     ranks = _Ranks(monkeypatch, 2)
     subscribers = [Subscriber(root), Subscriber(root, anchor_ranges=_rows({"big.weight": (500, 1000)}))]
 
     def pull(rank: int):
-        subscriber = subscribers[rank]
-        deltas, _ = ds_vllm._agreed(
-            subscriber._fetch_checked_by_the_apply, None, None, subscriber._refused_anchors, subscriber.entry
-        )
+        deltas = _agreed_pull(subscribers[rank])
         return [delta.step for delta in deltas], isinstance(deltas[0], ds_vllm.PartialAnchor)
 
     results = ranks.run(pull)
@@ -975,16 +969,12 @@ def test_a_rank_that_reads_the_anchor_whole_and_one_that_reads_part_agree(tmp_pa
 def test_ranks_that_leave_rows_of_a_tensor_unread_take_a_right_anchor_unchecked(tmp_path, monkeypatch, caplog):
     """Where no rank reads some rows of a row-split tensor and no delta follows the anchor, the state digest cannot
     be made: the anchor is taken (a warning says it was not checked), not refused as if it were wrong."""
-    states = _tp_states()
-    root = tmp_path / "store"
-    with ds.Publisher(root, background=False, anchor_every=1, piece_bytes=4096) as p:
-        for step, state in enumerate(states):
-            p.publish(step, state)
+    states, root, _ = _tp_store(tmp_path, "nothing")
     layout = [{"big.weight": (0, 400), "f.weight": (0, 150)}, {"big.weight": (600, 1000), "f.weight": (150, 300)}]
     ranks = _Ranks(monkeypatch, 2)
     subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for rows in layout]
     with caplog.at_level("WARNING"):
-        results = ranks.run(lambda rank: _agreed_pull(subscribers[rank]))
+        results = ranks.run(lambda rank: _steps(_agreed_pull(subscribers[rank])))
     assert results == [[3]] * 2, results
     assert "is not checked against its entry's state digest" in caplog.text
     assert all(not s._refused_anchors for s in subscribers)
@@ -997,16 +987,12 @@ def test_ranks_refuse_a_split_anchor_whose_entry_vouches_for_it_but_the_next_del
     """A wrong anchor whose entry's state digest was made to agree with it (a buggy or hostile publisher) still
     is not the state the next delta was made against: with a delta after it, the ranks compare the tensor they read
     in parts with that delta's base identity, not only with the entry's digest."""
-    states = _tp_states()
-    root = tmp_path / "store"
-    with ds.Publisher(root, background=False, anchor_every=2, piece_bytes=4096) as p:
-        for step, state in enumerate(states):
-            p.publish(step, state)
+    states, root, _ = _tp_store(tmp_path, "a delta")
     held = states[2] | {"big.weight": states[1]["big.weight"]}
     republish_anchor(root, 2, ds.anchor(held).to_bytes(), state_digest=ds.state_digest(held))
     ranks = _Ranks(monkeypatch, len(_TP_LAYOUTS[layout]))
     subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for rows in _TP_LAYOUTS[layout]]
-    results = ranks.run(lambda rank: _agreed_pull(subscribers[rank]))
+    results = ranks.run(lambda rank: _steps(_agreed_pull(subscribers[rank])))
     assert results == [[0, 1, 2, 3]] * len(_TP_LAYOUTS[layout]), results
 
 

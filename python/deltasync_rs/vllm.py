@@ -937,7 +937,7 @@ def _agreed(
             tries += 1
             continue
         if len(set(reached)) == 1:
-            if len({anchor for _, anchor, _, _ in summaries}) > 1:
+            if not same_start:
                 seen = set().union(*(set(shas) for _, _, shas, _ in summaries))
                 if any(set(shas) != seen for _, _, shas, _ in summaries):
                     refused |= seen  # every rank refuses what one refused, and all fetch again
