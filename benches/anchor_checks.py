@@ -180,6 +180,24 @@ def main() -> None:
         f"{turns / median['digest in turns, in rank order']:.2f}; staggered / one reader's turn {turns / one_turn:.2f}"
     )
 
+    # The staggered plan by bytes alone, on tensor-parallel ranks of every size: 72 row-split tensors of three sizes,
+    # one segment per rank (as tests/test_anchor_ranges.py lays them out), against every tensor started in turn 0.
+    for ranks in (2, 4, 8):
+        sizes = [1 << 20, 3 << 19, 1 << 18]  # bytes per rank
+        layout = {
+            f"t{i}.{k}": [(r, r * size, (r + 1) * size) for r in range(ranks)]
+            for i in range(24)
+            for k, size in enumerate(sizes)
+        }
+        plan = hash_turns(layout, ranks)
+        cost = sum(
+            max(sum(layout[n][i][2] - layout[n][i][1] for n, i in turn if layout[n][i][0] == r) for r in range(ranks))
+            for turn in plan
+        )
+        print(
+            f"  by bytes, TP={ranks}: staggered {cost / (24 * sum(sizes)):.3f} x one rank's share in {len(plan)} turns (in rank order: {ranks})"
+        )
+
 
 if __name__ == "__main__":
     main()
