@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import deltasync_rs as ds
@@ -629,3 +629,117 @@ def test_a_fragment_of_the_wrong_length_is_refused():
     for sent in ([{("t", block): bytes(11)}, good[1]], [{("t", block): bytes(9)}, good[1]]):
         with pytest.raises(IntegrityError, match="sent no bytes"):
             split_identities(everyone, plan, sent)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 5000),
+    st.lists(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 800)), max_size=6), min_size=1, max_size=4),
+)
+def test_segments_found_by_a_sweep_are_those_of_the_plain_rule(nbytes, readers):
+    """_ranged.segments sweeps the intervals in order (a column split holds one per row): the same segments as the
+    plain rule, at each point the interval begun there that reaches furthest, the lowest reader among equals."""
+    from deltasync_rs._ranged import HeldTensor, segments
+
+    everyone = []
+    for intervals in readers:
+        spans = sorted({(min(start, nbytes), min(start + length, nbytes)) for start, length in intervals})
+        disjoint, end = [], 0
+        for start, stop in spans:
+            if start >= end and stop > start:
+                disjoint.append((start, stop))
+                end = stop
+        everyone.append({"t": HeldTensor(nbytes, tuple(disjoint), ())})
+    cut: list | None = []
+    at = 0
+    while at < nbytes:
+        reach = [
+            (stop, -rank)
+            for rank, held in enumerate(everyone)
+            for start, stop in held["t"].intervals
+            if start <= at < stop
+        ]
+        if not reach:
+            cut = None
+            break
+        stop, rank = max(reach)
+        cut.append((-rank, at, stop))
+        at = stop
+    assert segments(everyone) == {"t": cut}
+
+
+#: A point of a tensor: an eighth of the way along it, give or take a few bytes (block boundaries and cuts in them).
+_EIGHTHS = st.tuples(st.integers(0, 8), st.integers(-3, 3))
+
+
+@settings(max_examples=100, deadline=None)
+@example(4 * 262144, [[((0, 0), (8, 0))], [((0, 3), (1, 0))]], None)  # one holds every block, one part of one
+@example(4 * 262144, [[((0, 0), (8, 0))], [((0, 3), (1, 0))]], (1, 0.0))  # the part's holder alone is off
+@example(1000, [[((0, 0), (3, 0))], [((0, 0), (3, 0))], [((3, 0), (8, 0))]], (1, 0.0))  # replicas, one block
+@given(
+    st.integers(1, 4 * 262144 + 5),
+    st.lists(
+        st.lists(st.tuples(_EIGHTHS, _EIGHTHS), min_size=1, max_size=4),
+        min_size=2,
+        max_size=4,
+    ),
+    st.one_of(st.none(), st.tuples(st.integers(0, 3), st.floats(0, 1))),
+)
+def test_holders_of_live_slices_check_every_holders_bytes(nbytes, readers, corrupt):
+    """_ranged.held_fragment_plan / held_identities (check_base at TP > 1): from slices that may overlap (replicas),
+    the tensor's identity where every holder holds the right bytes and together they hold all; never the right
+    identity where one holder's byte is wrong, whoever else holds that element."""
+    import numpy as np
+
+    from deltasync_rs import _core
+    from deltasync_rs._ranged import BLOCK_BYTES, HeldTensor, held_fragment_plan, held_identities
+
+    truth = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    layouts = []
+    for intervals in readers:
+        points = [
+            min(max(eighth * nbytes // 8 + off, 0), nbytes) for eighth, off in (a for pair in intervals for a in pair)
+        ]
+        spans = sorted({tuple(sorted(points[i : i + 2])) for i in range(0, len(points), 2)})
+        disjoint, end = [], 0
+        for start, stop in spans:
+            if start >= end and stop > start:
+                disjoint.append((start, stop))
+                end = stop
+        layouts.append(disjoint)
+    own = [truth.copy() for _ in layouts]
+    wrong = False
+    if corrupt is not None and corrupt[0] < len(layouts) and layouts[corrupt[0]]:
+        start, stop = layouts[corrupt[0]][int(corrupt[1] * (len(layouts[corrupt[0]]) - 1))]
+        own[corrupt[0]][start + (stop - start) // 2] ^= 1
+        wrong = True
+    everyone = []
+    for rank, intervals in enumerate(layouts):
+        runs = []
+        for start, stop in intervals:
+            first = -(-start // BLOCK_BYTES)
+            end = -(-nbytes // BLOCK_BYTES) if stop == nbytes else stop // BLOCK_BYTES
+            if end > first:
+                runs.append(
+                    (first, bytes(_core.block_hashes(own[rank][first * BLOCK_BYTES : min(end * BLOCK_BYTES, nbytes)])))
+                )
+        everyone.append({"t": HeldTensor(nbytes, tuple(intervals), tuple(runs))} if intervals else {})
+    plan = held_fragment_plan(everyone)
+    sent = [
+        {(name, start): own[rank][start:end].tobytes() for r, name, _, start, end in plan if r == rank}
+        for rank in range(len(layouts))
+    ]
+    identities, conflicts, uncovered = held_identities(everyone, plan, sent)
+    expected = _core.base_identity_from_blocks(bytes(_core.block_hashes(truth)), b"")
+    covered = np.zeros(nbytes, dtype=bool)
+    for intervals in layouts:
+        for start, stop in intervals:
+            covered[start:stop] = True
+    if not any(everyone):
+        assert (identities, conflicts, uncovered) == ({}, [], [])
+    elif wrong:
+        assert identities.get("t") != expected
+    elif covered.all():
+        assert identities == {"t": expected} and not conflicts and not uncovered
+    else:
+        assert uncovered == ["t"] and not identities

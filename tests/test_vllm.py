@@ -4,6 +4,7 @@ parameters, rejections that leave the model untouched, vLLM's loader as the fall
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -1052,3 +1053,144 @@ def test_ranks_that_start_from_different_anchors_without_a_refusal_raise_togethe
     assert all(isinstance(r, ds.IntegrityError) and "from different anchors" in str(r) for r in results), results
     assert "rank 0: the anchor of step 2, rank 1: the anchor of step 0" in str(results[0])
     assert calls == [1, 1]
+
+
+# ------------------------------------- check_base at TP > 1: the ranks check the tensors split across them together
+
+
+def _slices(full: torch.Tensor, how: str, cuts: list[int], pad: int = 0) -> list[ds_vllm.ShardMap]:
+    """Each rank's ShardMap of ``full`` as vLLM would hold it: ``how="rows"`` (rows ``cuts[r] .. cuts[r + 1]``, in a
+    fused parameter after 3 rows of another tensor and before ``pad`` more), ``"cols"`` (columns likewise, a
+    parameter of its own), ``"overlap"`` (rank 0 rows up to ``cuts[1]``, rank 1 from ``cuts[0]``) or ``"replicas"``
+    (rows as for "rows", each slice held by two ranks, as vLLM replicates KV heads at TP above their number), or
+    ``"cols-replicas"`` (columns so)."""
+    rows = full.shape[0]
+    cols = full.shape[1] if full.dim() == 2 else 1
+    bounds = [(cuts[r], cuts[r + 1]) for r in range(len(cuts) - 1)]
+    if how == "overlap":
+        bounds = [(0, cuts[1]), (cuts[0], rows)]
+    if how.endswith("replicas"):
+        bounds = [bound for bound in bounds for _ in range(2)]
+    out = []
+    for start, end in bounds:
+        if how.startswith("cols"):
+            param = full[:, start:end].contiguous()
+            out.append(ds_vllm.ShardMap("t", "p", param, tuple(full.shape), 0, rows, start, end - start, 0))
+            continue
+        param = torch.zeros((3 + end - start + pad, *full.shape[1:]), dtype=full.dtype)
+        param[3 : 3 + end - start] = full[start:end]
+        out.append(ds_vllm.ShardMap("t", "p", param, tuple(full.shape), start, end - start, 0, cols, 3))
+    return out
+
+
+def _split_check(monkeypatch, delta, shards: list[ds_vllm.ShardMap]) -> list:
+    """``_split_base_error`` on every rank (threads), each holding its ShardMap of tensor "t"."""
+    ranks = _Ranks(monkeypatch, len(shards))
+    index = delta.names.index("t")
+
+    def work(rank: int):
+        shard = shards[rank]
+        parts = {"t": ds_vllm._split_part(shard, 2 if shard.param.dtype == torch.bfloat16 else 4)}
+        everyone = ds_vllm._all_gather(parts)
+        return ds_vllm._split_base_error(delta, [(index, shard)], everyone)
+
+    return ranks.run(work)
+
+
+@pytest.mark.parametrize(
+    "shape, how, cuts",
+    [
+        ((1000, 512), "rows", [0, 437, 1000]),  # a cut inside a 256 KiB block (256 rows of 1 KiB)
+        ((1000, 512), "rows", [0, 256, 768, 1000]),  # cuts on block boundaries, three ranks
+        ((1000, 512), "rows", [0, 100, 150, 1000]),  # a rank inside one block
+        ((1000, 512), "cols", [0, 256, 512]),  # every row cut: no rank holds a block whole
+        ((300, 1024), "cols", [0, 128, 640, 1024]),
+        ((300_000,), "rows", [0, 131_073, 300_000]),  # a vector
+        ((1000, 512), "overlap", [400, 700, 1000]),  # both ranks hold rows 400..700 (replicated there)
+        ((1000, 512), "replicas", [0, 437, 1000]),  # four ranks, two per slice
+        ((1000, 512), "replicas", [0, 512, 1000]),
+        ((1000, 512), "cols-replicas", [0, 200, 512]),
+    ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_ranks_that_each_hold_a_slice_check_its_base_together(monkeypatch, shape, how, cuts, on_device):
+    from deltasync_rs import _identity
+
+    if on_device:  # torch ops hash the blocks, as on a GPU
+        monkeypatch.setattr(_identity, "TORCH_ON_CPU", True)
+        monkeypatch.setattr(_identity, "HOST_BELOW", 0)
+    generator = torch.Generator().manual_seed(len(cuts) + shape[0])
+    base = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    new = base.clone()
+    new.view(torch.int16).view(-1)[7::97] += 1
+    delta = ds.diff({"t": base}, {"t": new}, step=1, base_step=0)
+    assert _split_check(monkeypatch, delta, _slices(base, how, cuts)) == [None] * len(_slices(base, how, cuts))
+    flat = base.numel()
+    # One element off, the same on every rank that holds it: inside a block one rank holds whole, in a block a cut
+    # shares, at the very end.
+    for element in (flat // 3, cuts[1] * (base.shape[1] if base.dim() == 2 else 1) - 1, flat - 1):
+        wrong = base.clone()
+        wrong.view(torch.int16).view(-1)[element] ^= 0x10
+        results = _split_check(monkeypatch, delta, _slices(wrong, how, cuts))
+        assert len(set(results)) == 1 and results[0] is not None, results
+        assert "tensor 't'" in results[0] and "made against base" in results[0], results[0]
+        assert "nothing was applied" in results[0]
+    # One element off on one rank alone, wherever its slice lies: where another rank holds it too, they disagree.
+    shards = _slices(base, how, cuts)
+    for rank in range(len(shards)):
+        for where in (0.0, 0.5, 1.0):
+            shards = _slices(base, how, cuts)
+            shard = shards[rank]
+            held = shard.param if how.startswith("cols") else shard.param[3 : 3 + shard.row_count]
+            bits = held.view(torch.int16).reshape(-1)
+            bits[min(int(where * bits.numel()), bits.numel() - 1)] ^= 0x10
+            results = _split_check(monkeypatch, delta, shards)
+            assert len(set(results)) == 1 and results[0] is not None, (rank, where, results)
+            assert "made against base" in results[0] or "different bytes" in results[0], results[0]
+            if how.endswith("replicas"):
+                assert "different bytes" in results[0], results[0]
+
+
+def test_ranks_whose_slices_leave_a_gap_cannot_check_the_base(monkeypatch):
+    base = torch.randn(1000, 512).to(torch.bfloat16)
+    delta = ds.diff({"t": base}, {"t": base + 1}, step=1, base_step=0)
+    shards = _slices(base, "rows", [0, 437, 1000])
+    gap = shards[1]
+    shards[1] = ds_vllm.ShardMap("t", "p", gap.param, gap.hf_shape, 440, 560, 0, 512, 3)
+    results = _split_check(monkeypatch, delta, shards)
+    assert all(r is not None and "do not cover" in r for r in results), results
+    shards = _slices(base, "cols", [0, 200, 512])  # columns 200 .. 300 held by neither
+    shards[-1] = _slices(base, "cols", [0, 300, 512])[-1]
+    results = _split_check(monkeypatch, delta, shards)
+    assert all(r is not None and "do not cover" in r for r in results), results
+    shards = [_slices(base, "rows", [0, 437, 1000])[0], _slices(base, "cols", [0, 256, 512])[1]]
+    results = _split_check(monkeypatch, delta, shards)
+    assert all(r is not None and "split in different ways" in r for r in results), results
+
+
+def test_the_slices_of_a_large_split_tensor_cross_in_rounds(monkeypatch):
+    """A column split's slices are all sent: in rounds of at most _SPLIT_ROUND_BYTES, each tensor's in one."""
+    monkeypatch.setattr(ds_vllm, "_SPLIT_ROUND_BYTES", 1)
+    calls = []
+    together = ds_vllm._together
+
+    def counted(work, step, what, summary=lambda _: None):
+        calls.append(what)
+        return together(work, step, what, summary)
+
+    monkeypatch.setattr(ds_vllm, "_together", counted)
+    base = {name: torch.randn(64, 96).to(torch.bfloat16) for name in ("a", "b", "t")}
+    new = {name: tensor + 1 for name, tensor in base.items()}
+    delta = ds.diff(base, new, step=1, base_step=0)
+    ranks = _Ranks(monkeypatch, 2)
+
+    def work(rank: int):
+        plan = []
+        for name in ("a", "b", "t"):
+            shard = _slices(base[name], "cols", [0, 40, 96])[rank]
+            plan.append((delta.names.index(name), dataclasses.replace(shard, hf_name=name)))
+        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
+        return ds_vllm._split_base_error(delta, plan, everyone)
+
+    assert ranks.run(work) == [None, None]
+    assert calls.count("send its slices of the delta's bases") == 6  # three rounds, on each of two ranks

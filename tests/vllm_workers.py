@@ -561,23 +561,36 @@ def check_context_abs_values_at_any_tp(model, item: Prepared) -> None:
     _assert_equal_to_reload(model, item, 2)
 
 
-def check_base_identity_at_tp1_or_refused_at_tp2(model, item: Prepared) -> None:
-    """check_base=True: verified where the rank holds whole tensors; refused, naming why, where it holds a slice."""
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+def check_base_identity_at_any_tp(model, item: Prepared) -> None:
+    """check_base=True: a rank checks the tensors it holds whole alone, and the ranks check together those split
+    across them (row and column splits): a base that differs on one rank alone is refused by every rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     import deltasync_rs as ds
     from deltasync_rs.vllm import apply_delta
 
     delta = _delta(item, 1, "diff", "compact")
     if get_tensor_model_parallel_world_size() > 1:
-        _expect_untouched(
-            model,
-            snapshot(model),
-            ds.DeltaSyncError,
-            lambda: apply_delta(model, delta, current_step=0, check_base=True),
-            "slice",
-        )
-        return
+        params = dict(model.named_parameters())
+        # One element of one rank's slice: rank 1's rows of the fused q/k/v (a row split), rank 0's columns of
+        # o_proj (a column split), rank 1's rows of the vocabulary.
+        for rank, name in (
+            (1, "model.layers.0.self_attn.qkv_proj.weight"),
+            (0, "model.layers.1.self_attn.o_proj.weight"),
+            (1, "model.embed_tokens.weight"),
+        ):
+            bits = params[name].data.view(torch.int16).view(-1)
+            if get_tensor_model_parallel_rank() == rank:
+                bits[3] ^= 0x10
+            _expect_untouched(
+                model,
+                snapshot(model),
+                ds.BaseMismatchError,
+                lambda: apply_delta(model, delta, current_step=0, check_base=True),
+                "base",
+            )
+            if get_tensor_model_parallel_rank() == rank:
+                bits[3] ^= 0x10
     apply_delta(model, delta, current_step=0, check_base=True)
     _expect_untouched(
         model,
@@ -587,6 +600,9 @@ def check_base_identity_at_tp1_or_refused_at_tp2(model, item: Prepared) -> None:
         "base",
     )
     _assert_equal_to_reload(model, item, 1)
+    load_state(model, item, 1)  # a `context` delta, whose split tensors are placed from every rank's classes
+    apply_delta(model, _delta(item, 2, "diff", "context"), current_step=1, check_base=True)
+    _assert_equal_to_reload(model, item, 2)
 
 
 def check_unknown_name_rejected(model, item: Prepared) -> None:
@@ -1163,7 +1179,7 @@ CHECKS = [
     check_a_replicated_context_base_that_differs_on_one_rank_is_refused_by_every_rank,
     check_context_on_a_device,
     check_context_abs_values_at_any_tp,
-    check_base_identity_at_tp1_or_refused_at_tp2,
+    check_base_identity_at_any_tp,
     check_unknown_name_rejected,
     check_wrong_base_rejected,
     check_lm_head_alone,

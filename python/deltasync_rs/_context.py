@@ -11,10 +11,11 @@ whole, else each row's slice), then each places its own changes and finds each o
 (``RawDelta.context_counts`` / ``context_runs``: the whole reader's walk, restarted at each run's first class ranks);
 on other devices torch ops compute the classes and place the changes there, without copying the weights to the host.
 
-What such a reader cannot check is the base identity: it is over the whole tensor, which no reader holds. It
-checks instead that readers holding the same elements (replicas) count the same classes, that the readers together
-hold every element once, that every listed rank lies within its class, and that the changes add up to the record's
-``changed``; a worker otherwise trusts its step chain, as for every codec (docs/vllm.md).
+What such a reader cannot check alone is the base identity: it is over the whole tensor, which no reader holds
+(with ``check_base`` the vLLM ranks check it together, docs/vllm.md §7). It checks besides that readers holding
+the same elements (replicas) count the same classes, that the readers together hold every element once, that every
+listed rank lies within its class, and that the changes add up to the record's ``changed``; a worker otherwise
+trusts its step chain, as for every codec (docs/vllm.md).
 """
 
 from __future__ import annotations

@@ -135,8 +135,6 @@ def base_identities(tensors: list[Any]) -> list[str]:
     from HOST_BELOW bytes on have their whole 256 KiB blocks hashed on their device, the blocks of every such
     tensor on one device in one run of the rounds; the bytes after the last whole block (under 256 KiB), and
     smaller tensors, are copied to the host and hashed by the core."""
-    import torch
-
     from ._core import base_identity_from_blocks, range_identities
 
     found: dict[int, str] = {}
@@ -151,24 +149,44 @@ def base_identities(tensors: list[Any]) -> list[str]:
     # The host's share in one call: every block of every tensor hashed side by side.
     for (i, _), identity in zip(on_host, range_identities([(data, 0, data.size) for _, data in on_host]), strict=True):
         found[i] = identity
-    for device, items in by_device.items():
-        keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)
-        low = torch.tensor(0xFFFFFFFF, dtype=torch.int64, device=device)
-        sums, counts = [], []
-        for _, data in items:
-            whole = data.numel() // BLOCK_BYTES * BLOCK_BYTES
-            body = data[:whole]
-            if body.data_ptr() % 8:
-                body = body.clone()  # aligned for the int64 view, still on the device
-            sums.append(_round_sums(body.view(torch.int64).view(-1, _ROUNDS, _STRIPES, 8), keys, low))
-            counts.append(whole // BLOCK_BYTES)
-        hashes = _hash_rounds(torch.cat(sums))
+    for items in by_device.values():
+        counts = [data.numel() // BLOCK_BYTES for _, data in items]
+        hashes = _device_block_hashes([data[: count * BLOCK_BYTES] for (_, data), count in zip(items, counts)])
         at = 0
         for (i, data), count in zip(items, counts):
             blocks = b"".join(h.to_bytes(8, "little") for h in hashes[at : at + count])
             at += count
             found[i] = base_identity_from_blocks(blocks, data[count * BLOCK_BYTES :].cpu().numpy())
     return [found[i] for i in range(len(tensors))]
+
+
+def _device_block_hashes(bodies: list[Any]) -> list[int]:
+    """The hash of each 256 KiB block of each of ``bodies`` (flat uint8 tensors of whole blocks, all on one
+    device), in order: every block's rounds summed on the device in one run."""
+    import torch
+
+    device = bodies[0].device
+    keys = torch.tensor([_lanes(8 * stripe) for stripe in range(_STRIPES)], dtype=torch.int64, device=device)
+    low = torch.tensor(0xFFFFFFFF, dtype=torch.int64, device=device)
+    sums = []
+    for body in bodies:
+        if body.data_ptr() % 8:
+            body = body.clone()  # aligned for the int64 view, still on the device
+        sums.append(_round_sums(body.view(torch.int64).view(-1, _ROUNDS, _STRIPES, 8), keys, low))
+    return _hash_rounds(torch.cat(sums))
+
+
+def block_hashes(data: Any) -> bytes:
+    """The hashes of the 256 KiB blocks of a flat uint8 torch tensor's bytes (the last block may be short), 8 bytes
+    each, as ``_core.block_hashes`` gives them: whole blocks hashed on the tensor's device where it is one
+    (:func:`on_device`) and holds at least HOST_BELOW bytes, the rest copied to the host and hashed by the core."""
+    from ._core import block_hashes as host_block_hashes
+
+    whole = data.numel() // BLOCK_BYTES * BLOCK_BYTES
+    if not on_device(data) or data.numel() < max(HOST_BELOW, BLOCK_BYTES):
+        return bytes(host_block_hashes(data.cpu().numpy()))
+    hashes = b"".join(h.to_bytes(8, "little") for h in _device_block_hashes([data[:whole]]))
+    return hashes + (bytes(host_block_hashes(data[whole:].cpu().numpy())) if whole < data.numel() else b"")
 
 
 def base_identity(tensor: Any) -> str:

@@ -4,6 +4,7 @@ pieces sidecar, and gets a :class:`PartialAnchor` that knows which bytes it veri
 
 from __future__ import annotations
 
+import heapq
 import json
 import mmap
 import os
@@ -295,20 +296,29 @@ def segments(everyone: list[dict[str, HeldTensor | None]]) -> dict[str, list[tup
     for name in sorted(_split_names(everyone)):
         parts = [(rank, held[name]) for rank, held in enumerate(everyone) if held.get(name) is not None]
         nbytes = parts[0][1].nbytes  # type: ignore[union-attr]
+        # A sweep over the intervals by start (a column split holds one per row, so not each against each): at
+        # each point, of those begun, the one that reaches furthest, the lowest rank among equals.
+        pending = sorted(
+            (start, rank, stop)
+            for rank, part in parts
+            for start, stop in part.intervals  # type: ignore[union-attr]
+            if start < stop
+        )
+        begun: list[tuple[int, int]] = []  # (-stop, rank): a heap
         cut: list[tuple[int, int, int]] | None = []
-        at = 0
+        at, next_ = 0, 0
         while at < nbytes:
-            reach = [
-                (stop, -rank)
-                for rank, part in parts
-                for start, stop in part.intervals  # type: ignore[union-attr]
-                if start <= at < stop
-            ]
-            if not reach:
+            while next_ < len(pending) and pending[next_][0] <= at:
+                start, rank, stop = pending[next_]
+                heapq.heappush(begun, (-stop, rank))
+                next_ += 1
+            while begun and -begun[0][0] <= at:
+                heapq.heappop(begun)
+            if not begun:
                 cut = None
                 break
-            stop, rank = max(reach)
-            cut.append((-rank, at, stop))  # type: ignore[union-attr]
+            stop, rank = -begun[0][0], begun[0][1]
+            cut.append((rank, at, stop))  # type: ignore[union-attr]
             at = stop
         out[name] = cut
     return out
@@ -425,6 +435,167 @@ def split_identities(
         elif len(hashes) == _blocks(nbytes):
             identities[name] = base_identity_from_blocks(b"".join(hashes[b] for b in range(len(hashes))), b"")
     return identities, conflicts
+
+
+def _block_parts(
+    everyone: list[dict[str, HeldTensor | None]], name: str
+) -> tuple[int, dict[int, set[int]], dict[int, list[tuple[int, int, int]]]]:
+    """Of tensor ``name``, held in parts: its size, the readers that hold each block whole (hashed), and the
+    ``(reader, first byte, end byte)`` parts of each block held by readers that do not hold it whole."""
+    nbytes = 0
+    whole: dict[int, set[int]] = {}
+    partial: dict[int, list[tuple[int, int, int]]] = {}
+    for rank, held in enumerate(everyone):
+        part = held.get(name)
+        if part is None:
+            continue
+        nbytes = part.nbytes
+        mine = set(_hashed_blocks(part))
+        for block in mine:
+            whole.setdefault(block, set()).add(rank)
+        for start, end in part.intervals:
+            for block in range(start // BLOCK_BYTES, _blocks(end)):
+                if block not in mine:
+                    low, high = block * BLOCK_BYTES, (block + 1) * BLOCK_BYTES
+                    partial.setdefault(block, []).append((rank, max(start, low), min(end, high)))
+    return nbytes, whole, partial
+
+
+def held_fragment_plan(everyone: list[dict[str, HeldTensor | None]]) -> list[Fragment]:
+    """For holders of live slices of tensors (``everyone``: each one's parts, in rank order), the bytes they send
+    each other so that every holder's every byte is checked, not only one holder's of each: for each block that
+    some holder holds only part of, every such holder's bytes of it and, where another holds the block whole, the
+    lowest such holder's whole block (to compare the parts with). Blocks held whole by all that hold them cross as
+    their hashes alone. The same on every holder."""
+    plan: list[Fragment] = []
+    for name in sorted(_split_names(everyone)):
+        nbytes, whole, partial = _block_parts(everyone, name)
+        for block in sorted(partial):
+            plan.extend((rank, name, block, start, end) for rank, start, end in partial[block])
+            if block in whole:
+                low = block * BLOCK_BYTES
+                plan.append((min(whole[block]), name, block, low, min(low + BLOCK_BYTES, nbytes)))
+    return plan
+
+
+def held_identities(
+    everyone: list[dict[str, HeldTensor | None]], plan: list[Fragment], sent: list[dict[tuple[str, int], bytes]]
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """The base identities of tensors whose live slices the holders hold (``everyone``, in rank order), from the
+    hashes of the blocks held whole and the bytes of the others (``plan``, :func:`held_fragment_plan`, and what each
+    holder ``sent`` of it): the identities, the tensors where two holders hold different bytes (a block's hashes
+    differ, or the bytes of two parts where they meet or overlap), and the tensors with bytes no holder holds. The
+    same on every holder."""
+    from ._core import base_identity_from_blocks, block_hashes
+
+    received: dict[tuple[str, int], list[tuple[int, int, bytes]]] = {}
+    for sender, name, block, start, end in plan:
+        data = sent[sender].get((name, start)) if sender < len(sent) else None
+        if data is None or len(data) != end - start:
+            raise IntegrityError(f"tensor {name!r}: rank {sender} sent no bytes {start}..{end} of it")
+        received.setdefault((name, block), []).append((start, sender, data))
+    identities: dict[str, str] = {}
+    conflicts, uncovered = differently_sized(everyone), []
+    for name in sorted(_split_names(everyone)):
+        nbytes, whole, partial = _block_parts(everyone, name)
+        hashes = []
+        differ = gap = False
+        for block in range(_blocks(nbytes)):
+            low, high = block * BLOCK_BYTES, min((block + 1) * BLOCK_BYTES, nbytes)
+            found = {
+                bytes(run[8 * (block - first) : 8 * (block - first) + 8])
+                for rank in whole.get(block, ())
+                for first, run in everyone[rank][name].hashes  # type: ignore[union-attr]
+                if first <= block < first + len(run) // 8
+            }
+            parts = received.get((name, block), [])
+            if block in whole:  # the whole block's holder sent it first of all: the parts are compared with it
+                owner = min(whole[block])
+                parts = [(start, -1 if sender == owner else sender, data) for start, sender, data in parts]
+            parts.sort()
+            content = bytearray()
+            for start, _, data in parts:
+                if start > low + len(content):
+                    gap = True
+                    break
+                shared = content[start - low : start - low + len(data)]
+                if data[: len(shared)] != shared:
+                    differ = True
+                content += data[len(shared) :]
+            if parts and not gap and len(content) == high - low:
+                found.add(bytes(block_hashes(bytes(content))))
+            elif not found:
+                gap = True
+            if len(found) > 1:
+                differ = True
+            hashes.append(next(iter(found), b""))
+        if differ:
+            conflicts.append(name)
+        elif gap:
+            uncovered.append(name)
+        else:
+            identities[name] = base_identity_from_blocks(b"".join(hashes), b"")
+    return identities, conflicts, uncovered
+
+
+class HeldColumns(NamedTuple):
+    """What one holder holds of a tensor split by columns (vLLM's o_proj and down_proj at TP > 1): bytes ``first ..
+    last`` of each of the rows ``row_start ..+ row_count``, rows of ``row_bytes`` bytes, of a tensor of ``nbytes``.
+    No holder holds a 256 KiB block of it whole where rows are shorter than that, so holders send each other
+    their bytes of it (:func:`columns_identity`), as one run."""
+
+    nbytes: int
+    row_bytes: int
+    row_start: int
+    row_count: int
+    first: int
+    last: int
+
+    @property
+    def sent_bytes(self) -> int:
+        return self.row_count * (self.last - self.first)
+
+
+def columns_identity(parts: list[HeldColumns], sent: list[bytes]) -> tuple[str | None, str]:
+    """The base identity of a tensor split by columns, rebuilt from every holder's ``parts`` and the bytes each
+    ``sent`` (its slice, row after row), and "" where it could be; else None and why not: "differ" where two holders
+    hold different bytes for the same elements, "uncovered" where bytes of it no holder holds."""
+    import numpy as np
+
+    from ._core import range_identities
+
+    nbytes, row_bytes = parts[0].nbytes, parts[0].row_bytes
+    if any((p.nbytes, p.row_bytes) != (nbytes, row_bytes) for p in parts) or row_bytes <= 0 or nbytes % row_bytes:
+        return None, "differ"
+    shape = (nbytes // row_bytes, row_bytes)
+    boxes = [(p.row_start, p.row_start + p.row_count, p.first, p.last) for p in parts]
+    if any(r0 < 0 or r1 > shape[0] or c0 < 0 or c1 > shape[1] or r0 > r1 or c0 > c1 for r0, r1, c0, c1 in boxes):
+        return None, "uncovered"
+    # Where no two slices meet (no replicas), none is compared and they cover the tensor when their areas add up to
+    # it; else every byte is marked as it is placed, and bytes placed twice compared.
+    apart = not any(
+        a[0] < b[1] and b[0] < a[1] and a[2] < b[3] and b[2] < a[3] for i, a in enumerate(boxes) for b in boxes[:i]
+    )
+    full = np.empty(shape, dtype=np.uint8)
+    seen = None if apart else np.zeros(shape, dtype=bool)
+    differ = False
+    for part, data in zip(parts, sent, strict=True):
+        if len(data) != part.sent_bytes:
+            raise IntegrityError(f"a holder sent {len(data)} bytes of its slice, not {part.sent_bytes}")
+        rows, cols = slice(part.row_start, part.row_start + part.row_count), slice(part.first, part.last)
+        block = np.frombuffer(data, dtype=np.uint8).reshape(part.row_count, part.last - part.first)
+        if seen is not None:
+            already = seen[rows, cols]
+            if already.any():
+                differ |= bool((full[rows, cols][already] != block[already]).any())
+            already[...] = True
+        full[rows, cols] = block
+    if differ:
+        return None, "differ"
+    covered = seen.all() if seen is not None else sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in boxes) == nbytes
+    if not covered:
+        return None, "uncovered"
+    return range_identities([(full.reshape(-1), 0, nbytes)])[0], ""
 
 
 def anchor_tensors(header: bytes, data_start: int, size: int, key: str) -> list[AnchorTensor]:

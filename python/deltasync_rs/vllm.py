@@ -321,8 +321,8 @@ def apply_delta(
     nothing is changed. ``path="auto"`` maps the Qwen2/Qwen3/Llama/Mistral family itself (``"mapped"``) and sends any
     other model through vLLM's ``load_checkpoint_weight_patches`` (``"loader"``), which needs ``values="abs"``.
     ``check_base=True`` (mapped path) also checks that every touched tensor holds the exact base the delta was made
-    against; a rank can check only tensors it holds whole, so a tensor split across tensor-parallel ranks is refused
-    with that reason. ``aliases`` (the manifest entry's, docs/format.md §10: names the trainer ties to a published
+    against: a rank checks the tensors it holds whole alone, and the tensor-parallel ranks check the tensors split
+    across them together (docs/vllm.md §7), each rank's own slice included. ``aliases`` (the manifest entry's, docs/format.md §10: names the trainer ties to a published
     tensor) are refused where this model holds one as a parameter of its own, which the delta would leave at its old
     values. On vLLM's CPU backend the layers whose weights changed are repacked after the write (see
     docs/vllm.md). Returns the number of elements written on this rank.
@@ -360,15 +360,24 @@ def apply_delta(
     exchange = _tensor_parallel() > 1
     writes = _write.Writes(delta._raw)
 
-    def stage() -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
+    def stage() -> tuple[list[tuple[int, ShardMap]], dict[int, Any], dict[str, _Part]]:
         _check_chain(delta, current_step)
         _refuse_untied(model, delta, aliases)
         return _stage(model, delta, writes, check_base)
 
     if exchange:
-        (plan, _), holdings = _together(stage, None, "apply the delta", lambda staged: staged[1])
+        (plan, _, split), gathered = _together(stage, None, "apply the delta", lambda staged: staged[1:])
+        holdings = [held for held, _ in gathered]
+        if any(parts for _, parts in gathered):
+            error = _split_base_error(delta, plan, [parts for _, parts in gathered])
+            if error is not None:
+                raise _on_every_rank(BaseMismatchError(error))
     else:
-        (plan, _), holdings = stage(), []
+        (plan, _, split), holdings = stage(), []
+        if split:  # one rank holds every tensor whole: not reached with vLLM's layers
+            raise DeltaSyncError(
+                f"tensor {min(split)!r}: check_base found only part of it on the only rank; nothing was applied"
+            )
     everyone: dict[int, list[Any]] = {}
     for held in holdings:
         for index, part in held.items():
@@ -386,11 +395,17 @@ def apply_delta(
     return writes.elements
 
 
+#: What a rank holds of a tensor split across the ranks, for the split base check (:func:`_split_part`).
+_Part = _ranged.HeldTensor | _ranged.HeldColumns
+
+
 def _stage(
     model: torch.nn.Module, delta: Delta, writes: _write.Writes, check_base: bool
-) -> tuple[list[tuple[int, ShardMap]], dict[int, Any]]:
+) -> tuple[list[tuple[int, ShardMap]], dict[int, Any], dict[str, _Part]]:
     """Checks every tensor against this rank's parameters and stages its writes, but those of `context` tensors
-    this rank holds in part: for them, returns what this rank holds (``Writes.context_held``), by tensor index."""
+    this rank holds in part: for them, returns what this rank holds (``Writes.context_held``), by tensor index.
+    With ``check_base``, also returns what this rank holds of each tensor split across the ranks whose base it
+    cannot check alone (:func:`_split_part`), for the ranks to check together (:func:`_split_base_error`)."""
     if type(model).__name__ not in MAPPED_ARCHITECTURES:
         raise DeltaSyncError(
             f"{type(model).__name__} is not one of the mapped architectures "
@@ -427,8 +442,9 @@ def _stage(
             continue
         plan.append((index, shard))
     _reject_lone_tied_head(params, {info.name for info in infos})
+    split: dict[str, _Part] = {}
     if check_base:
-        _check_base(writes, delta, plan)
+        split = _check_base(writes, delta, plan)
     else:
         # At TP > 1 on the host too: a replicated tensor's base that differs on one rank must be refused by every
         # rank before any writes, not found by the core as that rank writes.
@@ -442,7 +458,7 @@ def _stage(
             held[index] = writes.context_held(index, shard)
         else:
             writes.add_region(index, shard)
-    return plan, held
+    return plan, held, split
 
 
 def _whole_region(shard: ShardMap) -> torch.Tensor:
@@ -452,20 +468,190 @@ def _whole_region(shard: ShardMap) -> torch.Tensor:
     return param.reshape(-1)[start : start + _numel(shard)]
 
 
-def _check_base(writes: _write.Writes, delta: Delta, plan: list[tuple[int, ShardMap]]) -> None:
+def _check_base(writes: _write.Writes, delta: Delta, plan: list[tuple[int, ShardMap]]) -> dict[str, _Part]:
     """Each planned tensor's bytes in this rank's parameter match the base identity the delta records (on a GPU,
-    hashed there). Only a tensor held whole by this rank can be checked."""
-    targets = []
+    hashed there), where this rank holds the tensor whole; of each tensor it holds only a tensor-parallel slice
+    of, returns what it holds (:func:`_split_part`), by name, for the ranks to check together."""
+    targets, split = [], {}
     for index, shard in plan:
         if delta.base_identity(index) is None:
             continue
-        if not shard.covers_all:
-            raise DeltaSyncError(
-                f"tensor {shard.hf_name!r}: check_base needs the whole tensor, but this rank holds "
-                "only its tensor-parallel slice; rely on the step chain (the default) at TP > 1"
-            )
-        targets.append((index, _whole_region(shard)))
+        if shard.covers_all:
+            targets.append((index, _whole_region(shard)))
+        else:
+            split[shard.hf_name] = _split_part(shard, _arrays.WIDTHS[delta.tensors[index].dtype])
     writes.check_bases(targets)
+    return split
+
+
+def _shard_rows(shard: ShardMap, width: int) -> torch.Tensor:
+    """The bytes of the parameter rows that hold this rank's slice (flat, uint8, where the parameter is)."""
+    param = shard.param.data
+    row_bytes = (param.shape[1] if param.dim() == 2 else 1) * width
+    flat = param.reshape(-1).view(torch.uint8)
+    return flat[shard.param_row_offset * row_bytes : (shard.param_row_offset + shard.row_count) * row_bytes]
+
+
+def _by_rows(shard: ShardMap) -> bool:
+    """True where this rank's slice is whole rows of the HF tensor, contiguous in its parameter (a row split)."""
+    param = shard.param.data
+    return shard.col_count == shard.hf_cols and (param.shape[1] if param.dim() == 2 else 1) == shard.hf_cols
+
+
+def _split_part(shard: ShardMap, width: int) -> _ranged.HeldTensor | _ranged.HeldColumns:
+    """What this rank holds of a tensor split across the tensor-parallel ranks: of a row split, the byte interval
+    of the HF tensor it holds and the hashes of the base-identity blocks wholly inside it (hashed where the
+    parameter is: on a GPU, on the device), a ``_ranged.HeldTensor``; of a column split, which bytes of which rows,
+    a ``_ranged.HeldColumns``."""
+    from . import _identity
+
+    block = _identity.BLOCK_BYTES
+    nbytes = _numel(shard) * width
+    row_bytes = shard.hf_cols * width
+    if not _by_rows(shard):
+        first = shard.col_start * width
+        return _ranged.HeldColumns(
+            nbytes, row_bytes, shard.row_start, shard.row_count, first, first + shard.col_count * width
+        )
+    start, end = shard.row_start * row_bytes, (shard.row_start + shard.row_count) * row_bytes
+    first, stop = -(-start // block), (-(-nbytes // block) if end == nbytes else end // block)
+    runs = []
+    if stop > first:
+        rows = _shard_rows(shard, width)
+        runs.append((first, _identity.block_hashes(rows[first * block - start : min(stop * block, nbytes) - start])))
+    return _ranged.HeldTensor(nbytes, ((start, end),), tuple(runs))
+
+
+#: The most bytes the ranks send each other in one all-gather of the split base check (a column split's slices,
+#: the blocks of a row split that a boundary cuts): the check's exchange goes in rounds of about this much.
+_SPLIT_ROUND_BYTES = 64 << 20
+
+
+def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: list[dict[str, _Part]]) -> str | None:
+    """At TP > 1 with ``check_base``: why the tensors split across the ranks (each holds a slice) do not hold the
+    base ``delta`` was made against, found by the ranks together from what each holds of them (``everyone``, every
+    rank's :func:`_split_part`s, in rank order). Row splits: the hashes of the 256 KiB blocks a rank holds whole,
+    and each rank's bytes of the blocks it holds only part of (a block a boundary cuts; both ranks' bytes where two
+    hold the same elements, as vLLM's replicated KV heads, so that each rank's own bytes are compared), sent to the
+    others (``_ranged.held_fragment_plan``). Column splits: every rank's slice, sent to the others, the tensor
+    rebuilt (``_ranged.columns_identity``). In rounds of about ``_SPLIT_ROUND_BYTES``, a tensor's in one. None where
+    every such tensor holds its base. The same answer on every rank."""
+    names = sorted({name for own in everyone for name in own})
+    columns = {name for own in everyone for name, part in own.items() if isinstance(part, _ranged.HeldColumns)}
+    layouts = {name for name in columns if any(isinstance(own.get(name), _ranged.HeldTensor) for own in everyone)}
+    if layouts:
+        return (
+            f"tensor {min(layouts)!r}: the tensor-parallel ranks hold it split in different ways, so its base "
+            "cannot be checked; nothing was applied"
+        )
+    rows: list[dict[str, _ranged.HeldTensor | None]] = [
+        {name: part for name, part in own.items() if isinstance(part, _ranged.HeldTensor)} for own in everyone
+    ]
+    by_name: dict[str, list[_ranged.Fragment]] = {}
+    for fragment in _ranged.held_fragment_plan(rows):
+        by_name.setdefault(fragment[1], []).append(fragment)
+
+    def size(name: str) -> int:
+        if name in columns:
+            return sum(part.sent_bytes for own in everyone if isinstance(part := own.get(name), _ranged.HeldColumns))
+        return sum(end - start for _, _, _, start, end in by_name.get(name, ()))
+
+    bases = {info.name: delta.base_identity(index) for index, info in enumerate(delta.tensors)}
+    shards = {shard.hf_name: shard for _, shard in plan}
+    rank = _tp_rank()
+    rounds: list[list[str]] = [[]]
+    round_bytes = 0
+    for name in names:
+        if rounds[-1] and round_bytes + size(name) > _SPLIT_ROUND_BYTES:
+            rounds.append([])
+            round_bytes = 0
+        rounds[-1].append(name)
+        round_bytes += size(name)
+    # Each column split is rebuilt by one rank (in turn), which tells the others what it found.
+    owners = {name: i % len(everyone) for i, name in enumerate(sorted(columns))}
+    own_columns: dict[str, tuple[str | None, str]] = {}
+    identities: dict[str, str] = {}
+    conflicts: list[str] = []
+    uncovered: list[str] = []
+    for batch in rounds:
+        fragments = [f for name in batch for f in by_name.get(name, ())]
+        whole = [name for name in batch if name in columns and name in everyone[rank]]
+        mine = [f for f in fragments if f[0] == rank]
+        sent: list[Any] = [({}, {})] * len(everyone)
+        if fragments or any(name in columns for name in batch):  # the same on every rank
+
+            def send(
+                mine: list[_ranged.Fragment] = mine, whole: list[str] = whole
+            ) -> tuple[dict[tuple[str, int], bytes], dict[str, bytes]]:
+                return _split_fragments(shards, delta, mine), {
+                    name: _slice_bytes(shards[name], delta) for name in whole
+                }
+
+            _, sent = _together(send, None, "send its slices of the delta's bases", lambda own: own)
+        held = [{name: own[name] for name in batch if name in own} for own in rows]
+        found, differ, gaps = _ranged.held_identities(held, fragments, [own for own, _ in sent])
+        identities.update(found)
+        conflicts += differ
+        uncovered += gaps
+        for name in batch:  # a column split is rebuilt and hashed by one rank, which tells the others below
+            if name in columns and owners[name] == rank:
+                holders = [r for r, own in enumerate(everyone) if name in own]
+                try:  # raised here, on one rank, the others would wait for it: it tells them instead
+                    own_columns[name] = _ranged.columns_identity(
+                        [everyone[r][name] for r in holders],  # type: ignore[misc]
+                        [sent[r][1].get(name, b"") for r in holders],
+                    )
+                except IntegrityError:  # a rank sent a slice of another size than it holds
+                    own_columns[name] = (None, "differ")
+        del sent
+    if columns:
+        _, told = _together(lambda: own_columns, None, "check its share of the column-split tensors", lambda own: own)
+        for results in told:
+            for name, (identity, problem) in results.items():
+                if identity is not None:
+                    identities[name] = identity
+                elif problem == "differ":
+                    conflicts.append(name)
+                else:
+                    uncovered.append(name)
+    if conflicts:
+        return (
+            f"tensor {min(conflicts)!r}: two tensor-parallel ranks hold different bytes for the same elements of "
+            "it; nothing was applied"
+        )
+    if uncovered:
+        return (
+            f"tensor {min(uncovered)!r}: the tensor-parallel ranks' slices do not cover it between them, so its "
+            "base cannot be checked; nothing was applied"
+        )
+    for name in names:  # each is in identities, conflicts or uncovered
+        if identities[name] != bases[name]:
+            return (
+                f"tensor {name!r}: the tensor-parallel ranks hold base {identities[name]} between them, but "
+                f"the delta was made against base {bases[name]}; nothing was applied"
+            )
+    return None
+
+
+def _slice_bytes(shard: ShardMap, delta: Delta) -> bytes:
+    """This rank's slice of a column-split tensor, row after row, copied to the host."""
+    width = _arrays.WIDTHS[delta.tensors[delta.names.index(shard.hf_name)].dtype]
+    rows = _shard_rows(shard, width).reshape(shard.row_count, -1)[:, : shard.col_count * width]
+    return rows.cpu().numpy().tobytes()
+
+
+def _split_fragments(
+    shards: Mapping[str, ShardMap], delta: Delta, mine: list[_ranged.Fragment]
+) -> dict[tuple[str, int], bytes]:
+    """This rank's share of the fragments of row-split tensors (``_ranged.held_fragment_plan``): its bytes of each,
+    by (tensor, first byte), copied to the host."""
+    widths = {info.name: _arrays.WIDTHS[info.dtype] for info in delta.tensors}
+    out = {}
+    for _, name, _, start, end in mine:
+        shard = shards[name]
+        offset = shard.row_start * shard.hf_cols * widths[name]
+        out[(name, start)] = _shard_rows(shard, widths[name])[start - offset : end - offset].cpu().numpy().tobytes()
+    return out
 
 
 def _reject_lone_tied_head(params: dict[str, torch.Tensor], names: set[str]) -> None:
