@@ -192,13 +192,16 @@ def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[d
     followed[1] = generate(llm)
     llm.init_weight_transfer_engine({"init_info": {"store": store}})
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"step": 2, "check_base": TP == 1}})  # a TP rank holds slices
+    llm.update_weights(
+        {"update_info": {"step": 2, "check_base": True}}
+    )  # at TP=2 the ranks check split tensors together
     llm.finish_weight_update()
     llm.reset_prefix_cache()
     followed[2] = generate(llm)
     refused = None
     if multiprocess:
-        assert llm.collective_rpc("deltasync_pull", args=(store,)) == [3] * TP  # the newest step, agreed by the ranks
+        # the newest step, agreed by the ranks, its bases checked
+        assert llm.collective_rpc("deltasync_pull", args=(store,), kwargs={"check_base": True}) == [3] * TP
         llm.reset_prefix_cache()
         followed[3] = generate(llm)
         try:  # a step never published: refused by every rank, and vLLM reads each later call's own replies

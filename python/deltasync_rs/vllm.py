@@ -322,10 +322,11 @@ def apply_delta(
     other model through vLLM's ``load_checkpoint_weight_patches`` (``"loader"``), which needs ``values="abs"``.
     ``check_base=True`` (mapped path) also checks that every touched tensor holds the exact base the delta was made
     against: a rank checks the tensors it holds whole alone, and the tensor-parallel ranks check the tensors split
-    across them together (docs/vllm.md §7), each rank's own slice included. ``aliases`` (the manifest entry's, docs/format.md §10: names the trainer ties to a published
-    tensor) are refused where this model holds one as a parameter of its own, which the delta would leave at its old
-    values. On vLLM's CPU backend the layers whose weights changed are repacked after the write (see
-    docs/vllm.md). Returns the number of elements written on this rank.
+    across them together (docs/vllm.md §7), each rank's own slice included. ``aliases`` (the manifest entry's,
+    docs/format.md §10: names the trainer ties to a published tensor) are refused where this model holds one as a
+    parameter of its own, which the delta would leave at its old values. On vLLM's CPU backend the layers whose
+    weights changed are repacked after the write (see docs/vllm.md). Returns the number of elements written on this
+    rank.
     """
     if not isinstance(delta, Delta):
         raise DeltaSyncError(f"apply_delta takes a deltasync_rs.Delta, not {type(delta).__name__}")
