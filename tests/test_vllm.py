@@ -1194,3 +1194,29 @@ def test_the_slices_of_a_large_split_tensor_cross_in_rounds(monkeypatch):
 
     assert ranks.run(work) == [None, None]
     assert calls.count("send its slices of the delta's bases") == 6  # three rounds, on each of two ranks
+
+
+def test_ranks_compare_the_entries_their_files_were_verified_against(tmp_path, monkeypatch):
+    """The entries' comparison of `_agreed` takes each file's entry from the fetch that verified the file against it,
+    not from the subscriber's cache: an entry evicted from it (a way longer than its 64 entries) was read again from
+    the store, one GET per step, and could be another than the one the file was verified against."""
+    states, root, step = _tp_store(tmp_path, "a delta")
+    ranks = _Ranks(monkeypatch, 2)
+    subscribers = [Subscriber(root, anchor_ranges=_rows(rows)) for rows in _TP_LAYOUTS["halves"]]
+
+    def unread(step: int):
+        raise AssertionError(f"entry of step {step} read again")
+
+    def pull(rank: int):
+        deltas, _ = ds_vllm._agreed(
+            subscribers[rank]._fetch_checked_by_the_apply,
+            None,
+            None,
+            subscribers[rank]._refused_anchors,
+            unread,
+            subscribers[rank]._entries.clear,
+        )
+        assert all(d._entry == subscribers[rank].entry(d.step) for d in deltas)
+        return _steps(deltas)
+
+    assert ranks.run(pull) == [list(range(step, len(states)))] * 2

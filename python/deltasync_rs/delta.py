@@ -52,10 +52,13 @@ class Delta:
     apply it in place with :meth:`apply_`.
     """
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_raw", "_entry")
 
     def __init__(self, raw: RawDelta) -> None:
         self._raw = raw
+        #: The manifest entry (a ``manifest.Entry``) a Subscriber verified this file against; None for a file read
+        #: otherwise.
+        self._entry: Any = None
 
     @property
     def names(self) -> list[str]:

@@ -851,6 +851,7 @@ class Subscriber:
             if anchor_entry is not None:
                 assert anchor_entry.anchor is not None  # the plan chose an entry with an anchor
                 out.append(self._file(anchor_entry.anchor, anchor_entry.step, "anchor", fill=fill))
+                out[0]._entry = anchor_entry  # what the file was verified against
                 self._check_anchor(anchor_entry, out[0])
                 if bar is not None:
                     bar.update()
@@ -860,6 +861,7 @@ class Subscriber:
                 if delta.base_step is not None and delta.base_step != entry.base_step:
                     raise IntegrityError(f"{entry.delta['key']}: base step {delta.base_step} differs from its entry")
                 delta.step, delta.base_step = entry.step, entry.base_step
+                delta._entry = entry
                 if anchor_entry is not None and len(out) == 1:
                     self._check_follows(anchor_entry, out[0], delta)
                 out.append(delta)

@@ -1103,7 +1103,9 @@ def _agreed(
         # What each rank verified its files against: one entry's SHA-256 binds its files' (or pieces').
         if anchor_entry is None or _tensor_parallel() <= 1:
             return reached, anchor, sorted(refused), []
-        read = [anchor_entry(d.step).sha256 for d in fetched if d.step is not None]
+        # The entry each file was verified against, as the fetch recorded it (an entry read again here could be
+        # another: one evicted from the subscriber's cache and published again since).
+        read = [_entry_of(d, anchor_entry).sha256 for d in fetched if d.step is not None]
         return reached, anchor, sorted(refused), read
 
     tries = 0  # fetches that ended at different steps, or at one by different entries; a fetch whose anchor is
@@ -1141,7 +1143,7 @@ def _agreed(
                 )
             anchor_step = summaries[0][1]
             if anchor_entry is not None and anchor_step is not None and _tensor_parallel() > 1:
-                entry = anchor_entry(anchor_step)
+                entry = _entry_of(deltas[0], anchor_entry)
                 if len(deltas) > 1:
                     wrong = _split_anchor_error(deltas[0], deltas[1], current_step)
                 else:
@@ -1161,6 +1163,16 @@ def _agreed(
             "(the store was published into as they read it); none applied"
         )
     )
+
+
+def _entry_of(delta: Delta, read: Callable[[int], Entry]) -> Entry:
+    """The manifest entry ``delta``'s file was verified against, as its fetch recorded it; else ``read`` of its
+    step (an entry read again could be another: evicted from the subscriber's cache and published again since)."""
+    entry = getattr(delta, "_entry", None)
+    if isinstance(entry, Entry):
+        return entry
+    assert delta.step is not None
+    return read(delta.step)
 
 
 def _split_anchor_error(anchor: Delta, first: Delta, current_step: int | None) -> str | None:
