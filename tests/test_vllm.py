@@ -1220,3 +1220,50 @@ def test_ranks_compare_the_entries_their_files_were_verified_against(tmp_path, m
         return _steps(deltas)
 
     assert ranks.run(pull) == [list(range(step, len(states)))] * 2
+
+
+def test_a_rank_holding_an_empty_slice_adds_nothing_to_check(monkeypatch):
+    """A padded vocabulary of at most 64 x TP rows leaves the last rank an empty slice while another holds every row:
+    that one checks the tensor alone, and the empty slice is not a part no rank could cover (it was refused)."""
+    from deltasync_rs import _write
+
+    base = torch.randn(30, 8).to(torch.bfloat16)
+    delta = ds.diff({"t": base}, {"t": base + 1}, step=1, base_step=0)
+    whole, empty = _slices(base, "rows", [0, 30, 30])
+    assert whole.covers_all
+    writes = _write.Writes(delta._raw)
+    assert ds_vllm._check_base(writes, delta, [(0, empty)]) == {}
+    assert ds_vllm._check_base(writes, delta, [(0, whole)]) == {}
+    wrong = _slices(base + 2, "rows", [0, 30, 30])[0]
+    with pytest.raises(ds.BaseMismatchError):
+        ds_vllm._check_base(writes, delta, [(0, wrong)])
+
+
+def test_a_rank_that_fails_to_rebuild_a_column_split_tells_the_others(monkeypatch):
+    """The rank that rebuilds a column-split tensor does so outside the exchange: an error there (out of memory, a
+    panic in the core) is told to the others, which all raise it, instead of leaving them waiting for that rank."""
+    from deltasync_rs import _ranged
+
+    base = {name: torch.randn(64, 96).to(torch.bfloat16) for name in ("a", "b", "c")}
+    delta = ds.diff(base, {name: tensor + 1 for name, tensor in base.items()}, step=1, base_step=0)
+    real = _ranged.columns_identity
+
+    def fails_on_rank_1(parts, sent):
+        if ds_vllm._tp_rank() == 1:
+            raise MemoryError("no room for the tensor")
+        return real(parts, sent)
+
+    monkeypatch.setattr(_ranged, "columns_identity", fails_on_rank_1)
+    ranks = _Ranks(monkeypatch, 2)
+
+    def work(rank: int):
+        plan = [
+            (delta.names.index(name), dataclasses.replace(_slices(base[name], "cols", [0, 40, 96])[rank], hf_name=name))
+            for name in ("a", "b", "c")
+        ]
+        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
+        return ds_vllm._split_base_error(delta, plan, everyone)
+
+    results = ranks.run(work)  # ranks 0, 1 and 0 rebuild a, b and c
+    assert all(isinstance(r, ds.DeltaSyncError) for r in results), results
+    assert all("tensor 'b'" in str(r) and "rank 1 could not rebuild it (MemoryError" in str(r) for r in results)

@@ -370,7 +370,10 @@ def apply_delta(
         (plan, _, split), gathered = _together(stage, None, "apply the delta", lambda staged: staged[1:])
         holdings = [held for held, _ in gathered]
         if any(parts for _, parts in gathered):
-            error = _split_base_error(delta, plan, [parts for _, parts in gathered])
+            try:
+                error = _split_base_error(delta, plan, [parts for _, parts in gathered])
+            except DeltaSyncError as failed:  # found from what every rank gathered: the same on every rank
+                raise _on_every_rank(failed) from None
             if error is not None:
                 raise _on_every_rank(BaseMismatchError(error))
     else:
@@ -479,7 +482,7 @@ def _check_base(writes: _write.Writes, delta: Delta, plan: list[tuple[int, Shard
             continue
         if shard.covers_all:
             targets.append((index, _whole_region(shard)))
-        else:
+        elif shard.row_count and shard.col_count:  # an empty slice (a padded vocabulary's last rank) holds nothing
             split[shard.hf_name] = _split_part(shard, _arrays.WIDTHS[delta.tensors[index].dtype])
     writes.check_bases(targets)
     return split
@@ -604,17 +607,23 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
                     )
                 except IntegrityError:  # a rank sent a slice of another size than it holds
                     own_columns[name] = (None, "differ")
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as error:  # out of memory, a panic in the core: told, not raised alone
+                    own_columns[name] = (None, f"rank {rank} could not rebuild it ({type(error).__name__}: {error})")
         del sent
     if columns:
         _, told = _together(lambda: own_columns, None, "check its share of the column-split tensors", lambda own: own)
         for results in told:
-            for name, (identity, problem) in results.items():
+            for name, (identity, problem) in sorted(results.items()):
                 if identity is not None:
                     identities[name] = identity
                 elif problem == "differ":
                     conflicts.append(name)
-                else:
+                elif problem == "uncovered":
                     uncovered.append(name)
+                else:
+                    raise _on_every_rank(DeltaSyncError(f"tensor {name!r}: check_base: {problem}; nothing was applied"))
     if conflicts:
         return (
             f"tensor {min(conflicts)!r}: two tensor-parallel ranks hold different bytes for the same elements of "
