@@ -664,6 +664,43 @@ def check_lm_head_alone(model, item: Prepared) -> None:
     assert not bad, f"differs from a dense reload of lm_head: {bad}"
 
 
+def check_a_tied_head_made_against_another_base_is_refused_by_check_base(model, item: Prepared) -> None:
+    """A served model that ties lm_head to embed_tokens holds one memory for both: a delta whose two tensors have the
+    same changes but were made against different bases (a trainer whose lm_head differs) is refused with
+    check_base, which used to check the embedding's base alone."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+
+    if not MODELS[item.name][1]["tie_word_embeddings"]:
+        return  # an untied model holds the two apart: each is checked on its own
+    embed = _state(item, 0)["model.embed_tokens.weight"]
+    head = embed.clone()
+    head.view(torch.int16).view(-1)[5] += 3  # the trainer's lm_head, one element off the embedding
+    step = torch.zeros_like(embed, dtype=torch.int16).view(-1)
+    step[100::37] = 1  # the same changes to both
+    prev = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
+    curr = {
+        name: (tensor.view(torch.int16).view(-1) + step).view(torch.bfloat16).view(tensor.shape)
+        for name, tensor in prev.items()
+    }
+    delta = ds.diff(prev, curr, values="diff", step=1, base_step=0)
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,
+        lambda: apply_delta(model, delta, current_step=0, check_base=True),
+        "different bases",
+    )
+    same = ds.diff(
+        {"model.embed_tokens.weight": embed, "lm_head.weight": embed},
+        curr | {"lm_head.weight": curr["model.embed_tokens.weight"]},
+        values="diff",
+        step=1,
+        base_step=0,
+    )
+    apply_delta(model, same, current_step=0, check_base=True)  # the trainer ties them too: checked, applied
+
+
 def check_loader_path_abs(model, item: Prepared) -> None:
     from deltasync_rs.vllm import apply_delta
 
@@ -1180,6 +1217,7 @@ CHECKS = [
     check_context_on_a_device,
     check_context_abs_values_at_any_tp,
     check_base_identity_at_any_tp,
+    check_a_tied_head_made_against_another_base_is_refused_by_check_base,
     check_unknown_name_rejected,
     check_wrong_base_rejected,
     check_lm_head_alone,

@@ -443,6 +443,13 @@ def _stage(
                     f"tensors {infos[first].name!r} and {info.name!r} are one parameter in vLLM "
                     "but the delta changes them differently"
                 )
+            bases = (delta.base_identity(first), delta.base_identity(index))
+            if check_base and None not in bases and bases[0] != bases[1]:
+                # One memory holds one base: the check of the first tensor's covers this one only where they agree.
+                raise BaseMismatchError(
+                    f"tensors {infos[first].name!r} and {info.name!r} are one parameter in vLLM, but the delta was "
+                    f"made against different bases for them ({bases[0]} and {bases[1]}): the trainer's differ"
+                )
             continue
         plan.append((index, shard))
     _reject_lone_tied_head(params, {info.name for info in infos})
