@@ -265,3 +265,17 @@ def relink(root: Path, step: int) -> None:
     latest = json.loads((root / "latest.json").read_text())
     latest["entry_sha256"] = sha256(latest["step"])
     (root / "latest.json").write_text(json.dumps(latest))
+
+
+def without_base(blob: bytes, name: str) -> bytes:
+    """``blob`` (a delta file) with tensor ``name``'s record holding no ``base`` identity (docs/format.md §3), as a
+    writer that recorded none for it lays it out (``join_shards`` without the publisher's state, an older writer);
+    its checksum made right again."""
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    records = json.loads(header["__metadata__"]["tensors"])
+    assert any(record["name"] == name and record.pop("base", None) for record in records), name
+    header["__metadata__"]["tensors"] = json.dumps(records, separators=(",", ":"))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return reseal(len(raw).to_bytes(8, "little") + raw + blob[8 + length :])

@@ -1267,3 +1267,27 @@ def test_a_rank_that_fails_to_rebuild_a_column_split_tells_the_others(monkeypatc
     results = ranks.run(work)  # ranks 0, 1 and 0 rebuild a, b and c
     assert all(isinstance(r, ds.DeltaSyncError) for r in results), results
     assert all("tensor 'b'" in str(r) and "rank 1 could not rebuild it (MemoryError" in str(r) for r in results)
+
+
+def test_the_step_a_fetch_reaches_keeps_the_entry_its_file_was_verified_against(tmp_path):
+    """After the fetch, the entry kept for the step reached (a Subscriber's, or the vLLM tracker's, from which the
+    next pull must continue) and the ties read for the apply are those of the entry each file was verified against:
+    on a way of 80 steps the subscriber's cache of 64 had evicted the newest entries, read again from the store (and
+    another entry where the step was published again in between)."""
+    import numpy as np
+
+    state = {"w": np.arange(256, dtype=np.float32)}
+    with ds.Publisher(tmp_path / "store", background=False, anchor_every=1000) as publisher:
+        for step in range(80):
+            state = {"w": state["w"] + np.float32(1)}
+            publisher.publish(step, state)
+    subscriber = Subscriber(tmp_path / "store")
+    deltas = subscriber.fetch(None)
+    assert len(deltas) == 80 and subscriber._at is deltas[-1]._entry
+
+    def unread(step: int):
+        raise AssertionError(f"entry of step {step} read again")
+
+    for delta in deltas:
+        assert ds_vllm._entry_aliases(unread, delta) == delta._entry.aliases
+        assert ds_vllm._entry_of(delta, unread) is delta._entry

@@ -701,6 +701,39 @@ def check_a_tied_head_made_against_another_base_is_refused_by_check_base(model, 
     apply_delta(model, same, current_step=0, check_base=True)  # the trainer ties them too: checked, applied
 
 
+def check_a_tied_record_without_a_base_is_checked_through_the_other(model, item: Prepared) -> None:
+    """Of a tied pair (one memory, written once through one record), the record written is one that holds a base:
+    lm_head's without one, the embedding's (made against another embedding than the served one) was never
+    compared with check_base, and the delta applied."""
+    import deltasync_rs as ds
+    from deltasync_rs.vllm import apply_delta
+    from tests.helpers import without_base
+
+    if not MODELS[item.name][1]["tie_word_embeddings"]:
+        return  # an untied model holds the two apart: each is checked on its own
+    served = _state(item, 0)["model.embed_tokens.weight"]
+    other = served.clone()
+    other.view(torch.int16).view(-1)[5] += 3  # the trainer's embedding, one element off the served one
+    step = torch.zeros_like(other, dtype=torch.int16).view(-1)
+    step[100::37] = 1
+    prev = {"lm_head.weight": other, "model.embed_tokens.weight": other}
+    curr = {
+        name: (tensor.view(torch.int16).view(-1) + step).view(torch.bfloat16).view(tensor.shape)
+        for name, tensor in prev.items()
+    }
+    made = ds.diff(prev, curr, values="diff", codec="varint", step=1, base_step=0)  # a record per tensor
+    assert made.names.index("lm_head.weight") < made.names.index("model.embed_tokens.weight")
+    delta = ds.load(without_base(made.to_bytes(), "lm_head.weight"))
+    assert delta.base_identity(delta.names.index("lm_head.weight")) is None
+    _expect_untouched(
+        model,
+        snapshot(model),
+        ds.BaseMismatchError,
+        lambda: apply_delta(model, delta, current_step=0, check_base=True),
+        "model.embed_tokens.weight",
+    )
+
+
 def check_loader_path_abs(model, item: Prepared) -> None:
     from deltasync_rs.vllm import apply_delta
 
@@ -1218,6 +1251,7 @@ CHECKS = [
     check_context_abs_values_at_any_tp,
     check_base_identity_at_any_tp,
     check_a_tied_head_made_against_another_base_is_refused_by_check_base,
+    check_a_tied_record_without_a_base_is_checked_through_the_other,
     check_unknown_name_rejected,
     check_wrong_base_rejected,
     check_lm_head_alone,

@@ -274,6 +274,14 @@ class Subscriber:
             self._entries.popitem(last=False)
         return entry
 
+    def _verified_entry(self, delta: Delta) -> Entry:
+        """The manifest entry ``delta``'s file was verified against, as the fetch recorded it (an entry read again
+        could be another: evicted from the cache and published again since); else the one read now."""
+        if isinstance(delta._entry, Entry):
+            return delta._entry
+        assert delta.step is not None
+        return self.entry(delta.step)
+
     def _bound(self, document: Entry | Pointer, key: str) -> Any:
         """``document`` when it belongs to this store's run; an unsigned run.json is read again after a mismatch
         until an entry has confirmed it, so one corrupted read of it cannot stick."""
@@ -704,7 +712,7 @@ class Subscriber:
         otherwise, as ``pull`` does."""
         deltas = self._fetch(current_step, until, self._download) or []
         if deltas and deltas[-1].step is not None:
-            self._at = self.entry(deltas[-1].step)
+            self._at = self._verified_entry(deltas[-1])
         return deltas
 
     def _fetch_checked_by_the_apply(self, current_step: int | None, until: int | None) -> list[Delta]:
@@ -1148,7 +1156,9 @@ class Subscriber:
             if delta._whole_state:
                 self._names = delta.names
             self.step = delta.step
-        self._at = self.entry(self._reached())
+        reached = self._reached()
+        last = next((delta for delta in reversed(deltas) if delta.step == reached), None)
+        self._at = self.entry(reached) if last is None else self._verified_entry(last)
         return known
 
     @one_at_a_time

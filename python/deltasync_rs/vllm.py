@@ -420,6 +420,7 @@ def _stage(
     infos = delta.tensors
     plan: list[tuple[int, ShardMap]] = []
     region_owner: dict[tuple[int, int, int], int] = {}
+    planned: dict[tuple[int, int, int], int] = {}  # where each region's record is in `plan`
     for index, info in enumerate(infos):
         shard = shard_map(model, info.name, params)
         dtype = _arrays._TORCH_NAMES.get(str(shard.param.dtype))
@@ -450,7 +451,12 @@ def _stage(
                     f"tensors {infos[first].name!r} and {info.name!r} are one parameter in vLLM, but the delta was "
                     f"made against different bases for them ({bases[0]} and {bases[1]}): the trainer's differ"
                 )
+            if bases[0] is None and bases[1] is not None:
+                # The same changes: written (and checked) through the record that holds a base.
+                region_owner[shard.region_key()] = index
+                plan[planned[shard.region_key()]] = (index, shard)
             continue
+        planned[shard.region_key()] = len(plan)
         plan.append((index, shard))
     _reject_lone_tied_head(params, {info.name for info in infos})
     split: dict[str, _Part] = {}
@@ -983,7 +989,7 @@ class _StepTracker:
                 current_step=self.current_step,
                 path=path,
                 check_base=check_base and not delta.is_anchor,
-                aliases=_entry_aliases(entries, delta.step),
+                aliases=_entry_aliases(entries, delta),
             )
             # A file that names no step leaves weights of no known step.
             self.current_step = delta.step
@@ -993,7 +999,7 @@ class _StepTracker:
                 self.mark(model)
                 if entries is not None:
                     try:
-                        self.entry = entries(delta.step)  # read (and verified) on the way there: cached
+                        self.entry = _entry_of(delta, entries)  # the one its file was verified against
                     except DeltaSyncError as error:  # the weights are at the step all the same
                         log.warning(
                             "step %d: its entry did not read back (%s); the next pull cannot check its link",
@@ -1078,12 +1084,15 @@ class _StepTracker:
         return step
 
 
-def _entry_aliases(entries: Callable[[int], Any] | None, step: int | None) -> Mapping[str, str] | None:
-    """The ties step ``step``'s manifest entry lists (read and verified on the pull's way there: cached), if known."""
-    if entries is None or step is None:
+def _entry_aliases(entries: Callable[[int], Any] | None, delta: Delta) -> Mapping[str, str] | None:
+    """The ties ``delta``'s manifest entry lists (the entry its file was verified against, else the one ``entries``
+    reads of its step), if known."""
+    if isinstance(getattr(delta, "_entry", None), Entry):
+        return delta._entry.aliases
+    if entries is None or delta.step is None:
         return None
     try:
-        return entries(step).aliases
+        return entries(delta.step).aliases
     except DeltaSyncError:
         return None  # read (and its error raised) by the pull itself, or logged after the apply
 
