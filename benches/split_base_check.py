@@ -1,9 +1,10 @@
 """What ``check_base=True`` costs vLLM ranks at TP = 2 (docs/vllm.md §7): the ranks check the tensors split across
 them together. Each rank hashes the 256 KiB identity blocks wholly inside its slices (``vllm._split_part``), the
-ranks all-gather those hashes, send each other their bytes of the blocks no rank holds whole (every byte of a
-column split) and rebuild every tensor's identity (``vllm._split_base_error``). The two ranks are threads, one per
-core as vLLM's ranks on their own cores, the all-gathers a barrier exchange through pickle (what gloo's object
-all-gather does, without the sockets). Against one process checking the same tensors whole (TP = 1: the core's
+ranks all-gather those hashes and their bytes of the row-split blocks no rank holds whole, send each column split's
+slices to the rank that rebuilds it (``vllm._exchange``), and find every tensor's identity
+(``vllm._split_base_error``). The two ranks are threads, one per core as vLLM's ranks on their own cores, the
+all-gathers and gathers a barrier exchange through pickle (what gloo's object collectives do, without the
+sockets). Against one process checking the same tensors whole (TP = 1: the core's
 base identities of every tensor, ``range_identities``), round by round.
 
     python benches/split_base_check.py [layers] [rounds]
@@ -62,22 +63,32 @@ def shard(name: str, full: torch.Tensor, how: str, rank: int) -> ds_vllm.ShardMa
 
 
 class Ranks:
-    """Two ranks as threads; vLLM's all-gather replaced by a barrier exchange through pickle."""
+    """Two ranks as threads; vLLM's all-gather and ``_exchange``'s gathers replaced by barrier exchanges through
+    pickle. ``received`` counts the pickled bytes rank 0 received from rank 1."""
 
     def __init__(self) -> None:
         self.local = threading.local()
         self.barrier = threading.Barrier(2)
         self.slots: list = [None, None]
-        self.pickled = 0
+        self.received = 0
 
     def all_gather(self, mine):
-        data = pickle.dumps(mine)
-        self.pickled += len(data) if self.local.rank == 0 else 0
-        self.slots[self.local.rank] = pickle.loads(data)
+        rank = self.local.rank
+        self.slots[rank] = pickle.dumps(mine)
         self.barrier.wait()
-        everyone = list(self.slots)
+        everyone = [pickle.loads(data) for data in self.slots]
+        self.received += len(self.slots[1]) if rank == 0 else 0
         self.barrier.wait()
         return everyone
+
+    def exchange(self, outgoing):
+        rank = self.local.rank
+        self.slots[rank] = [pickle.dumps(item) for item in outgoing]
+        self.barrier.wait()
+        mine = [pickle.loads(sent[rank]) for sent in self.slots]
+        self.received += len(self.slots[1][0]) if rank == 0 else 0
+        self.barrier.wait()
+        return mine
 
     def run(self, work):
         results: list = [None, None]
@@ -135,10 +146,11 @@ def main() -> None:
     with (
         mock.patch.object(ds_vllm, "_tensor_parallel", lambda: 2),
         mock.patch.object(ds_vllm, "_all_gather", ranks.all_gather),
+        mock.patch.object(ds_vllm, "_exchange", ranks.exchange, create=True),  # create: for builds before it
         mock.patch.object(parallel_state, "get_tp_group", lambda: Group()),
     ):
         for _ in range(rounds + 1):  # the first round warms up
-            ranks.pickled = 0
+            ranks.received = 0
             start = time.perf_counter()
             assert ranks.run(check) == [None, None]
             times["TP = 2, the ranks together"].append(time.perf_counter() - start)
@@ -152,7 +164,7 @@ def main() -> None:
     for name, value in med.items():
         print(f"  {name:<34} {value:8.1f}")
     print(f"  TP = 2 / TP = 1: {med['TP = 2, the ranks together'] / med['TP = 1, one process, 2 threads']:.2f}")
-    print(f"  rank 0 sent {ranks.pickled / 2**20:.1f} MiB pickled in all ({ranks.pickled / nbytes:.3f} of the state)")
+    print(f"  rank 0 received {ranks.received / 2**20:.1f} MiB pickled ({ranks.received / nbytes:.3f} of the state)")
 
 
 if __name__ == "__main__":

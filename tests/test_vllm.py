@@ -686,8 +686,9 @@ def test_ds_vllm_is_there_after_a_plain_import():
 
 
 class _Ranks:
-    """``n`` tensor-parallel ranks run as threads: vLLM's tensor-parallel all-gather becomes an exchange through a
-    barrier (each rank's object pickled, as ``all_gather_object`` does) and the rank is the thread's."""
+    """``n`` tensor-parallel ranks run as threads: vLLM's tensor-parallel all-gather (and ``_exchange``'s gathers to
+    each rank) become exchanges through a barrier (each rank's object pickled, as ``all_gather_object`` does) and
+    the rank is the thread's. ``received[r]`` counts the pickled bytes rank ``r`` received from the others."""
 
     def __init__(self, monkeypatch, n: int) -> None:
         import pickle
@@ -698,6 +699,7 @@ class _Ranks:
         self.n, self.local = n, threading.local()
         self.barrier = threading.Barrier(n, timeout=60)
         self.slots: list = [None] * n
+        self.received = [0] * n
         ranks = self
 
         class Group:
@@ -708,14 +710,26 @@ class _Ranks:
                 return ranks.local.rank
 
         def all_gather(mine):
-            self.slots[self.local.rank] = pickle.loads(pickle.dumps(mine))
+            rank = self.local.rank
+            self.slots[rank] = pickle.dumps(mine)
             self.barrier.wait()
-            everyone = list(self.slots)
+            everyone = [pickle.loads(sent) for sent in self.slots]
+            self.received[rank] += sum(len(sent) for r, sent in enumerate(self.slots) if r != rank)
             self.barrier.wait()
             return everyone
 
+        def exchange(outgoing):
+            rank = self.local.rank
+            self.slots[rank] = [pickle.dumps(item) for item in outgoing]
+            self.barrier.wait()
+            mine = [pickle.loads(sent[rank]) for sent in self.slots]
+            self.received[rank] += sum(len(sent[rank]) for r, sent in enumerate(self.slots) if r != rank)
+            self.barrier.wait()
+            return mine
+
         monkeypatch.setattr(ds_vllm, "_tensor_parallel", lambda: n)
         monkeypatch.setattr(ds_vllm, "_all_gather", all_gather)
+        monkeypatch.setattr(ds_vllm, "_exchange", exchange)
         monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group())
 
     def run(self, work):
@@ -1194,6 +1208,57 @@ def test_the_slices_of_a_large_split_tensor_cross_in_rounds(monkeypatch):
 
     assert ranks.run(work) == [None, None]
     assert calls.count("send its slices of the delta's bases") == 6  # three rounds, on each of two ranks
+
+
+def test_a_column_splits_slices_go_only_to_the_rank_that_rebuilds_it(monkeypatch):
+    """Each column-split tensor is rebuilt by one rank: the others' slices of it go to that rank alone, so a rank
+    receives its own share of the column splits, not every rank's slice of every one (at 70B and TP 8 an
+    all-gather brought each rank about 42 GB per checked delta)."""
+    names = [f"t{i}" for i in range(4)]
+    base = {name: torch.randn(64, 512).to(torch.bfloat16) for name in names}
+    delta = ds.diff(base, {name: tensor + 1 for name, tensor in base.items()}, step=1, base_step=0)
+    ranks = _Ranks(monkeypatch, 4)
+
+    def work(rank: int):
+        plan = [
+            (
+                delta.names.index(name),
+                dataclasses.replace(_slices(base[name], "cols", [0, 128, 256, 384, 512])[rank], hf_name=name),
+            )
+            for name in names
+        ]
+        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
+        return ds_vllm._split_base_error(delta, plan, everyone)
+
+    assert ranks.run(work) == [None] * 4
+    slice_bytes = 64 * 128 * 2  # one rank's slice of one tensor
+    # Each rank rebuilds one of the four tensors: three slices of it come from the others, with small messages.
+    assert all(3 * slice_bytes <= got < 4 * slice_bytes for got in ranks.received), ranks.received
+    wrong = {name: tensor.clone() for name, tensor in base.items()}
+    wrong["t2"].view(torch.int16)[5, 300] ^= 0x10  # on rank 2's slice; t2 is rebuilt by rank 2
+    base = wrong
+    results = ranks.run(work)
+    assert len(set(results)) == 1 and "tensor 't2'" in results[0] and "made against base" in results[0], results
+    # Tensors of different sizes are dealt out by size: one of 4 units and four of 1 leave each of two ranks 4.
+    sizes = {"a": 4, "b": 1, "c": 1, "d": 1, "e": 1}
+    base = {name: torch.randn(64 * rows, 512).to(torch.bfloat16) for name, rows in sizes.items()}
+    delta = ds.diff(base, {name: tensor + 1 for name, tensor in base.items()}, step=1, base_step=0)
+    ranks = _Ranks(monkeypatch, 2)
+
+    def two(rank: int):
+        plan = [
+            (
+                delta.names.index(name),
+                dataclasses.replace(_slices(base[name], "cols", [0, 256, 512])[rank], hf_name=name),
+            )
+            for name in sizes
+        ]
+        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
+        return ds_vllm._split_base_error(delta, plan, everyone)
+
+    assert ranks.run(two) == [None, None]
+    unit = 64 * 256 * 2  # one rank's slice of a tensor of 1 unit
+    assert all(4 * unit <= got < 5 * unit for got in ranks.received), ranks.received
 
 
 def test_ranks_compare_the_entries_their_files_were_verified_against(tmp_path, monkeypatch):

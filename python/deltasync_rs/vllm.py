@@ -550,9 +550,10 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
     rank's :func:`_split_part`s, in rank order). Row splits: the hashes of the 256 KiB blocks a rank holds whole,
     and each rank's bytes of the blocks it holds only part of (a block a boundary cuts; both ranks' bytes where two
     hold the same elements, as vLLM's replicated KV heads, so that each rank's own bytes are compared), sent to the
-    others (``_ranged.held_fragment_plan``). Column splits: every rank's slice, sent to the others, the tensor
-    rebuilt (``_ranged.columns_identity``). In rounds of about ``_SPLIT_ROUND_BYTES``, a tensor's in one. None where
-    every such tensor holds its base. The same answer on every rank."""
+    others (``_ranged.held_fragment_plan``). Column splits: every rank's slice, sent to the one rank that rebuilds
+    the tensor (``_ranged.columns_identity``; the tensors dealt out in turn) and tells the others what it found. In
+    rounds of about ``_SPLIT_ROUND_BYTES``, a tensor's in one. None where every such tensor holds its base. The same
+    answer on every rank."""
     names = sorted({name for own in everyone for name in own})
     columns = {name for own in everyone for name, part in own.items() if isinstance(part, _ranged.HeldColumns)}
     layouts = {name for name in columns if any(isinstance(own.get(name), _ranged.HeldTensor) for own in everyone)}
@@ -584,8 +585,13 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
             round_bytes = 0
         rounds[-1].append(name)
         round_bytes += size(name)
-    # Each column split is rebuilt by one rank (in turn), which tells the others what it found.
-    owners = {name: i % len(everyone) for i, name in enumerate(sorted(columns))}
+    # Each column split is rebuilt by one rank, which tells the others what it found: the largest first, each to
+    # the rank that has the fewest bytes to receive so far, so that the ranks share the traffic evenly.
+    owners: dict[str, int] = {}
+    load = [0] * len(everyone)
+    for name in sorted(columns, key=lambda name: (-size(name), name)):
+        owners[name] = load.index(min(load))
+        load[owners[name]] += size(name)
     own_columns: dict[str, tuple[str | None, str]] = {}
     identities: dict[str, str] = {}
     conflicts: list[str] = []
@@ -594,19 +600,26 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
         fragments = [f for name in batch for f in by_name.get(name, ())]
         whole = [name for name in batch if name in columns and name in everyone[rank]]
         mine = [f for f in fragments if f[0] == rank]
-        sent: list[Any] = [({}, {})] * len(everyone)
+        sent: list[dict[tuple[str, int], bytes]] = [{}] * len(everyone)
+        slices: list[dict[str, bytes]] = [{}] * len(everyone)
         if fragments or any(name in columns for name in batch):  # the same on every rank
 
             def send(
                 mine: list[_ranged.Fragment] = mine, whole: list[str] = whole
-            ) -> tuple[dict[tuple[str, int], bytes], dict[str, bytes]]:
-                return _split_fragments(shards, delta, mine), {
-                    name: _slice_bytes(shards[name], delta) for name in whole
-                }
+            ) -> tuple[dict[tuple[str, int], bytes], list[dict[str, bytes]]]:
+                outgoing: list[dict[str, bytes]] = [{} for _ in everyone]
+                for name in whole:
+                    outgoing[owners[name]][name] = _slice_bytes(shards[name], delta)
+                return _split_fragments(shards, delta, mine), outgoing
 
-            _, sent = _together(send, None, "send its slices of the delta's bases", lambda own: own)
+            # Fragments go to every rank (each combines every row split's identity); a column split's slices go
+            # only to the rank that rebuilds it, which receives 1/TP of what an all-gather would bring it.
+            (_, outgoing), sent = _together(send, None, "send its slices of the delta's bases", lambda own: own[0])
+            if any(name in columns for name in batch):
+                slices = _exchange(outgoing)
+            del outgoing
         held = [{name: own[name] for name in batch if name in own} for own in rows]
-        found, differ, gaps = _ranged.held_identities(held, fragments, [own for own, _ in sent])
+        found, differ, gaps = _ranged.held_identities(held, fragments, sent)
         identities.update(found)
         conflicts += differ
         uncovered += gaps
@@ -616,7 +629,7 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
                 try:  # raised here, on one rank, the others would wait for it: it tells them instead
                     own_columns[name] = _ranged.columns_identity(
                         [everyone[r][name] for r in holders],  # type: ignore[misc]
-                        [sent[r][1].get(name, b"") for r in holders],
+                        [slices[r].get(name, b"") for r in holders],
                     )
                 except IntegrityError:  # a rank sent a slice of another size than it holds
                     own_columns[name] = (None, "differ")
@@ -624,7 +637,7 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
                     raise
                 except BaseException as error:  # out of memory, a panic in the core: told, not raised alone
                     own_columns[name] = (None, f"rank {rank} could not rebuild it ({type(error).__name__}: {error})")
-        del sent
+        del sent, slices
     if columns:
         _, told = _together(lambda: own_columns, None, "check its share of the column-split tensors", lambda own: own)
         for results in told:
@@ -1467,6 +1480,21 @@ def _all_gather(mine: Any) -> list[Any]:
     everyone: list[Any] = [None] * group.world_size
     torch.distributed.all_gather_object(everyone, mine, group=group.cpu_group)
     return everyone
+
+
+def _exchange(outgoing: list[Any]) -> list[Any]:
+    """Sends ``outgoing[r]`` to tensor-parallel rank ``r`` alone, over vLLM's tensor-parallel CPU (gloo) group, and
+    returns what every rank sent this one, in rank order: one gather to each rank in turn, each rank receiving only
+    what is meant for it (an all-gather would bring every rank everything)."""
+    from vllm.distributed import parallel_state
+
+    group = parallel_state.get_tp_group()
+    rank = group.rank_in_group
+    received: list[Any] = [None] * group.world_size
+    for owner in range(group.world_size):
+        into = received if owner == rank else None
+        torch.distributed.gather_object(outgoing[owner], into, group=group.cpu_group, group_dst=owner)
+    return received
 
 
 def _tensor_parallel() -> int:
