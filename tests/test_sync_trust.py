@@ -726,6 +726,38 @@ def test_a_stream_the_apply_finds_malformed_sends_the_pull_around_it(tmp_path, c
     assert "again with every stream checked first" in caplog.text
 
 
+def test_the_way_around_a_malformed_stream_continues_from_the_entry_the_last_file_applied_was_verified_against(
+    tmp_path,
+):
+    """A pull that applied step 2's delta and found step 3's stream malformed reads the way on from step 2 with the
+    entry step 2's file was verified against, not one read again from the store: there (its cache of 64 entries
+    evicted on a long way, the step published again meanwhile) the entry could be another's, and the way on
+    would be linked to a history the state does not hold."""
+    import dataclasses
+
+    store = ds.LocalStore(tmp_path / "store")
+    history = _publish_run(store, 6, anchor_every=100)
+    subscriber = ds.Subscriber(store)
+    replica = _fresh(history[0])
+    assert subscriber.pull(replica, until=1) == 1
+    verified = subscriber.entry(2)
+    real = subscriber.entry
+
+    def published_again_once_found_malformed(step: int):
+        entry = real(step)
+        if step == 2 and seen["deferred"]:
+            return dataclasses.replace(entry, sha256="0" * 64)  # what a cache miss would read after a republish
+        return entry
+
+    subscriber.entry = published_again_once_found_malformed
+    with subscriber_reads_malformed(hashlib.sha256(store.get(delta_key(3))).hexdigest()) as seen:
+        with pytest.raises((ds.ChainError, ds.DeltaFormatError)):
+            subscriber.pull(replica)
+    assert seen["deferred"] == 1 and seen["checked"] >= 1, seen
+    assert_states_equal(replica, history[2])  # step 2 written, nothing of step 3
+    assert subscriber.step == 2 and subscriber._at.sha256 == verified.sha256
+
+
 def test_a_removal_stopped_part_way_leaves_a_history_without_gaps_and_a_resume_at_an_unreachable_step_anchors(
     tmp_path, caplog
 ):

@@ -966,7 +966,10 @@ class Subscriber:
                 # on again with every file checked first, so that a way around the bad file is taken, as when a
                 # file is refused at download.
                 log.warning("%s; reading the way from step %s again with every stream checked first", error, self.step)
-                if self.step is not None:  # the entry the way on must continue from
+                if self.step is not None and (self._at is None or self._at.step != self.step):
+                    # The entry the way on must continue from: the one the last file applied was verified against
+                    # (kept by `_apply_all` as it went), read from the store only where no file of this pull got
+                    # there (a step held since an earlier pull, whose entry `_at` was then)
                     self._at = self.entry(self.step)
                 known = self._apply_from_anchors(state, self._fetch_to_apply(self.step, until, defer=False))
         except BaseMismatchError as error:
@@ -1155,7 +1158,9 @@ class Subscriber:
                     known[name] = hash_
             if delta._whole_state:
                 self._names = delta.names
-            self.step = delta.step
+            # The step and the entry the file was verified against, together: where a later delta of the way fails,
+            # the way on continues from this entry, not one read again (evicted from the cache, published again).
+            self.step, self._at = delta.step, None if delta.step is None else self._verified_entry(delta)
         reached = self._reached()
         last = next((delta for delta in reversed(deltas) if delta.step == reached), None)
         self._at = self.entry(reached) if last is None else self._verified_entry(last)
