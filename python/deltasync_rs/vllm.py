@@ -616,7 +616,9 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
             # only to the rank that rebuilds it, which receives 1/TP of what an all-gather would bring it.
             (_, outgoing), sent = _together(send, None, "send its slices of the delta's bases", lambda own: own[0])
             if any(name in columns for name in batch):
+                kept, outgoing[rank] = outgoing[rank], {}  # its own slices stay here, not pickled to itself
                 slices = _exchange(outgoing)
+                slices[rank] = kept
             del outgoing
         held = [{name: own[name] for name in batch if name in own} for own in rows]
         found, differ, gaps = _ranged.held_identities(held, fragments, sent)
