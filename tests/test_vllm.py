@@ -1210,6 +1210,80 @@ def test_the_slices_of_a_large_split_tensor_cross_in_rounds(monkeypatch):
     assert calls.count("send its slices of the delta's bases") == 6  # three rounds, on each of two ranks
 
 
+@pytest.mark.filterwarnings("ignore:You are using a Backend:UserWarning")  # a gloo backend per thread, no global group
+def test_ranks_over_real_gloo_groups_check_split_bases_together(monkeypatch):
+    """The split base check over torch's own gloo collectives (``_all_gather``'s ``all_gather_object`` and
+    ``_exchange``'s ``gather_object`` to each rank, nothing replaced): four ranks as threads, each with a
+    ``ProcessGroupGloo`` on one in-memory store, in rounds of a few KiB, holding a row split with uneven cuts, a
+    column split two ranks hold nothing of, and an even column split. The right base passes on every rank; one
+    element off in any of them is refused by every rank with the same message."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    n, local, store = 4, threading.local(), dist.HashStore()
+    groups: list = [None] * n
+
+    class Group:
+        world_size = n
+
+        @property
+        def rank_in_group(self) -> int:
+            return local.rank
+
+        @property
+        def cpu_group(self):
+            return groups[local.rank]
+
+    monkeypatch.setattr(ds_vllm, "_tensor_parallel", lambda: n)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Group())
+    monkeypatch.setattr(ds_vllm, "_SPLIT_ROUND_BYTES", 40_000)
+
+    def run(work) -> list:
+        results: list = [None] * n
+
+        def go(rank: int) -> None:
+            local.rank = rank
+            try:
+                results[rank] = work(rank)
+            except BaseException as error:  # noqa: BLE001 (returned to the test)
+                results[rank] = error
+
+        threads = [threading.Thread(target=go, args=(rank,)) for rank in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "a rank still waits in a collective"
+        return results
+
+    run(lambda rank: groups.__setitem__(rank, dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=60))))
+    generator = torch.Generator().manual_seed(1)
+    layout = {"r": ((1000, 300), "rows", [0, 100, 555, 800, 1000]), "c_empty": ((64, 96), "cols", [0, 40, 96, 96, 96])}
+    layout["c"] = ((640, 96), "cols", [0, 24, 48, 72, 96])
+    base = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, (shape, _, _) in layout.items()}
+    delta = ds.diff(base, {name: tensor + 1 for name, tensor in base.items()}, step=1, base_step=0)
+
+    def work(rank: int, state: dict) -> str | None:
+        plan = []
+        for name, (_, how, cuts) in layout.items():
+            shard = dataclasses.replace(_slices(state[name], how, cuts)[rank], hf_name=name)
+            if shard.row_count and shard.col_count:
+                plan.append((delta.names.index(name), shard))
+        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
+        return ds_vllm._split_base_error(delta, plan, everyone)
+
+    assert run(lambda rank: work(rank, base)) == [None] * n
+    for name, element in (("c", (600, 80)), ("c_empty", (5, 50)), ("r", (700, 3))):
+        wrong = {key: tensor.clone() for key, tensor in base.items()}
+        wrong[name].view(torch.int16)[element] ^= 0x10
+        results = run(lambda rank, wrong=wrong: work(rank, wrong))
+        assert len(set(map(str, results))) == 1 and f"tensor {name!r}" in str(results[0]), results
+        assert "made against base" in str(results[0]), results
+
+
 def test_a_column_splits_slices_go_only_to_the_rank_that_rebuilds_it(monkeypatch):
     """Each column-split tensor is rebuilt by one rank: the others' slices of it go to that rank alone, so a rank
     receives its own share of the column splits, not every rank's slice of every one (at 70B and TP 8 an
