@@ -147,11 +147,15 @@ def _covers_all(region: Region) -> bool:
     return region.row_start == 0 and region.row_count == rows and region.col_start == 0 and region.col_count == cols
 
 
+def param_cols(param: Any) -> int:
+    """The columns of a parameter viewed as ``[rows, cols]`` (a vector as one column)."""
+    return param.shape[1] if param.dim() == 2 else 1
+
+
 def _region_block(region: Region, width: int) -> Any:
     """The region's elements in its (contiguous) parameter as a ``[row_count, col_count]`` view of bit patterns."""
     param = region.param.data
-    param_cols = param.shape[1] if param.dim() == 2 else 1
-    grid = param.view(int_dtype(width)).view(-1, param_cols)
+    grid = param.view(int_dtype(width)).view(-1, param_cols(param))
     return grid[region.param_row_offset : region.param_row_offset + region.row_count, : region.col_count]
 
 
@@ -433,7 +437,7 @@ class Writes:
         if not param.is_contiguous():
             raise DeltaSyncError(f"tensor {self._name(index)!r}: the target parameter is not contiguous")
         hf_rows, hf_cols = _hf_rows_cols(region)
-        param_cols = param.shape[1] if param.dim() == 2 else 1
+        stride = param_cols(param)  # elements per parameter row
         covers_all = _covers_all(region)
         changed = self._changed(index)
         if changed == 0:
@@ -443,7 +447,7 @@ class Writes:
             return
         if covers_all and not _on_device(param):
             # The whole tensor is one contiguous run of this CPU parameter: the core writes into it directly.
-            start = region.param_row_offset * param_cols
+            start = region.param_row_offset * stride
             self._in_core.append((index, param.view(-1)[start : start + hf_rows * hf_cols]))
             self._core_tensors.append(region.param)
             self.elements += changed
@@ -451,7 +455,7 @@ class Writes:
         flat = param.view(int_dtype(width)).view(-1)
         base = None
         if needs_base(self._raw, index):
-            start = region.param_row_offset * param_cols
+            start = region.param_row_offset * stride
             base = param.view(-1)[start : start + hf_rows * hf_cols]
         positions, values = decode(
             self._raw, index, device=param.device, base=base, base_checked=index in self._base_checked
@@ -459,7 +463,7 @@ class Writes:
         if positions is None:
             positions = torch.arange(hf_rows * hf_cols, device=param.device)
         if covers_all:
-            positions = positions + region.param_row_offset * param_cols
+            positions = positions + region.param_row_offset * stride
         else:
             rows = torch.div(positions, hf_cols, rounding_mode="floor")
             cols = positions - rows * hf_cols
@@ -470,7 +474,7 @@ class Writes:
                 & (cols < region.col_start + region.col_count)
             )
             positions = (
-                (rows[keep] - region.row_start + region.param_row_offset) * param_cols + cols[keep] - region.col_start
+                (rows[keep] - region.row_start + region.param_row_offset) * stride + cols[keep] - region.col_start
             )
             values = values[keep]
         new = new_bits(self._raw, index, flat.index_select(0, positions), values, width)

@@ -481,7 +481,7 @@ def _stage(
 def _whole_region(shard: ShardMap) -> torch.Tensor:
     """The bytes of a tensor this rank holds whole: one contiguous run of its parameter."""
     param = shard.param.data
-    start = shard.param_row_offset * (param.shape[1] if param.dim() == 2 else 1)
+    start = shard.param_row_offset * _write.param_cols(param)
     return param.reshape(-1)[start : start + _numel(shard)]
 
 
@@ -504,15 +504,14 @@ def _check_base(writes: _write.Writes, delta: Delta, plan: list[tuple[int, Shard
 def _shard_rows(shard: ShardMap, width: int) -> torch.Tensor:
     """The bytes of the parameter rows that hold this rank's slice (flat, uint8, where the parameter is)."""
     param = shard.param.data
-    row_bytes = (param.shape[1] if param.dim() == 2 else 1) * width
+    row_bytes = _write.param_cols(param) * width
     flat = param.reshape(-1).view(torch.uint8)
     return flat[shard.param_row_offset * row_bytes : (shard.param_row_offset + shard.row_count) * row_bytes]
 
 
 def _by_rows(shard: ShardMap) -> bool:
     """True where this rank's slice is whole rows of the HF tensor, contiguous in its parameter (a row split)."""
-    param = shard.param.data
-    return shard.col_count == shard.hf_cols and (param.shape[1] if param.dim() == 2 else 1) == shard.hf_cols
+    return shard.col_count == shard.hf_cols and _write.param_cols(shard.param.data) == shard.hf_cols
 
 
 def _split_part(shard: ShardMap, width: int) -> _ranged.HeldTensor | _ranged.HeldColumns:
@@ -539,8 +538,8 @@ def _split_part(shard: ShardMap, width: int) -> _ranged.HeldTensor | _ranged.Hel
     return _ranged.HeldTensor(nbytes, ((start, end),), tuple(runs))
 
 
-#: The most bytes the ranks send each other in one all-gather of the split base check (a column split's slices,
-#: the blocks of a row split that a boundary cuts): the check's exchange goes in rounds of about this much.
+#: The most bytes the ranks send each other in one round of the split base check (a column split's slices, the
+#: blocks of a row split that a boundary cuts): the check's exchange goes in rounds of about this much.
 _SPLIT_ROUND_BYTES = 64 << 20
 
 
@@ -551,7 +550,7 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
     and each rank's bytes of the blocks it holds only part of (a block a boundary cuts; both ranks' bytes where two
     hold the same elements, as vLLM's replicated KV heads, so that each rank's own bytes are compared), sent to the
     others (``_ranged.held_fragment_plan``). Column splits: every rank's slice, sent to the one rank that rebuilds
-    the tensor (``_ranged.columns_identity``; the tensors dealt out in turn) and tells the others what it found. In
+    the tensor (``_ranged.columns_identity``; the tensors dealt out by size) and tells the others what it found. In
     rounds of about ``_SPLIT_ROUND_BYTES``, a tensor's in one. None where every such tensor holds its base. The same
     answer on every rank."""
     names = sorted({name for own in everyone for name in own})
@@ -574,24 +573,26 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
             return sum(part.sent_bytes for own in everyone if isinstance(part := own.get(name), _ranged.HeldColumns))
         return sum(end - start for _, _, _, start, end in by_name.get(name, ()))
 
+    sizes = {name: size(name) for name in names}
     bases = {info.name: delta.base_identity(index) for index, info in enumerate(delta.tensors)}
+    widths = {info.name: _arrays.WIDTHS[info.dtype] for info in delta.tensors}
     shards = {shard.hf_name: shard for _, shard in plan}
     rank = _tp_rank()
     rounds: list[list[str]] = [[]]
     round_bytes = 0
     for name in names:
-        if rounds[-1] and round_bytes + size(name) > _SPLIT_ROUND_BYTES:
+        if rounds[-1] and round_bytes + sizes[name] > _SPLIT_ROUND_BYTES:
             rounds.append([])
             round_bytes = 0
         rounds[-1].append(name)
-        round_bytes += size(name)
+        round_bytes += sizes[name]
     # Each column split is rebuilt by one rank, which tells the others what it found: the largest first, each to
     # the rank that has the fewest bytes to receive so far, so that the ranks share the traffic evenly.
     owners: dict[str, int] = {}
     load = [0] * len(everyone)
-    for name in sorted(columns, key=lambda name: (-size(name), name)):
+    for name in sorted(columns, key=lambda name: (-sizes[name], name)):
         owners[name] = load.index(min(load))
-        load[owners[name]] += size(name)
+        load[owners[name]] += sizes[name]
     own_columns: dict[str, tuple[str | None, str]] = {}
     identities: dict[str, str] = {}
     conflicts: list[str] = []
@@ -609,8 +610,8 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
             ) -> tuple[dict[tuple[str, int], bytes], list[dict[str, bytes]]]:
                 outgoing: list[dict[str, bytes]] = [{} for _ in everyone]
                 for name in whole:
-                    outgoing[owners[name]][name] = _slice_bytes(shards[name], delta)
-                return _split_fragments(shards, delta, mine), outgoing
+                    outgoing[owners[name]][name] = _slice_bytes(shards[name], widths[name])
+                return _split_fragments(shards, widths, mine), outgoing
 
             # Fragments go to every rank (each combines every row split's identity); a column split's slices go
             # only to the rank that rebuilds it, which receives 1/TP of what an all-gather would bring it.
@@ -671,19 +672,18 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
     return None
 
 
-def _slice_bytes(shard: ShardMap, delta: Delta) -> bytes:
-    """This rank's slice of a column-split tensor, row after row, copied to the host."""
-    width = _arrays.WIDTHS[delta.tensors[delta.names.index(shard.hf_name)].dtype]
+def _slice_bytes(shard: ShardMap, width: int) -> bytes:
+    """This rank's slice of a column-split tensor (elements ``width`` bytes wide), row after row, copied to the
+    host."""
     rows = _shard_rows(shard, width).reshape(shard.row_count, -1)[:, : shard.col_count * width]
     return rows.cpu().numpy().tobytes()
 
 
 def _split_fragments(
-    shards: Mapping[str, ShardMap], delta: Delta, mine: list[_ranged.Fragment]
+    shards: Mapping[str, ShardMap], widths: Mapping[str, int], mine: list[_ranged.Fragment]
 ) -> dict[tuple[str, int], bytes]:
     """This rank's share of the fragments of row-split tensors (``_ranged.held_fragment_plan``): its bytes of each,
-    by (tensor, first byte), copied to the host."""
-    widths = {info.name: _arrays.WIDTHS[info.dtype] for info in delta.tensors}
+    by (tensor, first byte), copied to the host; ``widths`` are the tensors' element widths."""
     out = {}
     for _, name, _, start, end in mine:
         shard = shards[name]
