@@ -395,7 +395,8 @@ def apply_delta(
         _on_every_rank(error)
         raise
     writes.commit()
-    _vllm_cpu.repack(model, [shard.param for index, shard in plan if delta.tensors[index].changed])
+    infos = delta.tensors  # built from the core on each access: once, not once per planned tensor
+    _vllm_cpu.repack(model, [shard.param for index, shard in plan if infos[index].changed])
     return writes.elements
 
 
@@ -490,13 +491,14 @@ def _check_base(writes: _write.Writes, delta: Delta, plan: list[tuple[int, Shard
     hashed there), where this rank holds the tensor whole; of each tensor it holds only a tensor-parallel slice
     of, returns what it holds (:func:`_split_part`), by name, for the ranks to check together."""
     targets, split = [], {}
+    infos = delta.tensors  # built from the core on each access: once, not once per split tensor
     for index, shard in plan:
         if delta.base_identity(index) is None:
             continue
         if shard.covers_all:
             targets.append((index, _whole_region(shard)))
         elif shard.row_count and shard.col_count:  # an empty slice (a padded vocabulary's last rank) holds nothing
-            split[shard.hf_name] = _split_part(shard, _arrays.WIDTHS[delta.tensors[index].dtype])
+            split[shard.hf_name] = _split_part(shard, _arrays.WIDTHS[infos[index].dtype])
     writes.check_bases(targets)
     return split
 
@@ -574,8 +576,9 @@ def _split_base_error(delta: Delta, plan: list[tuple[int, ShardMap]], everyone: 
         return sum(end - start for _, _, _, start, end in by_name.get(name, ()))
 
     sizes = {name: size(name) for name in names}
-    bases = {info.name: delta.base_identity(index) for index, info in enumerate(delta.tensors)}
-    widths = {info.name: _arrays.WIDTHS[info.dtype] for info in delta.tensors}
+    infos = delta.tensors
+    bases = {info.name: delta.base_identity(index) for index, info in enumerate(infos)}
+    widths = {info.name: _arrays.WIDTHS[info.dtype] for info in infos}
     shards = {shard.hf_name: shard for _, shard in plan}
     rank = _tp_rank()
     rounds: list[list[str]] = [[]]
