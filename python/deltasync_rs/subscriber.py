@@ -1161,9 +1161,9 @@ class Subscriber:
             # The step and the entry the file was verified against, together: where a later delta of the way fails,
             # the way on continues from this entry, not one read again (evicted from the cache, published again).
             self.step, self._at = delta.step, None if delta.step is None else self._verified_entry(delta)
-        reached = self._reached()
-        last = next((delta for delta in reversed(deltas) if delta.step == reached), None)
-        self._at = self.entry(reached) if last is None else self._verified_entry(last)
+        reached = self._reached()  # the loop left `_at` at the last file's entry, whose step is `reached`
+        if not deltas:
+            self._at = self.entry(reached)
         return known
 
     @one_at_a_time
