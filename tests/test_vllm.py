@@ -1111,6 +1111,18 @@ def _split_check(monkeypatch, delta, shards: list[ds_vllm.ShardMap]) -> list:
     return ranks.run(work)
 
 
+def _rank_check(delta, state: dict, layout: dict, rank: int):
+    """``_split_base_error`` on rank ``rank``, which holds its ``_slices`` of each bf16 tensor of ``state`` as
+    ``layout[name] = (how, cuts)`` cuts it (an empty slice held as nothing, as vLLM's ranks hold it)."""
+    plan = []
+    for name, (how, cuts) in layout.items():
+        shard = dataclasses.replace(_slices(state[name], how, cuts)[rank], hf_name=name)
+        if shard.row_count and shard.col_count:
+            plan.append((delta.names.index(name), shard))
+    everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
+    return ds_vllm._split_base_error(delta, plan, everyone)
+
+
 @pytest.mark.parametrize(
     "shape, how, cuts",
     [
@@ -1198,15 +1210,8 @@ def test_the_slices_of_a_large_split_tensor_cross_in_rounds(monkeypatch):
     delta = ds.diff(base, new, step=1, base_step=0)
     ranks = _Ranks(monkeypatch, 2)
 
-    def work(rank: int):
-        plan = []
-        for name in ("a", "b", "t"):
-            shard = _slices(base[name], "cols", [0, 40, 96])[rank]
-            plan.append((delta.names.index(name), dataclasses.replace(shard, hf_name=name)))
-        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
-        return ds_vllm._split_base_error(delta, plan, everyone)
-
-    assert ranks.run(work) == [None, None]
+    layout = {name: ("cols", [0, 40, 96]) for name in ("a", "b", "t")}
+    assert ranks.run(lambda rank: _rank_check(delta, base, layout, rank)) == [None, None]
     assert calls.count("send its slices of the delta's bases") == 6  # three rounds, on each of two ranks
 
 
@@ -1261,25 +1266,16 @@ def test_ranks_over_real_gloo_groups_check_split_bases_together(monkeypatch):
 
     run(lambda rank: groups.__setitem__(rank, dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=60))))
     generator = torch.Generator().manual_seed(1)
-    layout = {"r": ((1000, 300), "rows", [0, 100, 555, 800, 1000]), "c_empty": ((64, 96), "cols", [0, 40, 96, 96, 96])}
-    layout["c"] = ((640, 96), "cols", [0, 24, 48, 72, 96])
-    base = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, (shape, _, _) in layout.items()}
+    shapes = {"r": (1000, 300), "c_empty": (64, 96), "c": (640, 96)}
+    layout = {"r": ("rows", [0, 100, 555, 800, 1000]), "c_empty": ("cols", [0, 40, 96, 96, 96])}
+    layout["c"] = ("cols", [0, 24, 48, 72, 96])
+    base = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in shapes.items()}
     delta = ds.diff(base, {name: tensor + 1 for name, tensor in base.items()}, step=1, base_step=0)
-
-    def work(rank: int, state: dict) -> str | None:
-        plan = []
-        for name, (_, how, cuts) in layout.items():
-            shard = dataclasses.replace(_slices(state[name], how, cuts)[rank], hf_name=name)
-            if shard.row_count and shard.col_count:
-                plan.append((delta.names.index(name), shard))
-        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
-        return ds_vllm._split_base_error(delta, plan, everyone)
-
-    assert run(lambda rank: work(rank, base)) == [None] * n
+    assert run(lambda rank: _rank_check(delta, base, layout, rank)) == [None] * n
     for name, element in (("c", (600, 80)), ("c_empty", (5, 50)), ("r", (700, 3))):
         wrong = {key: tensor.clone() for key, tensor in base.items()}
         wrong[name].view(torch.int16)[element] ^= 0x10
-        results = run(lambda rank, wrong=wrong: work(rank, wrong))
+        results = run(lambda rank, wrong=wrong: _rank_check(delta, wrong, layout, rank))
         assert len(set(map(str, results))) == 1 and f"tensor {name!r}" in str(results[0]), results
         assert "made against base" in str(results[0]), results
 
@@ -1293,25 +1289,14 @@ def test_a_column_splits_slices_go_only_to_the_rank_that_rebuilds_it(monkeypatch
     delta = ds.diff(base, {name: tensor + 1 for name, tensor in base.items()}, step=1, base_step=0)
     ranks = _Ranks(monkeypatch, 4)
 
-    def work(rank: int):
-        plan = [
-            (
-                delta.names.index(name),
-                dataclasses.replace(_slices(base[name], "cols", [0, 128, 256, 384, 512])[rank], hf_name=name),
-            )
-            for name in names
-        ]
-        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
-        return ds_vllm._split_base_error(delta, plan, everyone)
-
-    assert ranks.run(work) == [None] * 4
+    layout = {name: ("cols", [0, 128, 256, 384, 512]) for name in names}
+    assert ranks.run(lambda rank: _rank_check(delta, base, layout, rank)) == [None] * 4
     slice_bytes = 64 * 128 * 2  # one rank's slice of one tensor
     # Each rank rebuilds one of the four tensors: three slices of it come from the others, with small messages.
     assert all(3 * slice_bytes <= got < 4 * slice_bytes for got in ranks.received), ranks.received
     wrong = {name: tensor.clone() for name, tensor in base.items()}
     wrong["t2"].view(torch.int16)[5, 300] ^= 0x10  # on rank 2's slice; t2 is rebuilt by rank 2
-    base = wrong
-    results = ranks.run(work)
+    results = ranks.run(lambda rank: _rank_check(delta, wrong, layout, rank))
     assert len(set(results)) == 1 and "tensor 't2'" in results[0] and "made against base" in results[0], results
     # Tensors of different sizes are dealt out by size: one of 4 units and four of 1 leave each of two ranks 4.
     sizes = {"a": 4, "b": 1, "c": 1, "d": 1, "e": 1}
@@ -1319,18 +1304,8 @@ def test_a_column_splits_slices_go_only_to_the_rank_that_rebuilds_it(monkeypatch
     delta = ds.diff(base, {name: tensor + 1 for name, tensor in base.items()}, step=1, base_step=0)
     ranks = _Ranks(monkeypatch, 2)
 
-    def two(rank: int):
-        plan = [
-            (
-                delta.names.index(name),
-                dataclasses.replace(_slices(base[name], "cols", [0, 256, 512])[rank], hf_name=name),
-            )
-            for name in sizes
-        ]
-        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
-        return ds_vllm._split_base_error(delta, plan, everyone)
-
-    assert ranks.run(two) == [None, None]
+    layout = {name: ("cols", [0, 256, 512]) for name in sizes}
+    assert ranks.run(lambda rank: _rank_check(delta, base, layout, rank)) == [None, None]
     unit = 64 * 256 * 2  # one rank's slice of a tensor of 1 unit
     assert all(4 * unit <= got < 5 * unit for got in ranks.received), ranks.received
 
@@ -1395,15 +1370,8 @@ def test_a_rank_that_fails_to_rebuild_a_column_split_tells_the_others(monkeypatc
     monkeypatch.setattr(_ranged, "columns_identity", fails_on_rank_1)
     ranks = _Ranks(monkeypatch, 2)
 
-    def work(rank: int):
-        plan = [
-            (delta.names.index(name), dataclasses.replace(_slices(base[name], "cols", [0, 40, 96])[rank], hf_name=name))
-            for name in ("a", "b", "c")
-        ]
-        everyone = ds_vllm._all_gather({shard.hf_name: ds_vllm._split_part(shard, 2) for _, shard in plan})
-        return ds_vllm._split_base_error(delta, plan, everyone)
-
-    results = ranks.run(work)  # ranks 0, 1 and 0 rebuild a, b and c
+    layout = {name: ("cols", [0, 40, 96]) for name in ("a", "b", "c")}
+    results = ranks.run(lambda rank: _rank_check(delta, base, layout, rank))  # ranks 0, 1 and 0 rebuild a, b and c
     assert all(isinstance(r, ds.DeltaSyncError) for r in results), results
     assert all("tensor 'b'" in str(r) and "rank 1 could not rebuild it (MemoryError" in str(r) for r in results)
 
