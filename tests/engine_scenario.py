@@ -192,9 +192,8 @@ def follow(folder: Path, store: str, loose: Path, multiprocess: bool) -> tuple[d
     followed[1] = generate(llm)
     llm.init_weight_transfer_engine({"init_info": {"store": store}})
     llm.start_weight_update()
-    llm.update_weights(
-        {"update_info": {"step": 2, "check_base": True}}
-    )  # at TP=2 the ranks check split tensors together
+    # check_base: at TP=2 the ranks check the tensors split across them together
+    llm.update_weights({"update_info": {"step": 2, "check_base": True}})
     llm.finish_weight_update()
     llm.reset_prefix_cache()
     followed[2] = generate(llm)

@@ -664,6 +664,17 @@ def check_lm_head_alone(model, item: Prepared) -> None:
     assert not bad, f"differs from a dense reload of lm_head: {bad}"
 
 
+def _the_same_changes(prev: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``prev``'s bf16 tensors (of one shape) with the same changes made to each: every 37th element from the 100th
+    one bit pattern up."""
+    step = torch.zeros_like(next(iter(prev.values())), dtype=torch.int16).view(-1)
+    step[100::37] = 1
+    return {
+        name: (tensor.view(torch.int16).view(-1) + step).view(torch.bfloat16).view(tensor.shape)
+        for name, tensor in prev.items()
+    }
+
+
 def check_a_tied_head_made_against_another_base_is_refused_by_check_base(model, item: Prepared) -> None:
     """A served model that ties lm_head to embed_tokens holds one memory for both: a delta whose two tensors have the
     same changes but were made against different bases (a trainer whose lm_head differs) is refused with
@@ -676,13 +687,8 @@ def check_a_tied_head_made_against_another_base_is_refused_by_check_base(model, 
     embed = _state(item, 0)["model.embed_tokens.weight"]
     head = embed.clone()
     head.view(torch.int16).view(-1)[5] += 3  # the trainer's lm_head, one element off the embedding
-    step = torch.zeros_like(embed, dtype=torch.int16).view(-1)
-    step[100::37] = 1  # the same changes to both
     prev = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
-    curr = {
-        name: (tensor.view(torch.int16).view(-1) + step).view(torch.bfloat16).view(tensor.shape)
-        for name, tensor in prev.items()
-    }
+    curr = _the_same_changes(prev)
     delta = ds.diff(prev, curr, values="diff", step=1, base_step=0)
     _expect_untouched(
         model,
@@ -714,13 +720,8 @@ def check_a_tied_record_without_a_base_is_checked_through_the_other(model, item:
     served = _state(item, 0)["model.embed_tokens.weight"]
     other = served.clone()
     other.view(torch.int16).view(-1)[5] += 3  # the trainer's embedding, one element off the served one
-    step = torch.zeros_like(other, dtype=torch.int16).view(-1)
-    step[100::37] = 1
     prev = {"lm_head.weight": other, "model.embed_tokens.weight": other}
-    curr = {
-        name: (tensor.view(torch.int16).view(-1) + step).view(torch.bfloat16).view(tensor.shape)
-        for name, tensor in prev.items()
-    }
+    curr = _the_same_changes(prev)
     made = ds.diff(prev, curr, values="diff", codec="varint", step=1, base_step=0)  # a record per tensor
     assert made.names.index("lm_head.weight") < made.names.index("model.embed_tokens.weight")
     delta = ds.load(without_base(made.to_bytes(), "lm_head.weight"))
