@@ -98,7 +98,7 @@ with ds.Publisher(store, anchor_every=1, keep_anchors=2) as publisher:
             module.write_anchor_pieces = lambda *args, **options: real(*args, **{**options, "early_writeback": False})
         publisher.piece_bytes = None if mode.endswith("no pieces") else publisher.piece_bytes
         publisher.whole_sha256 = mode.endswith("whole SHA-256")
-        path, ref, _, sidecar = publisher._anchor_file(publisher._mirror.tensors, 1)
+        path, ref, _, sidecar = publisher._anchor_file(publisher._mirror.tensors, 1, {})
         store.put_file(ref["key"], path)
         if sidecar is not None:
             store.put(ref["pieces"]["key"], sidecar)

@@ -374,6 +374,16 @@ impl RawDelta {
         self.delta.metadata = metadata;
         Ok(())
     }
+    /// Tied names (docs/format.md §2.2): each alias to the name of the record it is written under. Checked against
+    /// the records when the file is written.
+    #[getter]
+    fn aliases(&self) -> BTreeMap<String, String> {
+        self.delta.aliases.clone()
+    }
+    #[setter]
+    fn set_aliases(&mut self, aliases: BTreeMap<String, String>) {
+        self.delta.aliases = aliases;
+    }
     /// True when the file is written in the packed layout (docs/format.md §4.1), as the compact codec's writers
     /// and packed files ask; a delta whose tensors are all stored whole is written as an anchor all the same.
     #[getter]
@@ -837,7 +847,7 @@ fn apply_files(
 #[pyfunction]
 #[pyo3(signature = (
     path, entries, step = None, metadata = BTreeMap::new(), piece_bytes = 0, piece_hash = "blake3", whole_sha256 = true,
-    early_writeback = false
+    early_writeback = false, aliases = BTreeMap::new()
 ))]
 #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one each
 fn write_anchor(
@@ -850,6 +860,7 @@ fn write_anchor(
     piece_hash: &str,
     whole_sha256: bool,
     early_writeback: bool,
+    aliases: BTreeMap<String, String>,
 ) -> PyResult<(u64, Option<String>, String, Py<PyBytes>)> {
     let options = anchors::AnchorOptions {
         piece_bytes,
@@ -862,7 +873,7 @@ fn write_anchor(
         .detach(|| {
             // SAFETY: `held` keeps every buffer exported until after this call.
             let inputs = unsafe { full_inputs(&specs) };
-            anchors::write_anchor(&inputs, step, &metadata, &path, options)
+            anchors::write_anchor(&inputs, step, &metadata, &aliases, &path, options)
         })
         .map_err(to_py)?;
     drop(held);

@@ -43,6 +43,7 @@ def test_vector_decodes_to_expected(name):
         assert f.metadata()["format"] == "deltasync"
     delta = ds.load(path)
     assert delta.step == spec["step"]
+    assert delta.aliases == spec.get("aliases", {})
     assert delta.is_anchor == bool(spec.get("anchor"))
     delta.apply_(base)
     for tensor in expected:

@@ -1067,14 +1067,17 @@ def check_a_tie_the_served_model_does_not_hold_is_refused(model, item: Prepared)
     if MODELS[item.name][1]["tie_word_embeddings"]:
         _pulled_as_dense_reload(model, root, 7, state)
         return
+    # The step's anchor file applied explicitly, without its entry, carries the tie itself (docs/format.md §2.2).
+    anchor_file = os.path.join(root, ds.Subscriber(root).entry(7).anchor["key"])
+    assert ds.load(anchor_file).aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     for path in ("mapped", "loader"):
-        _expect_untouched(
-            model,
-            snapshot(model),
-            ds.BaseMismatchError,
+        for run in (
             lambda path=path: _fresh_worker(model).deltasync_pull(root, path=path),
-            "holds 'lm_head.weight' as a parameter of its own",
-        )
+            lambda path=path: _fresh_worker(model).deltasync_apply([anchor_file], path=path),
+        ):
+            _expect_untouched(
+                model, snapshot(model), ds.BaseMismatchError, run, "holds 'lm_head.weight' as a parameter of its own"
+            )
 
 
 def check_a_delta_of_another_dtype_or_layout_is_refused(model, item: Prepared) -> None:

@@ -62,6 +62,7 @@ class RawDelta:
     step: int | None
     base_step: int | None
     metadata: dict[str, str]
+    aliases: dict[str, str]
     def __new__(cls) -> RawDelta: ...
     def add_diff(
         self, entries: list[tuple[str, str, list[int], Buffer, Buffer]], values: str, codec: str = "compact"
@@ -147,6 +148,7 @@ def write_anchor(
     piece_hash: str = "blake3",
     whole_sha256: bool = True,
     early_writeback: bool = False,
+    aliases: dict[str, str] = ...,
 ) -> tuple[int, str | None, str, bytes]: ...
 def range_identities(ranges: list[tuple[Any, int, int]]) -> list[str]:
     """The base identities of byte ranges, each (buffer or CPU contiguous tensor, first byte, bytes), in one call."""

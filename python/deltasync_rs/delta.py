@@ -130,6 +130,18 @@ class Delta:
     def metadata(self, value: Mapping[str, str]) -> None:
         self._raw.metadata = _metadata(value)
 
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Tied names stored in the file header (docs/format.md §2.2): each name the trainer's model holds as the
+        same tensor as another, to the name of the record it is written under. A reader holding the alias as a
+        tensor of its own must write it too or refuse the file. A copy; assign to change it (checked against the
+        records when the file is written)."""
+        return dict(self._raw.aliases)
+
+    @aliases.setter
+    def aliases(self, value: Mapping[str, str]) -> None:
+        self._raw.aliases = _aliases(value)
+
     def __len__(self) -> int:
         return len(self._raw)
 
@@ -170,8 +182,24 @@ class Delta:
         With ``check_base=True`` every target must first hold the exact base the delta was made against (the
         ``base`` identity the writer records per tensor), or BaseMismatchError names the tensor: a wrong base, or
         a delta applied twice, is refused instead of producing wrong weights.
+
+        A name the file lists as tied (:attr:`aliases`) that ``state`` holds as a tensor of its own (a model
+        served untied) is written with its tensor's changes too, as the trainer's model holds them, and checked
+        the same way; left out, it would keep its old values.
         """
-        self._apply(state, check_base=check_base, digest=False)
+        self._with_ties(state)._apply(state, check_base=check_base, digest=False)
+
+    def _with_ties(self, state: State) -> Delta:
+        """This delta, with each tied name that ``state`` holds given its tensor's record as well."""
+        aliases = self._raw.aliases
+        if not aliases or not isinstance(state, Mapping) or type(self) is not Delta:
+            return self
+        names = self.names
+        index = {name: i for i, name in enumerate(names)}
+        held = [(alias, index[name]) for alias, name in aliases.items() if alias in state and name in index]
+        if not held:
+            return self
+        return Delta(self._raw.arranged([(name, i) for i, name in enumerate(names)] + held))
 
     def _apply(self, state: State, *, check_base: bool, digest: bool) -> dict[str, bytes | None]:
         """``apply_``, returning the names of the tensors it wrote: each with its state-digest hash
@@ -359,6 +387,7 @@ def write_anchor_pieces(
     metadata: Mapping[str, str] | None = None,
     whole_sha256: bool = True,
     early_writeback: bool = False,
+    aliases: Mapping[str, str] | None = None,
 ) -> tuple[int, str | None, str, bytes]:
     """:func:`write_anchor_file`, also returning the hash (``piece_hash``: "blake3" or "sha256") of each
     ``piece_bytes`` piece of the file (a power of two from 1 KiB to 1 GiB; 0: none), concatenated, 32 bytes each,
@@ -368,7 +397,8 @@ def write_anchor_pieces(
     so that an fsync right after it finds less left to write; it changes no byte. The file carries its checksum
     (docs/format.md §2.1), as ``to_bytes`` gives it: without the whole-file SHA-256 it is hashed in the same pass and
     its digits are written over their placeholder at the end (the piece that holds them hashed again); with it, it
-    is computed from the tensors before the pass (one more read of them, on every core)."""
+    is computed from the tensors before the pass (one more read of them, on every core). ``aliases`` are the tied
+    names the header carries (``Delta.aliases``)."""
     if not whole_sha256 and not piece_bytes:
         raise DeltaSyncError("an anchor without a whole-file SHA-256 needs pieces (piece_bytes) to be checked by")
     entries = []
@@ -385,6 +415,7 @@ def write_anchor_pieces(
         piece_hash,
         whole_sha256,
         early_writeback,
+        _aliases(aliases or {}),
     )
 
 
@@ -473,7 +504,7 @@ def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Ma
 
 
 #: Metadata keys the format itself writes (docs/format.md §2).
-_RESERVED_METADATA = ("format", "format_version", "kind", "tensors", "step", "base_step", "file_xxh3")
+_RESERVED_METADATA = ("format", "format_version", "kind", "tensors", "step", "base_step", "file_xxh3", "aliases")
 
 
 def _metadata(value: Any) -> dict[str, str]:
@@ -488,6 +519,18 @@ def _metadata(value: Any) -> dict[str, str]:
             )
         if key in _RESERVED_METADATA:
             raise DeltaSyncError(f"metadata key {key!r} is reserved by the format (docs/format.md §2)")
+    return dict(value)
+
+
+def _aliases(value: Any) -> dict[str, str]:
+    """``value`` as tied names: strings to strings; else DeltaSyncError."""
+    if not isinstance(value, Mapping):
+        raise DeltaSyncError(f"aliases must be a mapping of names to names, not {type(value).__name__}")
+    for alias, name in value.items():
+        if not isinstance(alias, str) or not isinstance(name, str):
+            raise DeltaSyncError(
+                f"aliases {alias!r}: names must be strings, not {type(alias).__name__} and {type(name).__name__}"
+            )
     return dict(value)
 
 

@@ -883,7 +883,9 @@ class Publisher:
                 log.warning("writing %s failed (%s); retrying", key, error)
                 time.sleep(0.05 * 2**attempt)
 
-    def _anchor_file(self, tensors: Mapping[str, Any], step: int) -> tuple[str, dict[str, Any], str, bytes | None]:
+    def _anchor_file(
+        self, tensors: Mapping[str, Any], step: int, aliases: Mapping[str, str]
+    ) -> tuple[str, dict[str, Any], str, bytes | None]:
         """Writes the anchor of ``tensors`` into a new temporary file (in the store's own folder when it has one,
         so a local store links it in place) and returns its path, its manifest reference, the state digest and its
         pieces sidecar (None without ``piece_bytes``), all hashed in the same pass. The caller frees the mirror
@@ -907,6 +909,7 @@ class Publisher:
                 piece_hash=piece_hash,
                 whole_sha256=whole_sha256,
                 early_writeback=True,  # the store's put_file fsyncs it (a local store), or reads it to upload
+                aliases=aliases,
             )
         except BaseException:
             remove_temp(path)
@@ -943,9 +946,15 @@ class Publisher:
                 # The delta's encoding was left to this thread (the caller returned once the mirror moved); it reads
                 # the mirror, which holds this step until _mirror_free is set.
                 delta = delta.complete(tensors)
+            # The ties, in the entry and in every file of the step (docs/format.md §2.2), so that a file applied
+            # without its entry (an explicit path) still says which names it writes under another's.
+            own = delta.aliases if delta is not None else {}
+            aliases = {a: n for a, n in {**own, **self._aliases}.items() if n in tensors and a not in tensors}
+            if delta is not None:
+                delta.aliases = aliases
             if anchor:
                 # The anchor's own pass over the mirror also gives the state digest.
-                anchor_path, anchor_ref, digest, sidecar = self._anchor_file(tensors, step)
+                anchor_path, anchor_ref, digest, sidecar = self._anchor_file(tensors, step, aliases)
             else:
                 digest = state_digest(tensors)
         except BaseException:
@@ -986,7 +995,7 @@ class Publisher:
             created=time.time(),
             run=self.run,
             base_entry_sha256=base_entry,
-            aliases={a: n for a, n in self._aliases.items() if n in tensors and a not in tensors} or None,
+            aliases=aliases or None,
         )
         entry_blob = entry.to_json(self._key)
         self._put_entry(step, entry_blob)

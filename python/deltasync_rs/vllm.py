@@ -323,13 +323,16 @@ def apply_delta(
     ``check_base=True`` (mapped path) also checks that every touched tensor holds the exact base the delta was made
     against: a rank checks the tensors it holds whole alone, and the tensor-parallel ranks check the tensors split
     across them together (docs/vllm.md §7), each rank's own slice included. ``aliases`` (the manifest entry's,
-    docs/format.md §10: names the trainer ties to a published tensor) are refused where this model holds one as a
-    parameter of its own, which the delta would leave at its old values. On vLLM's CPU backend the layers whose
+    docs/format.md §10: names the trainer ties to a published tensor), and those the file itself lists
+    (``delta.aliases``, docs/format.md §2.2), are refused where this model holds one as a parameter of its own,
+    which the delta would leave at its old values. On vLLM's CPU backend the layers whose
     weights changed are repacked after the write (see docs/vllm.md). Returns the number of elements written on this
     rank.
     """
     if not isinstance(delta, Delta):
         raise DeltaSyncError(f"apply_delta takes a deltasync_rs.Delta, not {type(delta).__name__}")
+    # The file's own ties too (docs/format.md §2.2): a file applied without its entry still names them.
+    aliases = {**delta.aliases, **(aliases or {})}
     current_step = _check_step(current_step, "current_step")
     if path == "auto":
         path = "mapped" if is_mapped(model) else "loader"

@@ -580,6 +580,7 @@ pub fn write_anchor(
     inputs: &[FullInput<'_>],
     step: Option<u64>,
     metadata: &BTreeMap<String, String>,
+    aliases: &BTreeMap<String, String>,
     path: &Path,
     options: AnchorOptions,
 ) -> Result<Written> {
@@ -598,7 +599,7 @@ pub fn write_anchor(
             diff::whole(input, Stream::Shared { backing: Arc::new(lent), range: 0..input.data.len() })
         })
         .collect::<Result<Vec<_>>>()?;
-    let delta = Delta { tensors, step, base_step: None, metadata: metadata.clone(), packed: false };
+    let delta = Delta { tensors, step, metadata: metadata.clone(), aliases: aliases.clone(), ..Delta::default() };
     let mut encoded = format::encode_with(&delta, Checksum::Placeholder)?;
     let digits = encoded.checksum_at()?;
     // The digits are written over the placeholder after the pass, through the same descriptor, into a regular file
@@ -747,7 +748,7 @@ mod tests {
     /// The anchor of `inputs` at `step`, laid out in memory.
     fn anchor_of(inputs: &[FullInput<'_>], step: u64, metadata: &BTreeMap<String, String>) -> Delta {
         let tensors = diff::full(inputs).unwrap();
-        Delta { tensors, step: Some(step), base_step: None, metadata: metadata.clone(), packed: false }
+        Delta { tensors, step: Some(step), metadata: metadata.clone(), ..Delta::default() }
     }
 
     #[test]
@@ -758,7 +759,9 @@ mod tests {
             .collect();
         let inputs = inputs(&data);
         let metadata = BTreeMap::from([("who".to_owned(), "test".to_owned())]);
-        let anchor = anchor_of(&inputs, 7, &metadata);
+        // A tied name, written under t0, travels in the header too.
+        let aliases = BTreeMap::from([("head".to_owned(), "t0".to_owned())]);
+        let anchor = Delta { aliases: aliases.clone(), ..anchor_of(&inputs, 7, &metadata) };
         // The very bytes `encode` lays out in memory, checksum included, whether that is computed before the pass
         // (with the whole-file SHA-256) or hashed in it and written at the end (without).
         let expected = format::encode(&anchor).unwrap().to_vec();
@@ -769,9 +772,15 @@ mod tests {
         let path = folder.path().join("anchor");
         for (piece_bytes, whole_sha256) in [(0, true), (MIN_PIECE_BYTES, false), (MIN_PIECE_BYTES, true)] {
             std::fs::write(&path, b"old, longer content that must be truncated away").unwrap();
-            let written =
-                write_anchor(&inputs, Some(7), &metadata, &path, options(piece_bytes, PieceHash::Blake3, whole_sha256))
-                    .unwrap();
+            let written = write_anchor(
+                &inputs,
+                Some(7),
+                &metadata,
+                &aliases,
+                &path,
+                options(piece_bytes, PieceHash::Blake3, whole_sha256),
+            )
+            .unwrap();
             let file = std::fs::read(&path).unwrap();
             assert!(file == expected, "pieces {piece_bytes}, whole SHA-256 {whole_sha256}");
             assert_eq!(written.size, expected.len() as u64);
@@ -786,6 +795,7 @@ mod tests {
 
             let mapped = load_mapped(&path).unwrap();
             assert!(mapped.is_anchor());
+            assert_eq!(mapped.aliases, aliases);
             let mut target = vec![0u8; data[2].len()];
             let index = mapped.position_of("t2").unwrap();
             crate::core::apply::apply(&mapped, vec![(index, &mut target[..])]).unwrap();
@@ -813,9 +823,15 @@ mod tests {
         let mut straddled = 0;
         for length in 940..1010 {
             let metadata = BTreeMap::from([("a".to_owned(), "x".repeat(length))]);
-            let written =
-                write_anchor(&inputs, Some(1), &metadata, &path, options(MIN_PIECE_BYTES, PieceHash::Sha256, false))
-                    .unwrap();
+            let written = write_anchor(
+                &inputs,
+                Some(1),
+                &metadata,
+                &BTreeMap::new(),
+                &path,
+                options(MIN_PIECE_BYTES, PieceHash::Sha256, false),
+            )
+            .unwrap();
             let file = std::fs::read(&path).unwrap();
             assert_eq!(written.pieces, piece_hashes(&file, MIN_PIECE_BYTES, PieceHash::Sha256), "length {length}");
             let anchor = anchor_of(&inputs, 1, &metadata);
@@ -842,9 +858,15 @@ mod tests {
             let path = path.clone();
             std::thread::spawn(move || std::fs::read(path).unwrap())
         };
-        let written =
-            write_anchor(&inputs, Some(2), &BTreeMap::new(), &path, options(MIN_PIECE_BYTES, PieceHash::Blake3, false))
-                .unwrap();
+        let written = write_anchor(
+            &inputs,
+            Some(2),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            &path,
+            options(MIN_PIECE_BYTES, PieceHash::Blake3, false),
+        )
+        .unwrap();
         let received = reader.join().unwrap();
         let anchor = anchor_of(&inputs, 2, &BTreeMap::new());
         assert!(received == format::encode(&anchor).unwrap().to_vec());
@@ -874,7 +896,15 @@ mod tests {
         let folder = tempfile::tempdir().unwrap();
         let path = folder.path().join("anchor");
         std::fs::write(&path, b"kept").unwrap();
-        assert!(write_anchor(&inputs, None, &BTreeMap::new(), &path, options(0, PieceHash::Sha256, true)).is_err());
+        assert!(write_anchor(
+            &inputs,
+            None,
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            &path,
+            options(0, PieceHash::Sha256, true)
+        )
+        .is_err());
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
     }
 
@@ -911,9 +941,15 @@ mod tests {
             for (kind, whole_sha256) in
                 [(PieceHash::Sha256, true), (PieceHash::Blake3, true), (PieceHash::Blake3, false)]
             {
-                let written =
-                    write_anchor(&inputs, Some(3), &BTreeMap::new(), &path, options(piece_bytes, kind, whole_sha256))
-                        .unwrap();
+                let written = write_anchor(
+                    &inputs,
+                    Some(3),
+                    &BTreeMap::new(),
+                    &BTreeMap::new(),
+                    &path,
+                    options(piece_bytes, kind, whole_sha256),
+                )
+                .unwrap();
                 let file = std::fs::read(&path).unwrap();
                 let expected: Vec<[u8; 32]> = match kind {
                     PieceHash::Sha256 => file.chunks(piece_bytes).map(|p| Sha256::digest(p).into()).collect(),
@@ -925,7 +961,14 @@ mod tests {
             }
         }
         for bad in [1usize, 512, 3 << 10, 2 << 30] {
-            let written = write_anchor(&inputs, None, &BTreeMap::new(), &path, options(bad, PieceHash::Blake3, true));
+            let written = write_anchor(
+                &inputs,
+                None,
+                &BTreeMap::new(),
+                &BTreeMap::new(),
+                &path,
+                options(bad, PieceHash::Blake3, true),
+            );
             assert!(written.is_err(), "piece size {bad}");
         }
     }

@@ -238,6 +238,10 @@ impl TensorDelta {
     }
 }
 
+fn clone_pair((a, b): (&String, &String)) -> (String, String) {
+    (a.clone(), b.clone())
+}
+
 /// A set of tensor deltas plus file-level metadata.
 #[derive(Debug, Clone, Default)]
 pub struct Delta {
@@ -246,6 +250,9 @@ pub struct Delta {
     pub base_step: Option<u64>,
     /// Caller-supplied string metadata, stored in the file header beside the reserved keys.
     pub metadata: BTreeMap<String, String>,
+    /// Tied names: each alias (a name the trainer's model holds as the same tensor as another) to the name of the
+    /// tensor it is written under, which the file's records carry (docs/format.md §2.2). Empty when none.
+    pub aliases: BTreeMap<String, String>,
     /// Written in the packed layout (docs/format.md §4.1) unless every tensor is stored whole: set by the writers
     /// of the `compact` codec, and by loading a packed file.
     pub packed: bool,
@@ -307,7 +314,17 @@ impl Delta {
         if let Some(left) = used.iter().position(|u| !u) {
             return Err(Error::invalid(format!("tensor {:?} is not named", self.tensors[left].name)));
         }
-        let mut out = Delta { tensors: Vec::new(), metadata: self.metadata.clone(), ..*self };
+        // An alias now given a record of its own is no longer an alias in this delta.
+        let aliases =
+            self.aliases.iter().filter(|(alias, _)| !names.iter().any(|(name, _)| name == *alias)).map(clone_pair);
+        let mut out = Delta {
+            tensors: Vec::new(),
+            metadata: self.metadata.clone(),
+            aliases: aliases.collect(),
+            step: self.step,
+            base_step: self.base_step,
+            packed: self.packed,
+        };
         out.extend(tensors)?;
         Ok(out)
     }

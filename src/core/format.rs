@@ -38,7 +38,10 @@ pub const METADATA_KEY: &str = "__metadata__";
 /// wherever it is.
 pub const CHECKSUM_KEY: &str = "file_xxh3";
 /// Header keys the format owns; caller metadata may not use them.
-pub const RESERVED_KEYS: [&str; 7] = ["format", "format_version", "kind", "tensors", "step", "base_step", CHECKSUM_KEY];
+/// Metadata key of the tied names (docs/format.md §2.2).
+pub const ALIASES_KEY: &str = "aliases";
+pub const RESERVED_KEYS: [&str; 8] =
+    ["format", "format_version", "kind", "tensors", "step", "base_step", CHECKSUM_KEY, ALIASES_KEY];
 /// What the checksum's value stands in for while the file is hashed.
 const CHECKSUM_PLACEHOLDER: &str = "0000000000000000";
 
@@ -298,6 +301,11 @@ pub fn encode_with(delta: &Delta, checksum: Checksum) -> Result<Encoded<'_>> {
     if let Some(base) = delta.base_step {
         metadata.insert("base_step".into(), base.to_string());
     }
+    if !delta.aliases.is_empty() {
+        check_aliases(&delta.aliases, &delta.tensors).map_err(Error::invalid)?;
+        let json = serde_json::to_string(&delta.aliases).map_err(|e| Error::invalid(format!("aliases: {e}")))?;
+        metadata.insert(ALIASES_KEY.into(), json);
+    }
     if checksum != Checksum::Absent {
         metadata.insert(CHECKSUM_KEY.into(), CHECKSUM_PLACEHOLDER.into());
     }
@@ -483,6 +491,47 @@ pub fn read_header(bytes: &[u8], source_name: &str) -> Result<Header> {
         })
         .collect();
     Ok(Header { len: header_len, metadata: parsed.metadata().clone().unwrap_or_default(), tensors })
+}
+
+/// Checks tied names against a file's records (docs/format.md §2.2): every alias and every name it is written under
+/// is a valid tensor name, not empty and not each other; no alias has a record of its own (which would make it no
+/// alias), and none is written under another alias.
+pub fn check_aliases(aliases: &BTreeMap<String, String>, tensors: &[TensorDelta]) -> std::result::Result<(), String> {
+    for (alias, name) in aliases {
+        for one in [alias, name] {
+            if one.is_empty() {
+                return Err(format!("aliases: {alias:?} -> {name:?}: a name is empty"));
+            }
+            check_tensor_name(one).map_err(|e| format!("aliases: {e}"))?;
+        }
+        if alias == name {
+            return Err(format!("aliases: {alias:?} is written under its own name"));
+        }
+        if aliases.contains_key(name) {
+            return Err(format!("aliases: {alias:?} is written under {name:?}, itself an alias"));
+        }
+        if tensors.iter().any(|t| &t.name == alias) {
+            return Err(format!("aliases: {alias:?} has a record of its own in the file"));
+        }
+    }
+    Ok(())
+}
+
+/// The tied names of a file's metadata: a JSON object of strings (docs/format.md §2.2), checked against its records.
+fn parse_aliases(
+    metadata: &HashMap<String, String>,
+    tensors: &[TensorDelta],
+    source_name: &str,
+) -> Result<BTreeMap<String, String>> {
+    let Some(json) = metadata.get(ALIASES_KEY) else { return Ok(BTreeMap::new()) };
+    let aliases: BTreeMap<String, String> = serde_json::from_str(json).map_err(|e| {
+        Error::format(source_name, format!("metadata {ALIASES_KEY:?} is not a JSON object of names: {e}"))
+    })?;
+    if aliases.is_empty() {
+        return Err(Error::format(source_name, format!("metadata {ALIASES_KEY:?} is empty (a writer leaves it out)")));
+    }
+    check_aliases(&aliases, tensors).map_err(|message| Error::format(source_name, message))?;
+    Ok(aliases)
 }
 
 fn parse_step(metadata: &HashMap<String, String>, key: &str, source_name: &str) -> Result<Option<u64>> {
@@ -700,7 +749,9 @@ fn read_deltasync(backing: Arc<Backing>, mut header: Header, source_name: &str, 
         return Err(bad(format!("tensor {extra:?} is stored but not listed in the file's records")));
     }
     let metadata = header.metadata;
+    let aliases = parse_aliases(&metadata, &tensors, source_name)?;
     let mut delta = Delta {
+        aliases,
         tensors,
         step: parse_step(&metadata, "step", source_name)?,
         base_step: parse_step(&metadata, "base_step", source_name)?,
@@ -768,7 +819,46 @@ mod tests {
             step: Some(7),
             base_step: Some(6),
             metadata: [("run".to_owned(), "x".to_owned())].into(),
-            packed: false,
+            ..Delta::default()
+        }
+    }
+
+    /// Tied names round-trip in both layouts, and the reader refuses what the writer would not write (§2.2).
+    #[test]
+    fn aliases_round_trip_and_are_checked() {
+        for packed in [false, true] {
+            let mut delta = Delta { packed, ..sample() };
+            delta.aliases = [("head".to_owned(), "a.weight".to_owned())].into();
+            let bytes = to_bytes(&delta).unwrap();
+            let back = from_bytes(bytes.clone(), "mem").unwrap();
+            assert_eq!(back.aliases, delta.aliases);
+            assert!(!back.metadata.contains_key(ALIASES_KEY));
+            assert_eq!(to_bytes(&back).unwrap(), bytes);
+            for (aliases, why) in [
+                (vec![("c", "b")], "has a record of its own"),
+                (vec![("head", "head")], "under its own name"),
+                (vec![("head", "a.weight"), ("x", "head")], "itself an alias"),
+                (vec![("", "b")], "empty"),
+            ] {
+                let bad = Delta {
+                    aliases: aliases.iter().map(|(a, n)| ((*a).to_owned(), (*n).to_owned())).collect(),
+                    ..delta.clone()
+                };
+                let err = to_bytes(&bad).err().unwrap().to_string();
+                assert!(err.contains(why), "{err}");
+            }
+            // Edited without a checksum, which would otherwise report the edit as damage.
+            let unsealed = encode_with(&delta, Checksum::Absent).unwrap().to_vec();
+            let written = serde_json::to_string(&serde_json::to_string(&delta.aliases).unwrap()).unwrap();
+            for (value, why) in [("[1]", "not a JSON object"), ("{}", "is empty"), ("{\"c\":\"b\"}", "of its own")] {
+                let quoted = serde_json::to_string(value).unwrap();
+                let edited = edit_header(&unsealed, |h| {
+                    assert!(h.contains(&written));
+                    h.replace(&written, &quoted)
+                });
+                let err = from_bytes(edited, "mem").err().unwrap().to_string();
+                assert!(err.contains(why), "{value}: {err}");
+            }
         }
     }
 
@@ -921,7 +1011,7 @@ mod tests {
             data: &old,
         }])
         .unwrap();
-        let anchor = Delta { tensors: full, step: Some(1), base_step: None, metadata: BTreeMap::new(), packed: false };
+        let anchor = Delta { tensors: full, step: Some(1), ..Delta::default() };
         assert!(read_header(&to_bytes(&anchor).unwrap(), "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));
         let anchor_bytes = encode_with(&anchor, Checksum::Absent).unwrap().to_vec();
         assert!(!read_header(&anchor_bytes, "mem").unwrap().metadata.contains_key(CHECKSUM_KEY));

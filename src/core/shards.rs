@@ -135,6 +135,7 @@ pub fn join(
         step: first.step,
         base_step: first.base_step,
         metadata: first.metadata,
+        aliases: first.aliases,
         packed: codec != Codec::Varint,
     };
     for tensor in first.tensors.into_iter().chain(deltas.flat_map(|d| d.tensors)) {

@@ -179,7 +179,7 @@ pub fn read(bytes: &[u8], header: &Header, source: &str) -> Result<Delta> {
         })?;
     }
     let step = metadata.get("model_version").and_then(|v| v.parse::<u64>().ok());
-    let mut delta = Delta { tensors, step, base_step: None, metadata: BTreeMap::new(), packed: false };
+    let mut delta = Delta { tensors, step, metadata: BTreeMap::new(), ..Delta::default() };
     delta.validate(source, false)?;
     Ok(delta)
 }

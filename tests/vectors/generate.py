@@ -175,6 +175,17 @@ def vectors() -> dict[str, dict]:
                 }
             },
         },
+        # Tied names (§2.2): the trainer's lm_head is its embedding, written once under the embedding's name.
+        "tied": {
+            "values": "diff",
+            "step": 3,
+            "base_step": 2,
+            "metadata": {},
+            "aliases": {"lm_head.weight": "embed.weight"},
+            "tensors": {
+                "embed.weight": {"dtype": "BF16", "shape": [2, 3], "base": [0x3F80] * 6, "changes": {1: 1, 4: -1}},
+            },
+        },
         "anchor": {
             "anchor": True,
             "step": 10,
@@ -214,6 +225,8 @@ def build(spec: dict) -> tuple[ds.Delta, dict, dict]:
         )
         if "packed" in spec:
             delta._raw.packed = spec["packed"]
+    if "aliases" in spec:
+        delta.aliases = spec["aliases"]
     return delta, base, expected
 
 

@@ -1,0 +1,172 @@
+"""Tied names in a file's header (docs/format.md §2.2): written, read back, checked, and carried by every file a
+Publisher writes, so that a file applied without its manifest entry still says which names it writes under
+another's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import deltasync_rs as ds
+from deltasync_rs.store import LocalStore
+from tests.helpers import reseal
+
+
+def _states():
+    rng = np.random.default_rng(5)
+    prev = {"w": rng.integers(0, 1 << 16, 64, dtype=np.uint16), "b": rng.integers(0, 1 << 16, 8, dtype=np.uint16)}
+    curr = {name: t.copy() for name, t in prev.items()}
+    curr["w"][[1, 9, 40]] += 1
+    return prev, curr
+
+
+def _with_metadata(blob: bytes, key: str, value: str | None) -> bytes:
+    """``blob`` with its header's metadata ``key`` set to ``value`` (removed for None), laid out again and sealed."""
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    if value is None:
+        header["__metadata__"].pop(key, None)
+    else:
+        header["__metadata__"][key] = value
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return reseal(len(text).to_bytes(8, "little") + text + blob[8 + length :])
+
+
+@pytest.mark.parametrize("codec", ["varint", "compact"])
+def test_aliases_round_trip_in_both_layouts(codec):
+    prev, curr = _states()
+    delta = ds.diff(prev, curr, codec=codec, step=2, base_step=1)
+    assert delta.aliases == {}
+    delta.aliases = {"head": "w", "other.bias": "b"}
+    back = ds.load(delta.to_bytes())
+    assert back.aliases == {"head": "w", "other.bias": "b"}
+    assert back.metadata == {}  # not caller metadata
+    target = {name: t.copy() for name, t in prev.items()}
+    back.apply_(target)
+    assert all(np.array_equal(target[n], curr[n]) for n in curr)
+    # A file without ties has no such key at all (the bytes of the files before it).
+    plain = ds.diff(prev, curr, codec=codec, step=2, base_step=1).to_bytes()
+    assert b"aliases" not in plain
+
+
+def test_an_anchor_written_in_one_pass_carries_them(tmp_path):
+    _, curr = _states()
+    path = tmp_path / "anchor.safetensors"
+    path.touch()
+    ds.delta.write_anchor_pieces(curr, path, step=4, piece_bytes=1024, whole_sha256=False, aliases={"head": "w"})
+    expected = ds.anchor(curr, step=4)
+    expected.aliases = {"head": "w"}
+    assert path.read_bytes() == expected.to_bytes()
+    assert ds.load(path).aliases == {"head": "w"}
+
+
+@pytest.mark.parametrize(
+    ("aliases", "why"),
+    [
+        ({"w": "b"}, ".w. has a record of its own"),
+        ({"head": "head"}, "under its own name"),
+        ({"head": "w", "w2": "head"}, "itself an alias"),
+        ({"": "w"}, "empty"),
+        ({"head": ""}, "empty"),
+        ({"head:pos": "w"}, "reserved for delta streams"),
+    ],
+)
+def test_the_writer_refuses_ties_that_are_not_ties(aliases, why):
+    prev, curr = _states()
+    delta = ds.diff(prev, curr)
+    delta.aliases = aliases
+    with pytest.raises(ds.DeltaSyncError, match=why):
+        delta.to_bytes()
+
+
+def test_ties_are_not_caller_metadata():
+    prev, curr = _states()
+    delta = ds.diff(prev, curr)
+    with pytest.raises(ds.DeltaSyncError, match="'aliases' is reserved"):
+        delta.metadata = {"aliases": "{}"}
+    with pytest.raises(ds.DeltaSyncError, match="names must be strings"):
+        delta.aliases = {"head": 3}
+    with pytest.raises(ds.DeltaSyncError, match="mapping"):
+        delta.aliases = [("head", "w")]
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("not json", "not a JSON object of names"),
+        ('["head","w"]', "not a JSON object of names"),
+        ('{"head":3}', "not a JSON object of names"),
+        ("{}", "is empty"),
+        ('{"w":"b"}', ".w. has a record of its own"),
+        ('{"head":"head"}', "under its own name"),
+        ('{"a":"b","b":"w"}', "itself an alias"),
+    ],
+)
+def test_the_reader_refuses_ties_that_are_not_ties(value, why):
+    prev, curr = _states()
+    delta = ds.diff(prev, curr, codec="compact")
+    delta.aliases = {"head": "w"}
+    blob = _with_metadata(delta.to_bytes(), "aliases", value)
+    with pytest.raises(ds.DeltaFormatError, match=why):
+        ds.load(blob)
+    # The same edit with a sound value reads back: the refusal is the value's, not the rewriting's.
+    assert ds.load(_with_metadata(delta.to_bytes(), "aliases", '{"x.weight":"b"}')).aliases == {"x.weight": "b"}
+
+
+def test_every_file_a_publisher_writes_carries_its_ties(tmp_path):
+    """The manifest entry lists the ties; each delta and anchor file of the step carries the same, so that a file
+    applied on its own (a vLLM worker's explicit path) can refuse a model served untied."""
+    prev, curr = _states()
+    tied = {"head": "w"}
+    with ds.Publisher(LocalStore(tmp_path / "store"), anchor_every=2, background=False) as publisher:
+        publisher.publish_shared(0, {n: t.copy() for n, t in prev.items()}, aliases=tied)
+        mirror = publisher._mirror.tensors
+        for step in (1, 2):
+
+            def advance(step=step):
+                before = {n: np.array(t, copy=True) for n, t in mirror.items()}
+                for name in mirror:
+                    mirror[name][...] = curr[name] if step % 2 else prev[name]
+                return ds.diff(before, mirror)
+
+            publisher.publish_shared(step, mirror, advance, aliases=tied)
+    subscriber = ds.Subscriber(LocalStore(tmp_path / "store"))
+    files = 0
+    for step in (0, 1, 2):
+        entry = subscriber.entry(step)
+        assert entry.aliases == tied
+        for ref in (entry.delta, entry.anchor):
+            if ref is not None:
+                assert ds.load(tmp_path / "store" / ref["key"]).aliases == tied, (step, ref["key"])
+                files += 1
+    assert files >= 4  # an anchor at 0 and 2, deltas at 1 and 2
+
+
+@pytest.mark.parametrize("check_base", [False, True])
+def test_apply_writes_a_tie_the_state_holds_untied(check_base):
+    """A file whose trainer ties ``head`` to ``w`` applied to a state holding ``head`` as an array of its own: both
+    are written (before, ``head`` kept its old values, silently); tied memory is written once."""
+    prev, curr = _states()
+    delta = ds.diff(prev, curr, codec="compact")
+    delta.aliases = {"head": "w"}
+    loaded = ds.load(delta.to_bytes())
+    untied = {name: t.copy() for name, t in prev.items()} | {"head": prev["w"].copy()}
+    loaded.apply_(untied, check_base=check_base)
+    assert np.array_equal(untied["head"], curr["w"]) and np.array_equal(untied["w"], curr["w"])
+    tied = {name: t.copy() for name, t in prev.items()}
+    tied["head"] = tied["w"]
+    loaded.apply_(tied, check_base=check_base)
+    assert np.array_equal(tied["w"], curr["w"])
+    # An untied copy that does not hold the base is refused by name when bases are checked, nothing written.
+    stale = {name: t.copy() for name, t in prev.items()} | {"head": curr["w"].copy()}
+    if check_base:
+        before = {name: t.copy() for name, t in stale.items()}
+        with pytest.raises(ds.BaseMismatchError, match="head"):
+            loaded.apply_(stale, check_base=True)
+        assert all(np.array_equal(stale[n], before[n]) for n in stale)
+    # One of another shape is refused by name whatever the check.
+    with pytest.raises(ds.DeltaSyncError, match="head"):
+        loaded.apply_({name: t.copy() for name, t in prev.items()} | {"head": np.zeros(3, np.uint16)})
