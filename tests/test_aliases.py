@@ -103,6 +103,8 @@ def test_ties_are_not_caller_metadata():
         ('{"w":"b"}', ".w. has a record of its own"),
         ('{"head":"head"}', "under its own name"),
         ('{"a":"b","b":"w"}', "itself an alias"),
+        # A repeated key: readers that keep the first or the last would write the alias from different tensors.
+        ('{"head":"w","head":"b"}', "listed twice"),
     ],
 )
 def test_the_reader_refuses_ties_that_are_not_ties(value, why):
@@ -170,3 +172,89 @@ def test_apply_writes_a_tie_the_state_holds_untied(check_base):
     # One of another shape is refused by name whatever the check.
     with pytest.raises(ds.DeltaSyncError, match="head"):
         loaded.apply_({name: t.copy() for name, t in prev.items()} | {"head": np.zeros(3, np.uint16)})
+
+
+def test_publish_delta_of_a_tied_delta_onto_a_publisher_that_publishes_the_alias(tmp_path):
+    """A delta (made where head is tied to w) relayed to a publisher whose state holds head as a tensor of its own:
+    the published file gives head its tensor's record, so the mirror, the entry's digest and every reader of the
+    file agree (found by a review: the mirror wrote head, the file dropped the tie, an explicit apply left head
+    stale, and a pull failed on the digest)."""
+    prev, curr = _states()
+    prev["head"], curr["head"] = prev["w"].copy(), curr["w"].copy()
+    root = tmp_path / "store"
+    with ds.Publisher(LocalStore(root), background=False) as publisher:
+        publisher.publish(0, {name: t.copy() for name, t in prev.items()})
+        relayed = ds.diff({n: prev[n] for n in ("w", "b")}, {n: curr[n] for n in ("w", "b")})
+        relayed.aliases = {"head": "w"}
+        publisher.publish_delta(1, relayed)
+        assert np.array_equal(publisher._mirror.tensors["head"], curr["head"])
+    entry = ds.Subscriber(LocalStore(root)).entry(1)
+    assert not entry.aliases
+    published = ds.load(root / entry.delta["key"])
+    assert "head" in published.names and published.aliases == {}
+    explicit = {name: t.copy() for name, t in prev.items()}
+    published.apply_(explicit, check_base=True)
+    assert ds.state_digest(explicit) == entry.state_digest
+    pulled = {name: np.zeros_like(t) for name, t in prev.items()}
+    assert ds.Subscriber(LocalStore(root)).pull(pulled) == 1
+    assert all(np.array_equal(pulled[n], curr[n]) for n in curr)
+
+
+def test_publish_delta_keeps_the_ties_a_delta_names(tmp_path):
+    """Ties a relayed delta names (its alias not published) are listed by that step and by the later ones, an
+    anchor included, so that a subscriber starting from that anchor still writes an untied copy."""
+    prev, curr = _states()
+    root = tmp_path / "store"
+    with ds.Publisher(LocalStore(root), anchor_every=2, background=False) as publisher:
+        publisher.publish(0, {name: t.copy() for name, t in prev.items()})
+        relayed = ds.diff(prev, curr)
+        relayed.aliases = {"head": "w"}
+        publisher.publish_delta(1, relayed)
+        publisher.publish(2, {name: t.copy() for name, t in prev.items()})  # an anchor step
+    subscriber = ds.Subscriber(LocalStore(root))
+    for step in (1, 2):
+        assert subscriber.entry(step).aliases == {"head": "w"}, step
+    assert ds.load(root / subscriber.entry(2).anchor["key"]).aliases == {"head": "w"}
+    untied = {name: np.zeros_like(t) for name, t in prev.items()} | {"head": np.zeros_like(prev["w"])}
+    assert ds.Subscriber(LocalStore(root)).pull(untied, until=2) == 2
+    assert np.array_equal(untied["head"], prev["w"])
+
+
+def test_a_publisher_refuses_ties_no_file_could_carry(tmp_path):
+    prev, _ = _states()
+    with ds.Publisher(LocalStore(tmp_path / "store"), background=False) as publisher:
+        with pytest.raises(ds.DeltaSyncError, match="reserved for delta streams"):
+            publisher.publish_shared(0, {name: t.copy() for name, t in prev.items()}, aliases={"head:pos": "w"})
+
+
+def test_the_cli_apply_writes_a_tie_the_checkpoint_holds_untied(tmp_path):
+    """``deltasync apply`` of a tied file onto a checkpoint that holds the alias as a tensor of its own writes it
+    (it kept its old values, exit code 0, before)."""
+    from safetensors.numpy import load_file
+
+    from deltasync_rs.cli import main
+
+    prev, curr = _states()
+    delta = ds.diff(prev, curr, step=1, base_step=0)
+    delta.aliases = {"head": "w"}
+    delta.save(tmp_path / "d.safetensors")
+    ds.anchor(prev | {"head": prev["w"].copy()}, step=0).save(tmp_path / "base.safetensors")
+    out = tmp_path / "out.safetensors"
+    assert main(["apply", str(tmp_path / "base.safetensors"), str(tmp_path / "d.safetensors"), "-o", str(out)]) == 0
+    written = load_file(str(out))
+    assert np.array_equal(written["head"], curr["w"]) and np.array_equal(written["w"], curr["w"])
+
+
+def test_trl_files_name_each_alias_as_a_tensor():
+    """TRL's layout has no place for ties: each alias is written as a tensor, so a TRL reader writes it too."""
+    from safetensors.numpy import load
+
+    prev, curr = _states()
+    delta = ds.diff(prev, curr, values="abs")
+    delta.aliases = {"head": "w"}
+    blob = delta.to_bytes("trl")
+    assert sorted(load(blob)) == ["head.indices", "head.values", "w.indices", "w.values"]
+    untied = {name: t.copy() for name, t in prev.items()} | {"head": prev["w"].copy()}
+    ds.load(blob).apply_(untied)
+    assert np.array_equal(untied["head"], curr["w"])
+    assert delta.aliases == {"head": "w"}  # the delta itself is unchanged

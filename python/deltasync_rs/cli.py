@@ -89,6 +89,9 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     base = checkpoint_files(args.base)
     require_regular_file(args.delta)
     delta = load(args.delta)
+    if delta.aliases:
+        # A tied name the checkpoint holds as a tensor of its own is written as its tensor is (docs/format.md §2.2).
+        delta = delta._with_ties(_tensor_names(base.files))
     check_base = not args.no_check_base
     if base.index is None:
         if os.path.isdir(args.output):
@@ -105,6 +108,20 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         f"in {time.perf_counter() - start:.2f} s"
     )
     return 0
+
+
+def _tensor_names(files: list[str]) -> set[str]:
+    """The names of the tensors in these safetensors files, from their headers."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(path, framework="numpy") as f:
+                names.update(f.keys())
+        except Exception as error:  # safetensors' own error type, or an OS error
+            raise DeltaSyncError(f"{path}: cannot read its tensors' names: {error}") from None
+    return names
 
 
 def _checksum_of(path: str) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any, NamedTuple, Union
 
 import numpy as np
@@ -161,8 +161,10 @@ class Delta:
         )
 
     def to_bytes(self, format: str = "deltasync") -> bytes:
-        """The file's bytes. ``format="trl"`` writes TRL's v1 layout, which needs ``values="abs"``."""
-        return self._raw.to_bytes(format)
+        """The file's bytes. ``format="trl"`` writes TRL's v1 layout, which needs ``values="abs"`` and has no place
+        for tied names: each alias (:attr:`aliases`) is written there as a tensor of its own, with its tensor's
+        changes, so that a TRL reader holding it untied writes it too."""
+        return self._for(format)._raw.to_bytes(format)
 
     def save(self, path: str | os.PathLike[str], format: str = "deltasync") -> None:
         """Writes the file atomically: a temporary file in the same folder, then a rename (so ``path`` must be a
@@ -171,7 +173,11 @@ class Delta:
 
         if isinstance(path, (str, os.PathLike)):
             require_output_file(os.fsdecode(os.fspath(path)))
-        self._raw.save(os.fspath(path), format)
+        self._for(format)._raw.save(os.fspath(path), format)
+
+    def _for(self, format: str) -> Delta:
+        """The delta to write in ``format``: TRL's layout names every alias as a tensor."""
+        return self._with_ties(self._raw.aliases) if format == "trl" else self
 
     def apply_(self, state: State, *, check_base: bool = False) -> None:
         """Applies the delta in place to a tensor, an array, or a mapping of them.
@@ -187,19 +193,21 @@ class Delta:
         served untied) is written with its tensor's changes too, as the trainer's model holds them, and checked
         the same way; left out, it would keep its old values.
         """
-        self._with_ties(state)._apply(state, check_base=check_base, digest=False)
+        self._with_ties(state if isinstance(state, Mapping) else ())._apply(state, check_base=check_base, digest=False)
 
-    def _with_ties(self, state: State) -> Delta:
-        """This delta, with each tied name that ``state`` holds given its tensor's record as well."""
+    def _with_ties(self, held: Container[str]) -> Delta:
+        """This delta, with each tied name in ``held`` (a target's names) given its tensor's record as well, and no
+        longer listed as an alias; itself where there is none (or it is not a plain Delta, whose records are read
+        otherwise)."""
         aliases = self._raw.aliases
-        if not aliases or not isinstance(state, Mapping) or type(self) is not Delta:
+        if not aliases or type(self) is not Delta:
             return self
         names = self.names
         index = {name: i for i, name in enumerate(names)}
-        held = [(alias, index[name]) for alias, name in aliases.items() if alias in state and name in index]
-        if not held:
+        extra = [(alias, index[name]) for alias, name in aliases.items() if alias in held and name in index]
+        if not extra:
             return self
-        return Delta(self._raw.arranged([(name, i) for i, name in enumerate(names)] + held))
+        return Delta(self._raw.arranged([(name, i) for i, name in enumerate(names)] + extra))
 
     def _apply(self, state: State, *, check_base: bool, digest: bool) -> dict[str, bytes | None]:
         """``apply_``, returning the names of the tensors it wrote: each with its state-digest hash
@@ -532,6 +540,16 @@ def _aliases(value: Any) -> dict[str, str]:
                 f"aliases {alias!r}: names must be strings, not {type(alias).__name__} and {type(name).__name__}"
             )
     return dict(value)
+
+
+def check_ties(aliases: Mapping[str, str]) -> dict[str, str]:
+    """``aliases`` as tied names a file may carry (docs/format.md §2.2, the rules that need no records), else
+    DeltaSyncError naming the name: checked by the core's own writer, on a file of no tensors."""
+    raw = RawDelta()
+    raw.aliases = _aliases(aliases)
+    if aliases:
+        raw.to_bytes("deltasync")
+    return dict(aliases)
 
 
 def load_stand_in(path: str | os.PathLike[str]) -> Delta:

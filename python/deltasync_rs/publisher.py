@@ -24,7 +24,16 @@ from typing import Any, Generic, TypeVar, overload
 from . import _arrays
 from ._identity import BLOCK_BYTES
 from ._turns import one_at_a_time, track
-from .delta import Delta, _check_step, _Deferred, _Recode, check_codec, state_digest, write_anchor_pieces
+from .delta import (
+    Delta,
+    _check_step,
+    _Deferred,
+    _Recode,
+    check_codec,
+    check_ties,
+    state_digest,
+    write_anchor_pieces,
+)
 from .errors import (
     BaseMismatchError,
     ChainError,
@@ -556,7 +565,11 @@ class Publisher:
 
     @one_at_a_time
     def publish_delta(self, step: int, delta: Delta) -> None:
-        """Publishes a delta made elsewhere (e.g. by the trainer's mirror) against the last published state."""
+        """Publishes a delta made elsewhere (e.g. by the trainer's mirror) against the last published state.
+
+        Ties the delta names (``delta.aliases``, docs/format.md §2.2) are kept: an alias this publisher publishes as
+        a tensor of its own is given its tensor's changes in the published file (the delta object published is
+        then a new one); the others are listed by this step's entry and files and by every later step's."""
         self._publish_delta(step, delta, recode=False)
 
     def _publish_delta(self, step: int, delta: Delta, *, recode: bool, checked: bool = False) -> None:
@@ -575,10 +588,23 @@ class Publisher:
         if delta.base_step is None:
             delta.base_step = self._mirror.step
         self._wait_for_mirror()
+        delta.step = step
+        if delta.aliases:
+            # Ties whose alias this publisher publishes as a tensor of its own: the alias gets its tensor's record
+            # (so the mirror and the file both write it); the others are this publisher's ties from now on, listed
+            # by every entry and file (docs/format.md §2.2).
+            delta = delta._with_ties(self._mirror.tensors)
+            ties = self._ties(delta.aliases, self._mirror.tensors)
+            self._aliases.update(ties)
+            delta.aliases = ties
         self._mirror.apply(delta, check_base=not checked)
         self._mirror.step = step
-        delta.step = step
         self._enqueue(step, _Recode(delta, "compact") if recode else delta)
+
+    def _ties(self, own: Mapping[str, str], tensors: Mapping[str, Any]) -> dict[str, str]:
+        """``own`` ties and this publisher's, as a step publishing ``tensors`` lists them: each alias to a tensor
+        that is published, and which is not one itself."""
+        return {a: n for a, n in {**own, **self._aliases}.items() if n in tensors and a not in tensors}
 
     @one_at_a_time
     def publish_shards(
@@ -750,6 +776,7 @@ class Publisher:
             bad = [(a, n) for a, n in aliases.items() if a in tensors or n not in tensors]
             if bad:
                 raise DeltaSyncError(f"aliases {bad[:3]}: each must name a tensor not published to one that is")
+            aliases = check_ties(aliases)  # names every file of a step can carry (docs/format.md §2.2)
         # Taken only once the mirror is accepted (a refused one must not leave its ties behind); None keeps them.
         accept = (lambda: setattr(self, "_aliases", dict(aliases))) if aliases is not None else (lambda: None)
         if self._mirror.is_empty:
@@ -948,9 +975,8 @@ class Publisher:
                 delta = delta.complete(tensors)
             # The ties, in the entry and in every file of the step (docs/format.md §2.2), so that a file applied
             # without its entry (an explicit path) still says which names it writes under another's.
-            own = delta.aliases if delta is not None else {}
-            aliases = {a: n for a, n in {**own, **self._aliases}.items() if n in tensors and a not in tensors}
-            if delta is not None:
+            aliases = self._ties(delta.aliases if delta is not None else {}, tensors)
+            if delta is not None and delta.aliases != aliases:  # publish_delta set a caller's delta's already
                 delta.aliases = aliases
             if anchor:
                 # The anchor's own pass over the mirror also gives the state digest.

@@ -517,6 +517,32 @@ pub fn check_aliases(aliases: &BTreeMap<String, String>, tensors: &[TensorDelta]
     Ok(())
 }
 
+/// A JSON object of names with every key once: a map would keep the last of a repeated key, which another reader
+/// might not (and would then write the alias from another tensor).
+struct UniqueNames(BTreeMap<String, String>);
+
+impl<'de> serde::Deserialize<'de> for UniqueNames {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        struct Names;
+        impl<'de> serde::de::Visitor<'de> for Names {
+            type Value = UniqueNames;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object of names")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<UniqueNames, A::Error> {
+                let mut names = BTreeMap::new();
+                while let Some((alias, name)) = map.next_entry::<String, String>()? {
+                    if names.insert(alias.clone(), name).is_some() {
+                        return Err(serde::de::Error::custom(format!("{alias:?} is listed twice")));
+                    }
+                }
+                Ok(UniqueNames(names))
+            }
+        }
+        deserializer.deserialize_map(Names)
+    }
+}
+
 /// The tied names of a file's metadata: a JSON object of strings (docs/format.md §2.2), checked against its records.
 fn parse_aliases(
     metadata: &HashMap<String, String>,
@@ -524,7 +550,7 @@ fn parse_aliases(
     source_name: &str,
 ) -> Result<BTreeMap<String, String>> {
     let Some(json) = metadata.get(ALIASES_KEY) else { return Ok(BTreeMap::new()) };
-    let aliases: BTreeMap<String, String> = serde_json::from_str(json).map_err(|e| {
+    let UniqueNames(aliases) = serde_json::from_str(json).map_err(|e| {
         Error::format(source_name, format!("metadata {ALIASES_KEY:?} is not a JSON object of names: {e}"))
     })?;
     if aliases.is_empty() {
@@ -850,7 +876,12 @@ mod tests {
             // Edited without a checksum, which would otherwise report the edit as damage.
             let unsealed = encode_with(&delta, Checksum::Absent).unwrap().to_vec();
             let written = serde_json::to_string(&serde_json::to_string(&delta.aliases).unwrap()).unwrap();
-            for (value, why) in [("[1]", "not a JSON object"), ("{}", "is empty"), ("{\"c\":\"b\"}", "of its own")] {
+            for (value, why) in [
+                ("[1]", "not a JSON object"),
+                ("{}", "is empty"),
+                ("{\"c\":\"b\"}", "of its own"),
+                ("{\"h\":\"b\",\"h\":\"a.weight\"}", "listed twice"),
+            ] {
                 let quoted = serde_json::to_string(value).unwrap();
                 let edited = edit_header(&unsealed, |h| {
                     assert!(h.contains(&written));
