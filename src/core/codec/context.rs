@@ -942,25 +942,41 @@ fn sampled_median(base: &[u8], field: Exponent, patches: &[(u64, u64)]) -> u8 {
     median_exponent(&histogram)
 }
 
-/// The strides, in elements, of the two samples `worth_walking_sampled` takes of a tensor of `numel` elements: for
-/// the median's guess (about 16K elements), then for the class shares of all elements (about `SAMPLE`).
+/// The strides, in runs of `SAMPLE_RUN` elements, of the two samples `worth_walking_sampled` takes of a tensor of
+/// `numel` elements: for the median's guess (about 16K elements), then for the class shares of all elements (about
+/// `SAMPLE`).
 pub fn sample_strides(numel: usize) -> [usize; 2] {
     [(numel / 16384).max(1), (numel / SAMPLE).max(1)]
 }
 
-/// Calls `f` with the bits of every `stride`-th element of `bytes`, from the first; where `bytes` holds a tensor's
-/// new bits, `patches` gives the base's bits (element index, bits; ascending) of those sampled elements that
-/// changed, so that the sample is of the base either way.
+/// Sampled elements come in runs of this many consecutive ones (a cache line of bf16): a run costs a cache miss or
+/// two, where as many elements spread one by one over a large tensor cost a miss each (most of what deciding
+/// whether to walk a tensor cost, on tensors scanned long enough ago to have left the caches).
+pub const SAMPLE_RUN: u64 = 64;
+
+/// True where element `i` is in a sample of stride `stride`: every `stride`-th run of `SAMPLE_RUN`, from the first.
+#[inline]
+pub fn in_sample(i: u64, stride: u64) -> bool {
+    (i / SAMPLE_RUN).is_multiple_of(stride)
+}
+
+/// Calls `f` with the bits of every element of every `stride`-th run of `SAMPLE_RUN` elements of `bytes`, from the
+/// first (the elements `in_sample`); where `bytes` holds a tensor's new bits, `patches` gives the base's bits
+/// (element index, bits; ascending) of those sampled elements that changed, so that the sample is of the base
+/// either way.
 fn sampled_base(bytes: &[u8], field: Exponent, stride: usize, patches: &[(u64, u64)], mut f: impl FnMut(&[u8])) {
     let numel = bytes.len() / field.width;
+    let run = SAMPLE_RUN as usize;
     let mut next = 0usize;
-    for i in (0..numel).step_by(stride) {
-        while patches.get(next).is_some_and(|&(at, _)| at < i as u64) {
-            next += 1;
-        }
-        match patches.get(next) {
-            Some(&(at, bits)) if at == i as u64 => f(&bits.to_le_bytes()[..field.width]),
-            _ => f(&bytes[i * field.width..(i + 1) * field.width]),
+    for first in (0..numel).step_by(stride * run) {
+        for i in first..(first + run).min(numel) {
+            while patches.get(next).is_some_and(|&(at, _)| at < i as u64) {
+                next += 1;
+            }
+            match patches.get(next) {
+                Some(&(at, bits)) if at == i as u64 => f(&bits.to_le_bytes()[..field.width]),
+                _ => f(&bytes[i * field.width..(i + 1) * field.width]),
+            }
         }
     }
 }
@@ -1018,7 +1034,7 @@ pub fn worth_walking(base: &[u8], old: Option<&[u64]>, field: Exponent, position
         Some(old) => positions
             .iter()
             .zip(old)
-            .filter(|(&p, _)| strides.iter().any(|&s| p.is_multiple_of(s as u64)))
+            .filter(|(&p, _)| strides.iter().any(|&s| in_sample(p, s as u64)))
             .map(|(&p, &o)| (p, o))
             .collect(),
         None => Vec::new(),
@@ -1455,12 +1471,12 @@ mod tests {
         for (sampled, others) in [(100u16, 100u16), (101, 100), (99, 100), (200, 100), (3, 100)] {
             let base: Vec<u8> = (0..n)
                 .flat_map(|i| {
-                    let exponent = if i % stride == 0 { sampled } else { others };
+                    let exponent = if in_sample(i as u64, stride as u64) { sampled } else { others };
                     ((exponent << 7) | (i as u16 & 0x7f)).to_le_bytes()
                 })
                 .collect();
             assert_eq!(sampled_median(&base, field, &[]), sampled as u8);
-            let positions: Vec<u64> = (0..n as u64).filter(|i| i % 7 == 0 || i % stride as u64 == 0).collect();
+            let positions: Vec<u64> = (0..n as u64).filter(|&i| i % 7 == 0 || in_sample(i, stride as u64)).collect();
             let stream = encode(&base, field, &positions);
             assert_eq!(stream[0], median_exponent(&exponent_histogram(&base, field)), "sampled {sampled}");
             assert_eq!(stream[0], others as u8);

@@ -210,9 +210,10 @@ fn sampled_changes(
     let strides = new.map_or([1, 1], |new| super::context::sample_strides(new.len() / width)).map(|s| s as u64);
     let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
     let (mut positions, mut sampled_differences, mut patches) = (Vec::new(), Vec::new(), Vec::new());
-    // The next multiple of each tensor sample's stride at or after the last change: a change is checked against a
-    // stride only when it reaches that multiple, which is rare.
-    let mut next = [0u64; 2];
+    // Each tensor sample's run (first element, end) at or after the last change: a change finds the next sampled
+    // run only once it is past this one's end.
+    let run = super::context::SAMPLE_RUN;
+    let mut windows = [(0u64, run); 2];
     let mut index = 0u64; // of the change, over all ranges
     for range in ranges.iter().filter(|r| r.count > 0) {
         let (mut position, mut gap_at, mut value_at) = (range.first_position, 0usize, 0usize);
@@ -234,11 +235,12 @@ fn sampled_changes(
                 sampled_differences.push(difference);
             }
             let mut sampled = false;
-            for (next, stride) in next.iter_mut().zip(strides) {
-                if position >= *next {
-                    sampled |= position.is_multiple_of(stride);
-                    *next = (position + 1).next_multiple_of(stride);
+            for (window, stride) in windows.iter_mut().zip(strides) {
+                if position >= window.1 {
+                    let first = (position / run).next_multiple_of(stride) * run;
+                    *window = (first, first + run);
                 }
+                sampled |= position >= window.0;
             }
             if sampled {
                 let bits = super::elements::load(&new[position as usize * width..], width);
@@ -372,7 +374,7 @@ mod tests {
             let strides = super::super::context::sample_strides(n);
             let want: Vec<(u64, u64)> = positions
                 .iter()
-                .filter(|&&p| strides.iter().any(|&s| p.is_multiple_of(s as u64)))
+                .filter(|&&p| strides.iter().any(|&s| super::super::context::in_sample(p, s as u64)))
                 .map(|&p| (p, u64::from(u16::from_le_bytes([old[2 * p as usize], old[2 * p as usize + 1]]))))
                 .collect();
             assert_eq!(patches, want, "{n} elements");
