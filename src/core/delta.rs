@@ -341,3 +341,49 @@ impl Delta {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::codec::{Codec, ValueCodec};
+    use crate::core::diff::{diff, DiffInput};
+    use crate::core::dtype::Dtype;
+
+    /// A record named again under a tie's alias (as a target holding the alias apart needs it) makes the alias no
+    /// longer an alias of the delta; the other ties, the steps, the caller's metadata and the layout stay.
+    #[test]
+    fn arranged_drops_the_ties_it_names() {
+        let (old, new) = ([1u8, 2, 3, 4], [1u8, 9, 3, 4]);
+        let input = |name: &str| DiffInput {
+            name: name.into(),
+            dtype: Dtype::BF16,
+            shape: vec![2],
+            old: &old[..],
+            new: &new[..],
+        };
+        let tensors = diff(&[input("w"), input("b")], ValueCodec::Diff, Codec::Compact).unwrap();
+        let delta = Delta {
+            tensors,
+            step: Some(3),
+            base_step: Some(2),
+            metadata: [("run".to_owned(), "x".to_owned())].into(),
+            aliases: [("head".to_owned(), "w".to_owned()), ("lm".to_owned(), "w".to_owned())].into(),
+            packed: true,
+        };
+        let names = [("w".to_owned(), 0), ("b".to_owned(), 1), ("head".to_owned(), 0)];
+        let out = delta.arranged(&names).unwrap();
+        assert_eq!(out.aliases, BTreeMap::from([("lm".to_owned(), "w".to_owned())]));
+        let got: Vec<&str> = out.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(got, ["w", "b", "head"]);
+        assert!(out.tensors[2].same_changes(&out.tensors[0]));
+        assert_eq!((out.step, out.base_step, out.packed), (Some(3), Some(2), true));
+        assert_eq!(out.metadata, delta.metadata);
+        // What it gives is a file the writer takes (the alias now a record), and the reader reads back.
+        let back = crate::core::format::from_bytes(crate::core::format::to_bytes(&out).unwrap(), "mem").unwrap();
+        assert_eq!(back.aliases, out.aliases);
+        // The delta itself is unchanged, and still refuses to be written with its alias named as a record.
+        assert_eq!(delta.aliases.len(), 2);
+        let both = Delta { aliases: delta.aliases.clone(), ..out };
+        assert!(crate::core::format::to_bytes(&both).is_err());
+    }
+}
