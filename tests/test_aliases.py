@@ -258,3 +258,15 @@ def test_trl_files_name_each_alias_as_a_tensor():
     ds.load(blob).apply_(untied)
     assert np.array_equal(untied["head"], curr["w"])
     assert delta.aliases == {"head": "w"}  # the delta itself is unchanged
+
+
+def test_a_refused_publish_delta_leaves_the_delta_and_the_ties_as_they_were(tmp_path):
+    prev, curr = _states()
+    with ds.Publisher(LocalStore(tmp_path / "store"), background=False) as publisher:
+        publisher.publish(0, {name: t.copy() for name, t in prev.items()})
+        wrong = ds.diff(curr, prev, base_step=0)  # made against another state: refused by its base identities
+        wrong.aliases = {"head": "w"}
+        with pytest.raises(ds.BaseMismatchError):
+            publisher.publish_delta(1, wrong)
+        assert wrong.step is None and wrong.aliases == {"head": "w"}
+        assert publisher._aliases == {}

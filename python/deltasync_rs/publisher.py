@@ -588,18 +588,21 @@ class Publisher:
         if delta.base_step is None:
             delta.base_step = self._mirror.step
         self._wait_for_mirror()
-        delta.step = step
+        published, ties = delta, {}
         if delta.aliases:
             # Ties whose alias this publisher publishes as a tensor of its own: the alias gets its tensor's record
             # (so the mirror and the file both write it); the others are this publisher's ties from now on, listed
             # by every entry and file (docs/format.md §2.2).
-            delta = delta._with_ties(self._mirror.tensors)
-            ties = self._ties(delta.aliases, self._mirror.tensors)
-            self._aliases.update(ties)
-            delta.aliases = ties
-        self._mirror.apply(delta, check_base=not checked)
+            published = delta._with_ties(self._mirror.tensors)
+            ties = self._ties(published.aliases, self._mirror.tensors)
+        self._mirror.apply(published, check_base=not checked)
+        # Only once the mirror took it: a refused delta leaves the caller's object and these ties as they were.
         self._mirror.step = step
-        self._enqueue(step, _Recode(delta, "compact") if recode else delta)
+        delta.step = published.step = step
+        if ties:
+            self._aliases.update(ties)
+            published.aliases = ties
+        self._enqueue(step, _Recode(published, "compact") if recode else published)
 
     def _ties(self, own: Mapping[str, str], tensors: Mapping[str, Any]) -> dict[str, str]:
         """``own`` ties and this publisher's, as a step publishing ``tensors`` lists them: each alias to a tensor
