@@ -76,11 +76,13 @@ fn assemble(
     if changed == 0 {
         return tensor;
     }
-    match plan::smallest_streams(chunks, width, scanned_values, input.new.len()) {
+    let dense_len = input.new.len();
+    let streams = match codec {
+        Codec::Context => plan::context_streams(chunks, input.dtype, width, scanned_values, input.old, dense_len),
+        _ => plan::smallest_streams(chunks, width, scanned_values, dense_len),
+    };
+    match streams {
         None => tensor.into_whole(input.new),
-        Some(streams) if codec == Codec::Context => {
-            tensor.with_streams(plan::with_context(streams, chunks, input.dtype, input.old))
-        }
         Some(streams) => tensor.with_streams(streams),
     }
 }

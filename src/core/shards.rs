@@ -73,7 +73,7 @@ pub fn join_tensor(parts: Vec<TensorDelta>) -> Result<TensorDelta> {
 
 /// A joined `varint` tensor in the compact codec (codec::plan::smallest_streams, never stored whole: no rank
 /// holds the whole tensor's bytes). Given the whole tensor's `base` bytes, its positions are coded against their
-/// classes where that is smaller (the context codec, codec::plan::with_context), and its base identity recorded.
+/// classes where that is smaller (the context codec, codec::plan::context_streams), and its base identity recorded.
 fn to_compact(tensor: TensorDelta, base: Option<&[u8]>) -> Result<TensorDelta> {
     let width = dtype::width_of(tensor.dtype).map_err(|e| Error::invalid(format!("tensor {:?}: {e}", tensor.name)))?;
     let identity = match base {
@@ -108,10 +108,12 @@ fn to_compact(tensor: TensorDelta, base: Option<&[u8]>) -> Result<TensorDelta> {
         values: tensor.values.to_vec(),
     };
     let ranges = [range];
-    let mut streams = plan::smallest_streams(&ranges, width, tensor.values_codec, usize::MAX).expect("never whole");
-    if let Some(base) = base {
-        streams = plan::with_context(streams, &ranges, tensor.dtype, base);
+    let (dtype, values) = (tensor.dtype, tensor.values_codec);
+    let streams = match base {
+        Some(base) => plan::context_streams(&ranges, dtype, width, values, base, usize::MAX),
+        None => plan::smallest_streams(&ranges, width, values, usize::MAX),
     }
+    .expect("never whole");
     Ok(TensorDelta { base: identity, ..tensor.with_streams(streams) })
 }
 

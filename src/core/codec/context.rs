@@ -954,6 +954,9 @@ pub fn sample_strides(numel: usize) -> [usize; 2] {
 /// whether to walk a tensor cost, on tensors scanned long enough ago to have left the caches).
 pub const SAMPLE_RUN: u64 = 64;
 
+/// How many runs ahead of the one read `sampled_base` asks for the lines of.
+const RUNS_AHEAD: usize = 4;
+
 /// True where element `i` is in a sample of stride `stride`: every `stride`-th run of `SAMPLE_RUN`, from the first.
 #[inline]
 pub fn in_sample(i: u64, stride: u64) -> bool {
@@ -969,6 +972,11 @@ fn sampled_base(bytes: &[u8], field: Exponent, stride: usize, patches: &[(u64, u
     let run = SAMPLE_RUN as usize;
     let mut next = 0usize;
     for first in (0..numel).step_by(stride * run) {
+        // Runs lie far apart: the lines of a run a few ahead are asked for now, so that their misses overlap.
+        let ahead = (first + RUNS_AHEAD * stride * run) * field.width;
+        for line in (0..run * field.width).step_by(64) {
+            prefetch(bytes, ahead + line);
+        }
         for i in first..(first + run).min(numel) {
             while patches.get(next).is_some_and(|&(at, _)| at < i as u64) {
                 next += 1;
@@ -1092,19 +1100,27 @@ pub fn worth_walking_sampled(
     sampled_base(base, field, sample_strides(numel)[1], patches, |bits| {
         field.for_each(bits, |e| all[usize::from(table[e])] += 1.0)
     });
-    let mut changed = [0f64; CLASSES];
-    for j in 0..positions.len() {
-        let bits = match old {
-            Some(old) => old[j].to_le_bytes(),
-            None => {
-                let at = positions[j] as usize * field.width;
-                let mut bytes = [0u8; 8];
-                bytes[..field.width].copy_from_slice(&base[at..at + field.width]);
-                bytes
+    let mut changed = [0u64; CLASSES];
+    match old {
+        Some(old) => {
+            for bits in old {
+                field.for_each(&bits.to_le_bytes()[..field.width], |e| changed[usize::from(table[e])] += 1);
             }
-        };
-        field.for_each(&bits[..field.width], |e| changed[usize::from(table[e])] += 1.0);
+        }
+        // The sampled changes are spread over the whole tensor, each on a cache line of its own: their loads are
+        // asked for a few changes ahead, so that the misses overlap instead of following one another.
+        None => {
+            const AHEAD: usize = 16;
+            for (j, &position) in positions.iter().enumerate() {
+                if let Some(&later) = positions.get(j + AHEAD) {
+                    prefetch(base, later as usize * field.width);
+                }
+                let at = position as usize * field.width;
+                field.for_each(&base[at..at + field.width], |e| changed[usize::from(table[e])] += 1);
+            }
+        }
     }
+    let changed = changed.map(|c| c as f64);
     let (all_total, changed_total): (f64, f64) = (all.iter().sum(), changed.iter().sum());
     let divergence: f64 = (0..CLASSES)
         .filter(|&c| changed[c] > 0.0)
@@ -1116,6 +1132,18 @@ pub fn worth_walking_sampled(
         })
         .sum();
     (divergence * changes as f64 / 8.0 >= 0.01 * other_len as f64).then_some(WorthWalking { guess })
+}
+
+/// A hint to load the cache line of `bytes[at]`; nothing where `at` is past the end.
+#[inline(always)]
+fn prefetch(bytes: &[u8], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < bytes.len() {
+        // SAFETY: a prefetch of an address inside the slice; it never faults and changes nothing.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes.as_ptr().add(at).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, at);
 }
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.

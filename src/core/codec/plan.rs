@@ -33,6 +33,16 @@ struct CompactRange {
     /// The differences as `rans` tokens, and how often each token occurs.
     tokens: Tokens,
     histogram: [u64; MAX_TOKENS],
+    /// The positions of the range's changes that the `context` writer samples (`Sample`).
+    sampled: Vec<u64>,
+}
+
+/// Which of a tensor's changes to gather the positions of while its ranges are re-encoded: every `step`-th (number
+/// 0, `step`, 2 × `step`, ... over the whole tensor; `context::sample_step`), as `context::worth_walking_sampled`
+/// takes them. A step of 0 gathers none.
+#[derive(Clone, Copy)]
+pub struct Sample {
+    pub step: u64,
 }
 
 /// How a tensor's gaps are coded: its Rice parameter, and where each range's first gap starts.
@@ -50,14 +60,38 @@ fn rice_plan(ranges: &[Changes]) -> (u32, Vec<u64>) {
     (rice_k(count, gap_sum), previous_ends)
 }
 
-/// Re-encodes one range in the compact codec; `previous_end` is the position after the previous range's last change.
-fn compact_range(range: &Changes, k: u32, previous_end: u64, width: usize, differences: bool) -> CompactRange {
+/// Re-encodes one range in the compact codec; `previous_end` is the position after the previous range's last change,
+/// `first_index` the number of the range's first change in the tensor (for `sample`).
+fn compact_range<const SAMPLE: bool>(
+    range: &Changes,
+    k: u32,
+    previous_end: u64,
+    width: usize,
+    differences: bool,
+    (first_index, sample): (u64, Sample),
+) -> CompactRange {
     let mut positions = BitWriter::with_capacity(range.positions.len());
+    let mut sampled = Vec::new();
     if range.count > 0 {
-        put_rice(&mut positions, range.first_position - previous_end, k);
+        let mut position = range.first_position;
+        put_rice(&mut positions, position - previous_end, k);
+        // Changes left to pass before the next sampled one.
+        let mut left = if SAMPLE { (sample.step - first_index % sample.step) % sample.step } else { 0 };
         let (stream, mut at) = (&range.positions[..], 0);
-        while at < stream.len() {
-            put_rice(&mut positions, varint::read_gap(stream, &mut at).expect("written by the scan"), k);
+        loop {
+            if SAMPLE {
+                if left == 0 {
+                    sampled.push(position);
+                    left = sample.step;
+                }
+                left -= 1;
+            }
+            if at >= stream.len() {
+                break;
+            }
+            let gap = varint::read_gap(stream, &mut at).expect("written by the scan");
+            put_rice(&mut positions, gap, k);
+            position += 1 + gap;
         }
     }
     let mut histogram = [0u64; MAX_TOKENS];
@@ -67,7 +101,7 @@ fn compact_range(range: &Changes, k: u32, previous_end: u64, width: usize, diffe
         tokens = with_width!(width, W => rans::tokenize_diff::<W>(stream, count, &mut histogram));
     }
     let position_bits = positions.bit_len();
-    CompactRange { positions: positions.finish(), position_bits, tokens, histogram }
+    CompactRange { positions: positions.finish(), position_bits, tokens, histogram, sampled }
 }
 
 /// Bits of the `diffbits` stream of these differences, from their `rans` token counts (tokens 1 to 4 are ±1 and ±2)
@@ -104,20 +138,56 @@ pub fn smallest_streams(
     scanned_values: ValueCodec,
     dense_len: usize,
 ) -> Option<TensorStreams> {
+    smallest_streams_sampling(ranges, width, scanned_values, dense_len, Sample { step: 0 }).0
+}
+
+/// `smallest_streams`, with the positions of the changes `sample` names, gathered in the same pass (none where the
+/// tensor is stored whole).
+pub fn smallest_streams_sampling(
+    ranges: &[Changes],
+    width: usize,
+    scanned_values: ValueCodec,
+    dense_len: usize,
+    sample: Sample,
+) -> (Option<TensorStreams>, Vec<u64>) {
     let (varint_len, byte_values_len) = ranges::joined_lens(ranges);
     let differences = scanned_values == ValueCodec::Diff;
     let (k, previous_ends) = rice_plan(ranges);
+    let first_indices = ranges.iter().scan(0u64, |index, range| {
+        let first = *index;
+        *index += range.count;
+        Some((first, sample))
+    });
     let compacts: Vec<CompactRange> = ranges
         .par_iter()
         .zip(previous_ends)
-        .map(|(range, previous_end)| compact_range(range, k, previous_end, width, differences))
+        .zip(first_indices.collect::<Vec<_>>())
+        .map(|((range, previous_end), first)| match sample.step {
+            0 => compact_range::<false>(range, k, previous_end, width, differences, first),
+            _ => compact_range::<true>(range, k, previous_end, width, differences, first),
+        })
         .collect();
+    let sampled: Vec<u64> = compacts.iter().flat_map(|c| c.sampled.iter().copied()).collect();
+    (smallest_of_ranges(ranges, width, scanned_values, dense_len, &compacts, k, (varint_len, byte_values_len)), sampled)
+}
+
+/// `smallest_streams` from the ranges' re-encodings.
+fn smallest_of_ranges(
+    ranges: &[Changes],
+    width: usize,
+    scanned_values: ValueCodec,
+    dense_len: usize,
+    compacts: &[CompactRange],
+    k: u32,
+    (varint_len, byte_values_len): (usize, usize),
+) -> Option<TensorStreams> {
+    let differences = scanned_values == ValueCodec::Diff;
     let (mut rice, mut bit_values) = (None, None);
     let position_bits = 8 + compacts.iter().map(|c| c.position_bits).sum::<u64>();
     if position_bits.div_ceil(8) < varint_len as u64 {
         let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
         out.put(u64::from(k), 8);
-        for c in &compacts {
+        for c in compacts {
             out.append(&c.positions, c.position_bits);
         }
         rice = Some(out.finish());
@@ -126,7 +196,7 @@ pub fn smallest_streams(
     if differences {
         let mut histogram = [0u64; MAX_TOKENS];
         let mut escapes = 0;
-        for c in &compacts {
+        for c in compacts {
             for (total, count) in histogram.iter_mut().zip(&c.histogram) {
                 *total += count;
             }
@@ -134,7 +204,7 @@ pub fn smallest_streams(
         }
         // Only the stream that is kept is encoded: `diffbits`'s length follows from the token counts.
         let diffbits_len = diffbits_bits(&histogram, escapes, width).div_ceil(8) as usize;
-        if let Some(stream) = rans_stream(&compacts, &histogram, diffbits_len.min(byte_values_len)) {
+        if let Some(stream) = rans_stream(compacts, &histogram, diffbits_len.min(byte_values_len)) {
             bit_values = Some(stream);
             values_codec = ValueCodec::Rans;
         } else if diffbits_len < byte_values_len {
@@ -175,25 +245,32 @@ fn positions_of(ranges: &[Changes]) -> Vec<u64> {
     out
 }
 
-/// The `context` codec's choice for one tensor: its `compact` streams (`smallest_streams`), with the positions
-/// coded against the base's classes (codec::context) where that is smaller. Tensors whose dtype has no exponent
-/// keep `compact`'s streams.
-pub fn with_context(
-    streams: TensorStreams,
+/// The `context` codec's streams for one tensor, or None to store it whole: its `compact` streams
+/// (`smallest_streams`), with the positions coded against the base's classes (codec::context) where that is
+/// smaller. Tensors whose dtype has no exponent keep `compact`'s streams.
+pub fn context_streams(
     ranges: &[Changes],
     dtype: crate::core::dtype::Dtype,
+    width: usize,
+    scanned_values: ValueCodec,
     base: &[u8],
-) -> TensorStreams {
-    let Some(field) = super::context::Exponent::of(dtype) else { return streams };
+    dense_len: usize,
+) -> Option<TensorStreams> {
+    let Some(field) = super::context::Exponent::of(dtype) else {
+        return smallest_streams(ranges, width, scanned_values, dense_len);
+    };
     let changes = ranges.iter().map(|r| r.count).sum();
-    let (sampled, _, _) = sampled_changes(ranges, changes, field.width, None);
+    // The sample of the changes that decides whether to walk is gathered while the positions are re-encoded.
+    let sample = Sample { step: super::context::sample_step(changes) as u64 };
+    let (streams, sampled) = smallest_streams_sampling(ranges, field.width, scanned_values, dense_len, sample);
+    let streams = streams?;
     let Some(walk) =
         super::context::worth_walking_sampled(base, None, &[], field, &sampled, changes, streams.positions.len())
     else {
-        return streams;
+        return Some(streams);
     };
     let differences = (streams.values_codec != ValueCodec::Abs).then(|| differences_of(ranges, field.width));
-    smaller_of(streams, &walk, field, base, &positions_of(ranges), None, differences.as_deref())
+    Some(smaller_of(streams, &walk, field, base, &positions_of(ranges), None, differences.as_deref()))
 }
 
 /// The changes `context::worth_walking` samples (number 0, `sample_step`, 2 × that, ...) of the `changes` in
@@ -267,7 +344,7 @@ fn differences_of(ranges: &[Changes], width: usize) -> Vec<u64> {
     out
 }
 
-/// `with_context` for a writer that holds the tensor's new bits `new` instead of its base (the mirror, updated in
+/// `context_streams` for a writer that holds the tensor's new bits `new` instead of its base (the mirror, updated in
 /// the same pass as the compare), from ranges whose values are `diff` differences: a changed element's base bits
 /// are its new bits less its difference, and the others are the same in both.
 pub fn with_context_from_new(
@@ -343,6 +420,40 @@ mod tests {
     use crate::core::codec::ValueCodec;
     use crate::core::scan;
     use crate::core::testing::xorshift;
+
+    /// The sample gathered while the ranges are re-encoded is every `step`-th change of the tensor, whatever the
+    /// ranges it is cut into (some of them empty), and the streams are `smallest_streams`' bytes.
+    #[test]
+    fn sampled_while_re_encoding_are_every_step_th_change() {
+        let mut next = xorshift(11);
+        for (n, per_mille, range) in [(1000usize, 500u64, 100usize), (300_000, 20, 1 << 14), (200_000, 1, 4096)] {
+            let old: Vec<u8> = (0..2 * n).map(|_| next() as u8).collect();
+            let mut new = old.clone();
+            for i in 0..n {
+                // No change at all in the second quarter: empty ranges among full ones.
+                if (i < n / 4 || i >= n / 2) && next() % 1000 < per_mille {
+                    new[2 * i] = new[2 * i].wrapping_add(1 + (next() % 200) as u8);
+                }
+            }
+            let ranges: Vec<Changes> = (0..n)
+                .step_by(range)
+                .map(|start| {
+                    let end = (start + range).min(n);
+                    scan::scan(&old[2 * start..2 * end], &new[2 * start..2 * end], start as u64, 2, ValueCodec::Diff)
+                })
+                .collect();
+            let positions = positions_of(&ranges);
+            for step in [1usize, 3, 64, super::super::context::sample_step(positions.len() as u64)] {
+                let sample = Sample { step: step as u64 };
+                let (streams, sampled) = smallest_streams_sampling(&ranges, 2, ValueCodec::Diff, usize::MAX, sample);
+                let want: Vec<u64> = positions.iter().step_by(step).copied().collect();
+                assert_eq!(sampled, want, "{n} elements, step {step}");
+                let (streams, plain) = (streams.unwrap(), smallest_streams(&ranges, 2, ValueCodec::Diff, usize::MAX));
+                let plain = plain.unwrap();
+                assert_eq!((streams.positions, streams.values), (plain.positions, plain.values));
+            }
+        }
+    }
 
     /// `sampled_changes` reads exactly the changes `worth_walking` would sample from all of them, across ranges.
     #[test]
