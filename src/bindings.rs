@@ -1228,6 +1228,13 @@ fn get_num_threads() -> usize {
     pool::num_threads()
 }
 
+/// What is wrong with `aliases` as the tied names of a file (docs/format.md §2.2: the rules that need no records),
+/// or None: the writer's and the reader's own check.
+#[pyfunction]
+fn alias_problem(aliases: BTreeMap<String, String>) -> Option<String> {
+    format::check_aliases(&aliases, &[]).err()
+}
+
 /// The compare kernel this process uses: "avx512", "avx2", "sse2" or "portable".
 #[pyfunction]
 fn scan_kernel() -> &'static str {
@@ -1272,5 +1279,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(scan_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(alias_problem, m)?)?;
     Ok(())
 }

@@ -227,6 +227,40 @@ def test_a_publisher_refuses_ties_no_file_could_carry(tmp_path):
             publisher.publish_shared(0, {name: t.copy() for name, t in prev.items()}, aliases={"head:pos": "w"})
 
 
+def test_an_entry_with_a_tie_no_file_could_carry_is_refused_by_its_readers(tmp_path):
+    """A manifest entry's ties are written into every file of the step (docs/format.md §2.2), so an entry naming
+    one no file may hold (here written by hand into an unsigned store) is malformed: a subscriber refuses the entry,
+    naming it, and a publisher reopening the store does not take the tie on (before, every upload failed)."""
+    from deltasync_rs.manifest import entry_key
+    from tests.helpers import relink
+
+    prev, curr = _states()
+    root = tmp_path / "store"
+    with ds.Publisher(LocalStore(root), background=False) as publisher:
+        publisher.publish_shared(0, {name: t.copy() for name, t in prev.items()}, aliases={"head": "w"})
+    entry = json.loads((root / entry_key(0)).read_text())
+    assert entry["aliases"] == {"head": "w"}
+    entry["aliases"] = {"head:pos": "w"}
+    (root / entry_key(0)).write_text(json.dumps(entry))
+    relink(root, 0)
+    with pytest.raises(
+        ds.DeltaFormatError, match=r"step_000000000000\.json: the field aliases: .*reserved for delta streams"
+    ):
+        ds.Subscriber(LocalStore(root)).entry(0)
+    with pytest.raises(ds.DeltaFormatError, match="reserved for delta streams"):
+        ds.Subscriber(LocalStore(root)).pull({name: t.copy() for name, t in prev.items()})
+    # A publisher reopening the store ignores (and logs) the malformed newest entry, as it does any: it no longer
+    # takes the tie on and fails at every upload.
+    with ds.Publisher(LocalStore(root), background=False) as publisher:
+        publisher.publish_shared(1, {name: t.copy() for name, t in curr.items()})
+    assert not ds.Subscriber(LocalStore(root)).entry(1).aliases
+    # The same entry with a tie every file may carry is read as before.
+    entry["aliases"] = {"head": "w"}
+    (root / entry_key(0)).write_text(json.dumps(entry))
+    relink(root, 0)
+    assert ds.Subscriber(LocalStore(root)).entry(0).aliases == {"head": "w"}
+
+
 def test_the_cli_apply_writes_a_tie_the_checkpoint_holds_untied(tmp_path):
     """``deltasync apply`` of a tied file onto a checkpoint that holds the alias as a tensor of its own writes it
     (it kept its old values, exit code 0, before)."""

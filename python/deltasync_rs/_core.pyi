@@ -234,3 +234,7 @@ def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
 def scan_kernel() -> str:
     """The compare kernel this process uses: "avx512", "avx2", "sse2" or "portable"."""
+
+def alias_problem(aliases: dict[str, str]) -> str | None:
+    """What is wrong with ``aliases`` as the tied names of a file (docs/format.md §2.2: the rules that need no
+    records), or None."""

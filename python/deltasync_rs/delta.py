@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 
 from . import _arrays, _identity, _write
-from ._core import BaseMismatchError, DeferredDelta, DeltaSyncError, RawDelta
+from ._core import BaseMismatchError, DeferredDelta, DeltaSyncError, RawDelta, alias_problem
 from ._core import combine_hashes as _combine_hashes
 from ._core import tensor_hashes as _tensor_hashes
 from ._core import write_anchor as _write_anchor
@@ -544,12 +544,12 @@ def _aliases(value: Any) -> dict[str, str]:
 
 def check_ties(aliases: Mapping[str, str]) -> dict[str, str]:
     """``aliases`` as tied names a file may carry (docs/format.md §2.2, the rules that need no records), else
-    DeltaSyncError naming the name: checked by the core's own writer, on a file of no tensors."""
-    raw = RawDelta()
-    raw.aliases = _aliases(aliases)
-    if aliases:
-        raw.to_bytes("deltasync")
-    return dict(aliases)
+    DeltaSyncError naming the name: the core's own check, as its writer makes it."""
+    ties = _aliases(aliases)
+    problem = alias_problem(ties)
+    if problem is not None:
+        raise DeltaSyncError(problem)
+    return ties
 
 
 def load_stand_in(path: str | os.PathLike[str]) -> Delta:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._core import piece_hash
+from ._core import alias_problem, piece_hash
 from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
 from .store import Store
 
@@ -306,6 +306,11 @@ def _aliases(document: Mapping[str, Any], key: str) -> dict[str, str] | None:
     for alias, name in aliases.items():
         if not isinstance(name, str) or not name or not alias or alias == name or name in aliases:
             raise DeltaFormatError(f"{key}: the field 'aliases' maps {alias!r} to {name!r}, not to a published name")
+    # The names every file of the step carries too (docs/format.md §2.2): one no file may hold would make every
+    # upload of a publisher that takes the ties on fail, and mean nothing to a reader.
+    problem = alias_problem(aliases)
+    if problem is not None:
+        raise DeltaFormatError(f"{key}: the field {problem}")
     return dict(aliases)
 
 
