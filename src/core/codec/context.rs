@@ -11,6 +11,7 @@
 //! before decoding, so a wrong base is refused, never mis-decoded.
 
 use super::bits::{BitReader, BitWriter};
+use super::elements::prefetch;
 use super::rice::{put_rice, read_gap, rice_k, MAX_RICE_K};
 use super::varint;
 use crate::core::dtype::Dtype;
@@ -1132,18 +1133,6 @@ pub fn worth_walking_sampled(
         })
         .sum();
     (divergence * changes as f64 / 8.0 >= 0.01 * other_len as f64).then_some(WorthWalking { guess })
-}
-
-/// A hint to load the cache line of `bytes[at]`; nothing where `at` is past the end.
-#[inline(always)]
-fn prefetch(bytes: &[u8], at: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if at < bytes.len() {
-        // SAFETY: a prefetch of an address inside the slice; it never faults and changes nothing.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes.as_ptr().add(at).cast()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (bytes, at);
 }
 
 /// The `context` stream of the changes at `positions` (ascending, each below the element count) against `base`.

@@ -291,23 +291,25 @@ fn sampled_changes(
     // run only once it is past this one's end.
     let run = super::context::SAMPLE_RUN;
     let mut windows = [(0u64, run); 2];
-    let mut index = 0u64; // of the change, over all ranges
+    // Changes left to pass before the next sampled one (a count down, not a division per change).
+    let mut left = 0u64;
     for range in ranges.iter().filter(|r| r.count > 0) {
         let (mut position, mut gap_at, mut value_at) = (range.first_position, 0usize, 0usize);
         for k in 0..range.count {
             if k > 0 {
                 position += 1 + varint::read_gap(&range.positions, &mut gap_at).expect("written by the scan");
             }
+            let sampled_change = left == 0;
+            left = if sampled_change { step - 1 } else { left - 1 };
             let Some(new) = new else {
-                if index.is_multiple_of(step) {
+                if sampled_change {
                     positions.push(position);
                 }
-                index += 1;
                 continue;
             };
             let difference = with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut value_at))
                 .expect("written by the scan");
-            if index.is_multiple_of(step) {
+            if sampled_change {
                 positions.push(position);
                 sampled_differences.push(difference);
             }
@@ -323,7 +325,6 @@ fn sampled_changes(
                 let bits = super::elements::load(&new[position as usize * width..], width);
                 patches.push((position, bits.wrapping_sub(difference) & mask));
             }
-            index += 1;
         }
     }
     (positions, sampled_differences, patches)
@@ -361,7 +362,15 @@ pub fn with_context_from_new(
     };
     let changes = ranges.iter().map(|r| r.count).sum();
     let (sampled, sampled_differences, patches) = sampled_changes(ranges, changes, width, Some(new));
-    let sampled_old: Vec<u64> = sampled.iter().zip(&sampled_differences).map(|(&p, &d)| base_bits(p, d)).collect();
+    // The sampled changes lie far apart, a cache line each: their loads are asked for a few ahead.
+    let sampled_old: Vec<u64> = (0..sampled.len())
+        .map(|j| {
+            if let Some(&later) = sampled.get(j + 16) {
+                super::elements::prefetch(new, later as usize * width);
+            }
+            base_bits(sampled[j], sampled_differences[j])
+        })
+        .collect();
     let Some(walk) = super::context::worth_walking_sampled(
         new,
         Some(&sampled_old),
