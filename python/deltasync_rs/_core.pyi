@@ -16,6 +16,7 @@ __all__ = [
     "DeferredDelta",
     "RawDelta",
     "__version__",
+    "alias_problem",
     "apply_files",
     "range_identities",
     "base_identity",
