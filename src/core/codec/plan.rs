@@ -65,10 +65,10 @@ fn rice_plan(ranges: &[Changes]) -> (u32, Vec<u64>) {
 fn compact_range<const SAMPLE: bool>(
     range: &Changes,
     k: u32,
-    previous_end: u64,
+    (previous_end, first_index): (u64, u64),
     width: usize,
     differences: bool,
-    (first_index, sample): (u64, Sample),
+    sample: Sample,
 ) -> CompactRange {
     let mut positions = BitWriter::with_capacity(range.positions.len());
     let mut sampled = Vec::new();
@@ -141,7 +141,7 @@ pub fn smallest_streams(
     smallest_streams_sampling(ranges, width, scanned_values, dense_len, Sample { step: 0 }).0
 }
 
-/// `smallest_streams`, with the positions of the changes `sample` names, gathered in the same pass (none where the
+/// `smallest_streams`, with the positions of the changes `sample` names, gathered in the same pass (also where the
 /// tensor is stored whole).
 pub fn smallest_streams_sampling(
     ranges: &[Changes],
@@ -154,40 +154,25 @@ pub fn smallest_streams_sampling(
     let differences = scanned_values == ValueCodec::Diff;
     let (k, previous_ends) = rice_plan(ranges);
     let first_indices = ranges.iter().scan(0u64, |index, range| {
-        let first = *index;
         *index += range.count;
-        Some((first, sample))
+        Some(*index - range.count)
     });
+    let starts: Vec<(u64, u64)> = previous_ends.into_iter().zip(first_indices).collect();
     let compacts: Vec<CompactRange> = ranges
         .par_iter()
-        .zip(previous_ends)
-        .zip(first_indices.collect::<Vec<_>>())
-        .map(|((range, previous_end), first)| match sample.step {
-            0 => compact_range::<false>(range, k, previous_end, width, differences, first),
-            _ => compact_range::<true>(range, k, previous_end, width, differences, first),
+        .zip(starts)
+        .map(|(range, start)| match sample.step {
+            0 => compact_range::<false>(range, k, start, width, differences, sample),
+            _ => compact_range::<true>(range, k, start, width, differences, sample),
         })
         .collect();
     let sampled: Vec<u64> = compacts.iter().flat_map(|c| c.sampled.iter().copied()).collect();
-    (smallest_of_ranges(ranges, width, scanned_values, dense_len, &compacts, k, (varint_len, byte_values_len)), sampled)
-}
-
-/// `smallest_streams` from the ranges' re-encodings.
-fn smallest_of_ranges(
-    ranges: &[Changes],
-    width: usize,
-    scanned_values: ValueCodec,
-    dense_len: usize,
-    compacts: &[CompactRange],
-    k: u32,
-    (varint_len, byte_values_len): (usize, usize),
-) -> Option<TensorStreams> {
-    let differences = scanned_values == ValueCodec::Diff;
     let (mut rice, mut bit_values) = (None, None);
     let position_bits = 8 + compacts.iter().map(|c| c.position_bits).sum::<u64>();
     if position_bits.div_ceil(8) < varint_len as u64 {
         let mut out = BitWriter::with_capacity(position_bits.div_ceil(8) as usize);
         out.put(u64::from(k), 8);
-        for c in compacts {
+        for c in &compacts {
             out.append(&c.positions, c.position_bits);
         }
         rice = Some(out.finish());
@@ -196,7 +181,7 @@ fn smallest_of_ranges(
     if differences {
         let mut histogram = [0u64; MAX_TOKENS];
         let mut escapes = 0;
-        for c in compacts {
+        for c in &compacts {
             for (total, count) in histogram.iter_mut().zip(&c.histogram) {
                 *total += count;
             }
@@ -204,7 +189,7 @@ fn smallest_of_ranges(
         }
         // Only the stream that is kept is encoded: `diffbits`'s length follows from the token counts.
         let diffbits_len = diffbits_bits(&histogram, escapes, width).div_ceil(8) as usize;
-        if let Some(stream) = rans_stream(compacts, &histogram, diffbits_len.min(byte_values_len)) {
+        if let Some(stream) = rans_stream(&compacts, &histogram, diffbits_len.min(byte_values_len)) {
             bit_values = Some(stream);
             values_codec = ValueCodec::Rans;
         } else if diffbits_len < byte_values_len {
@@ -217,7 +202,7 @@ fn smallest_of_ranges(
     let positions_len = rice.as_ref().map_or(varint_len, Vec::len);
     let values_len = bit_values.as_ref().map_or(byte_values_len, Vec::len);
     if !streams_win(positions_len + values_len, dense_len) {
-        return None;
+        return (None, sampled);
     }
     let positions_codec = if rice.is_some() { PositionCodec::Rice } else { PositionCodec::Varint };
     let (positions, values) = match (rice, bit_values) {
@@ -227,7 +212,7 @@ fn smallest_of_ranges(
             (rice.unwrap_or(varint_positions), bit_values.unwrap_or(byte_values))
         }
     };
-    Some(TensorStreams { positions_codec, values_codec, positions, values })
+    (Some(TensorStreams { positions_codec, values_codec, positions, values }), sampled)
 }
 
 /// The positions of a tensor's changes, ascending, from the scan's ranges.
