@@ -259,17 +259,17 @@ pub fn context_streams(
 }
 
 /// The changes `context::worth_walking` samples (number 0, `sample_step`, 2 × that, ...) of the `changes` in
-/// `ranges`, read from the scan's ranges without gathering the others: their positions, and with `new` (the
-/// tensor's new bits; ranges of `diff` values) their differences and, as `worth_walking_sampled`'s `patches`, the
-/// base bits of the changed elements among those its tensor samples take.
+/// `ranges` (ranges of `diff` values), read from the scan's ranges without gathering the others: their positions,
+/// their differences and, as `worth_walking_sampled`'s `patches`, the base bits of the changed elements among those
+/// its tensor samples take, from `new`, the tensor's new bits.
 fn sampled_changes(
     ranges: &[Changes],
     changes: u64,
     width: usize,
-    new: Option<&[u8]>,
+    new: &[u8],
 ) -> (Vec<u64>, Vec<u64>, Vec<(u64, u64)>) {
     let step = super::context::sample_step(changes) as u64;
-    let strides = new.map_or([1, 1], |new| super::context::sample_strides(new.len() / width)).map(|s| s as u64);
+    let strides = super::context::sample_strides(new.len() / width).map(|s| s as u64);
     let mask = if width == 8 { u64::MAX } else { (1u64 << (8 * width)) - 1 };
     let (mut positions, mut sampled_differences, mut patches) = (Vec::new(), Vec::new(), Vec::new());
     // Each tensor sample's run (first element, end) at or after the last change: a change finds the next sampled
@@ -286,12 +286,6 @@ fn sampled_changes(
             }
             let sampled_change = left == 0;
             left = if sampled_change { step - 1 } else { left - 1 };
-            let Some(new) = new else {
-                if sampled_change {
-                    positions.push(position);
-                }
-                continue;
-            };
             let difference = with_width!(width, W => super::values::read_diff::<W>(&range.values, &mut value_at))
                 .expect("written by the scan");
             if sampled_change {
@@ -346,7 +340,7 @@ pub fn with_context_from_new(
         super::elements::load(&new[position as usize * width..], width).wrapping_sub(difference) & mask
     };
     let changes = ranges.iter().map(|r| r.count).sum();
-    let (sampled, sampled_differences, patches) = sampled_changes(ranges, changes, width, Some(new));
+    let (sampled, sampled_differences, patches) = sampled_changes(ranges, changes, width, new);
     // The sampled changes lie far apart, a cache line each: their loads are asked for a few ahead.
     let sampled_old: Vec<u64> = (0..sampled.len())
         .map(|j| {
@@ -472,7 +466,7 @@ mod tests {
             let differences = differences_of(&ranges, 2);
             let step = super::super::context::sample_step(positions.len() as u64);
             let changes = positions.len() as u64;
-            let (sampled, sampled_differences, patches) = sampled_changes(&ranges, changes, 2, Some(&new));
+            let (sampled, sampled_differences, patches) = sampled_changes(&ranges, changes, 2, &new);
             assert_eq!(sampled, positions.iter().step_by(step).copied().collect::<Vec<_>>(), "{n} elements");
             assert_eq!(sampled_differences, differences.iter().step_by(step).copied().collect::<Vec<_>>());
             // The patches: every changed element the tensor's samples take, with its base bits.
@@ -483,9 +477,10 @@ mod tests {
                 .map(|&p| (p, u64::from(u16::from_le_bytes([old[2 * p as usize], old[2 * p as usize + 1]]))))
                 .collect();
             assert_eq!(patches, want, "{n} elements");
-            let (unsampled, no_differences, no_patches) = sampled_changes(&ranges, changes, 2, None);
-            assert_eq!(unsampled, sampled);
-            assert!(no_differences.is_empty() && no_patches.is_empty());
+            // The same sample as the one `ds.diff`'s writer gathers while it re-encodes the positions.
+            let (_, gathered) =
+                smallest_streams_sampling(&ranges, 2, ValueCodec::Diff, usize::MAX, Sample { step: step as u64 });
+            assert_eq!(gathered, sampled, "{n} elements");
         }
     }
 }
