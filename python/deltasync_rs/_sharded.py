@@ -101,7 +101,7 @@ def _sharded(index: str) -> CheckpointFiles:
     for shard in sorted(shards):
         file = os.path.join(folder, shard)
         require_regular_file(file)
-        held = set(_tensor_names(file))
+        held = set(tensor_names(file))
         extra, missing = sorted(held - shards[shard]), sorted(shards[shard] - held)
         if missing:
             raise DeltaFormatError(f"{index}: tensor {missing[0]!r} is mapped to {shard}, which does not hold it")
@@ -119,7 +119,7 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
-def _tensor_names(path: str) -> list[str]:
+def tensor_names(path: str) -> list[str]:
     """The tensor names in a safetensors file's header (its other checks are the readers')."""
     try:
         with open(path, "rb") as reader:

@@ -18,7 +18,7 @@ import numpy as np
 from . import __version__, _arrays
 from ._core import DeltaSyncError, RawDelta, apply_files, diff_files
 from ._outputs import refuse_overwriting_inputs, remove_stale_temps, require_output_file, require_regular_file
-from ._sharded import checkpoint_files, write_folder
+from ._sharded import checkpoint_files, tensor_names, write_folder
 from .delta import Delta, load, state_digest
 from .errors import IntegrityError
 from .sync import Publisher, Subscriber, entry_key, log_entries
@@ -91,7 +91,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     delta = load(args.delta)
     if delta.aliases:
         # A tied name the checkpoint holds as a tensor of its own is written as its tensor is (docs/format.md §2.2).
-        delta = delta._with_ties(_tensor_names(base.files))
+        delta = delta._with_ties({name for file in base.files for name in tensor_names(file)})
     check_base = not args.no_check_base
     if base.index is None:
         if os.path.isdir(args.output):
@@ -108,20 +108,6 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         f"in {time.perf_counter() - start:.2f} s"
     )
     return 0
-
-
-def _tensor_names(files: list[str]) -> set[str]:
-    """The names of the tensors in these safetensors files, from their headers."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for path in files:
-        try:
-            with safe_open(path, framework="numpy") as f:
-                names.update(f.keys())
-        except Exception as error:  # safetensors' own error type, or an OS error
-            raise DeltaSyncError(f"{path}: cannot read its tensors' names: {error}") from None
-    return names
 
 
 def _checksum_of(path: str) -> str | None:

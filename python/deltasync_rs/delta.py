@@ -515,31 +515,32 @@ def _finish(raw: RawDelta, step: int | None, base_step: int | None, metadata: Ma
 _RESERVED_METADATA = ("format", "format_version", "kind", "tensors", "step", "base_step", "file_xxh3", "aliases")
 
 
-def _metadata(value: Any) -> dict[str, str]:
-    """``value`` as caller metadata: strings to strings, none of the format's own keys; else DeltaSyncError naming
-    the key (refused when set, not when the file is written)."""
+def _string_map(value: Any, what: str, of: str, items: str) -> dict[str, str]:
+    """``value`` as a mapping of strings to strings (``what``, a mapping of ``of``), else DeltaSyncError naming the
+    key whose ``items`` are not both strings."""
     if not isinstance(value, Mapping):
-        raise DeltaSyncError(f"metadata must be a mapping of strings to strings, not {type(value).__name__}")
+        raise DeltaSyncError(f"{what} must be a mapping of {of}, not {type(value).__name__}")
     for key, item in value.items():
         if not isinstance(key, str) or not isinstance(item, str):
             raise DeltaSyncError(
-                f"metadata {key!r}: keys and values must be strings, not {type(key).__name__} and {type(item).__name__}"
+                f"{what} {key!r}: {items} must be strings, not {type(key).__name__} and {type(item).__name__}"
             )
+    return dict(value)
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """``value`` as caller metadata: strings to strings, none of the format's own keys; else DeltaSyncError naming
+    the key (refused when set, not when the file is written)."""
+    metadata = _string_map(value, "metadata", "strings to strings", "keys and values")
+    for key in metadata:
         if key in _RESERVED_METADATA:
             raise DeltaSyncError(f"metadata key {key!r} is reserved by the format (docs/format.md §2)")
-    return dict(value)
+    return metadata
 
 
 def _aliases(value: Any) -> dict[str, str]:
     """``value`` as tied names: strings to strings; else DeltaSyncError."""
-    if not isinstance(value, Mapping):
-        raise DeltaSyncError(f"aliases must be a mapping of names to names, not {type(value).__name__}")
-    for alias, name in value.items():
-        if not isinstance(alias, str) or not isinstance(name, str):
-            raise DeltaSyncError(
-                f"aliases {alias!r}: names must be strings, not {type(alias).__name__} and {type(name).__name__}"
-            )
-    return dict(value)
+    return _string_map(value, "aliases", "names to names", "names")
 
 
 def check_ties(aliases: Mapping[str, str]) -> dict[str, str]:
