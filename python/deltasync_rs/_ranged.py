@@ -43,7 +43,7 @@ class PartialAnchor(Delta):
     reads as zero. Only a reader that checks coverage (:meth:`require`) before it uses a byte may apply it:
     ``deltasync_rs.vllm.apply_delta`` does; ``apply_``, ``save`` and ``to_bytes`` refuse."""
 
-    __slots__ = ("_covered", "_piece_bytes", "_offsets", "_map", "key")
+    __slots__ = ("_covered", "_piece_bytes", "_offsets", "_map", "key", "_names")
 
     def __init__(
         self, delta: Delta, covered: frozenset[int], piece_bytes: int, offsets: dict[str, tuple[int, int]], key: str
@@ -54,6 +54,8 @@ class PartialAnchor(Delta):
         self._offsets = offsets
         self._map: mmap.mmap | None = None
         self.key = key
+        # The tensors' names by index, once: `names` builds the list anew, and a worker decodes tensor by tensor.
+        self._names = self.names
 
     @property
     def covered_bytes(self) -> int:
@@ -124,7 +126,7 @@ class PartialAnchor(Delta):
     def decoded(self, index: int, device: Any = None, *, base: Any = None) -> tuple[Any, Any]:
         """As :meth:`Delta.decoded`, for a tensor whose bytes were all read and verified (IntegrityError else: its
         other bytes read as zero)."""
-        name = self.names[self._index(index)]
+        name = self._names[self._index(index)]
         first, last = self._offsets[name]
         self.require(name, 0, last - first)
         return super().decoded(index, device, base=base)
