@@ -239,6 +239,22 @@ impl RawDelta {
     }
 }
 
+/// What `RawDelta.tensors` says of one tensor: (name, dtype, shape or None, changed, positions codec, values codec,
+/// stream bytes).
+type TensorInfo = (String, String, Option<Vec<u64>>, u64, &'static str, &'static str, u64);
+
+fn tensor_info(t: &crate::core::TensorDelta) -> TensorInfo {
+    (
+        t.name.clone(),
+        dtype::name_of(t.dtype),
+        t.shape.clone(),
+        t.changed,
+        t.positions_codec.name(),
+        t.values_codec.name(),
+        t.nbytes(),
+    )
+}
+
 /// `read(bytes)` of `block` (a buffer or CPU contiguous tensor: part of tensor `tensor`'s base), without the GIL.
 fn on_block<T: Send>(
     py: Python<'_>,
@@ -419,23 +435,13 @@ impl RawDelta {
 
     /// Per tensor: (name, dtype, shape or None, changed, positions codec, values codec, stream bytes). `changed` is
     /// what `decode` yields: every element of a tensor stored whole (`changed_elements` has the real count).
-    #[allow(clippy::type_complexity)]
-    fn tensors(&self) -> Vec<(String, String, Option<Vec<u64>>, u64, &'static str, &'static str, u64)> {
-        self.delta
-            .tensors
-            .iter()
-            .map(|t| {
-                (
-                    t.name.clone(),
-                    dtype::name_of(t.dtype),
-                    t.shape.clone(),
-                    t.changed,
-                    t.positions_codec.name(),
-                    t.values_codec.name(),
-                    t.nbytes(),
-                )
-            })
-            .collect()
+    fn tensors(&self) -> Vec<TensorInfo> {
+        self.delta.tensors.iter().map(tensor_info).collect()
+    }
+
+    /// `tensors()[index]` without building the others' (a reader working tensor by tensor calls it per tensor).
+    fn tensor_info(&self, index: usize) -> PyResult<TensorInfo> {
+        Ok(tensor_info(self.tensor(index)?))
     }
 
     /// Per tensor, the elements that differ from the base: `changed`, but for a tensor stored whole whose file

@@ -189,6 +189,54 @@ def test_many_targets_are_checked_for_overlap_in_one_sort():
     assert torch.equal(storage, torch.ones(3 * n))
 
 
+class _CountingRaw:
+    """A delta's core object that counts the calls of each of its methods (then forwards them)."""
+
+    def __init__(self, raw):
+        self._raw, self.calls = raw, {}
+
+    def __getattr__(self, name):
+        attribute = getattr(self._raw, name)
+        if not callable(attribute):
+            return attribute
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+    def __len__(self):
+        return len(self._raw)
+
+
+@pytest.mark.parametrize("codec", ["compact", "context"])
+def test_staged_writes_read_each_tensors_record_alone(codec):
+    """Targets the core does not write itself (strided here; every tensor on a GPU) are decoded and staged tensor by
+    tensor, and each asks the core about its own record: not for the whole list of records, which made an apply of
+    n such tensors take time n^2 (8,000 tensors: 369 s, 1.2 s after)."""
+    n = 300
+    g = torch.Generator().manual_seed(5)
+    prev = {f"t{i}": torch.randn(8, 8, generator=g).bfloat16() for i in range(n)}
+    curr = {name: t.clone() for name, t in prev.items()}
+    for t in curr.values():
+        t.view(torch.int16)[::3, ::2] += 1
+    delta = ds.load(ds.diff(prev, curr, codec=codec).to_bytes())
+    state = {name: t.clone().t().contiguous().t() for name, t in prev.items()}  # same values, column-major
+    assert not any(t.is_contiguous() for t in state.values())
+    counting = _CountingRaw(delta._raw)
+    delta._raw = counting
+    delta.apply_(state)
+    for name in prev:
+        assert_bits_equal(state[name], curr[name])
+    assert counting.calls.get("tensor_info", 0) >= n  # staged one by one, each asking for its own record
+    assert counting.calls.get("tensors", 0) <= 2, counting.calls
+    raw = counting._raw
+    assert [raw.tensor_info(i) for i in range(len(raw))] == raw.tensors()
+    with pytest.raises(ds.DeltaSyncError, match=f"no tensor number {n}"):
+        raw.tensor_info(n)
+
+
 @dataclass
 class _Region:
     param: torch.Tensor

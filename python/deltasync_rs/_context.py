@@ -71,7 +71,7 @@ class Parts:
 def read_parts(raw: RawDelta, index: int) -> Parts:
     """Tensor ``index``'s listed ranks and values, checked to the end of both streams (DeltaFormatError)."""
     reference, complement, ranks, group_of, values = raw.context_parts(index)
-    width = _arrays.WIDTHS[raw.tensors()[index][1]]
+    width = _arrays.WIDTHS[raw.tensor_info(index)[1]]
     unsigned = "<u2" if width == 2 else "<u4"  # BF16 and F16, or F32
     return Parts(
         reference=int(reference),
@@ -123,7 +123,7 @@ class Slice:
             counted = raw.context_counts(index, self.runs, self.runs.shape[1])
             counts = np.frombuffer(counted, dtype="<u8").reshape(-1, CLASSES)
         else:
-            self.runs = _runs(classes(bits, raw.tensors()[index][1], self.parts.reference), cols)
+            self.runs = _runs(classes(bits, raw.tensor_info(index)[1], self.parts.reference), cols)
             wide = torch.int32 if self.runs.shape[0] * CLASSES < 2**31 else torch.int64
             keys = torch.arange(self.runs.shape[0], dtype=wide, device=bits.device).unsqueeze(1) * CLASSES + self.runs
             found = torch.bincount(keys.reshape(-1), minlength=self.runs.shape[0] * CLASSES)
@@ -180,7 +180,7 @@ def _place(part: Slice, everyone: list[Held]) -> tuple[Any, Any]:
 
     raw, index, parts = part.raw, part.index, part.parts
     device = part.bits.device
-    info = raw.tensors()[index]
+    info = raw.tensor_info(index)
     name, changed, shape = info[0], int(info[3]), info[2]
     numel = int(np.prod(shape)) if shape else 1
     width = _arrays.WIDTHS[info[1]]

@@ -52,13 +52,13 @@ def new_bits(raw: RawDelta, index: int, old: Any, values: Any, width: int) -> An
 
 def is_dense(raw: RawDelta, index: int) -> bool:
     """Stored whole as new bits: the core decodes such a tensor to its data alone, without positions."""
-    return raw.tensors()[index][4] == "all" and not raw.holds_differences(index)
+    return raw.tensor_info(index)[4] == "all" and not raw.holds_differences(index)
 
 
 def needs_base(raw: RawDelta, index: int) -> bool:
     """True when tensor ``index``'s positions decode only against its base (``context``, docs/format.md §5.2)
     and it has changes to decode (one without writes nothing, as in every other codec)."""
-    info = raw.tensors()[index]
+    info = raw.tensor_info(index)
     return info[4] == "context" and int(info[3]) > 0
 
 
@@ -76,7 +76,7 @@ def decode(
     bits, whose values are then every element in order), and the values as the torch integer type of the element
     width, holding bit patterns: new bits or differences, as :func:`new_bits` applies them."""
     torch = _torch()
-    info = raw.tensors()[index]
+    info = raw.tensor_info(index)
     width, changed = _arrays.WIDTHS[info[1]], int(info[3])
     if changed == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=int_dtype(width), device=device)
@@ -126,7 +126,7 @@ def _context_on_device(raw: RawDelta, index: int, base: Any, checked: bool) -> t
     reader holding all of it (deltasync_rs._context, one run); positions and values on ``base``'s device."""
     from . import _context
 
-    name, dtype = raw.tensors()[index][:2]
+    name, dtype = raw.tensor_info(index)[:2]
     if raw.base_identity(index) is None:
         raise DeltaFormatError(f"tensor {name!r}: 'context' positions without a base identity")
     if not checked:
