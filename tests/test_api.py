@@ -496,3 +496,22 @@ def test_device_path_runs_on_cpu(monkeypatch, dtype, values):
     delta.apply_(state)
     for name in state:
         assert_bits_equal(state[name], target_curr[name], name)
+
+
+def test_an_option_given_a_whole_state_is_named_by_its_type_not_printed():
+    """A state passed where a step or an option goes: the error names what was given in a few words; its repr (every
+    tensor's values) made a message of 86,000 lines for 8,000 small tensors, and took longer than the work."""
+    state = {f"t{i}": torch.zeros(100, dtype=torch.bfloat16) for i in range(50)}
+    calls = {
+        "step must be": lambda: ds.torch.Mirror(state).step(state),
+        "codec must be": lambda: ds.diff(state, state, codec=state),
+        "index must be": lambda: ds.diff(state, state).decoded(state),
+        "retries must be": lambda: ds.Subscriber("unused", retries=state),
+    }
+    for start, call in calls.items():
+        with pytest.raises(ds.DeltaSyncError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(start) and message.endswith("not a dict of 50 items"), message
+    with pytest.raises(ds.DeltaSyncError, match=r"not 'x{99}\.\.\.$"):
+        ds.diff(state, state, codec="x" * 1000)

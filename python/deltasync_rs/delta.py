@@ -13,6 +13,7 @@ from ._core import BaseMismatchError, DeferredDelta, DeltaSyncError, RawDelta, a
 from ._core import combine_hashes as _combine_hashes
 from ._core import tensor_hashes as _tensor_hashes
 from ._core import write_anchor as _write_anchor
+from .errors import shown
 
 #: Name under which a single tensor (not a mapping) is stored.
 DEFAULT_NAME = "tensor"
@@ -248,7 +249,7 @@ class Delta:
         """``index`` when it is the index of one of the delta's tensors (0 to len - 1; not a bool, not negative)."""
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self):
             raise DeltaSyncError(
-                f"index must be an integer from 0 to {len(self) - 1} (the delta's tensors), not {index!r}"
+                f"index must be an integer from 0 to {len(self) - 1} (the delta's tensors), not {shown(index)}"
             )
         return index
 
@@ -294,7 +295,7 @@ def check_codec(codec: str, *, values: str = "diff", mirror: bool = False) -> No
     encodes from a mirror it updates in the same pass (``mirror=True``) writes ``"context"`` only with
     ``values="diff"``: the base's bits of a changed element are then its new bits less the difference."""
     if codec not in ("varint", "compact", "context"):
-        raise DeltaSyncError(f'codec must be "varint", "compact" or "context", not {codec!r}')
+        raise DeltaSyncError(f'codec must be "varint", "compact" or "context", not {shown(codec)}')
     if codec == "context" and mirror and values != "diff":
         raise DeltaSyncError(
             'codec="context" from a mirror needs values="diff": context positions are coded against the base, '
@@ -335,7 +336,7 @@ def diff(
     against its publisher's whole mirror, ``Publisher.publish_shards``).
     """
     if values not in ("diff", "abs"):
-        raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+        raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
     check_codec(codec)
     prev_map, curr_map = _as_mapping(prev, "prev"), _as_mapping(curr, "curr")
     only_prev = [n for n in prev_map if n not in curr_map]
@@ -460,7 +461,7 @@ def _check_step(value: int | None, what: str, *, optional: bool = True) -> int |
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
         allowed = "None or an integer" if optional else "an integer"
-        raise DeltaSyncError(f"{what} must be {allowed} in [0, 2**64), not {value!r}")
+        raise DeltaSyncError(f"{what} must be {allowed} in [0, 2**64), not {shown(value)}")
     return value
 
 
@@ -582,7 +583,7 @@ def load(source: Source, *, mmap: bool = False, check: str = "load") -> Delta:
     tensor, from ``apply_`` (which first takes back every change it wrote: the target is left as it was) or from
     any other method that reads the streams. With ``mmap=True`` every stream is checked at load."""
     if check not in ("load", "apply"):
-        raise DeltaSyncError(f'check must be "load" or "apply", not {check!r}')
+        raise DeltaSyncError(f'check must be "load" or "apply", not {shown(check)}')
     defer = check == "apply"
     if isinstance(source, (bytes, bytearray, memoryview)):
         return Delta(RawDelta.from_bytes(source, defer_checks=defer))

@@ -6,17 +6,29 @@ from typing import Any
 from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 
 
+def shown(value: Any) -> str:
+    """``value`` as an error message shows what was given instead of an option: its repr when it is a plain scalar
+    (cut at 100 characters), else its type, which is enough to see the mistake; a state of thousands of tensors passed
+    in an option's place would otherwise be printed whole, which alone takes minutes."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        text = repr(value)
+        return text if len(text) <= 100 else text[:100] + "..."
+    kind = type(value)
+    size = f" of {len(value)} items" if isinstance(value, (dict, list, tuple, set, frozenset)) else ""
+    return f"a {kind.__module__ + '.' if kind.__module__ not in ('builtins',) else ''}{kind.__qualname__}{size}"
+
+
 def at_least_one(value: Any, name: str) -> int:
     """``value`` when it is an integer of at least 1 (not a bool); else DeltaSyncError naming the option ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DeltaSyncError(f"{name} must be an integer of at least 1, not {value!r}")
+        raise DeltaSyncError(f"{name} must be an integer of at least 1, not {shown(value)}")
     return value
 
 
 def flag(value: Any, name: str) -> bool:
     """``value`` when it is True or False; else DeltaSyncError naming the option ``name``."""
     if not isinstance(value, bool):
-        raise DeltaSyncError(f"{name} must be True or False, not {value!r}")
+        raise DeltaSyncError(f"{name} must be True or False, not {shown(value)}")
     return value
 
 
@@ -25,7 +37,7 @@ def seconds(value: Any, name: str, *, positive: bool = False) -> float:
     else DeltaSyncError naming the option ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 if positive else value >= 0):
         least = "above 0" if positive else "at least 0"
-        raise DeltaSyncError(f"{name} must be a number of seconds, {least}, not {value!r}")
+        raise DeltaSyncError(f"{name} must be a number of seconds, {least}, not {shown(value)}")
     return float(value)
 
 

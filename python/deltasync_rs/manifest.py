@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ._core import alias_problem, piece_hash
-from .errors import DeltaFormatError, DeltaSyncError, IntegrityError
+from .errors import DeltaFormatError, DeltaSyncError, IntegrityError, shown
 from .store import Store
 
 MANIFEST_FORMAT = "deltasync-manifest"
@@ -274,7 +274,7 @@ def _field(
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise DeltaFormatError(f"{key}: the field {name!r} is {value!r}, not a {_kind_name(kind)}")
+        raise DeltaFormatError(f"{key}: the field {name!r} is {shown(value)}, not a {_kind_name(kind)}")
     return value
 
 

@@ -45,6 +45,7 @@ from .errors import (
     at_least_one,
     flag,
     seconds,
+    shown,
 )
 from .manifest import (
     DEFAULT_PIECE_BYTES,
@@ -222,7 +223,7 @@ class Publisher:
         self.piece_hash = piece_hash
         self.whole_sha256 = whole_sha256
         if values not in ("diff", "abs"):
-            raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+            raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
         check_codec(codec, values=values, mirror=True)
         self.anchor_every = anchor_every  # checked (as the options above) before the store is opened or made
         self.keep_anchors = keep_anchors
@@ -230,7 +231,7 @@ class Publisher:
         self.exit_timeout = exit_timeout
         flag(background, "background")
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise DeltaSyncError(f"max_pending must be an integer of at least 1, not {max_pending!r}")
+            raise DeltaSyncError(f"max_pending must be an integer of at least 1, not {shown(max_pending)}")
         self.store = open_store(store)
         self.values = values
         self.codec = codec

@@ -26,7 +26,7 @@ try:
 except ImportError:  # Windows: no flock; private temporary files are never swept there
     fcntl = None  # type: ignore[assignment]
 
-from .errors import DeltaSyncError, MissingObjectError, StoreError
+from .errors import DeltaSyncError, MissingObjectError, StoreError, shown
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ def too_large(where: str, max_bytes: int) -> StoreError:
 
 def _check_range(start: int, length: int) -> None:
     if isinstance(start, bool) or isinstance(length, bool) or not isinstance(start, int) or not isinstance(length, int):
-        raise StoreError(f"a byte range needs integers, not {start!r} and {length!r}")
+        raise StoreError(f"a byte range needs integers, not {shown(start)} and {shown(length)}")
     if start < 0 or length < 0:
         raise StoreError(f"invalid byte range: {length} bytes from {start}")
 

@@ -44,6 +44,7 @@ from .errors import (
     StoreError,
     flag,
     seconds,
+    shown,
 )
 from .manifest import (
     LATEST_KEY,
@@ -88,7 +89,7 @@ def _progress(total: int, description: str):
 def attempts(retries: Any) -> int:
     """How many times a store read or write is tried for the option ``retries``: an integer, at least once."""
     if isinstance(retries, bool) or not isinstance(retries, int):
-        raise DeltaSyncError(f"retries must be an integer (how many times a store call is tried), not {retries!r}")
+        raise DeltaSyncError(f"retries must be an integer (how many times a store call is tried), not {shown(retries)}")
     return max(1, retries)
 
 

@@ -12,7 +12,7 @@ import torch
 from . import _arrays
 from ._core import BaseMismatchError, DeltaSyncError, MirrorDiff
 from .delta import Delta, _check_step, _Deferred, _finish, check_codec
-from .errors import at_least_one, flag
+from .errors import at_least_one, flag, shown
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -172,7 +172,7 @@ class Mirror:
         if at_least_one(chunk_bytes, "chunk_bytes") < 64:
             raise DeltaSyncError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
         if values not in ("diff", "abs"):
-            raise DeltaSyncError(f'values must be "diff" or "abs", not {values!r}')
+            raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
         check_codec(codec, values=values, mirror=True)
         model = _unwrapped(model)
         self._source = model

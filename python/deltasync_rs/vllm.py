@@ -39,7 +39,7 @@ from . import _arrays, _ranged, _vllm_cpu, _write
 from ._core import BaseMismatchError, DeltaFormatError, DeltaSyncError
 from ._ranged import AnchorTensor, PartialAnchor
 from .delta import Delta, _check_step, load
-from .errors import ChainError, IntegrityError, StaleStoreError
+from .errors import ChainError, IntegrityError, StaleStoreError, shown
 from .manifest import Entry
 
 log = logging.getLogger(__name__)
@@ -337,7 +337,7 @@ def apply_delta(
     if path == "auto":
         path = "mapped" if is_mapped(model) else "loader"
     if path not in ("mapped", "loader"):
-        raise _on_every_rank(DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {path!r}'))
+        raise _on_every_rank(DeltaSyncError(f'path must be "auto", "mapped" or "loader", not {shown(path)}'))
     if path == "loader" and check_base:
         raise _on_every_rank(
             DeltaSyncError("check_base needs path='mapped': vLLM's loader writes whole parameters itself")
@@ -1660,7 +1660,7 @@ def _seconds_argument(value: Any, name: str) -> float | None:
     except ValueError:
         seconds = value
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-        raise _on_every_rank(DeltaSyncError(f"{name} must be a number of seconds above 0, not {value!r}"))
+        raise _on_every_rank(DeltaSyncError(f"{name} must be a number of seconds above 0, not {shown(value)}"))
     return float(seconds)
 
 
@@ -1669,7 +1669,7 @@ def _step_argument(value: Any, name: str) -> int | None:
     if isinstance(value, str):
         text = value.strip()
         if text and not (text.isascii() and text.isdigit()):
-            raise _on_every_rank(DeltaSyncError(f"{name} must be a step number, not {value!r}"))
+            raise _on_every_rank(DeltaSyncError(f"{name} must be a step number, not {shown(value)}"))
         value = int(text) if text else None
     try:
         return _check_step(value, name)
@@ -1681,7 +1681,7 @@ def _flag(value: Any) -> bool:
     """A boolean argument that may arrive as a string through vLLM's HTTP routes."""
     if isinstance(value, str):
         if value.strip().lower() not in ("", "0", "false", "1", "true"):
-            raise _on_every_rank(DeltaSyncError(f"expected a boolean, not {value!r}"))
+            raise _on_every_rank(DeltaSyncError(f"expected a boolean, not {shown(value)}"))
         return value.strip().lower() in ("1", "true")
     return bool(value)
 
