@@ -81,14 +81,14 @@ def check_piece_bytes(piece_bytes: int, where: str) -> int:
         or piece_bytes & (piece_bytes - 1)
     ):
         raise DeltaFormatError(
-            f"{where}: piece size {piece_bytes!r} is not a power of two from {MIN_PIECE_BYTES} to {MAX_PIECE_BYTES}"
+            f"{where}: piece size {shown(piece_bytes)} is not a power of two from {MIN_PIECE_BYTES} to {MAX_PIECE_BYTES}"
         )
     return piece_bytes
 
 
 def check_piece_hash(piece_hash: str, where: str) -> str:
     if not isinstance(piece_hash, str) or piece_hash not in PIECE_HASHES:
-        raise DeltaSyncError(f"{where}: piece hash {piece_hash!r} is not one of {sorted(PIECE_HASHES)}")
+        raise DeltaSyncError(f"{where}: piece hash {shown(piece_hash)} is not one of {sorted(PIECE_HASHES)}")
     return piece_hash
 
 
@@ -361,7 +361,7 @@ def file_ref(key: str, blob: bytes) -> dict[str, Any]:
 
 def check_run(found: str | None, expected: str | None, key: str) -> None:
     if found != expected:
-        raise IntegrityError(f"{key}: belongs to run {found!r}, not to this store's run {expected!r} ({RUN_KEY})")
+        raise IntegrityError(f"{key}: belongs to run {shown(found)}, not to this store's run {expected!r} ({RUN_KEY})")
 
 
 @dataclass(frozen=True)
