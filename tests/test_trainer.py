@@ -166,6 +166,34 @@ def test_core_mirror_diff_rejects_bad_chunks():
     assert list(mirror) == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+def test_core_mirror_advance_refuses_a_mirror_sharing_memory_and_checks_many_in_one_sort():
+    """A mirror is written while every entry's new bytes are read, side by side: one that overlaps another entry's
+    mirror, another entry's new bytes or its own is refused, naming a tensor involved, before anything is written.
+    The check sorts the spans once (it compared every pair: a quarter of `Mirror.step`'s time at 64,000 tensors)."""
+    from deltasync_rs._core import MirrorDiff
+
+    memory = np.zeros(64, np.uint8)
+    ones = np.ones(8, np.uint8)
+    layouts = {
+        "another entry's new bytes": [("a", memory[0:8], ones), ("b", memory[16:24], memory[4:12])],
+        "another entry's mirror": [("a", memory[0:8], ones), ("b", memory[6:14], ones)],
+        "its own new bytes": [("a", memory[0:8], ones), ("b", memory[16:24], memory[20:28])],
+    }
+    for what, entries in layouts.items():
+        with pytest.raises(ds.DeltaSyncError, match=r"tensor \"[ab]\": its mirror overlaps other memory"):
+            MirrorDiff("diff").advance([(name, "BF16", [4], m, n) for name, m, n in entries])
+        assert not memory.any(), what  # nothing written
+    # New bytes shared by entries are only read: allowed.
+    MirrorDiff("diff").advance([("a", "BF16", [4], memory[0:8], ones), ("b", "BF16", [4], memory[8:16], ones)])
+    assert memory[:16].all() and not memory[16:].any()
+    n = 20_000
+    mirrors, new = np.zeros(2 * n, np.uint8), np.ones(2 * n, np.uint8)
+    MirrorDiff("diff").advance(
+        [(f"t{i}", "BF16", [1], mirrors[2 * i : 2 * i + 2], new[2 * i : 2 * i + 2]) for i in range(n)]
+    )
+    assert mirrors.all()
+
+
 def test_mirror_advance_is_all_or_nothing():
     mirror = ds.Mirror({"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}, step=0)
     with pytest.raises(ds.BaseMismatchError, match="'b'"):

@@ -145,23 +145,24 @@ impl MirrorDiff {
         }
         let mut held = Vec::with_capacity(entries.len() * 2);
         let mut specs = Vec::with_capacity(entries.len());
-        let mut written: Vec<RawSlice> = Vec::with_capacity(entries.len());
         for (name, dtype_name, shape, mirror, new) in &entries {
             let dtype = parse_dtype(dtype_name, name)?;
             let (mirror_buffer, mirror_slice) = export(mirror, &|| format!("tensor {name:?} (mirror)"), true)?;
             let (new_buffer, new_slice) = export(new, &|| format!("tensor {name:?} (new)"), false)?;
-            if overlap(mirror_slice, new_slice) || written.iter().any(|&other| overlap(other, mirror_slice)) {
-                return Err(DeltaSyncError::new_err(format!(
-                    "tensor {name:?}: its mirror overlaps other memory of this call"
-                )));
-            }
-            written.push(mirror_slice);
             held.push(mirror_buffer);
             held.push(new_buffer);
             specs.push((name.clone(), dtype, shape.clone(), mirror_slice, new_slice));
         }
+        let layout: Vec<(mirror::Span, mirror::Span)> =
+            specs.iter().map(|(.., m, n)| ((m.ptr as usize, m.len), (n.ptr as usize, n.len))).collect();
+        if let Some(index) = mirror::overlapping_mirror(&layout) {
+            return Err(DeltaSyncError::new_err(format!(
+                "tensor {:?}: its mirror overlaps other memory of this call",
+                specs[index].0
+            )));
+        }
         let (values, codec, defer) = (self.values, self.codec, self.defer);
-        let spans: Vec<(usize, usize)> = written.iter().map(|m| (m.ptr as usize, m.len)).collect();
+        let spans: Vec<(usize, usize)> = layout.iter().map(|&(mirror, _)| mirror).collect();
         let tensors = py
             .detach(|| {
                 let inputs = specs

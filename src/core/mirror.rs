@@ -341,6 +341,43 @@ pub fn complete(tensors: Vec<(MirrorTensor, &[u8])>) -> Result<Vec<TensorDelta>>
     crate::core::pool::install(|| tensors.into_par_iter().map(|(tensor, whole)| tensor.finish(Some(whole))).collect())
 }
 
+/// Memory as (address, byte length).
+pub type Span = (usize, usize);
+
+/// The entry whose mirror shares memory with anything else of an `advance` call, or None: `entries` are each
+/// entry's (mirror, new bytes) as (address, byte length). A mirror is written while every entry's new bytes are
+/// read, side by side, so it must overlap no other mirror, no entry's new bytes and not its own; new bytes may
+/// overlap each other (both only read). Empty spans overlap nothing. One sort of the spans, so that the check of
+/// a state of many tensors is not quadratic in their number; where several entries overlap, which one is named is
+/// unspecified.
+pub fn overlapping_mirror(entries: &[(Span, Span)]) -> Option<usize> {
+    let mut spans: Vec<(usize, usize, bool, usize)> = Vec::with_capacity(entries.len() * 2);
+    for (index, &((mirror, mirror_len), (new, new_len))) in entries.iter().enumerate() {
+        if mirror_len > 0 {
+            spans.push((mirror, mirror.saturating_add(mirror_len), true, index));
+        }
+        if new_len > 0 {
+            spans.push((new, new.saturating_add(new_len), false, index));
+        }
+    }
+    spans.sort_unstable();
+    // The furthest end reached so far by any span, and by a mirror (with its entry).
+    let (mut any_end, mut mirror_end, mut mirror_entry) = (0usize, 0usize, 0usize);
+    for (start, end, is_mirror, index) in spans {
+        if start < mirror_end {
+            return Some(mirror_entry);
+        }
+        if is_mirror && start < any_end {
+            return Some(index);
+        }
+        any_end = any_end.max(end);
+        if is_mirror && end > mirror_end {
+            (mirror_end, mirror_entry) = (end, index);
+        }
+    }
+    None
+}
+
 /// A whole tensor's `MirrorTensor`, after checking its input's lengths.
 fn begin_whole(input: &MirrorInput<'_>, values: ValueCodec, codec: Codec) -> Result<MirrorTensor> {
     let tensor = MirrorTensor::begin(&input.name, input.dtype, &input.shape, values)?.with_codec(codec)?;
@@ -364,6 +401,35 @@ mod tests {
     use crate::core::diff::{diff, DiffInput};
     use crate::core::testing::xorshift;
     use proptest::prelude::*;
+
+    /// `overlapping_mirror` against the pairwise check it replaces, on random layouts of few addresses (so that
+    /// spans often touch, nest and coincide).
+    #[test]
+    fn overlapping_mirror_finds_what_a_pairwise_check_finds() {
+        let overlap = |(a, a_len): (usize, usize), (b, b_len): (usize, usize)| {
+            a_len > 0 && b_len > 0 && a < b + b_len && b < a + a_len
+        };
+        let mut random = xorshift(11);
+        let mut next = |bound: u64| (random() % bound) as usize;
+        for _ in 0..20_000 {
+            let count = 1 + next(5);
+            let entries: Vec<(Span, Span)> = (0..count).map(|_| ((next(40), next(6)), (next(40), next(6)))).collect();
+            let clash = |i: usize| {
+                let (mirror, new) = entries[i];
+                overlap(mirror, new)
+                    || entries.iter().enumerate().any(|(j, &(other_mirror, other_new))| {
+                        j != i && (overlap(mirror, other_mirror) || overlap(mirror, other_new))
+                    })
+            };
+            match overlapping_mirror(&entries) {
+                Some(i) => assert!(clash(i), "{entries:?}: entry {i} named, but its mirror overlaps nothing"),
+                None => assert!(!(0..count).any(clash), "{entries:?}: an overlap was missed"),
+            }
+        }
+        // An empty mirror overlaps nothing, spans that touch do not overlap, and another entry's new bytes count.
+        assert_eq!(overlapping_mirror(&[((0, 0), (0, 8)), ((8, 8), (16, 8))]), None);
+        assert_eq!(overlapping_mirror(&[((0, 0), (0, 8)), ((4, 8), (16, 8))]), Some(1));
+    }
 
     fn same(a: &TensorDelta, b: &TensorDelta) {
         assert_eq!(a.name, b.name);
