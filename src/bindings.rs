@@ -439,6 +439,11 @@ impl RawDelta {
         self.delta.tensors.iter().map(tensor_info).collect()
     }
 
+    /// True when a record is named `name` (what `name in delta` asks), without building every name.
+    fn has_tensor(&self, name: &str) -> bool {
+        self.delta.tensors.iter().any(|t| t.name == name)
+    }
+
     /// `tensors()[index]` without building the others' (a reader working tensor by tensor calls it per tensor).
     fn tensor_info(&self, index: usize) -> PyResult<TensorInfo> {
         Ok(tensor_info(self.tensor(index)?))

@@ -515,3 +515,10 @@ def test_an_option_given_a_whole_state_is_named_by_its_type_not_printed():
         assert message.startswith(start) and message.endswith("not a dict of 50 items"), message
     with pytest.raises(ds.DeltaSyncError, match=r"not 'x{99}\.\.\.$"):
         ds.diff(state, state, codec="x" * 1000)
+
+
+def test_name_in_delta_asks_the_core_about_that_name_alone():
+    state = {f"t{i}": np.zeros(4, np.float32) for i in range(3)}
+    delta = ds.diff(state, state)
+    assert "t1" in delta and "t3" not in delta and 1 not in delta and None not in delta
+    assert all(name in delta for name in delta.names)

@@ -147,7 +147,7 @@ class Delta:
         return len(self._raw)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.names
+        return isinstance(name, str) and self._raw.has_tensor(name)
 
     def __repr__(self) -> str:
         kind = "anchor" if self.is_anchor else "delta"

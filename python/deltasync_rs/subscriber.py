@@ -1010,6 +1010,7 @@ class Subscriber:
         except DeltaSyncError:
             return []  # the entry is read (and its errors raised) by the pull itself
         untied = []
+        published = None if published is None else set(published)
         for alias, name in aliases.items():
             if alias not in state or name not in state or (published is not None and alias in published):
                 continue
