@@ -20,7 +20,8 @@ from ._core import (
 )
 from ._core import set_num_threads as _core_set_num_threads
 from .delta import DEFAULT_NAME, Delta, TensorInfo, anchor, diff, load, state_digest
-from .errors import ChainError, IntegrityError, MissingObjectError, RunChangedError, StaleStoreError, StoreError, shown
+from .errors import ChainError, IntegrityError, MissingObjectError, RunChangedError, StaleStoreError, StoreError
+from .errors import shown as _shown
 from .mirror import Mirror
 from .store import FsspecStore, HFBucketStore, LocalStore, Store, open_store
 from .sync import Publisher, Subscriber
@@ -99,7 +100,7 @@ def set_num_threads(n: int) -> None:
     import warnings
 
     if isinstance(n, bool) or not isinstance(n, int):
-        raise DeltaSyncError(f"the number of threads must be an integer, not {shown(n)}")
+        raise DeltaSyncError(f"the number of threads must be an integer, not {_shown(n)}")
     if n < 0:
         raise DeltaSyncError(f"the number of threads must be 0 or more, not {n}")
     _core_set_num_threads(min(n, 1 << 16))  # more than the machine has is capped below (and warned about)

@@ -291,9 +291,12 @@ def _as_mapping(x: State, role: str) -> Mapping[str, Tensor]:
 
 
 def check_codec(codec: str, *, values: str = "diff", mirror: bool = False) -> None:
-    """Raises unless ``codec`` names a stream family: ``"varint"``, ``"compact"`` or ``"context"``. A writer that
-    encodes from a mirror it updates in the same pass (``mirror=True``) writes ``"context"`` only with
-    ``values="diff"``: the base's bits of a changed element are then its new bits less the difference."""
+    """Raises unless ``values`` names a value kind (``"diff"`` or ``"abs"``) and ``codec`` a stream family:
+    ``"varint"``, ``"compact"`` or ``"context"``. A writer that encodes from a mirror it updates in the same pass
+    (``mirror=True``) writes ``"context"`` only with ``values="diff"``: the base's bits of a changed element are then
+    its new bits less the difference."""
+    if values not in ("diff", "abs"):
+        raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
     if codec not in ("varint", "compact", "context"):
         raise DeltaSyncError(f'codec must be "varint", "compact" or "context", not {shown(codec)}')
     if codec == "context" and mirror and values != "diff":
@@ -335,9 +338,7 @@ def diff(
     ``attach`` write it too, with ``values="diff"`` (the same bytes), FSDP2 included (rank 0 joins the shards
     against its publisher's whole mirror, ``Publisher.publish_shards``).
     """
-    if values not in ("diff", "abs"):
-        raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
-    check_codec(codec)
+    check_codec(codec, values=values)
     prev_map, curr_map = _as_mapping(prev, "prev"), _as_mapping(curr, "curr")
     only_prev = [n for n in prev_map if n not in curr_map]
     only_curr = [n for n in curr_map if n not in prev_map]

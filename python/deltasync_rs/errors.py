@@ -14,8 +14,9 @@ def shown(value: Any) -> str:
         text = repr(value)
         return text if len(text) <= 100 else text[:100] + "..."
     kind = type(value)
+    module = "" if kind.__module__ == "builtins" else kind.__module__ + "."
     size = f" of {len(value)} items" if isinstance(value, (dict, list, tuple, set, frozenset)) else ""
-    return f"a {kind.__module__ + '.' if kind.__module__ not in ('builtins',) else ''}{kind.__qualname__}{size}"
+    return f"a {module}{kind.__qualname__}{size}"
 
 
 def at_least_one(value: Any, name: str) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 from . import _arrays
 from ._core import MirrorDiff
 from .delta import Delta, _check_step, _Deferred, _finish, check_codec, in_batches, state_digest
-from .errors import BaseMismatchError, DeltaSyncError, shown
+from .errors import BaseMismatchError, DeltaSyncError
 
 
 def _host_copy(name: str, tensor: Any) -> Any:
@@ -119,8 +119,6 @@ class Mirror:
         # with its step unchanged, and the next delta would lose this step's changes.
         _check_step(step, "step")
         _check_step(self.step, "the mirror's step")
-        if values not in ("diff", "abs"):
-            raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
         check_codec(codec, values=values, mirror=True)
         only_mirror = [n for n in self._tensors if n not in state]
         only_state = [n for n in state if n not in self._tensors]

@@ -45,7 +45,6 @@ from .errors import (
     at_least_one,
     flag,
     seconds,
-    shown,
 )
 from .manifest import (
     DEFAULT_PIECE_BYTES,
@@ -222,16 +221,13 @@ class Publisher:
         self.piece_bytes = piece_bytes
         self.piece_hash = piece_hash
         self.whole_sha256 = whole_sha256
-        if values not in ("diff", "abs"):
-            raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
         check_codec(codec, values=values, mirror=True)
         self.anchor_every = anchor_every  # checked (as the options above) before the store is opened or made
         self.keep_anchors = keep_anchors
         self.retries = retries
         self.exit_timeout = exit_timeout
         flag(background, "background")
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise DeltaSyncError(f"max_pending must be an integer of at least 1, not {shown(max_pending)}")
+        at_least_one(max_pending, "max_pending")
         self.store = open_store(store)
         self.values = values
         self.codec = codec

@@ -12,7 +12,7 @@ import torch
 from . import _arrays
 from ._core import BaseMismatchError, DeltaSyncError, MirrorDiff
 from .delta import Delta, _check_step, _Deferred, _finish, check_codec
-from .errors import at_least_one, flag, shown
+from .errors import at_least_one, flag
 
 log = logging.getLogger("deltasync_rs.sync")
 
@@ -171,8 +171,6 @@ class Mirror:
             raise DeltaSyncError(f"the shipped dtype must be a floating-point torch.dtype, not {dtype!r}")
         if at_least_one(chunk_bytes, "chunk_bytes") < 64:
             raise DeltaSyncError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
-        if values not in ("diff", "abs"):
-            raise DeltaSyncError(f'values must be "diff" or "abs", not {shown(values)}')
         check_codec(codec, values=values, mirror=True)
         model = _unwrapped(model)
         self._source = model
