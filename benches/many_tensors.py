@@ -6,7 +6,8 @@ Times ``ds.diff`` and ``ds.load(...).apply_`` on ``tensors`` bf16 tensors of ``e
 256), 2% of the elements changed by one in their bit pattern, and prints the medians. The apply is timed twice: into
 contiguous CPU tensors, which the core writes itself, and into strided ones (the same values, every other element of a buffer), which
 are decoded and written tensor by tensor with torch index writes, as every tensor on a GPU is. Here the Python glue
-and the core's per-tensor work, not the bytes, set the time. Nothing is asserted on timings.
+and the core's per-tensor work, not the bytes, set the time. Also timed: ``ds.torch.Mirror.step`` of the same change (a
+mirror of ``prev``, the state then set to ``curr``). Nothing is asserted on timings.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> None:
     for tensor in curr.values():
         tensor.view(torch.int16)[::50] += 1
     blob = ds.diff(prev, curr).to_bytes()
-    diff_times, apply_times, staged_times = [], [], []
+    diff_times, apply_times, staged_times, mirror_times = [], [], [], []
     for _ in range(rounds):
         started = time.perf_counter()
         ds.diff(prev, curr)
@@ -48,10 +49,18 @@ def main() -> None:
         started = time.perf_counter()
         ds.load(blob).apply_(strided)
         staged_times.append(time.perf_counter() - started)
+        state = {name: tensor.clone() for name, tensor in prev.items()}
+        mirror = ds.torch.Mirror(state)
+        for name, tensor in state.items():
+            tensor.copy_(curr[name])
+        started = time.perf_counter()
+        mirror.step(1)
+        mirror_times.append(time.perf_counter() - started)
     print(
         f"{count} tensors of {elements} elements, {rounds} rounds: diff {statistics.median(diff_times):.3f} s, "
         f"load + apply_ {statistics.median(apply_times):.3f} s, into strided tensors (staged tensor by tensor) "
-        f"{statistics.median(staged_times):.3f} s (medians); {len(blob)} bytes"
+        f"{statistics.median(staged_times):.3f} s, ds.torch.Mirror.step {statistics.median(mirror_times):.3f} s "
+        f"(medians); {len(blob)} bytes"
     )
 
 
